@@ -1,0 +1,2 @@
+//! AGQ: a durable gRPC job queue and worker coordinator.
+pub mod pb;
