@@ -118,7 +118,7 @@ pub struct Waiting {
 /// A side effect released only after the commit.
 pub enum Effect {
     /// Push a lease to a worker's lease stream.
-    Lease(StreamTx<pb::JobLease>, pb::JobLease),
+    Lease(StreamTx<pb::JobLease>, Box<pb::JobLease>),
     /// Push a message (command or error) to a worker's heartbeat stream.
     Heartbeat(
         StreamTx<pb::HeartbeatResponse>,
@@ -265,7 +265,7 @@ impl State {
             let live = matches!(state, WorkerState::Active | WorkerState::Draining);
             let mut entry = WorkerEntry {
                 max: row.worker.max_concurrent_jobs.max(1),
-                stats: row.worker.stats.clone().unwrap_or_default(),
+                stats: row.worker.stats.unwrap_or_default(),
                 info: row.worker,
                 state,
                 tools,
@@ -449,7 +449,7 @@ impl BatchState for State {
         for effect in self.outbox.drain(..) {
             match effect {
                 Effect::Lease(tx, lease) => {
-                    let _ = tx.send(Ok(lease));
+                    let _ = tx.send(Ok(*lease));
                 }
                 Effect::Heartbeat(tx, msg) => {
                     let _ = tx.send(msg);

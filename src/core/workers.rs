@@ -148,7 +148,7 @@ impl State {
                 self.refresh_available(id);
             }
             StreamKind::Heartbeat => {
-                if !w.heartbeat.as_ref().is_some_and(|s| s.id == sid) {
+                if w.heartbeat.as_ref().is_none_or(|s| s.id != sid) {
                     return Ok(());
                 }
                 w.heartbeat = None;
@@ -415,7 +415,7 @@ impl State {
         v.fresh =
             matches!(w.state, WorkerState::Active | WorkerState::Draining) && self.is_fresh(w, now);
         v.last_heartbeat_at = Some(ts(w.last_heartbeat_ms));
-        v.stats = Some(w.stats.clone());
+        v.stats = Some(w.stats);
         v.active_leases = w.leases.len() as u32;
         v.connected =
             w.heartbeat.is_some() && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
