@@ -40,6 +40,8 @@ pub fn fast_config() -> EngineConfig {
 /// A running server.
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// Address of `GET /metrics`, when started with one.
+    pub metrics_addr: Option<SocketAddr>,
     pub db: PathBuf,
     stop: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<agq::error::Result<()>>>,
@@ -58,11 +60,32 @@ impl TestServer {
         auth: Authenticator,
         addr: Option<SocketAddr>,
     ) -> TestServer {
+        Self::start_full(db, cfg, auth, addr, false).await
+    }
+
+    /// Starts a server that also serves `GET /metrics` on 127.0.0.1:0.
+    pub async fn start_with_metrics(db: &Path, cfg: EngineConfig) -> TestServer {
+        Self::start_full(db, cfg, Authenticator::default(), None, true).await
+    }
+
+    async fn start_full(
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+        addr: Option<SocketAddr>,
+        metrics: bool,
+    ) -> TestServer {
         let listener =
             tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
                 .await
                 .expect("bind");
         let addr = listener.local_addr().unwrap();
+        let metrics_listener = if metrics {
+            Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
+        } else {
+            None
+        };
+        let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
         let (stop, stop_rx) = oneshot::channel::<()>();
         let (ready_tx, ready_rx) = oneshot::channel::<()>();
         let opts = ServerOptions {
@@ -74,7 +97,7 @@ impl TestServer {
         let handle = tokio::spawn(async move {
             server::run(
                 listener,
-                None,
+                metrics_listener,
                 opts,
                 async move {
                     let _ = stop_rx.await;
@@ -88,6 +111,7 @@ impl TestServer {
         ready_rx.await.expect("server failed to start");
         TestServer {
             addr,
+            metrics_addr,
             db: db.to_path_buf(),
             stop: Some(stop),
             handle: Some(handle),
