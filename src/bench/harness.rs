@@ -5,7 +5,10 @@
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::Duration,
 };
 
@@ -16,6 +19,7 @@ use super::BenchError;
 use crate::{
     auth::Authenticator,
     config::EngineConfig,
+    core::Engine,
     server::{self, ServerOptions},
 };
 
@@ -56,6 +60,7 @@ pub struct Harness {
     rt: Option<tokio::runtime::Runtime>,
     stop: Option<oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
+    engine: Arc<Engine>,
     _dir: TempDir,
 }
 
@@ -86,7 +91,7 @@ impl Harness {
             .local_addr()
             .map_err(|e| BenchError::Setup(e.to_string()))?;
         let (stop, stop_rx) = oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = oneshot::channel::<Arc<Engine>>();
         let opts = ServerOptions {
             db: dir.path().join("agq.db"),
             engine: cfg,
@@ -103,13 +108,13 @@ impl Harness {
                 async move {
                     let _ = stop_rx.await;
                 },
-                move |_| {
-                    let _ = ready_tx.send(());
+                move |engine| {
+                    let _ = ready_tx.send(engine.clone());
                 },
             )
             .await
         });
-        if ready_rx.await.is_err() {
+        let Ok(engine) = ready_rx.await else {
             let err = match done.await {
                 Ok(Err(e)) => e.to_string(),
                 Ok(Ok(())) => "the server stopped at once".to_string(),
@@ -117,14 +122,34 @@ impl Harness {
             };
             rt.shutdown_background();
             return Err(BenchError::Setup(format!("AGQ did not start: {err}")));
-        }
+        };
         Ok(Harness {
             addr,
             rt: Some(rt),
             stop: Some(stop),
             done: Some(done),
+            engine,
             _dir: dir,
         })
+    }
+
+    /// (commits, operations committed) so far, from the server's
+    /// `commit_batch_ops` histogram: how well group commit batches.
+    pub fn commits(&self) -> (u64, u64) {
+        let text = self.engine.metrics().encode();
+        let find = |suffix: &str| {
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .find_map(|l| {
+                    let (name, v) = l.split_once(' ')?;
+                    name.ends_with(suffix).then(|| v.trim().parse::<f64>().ok())?
+                })
+                .unwrap_or(0.0) as u64
+        };
+        (
+            find("commit_batch_ops_count"),
+            find("commit_batch_ops_sum"),
+        )
     }
 
     /// A new HTTP/2 connection to the server.

@@ -11,6 +11,7 @@
 //!   this is the fleet measurement: RSS, CPU and heartbeat ack p99);
 //! - `--backlog N`: lease latency with N pending jobs against 1,000;
 //! - `--failover`: re-lease time after a worker's kill (grace 0) and freeze;
+//! - `--engine-only`: the workload on the core without gRPC;
 //! - `--smoke`: tiny sizes, asserts every job completed (for CI).
 //!
 //! Nothing here is a timed test: the numbers are printed, not asserted
@@ -18,6 +19,7 @@
 
 pub mod agq_load;
 pub mod backlog;
+pub mod engine_only;
 pub mod failover;
 pub mod harness;
 pub mod procstat;
@@ -111,6 +113,10 @@ pub struct BenchArgs {
     /// Freeze trials of the failover mode (each takes about 3 x the heartbeat interval).
     #[arg(long, env = "AGQ_BENCH_FREEZE_TRIALS", default_value_t = 3)]
     pub freeze_trials: usize,
+    /// Engine-only mode: the same workload on the core without gRPC (the
+    /// ceiling the store and the state machine put on AGQ).
+    #[arg(long, env = "AGQ_BENCH_ENGINE_ONLY", default_value_t = false)]
+    pub engine_only: bool,
     /// Tiny sizes; exits non-zero unless every job completed (CI).
     #[arg(long, env = "AGQ_BENCH_SMOKE", default_value_t = false)]
     pub smoke: bool,
@@ -202,7 +208,10 @@ pub fn main(mut args: BenchArgs) -> i32 {
         if let Some(n) = args.backlog {
             ok &= backlog::run(&args, n).await?;
         }
-        if !args.failover && args.backlog.is_none() {
+        if args.engine_only {
+            ok &= engine_only::run(&args).await?;
+        }
+        if !args.failover && args.backlog.is_none() && !args.engine_only {
             ok &= report::run_default(&args, nofile).await?;
         }
         Ok::<_, BenchError>(ok)

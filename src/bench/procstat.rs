@@ -10,7 +10,7 @@
 use std::{fs, time::Duration};
 
 /// Thread-name prefixes that belong to the in-process AGQ server.
-pub const SERVER_THREADS: &[&str] = &["agq-srv", "agq-writer", "r2d2"];
+pub const SERVER_THREADS: &[&str] = &["agq-srv", "agq-writer", "agq-checkpoint", "r2d2"];
 
 fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions.

@@ -105,6 +105,8 @@ pub struct Phase {
     pub server_cpu: f64,
     /// CPU seconds of AGQ's writer thread (the single SQLite writer).
     pub writer_cpu: f64,
+    /// SQLite commits during the phase and the operations they carried.
+    pub commits: (u64, u64),
     /// Whole-process CPU seconds (AGQ: server and clients; Redis: clients).
     pub process_cpu: f64,
     /// Peak RSS of the server, bytes (AGQ: the whole process).
@@ -184,6 +186,7 @@ pub struct SystemRun {
 #[allow(clippy::too_many_arguments)]
 async fn agq_phase(
     args: &BenchArgs,
+    h: &Harness,
     submit_channels: &[Channel],
     rec: &Arc<Recorder>,
     jobs: u64,
@@ -195,6 +198,7 @@ async fn agq_phase(
     procstat::reset_peak_rss();
     rec.reset(jobs);
     let mark = CpuMark::now(None);
+    let commits0 = h.commits();
     let t0 = now_us();
     match rate {
         None => {
@@ -226,6 +230,8 @@ async fn agq_phase(
     let writer_cpu = mark.writer_since();
     let mut p = Phase::from_record(rec.take(), jobs, t0, submit_end);
     p.writer_cpu = writer_cpu;
+    let commits1 = h.commits();
+    p.commits = (commits1.0 - commits0.0, commits1.1 - commits0.1);
     if !finished {
         p.errors += 1;
         p.last_error = Some(format!(
@@ -282,11 +288,11 @@ pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
         secs,
     });
     let result = async {
-        out.peak = agq_phase(args, &submit_channels, &rec, args.jobs as u64, None).await?;
+        out.peak = agq_phase(args, &h, &submit_channels, &rec, args.jobs as u64, None).await?;
         if args.paced_secs > 0 && out.peak.e2e_rate() > 0.0 {
             let r = out.peak.e2e_rate() / 2.0;
             let jobs = (r * args.paced_secs as f64).max(args.per_action as f64) as u64;
-            out.paced = Some(agq_phase(args, &submit_channels, &rec, jobs, Some(r)).await?);
+            out.paced = Some(agq_phase(args, &h, &submit_channels, &rec, jobs, Some(r)).await?);
         }
         Ok::<_, BenchError>(())
     }
@@ -451,10 +457,26 @@ fn print_phase(a: &Phase, r: Option<&Phase>, paced: bool) {
         r.map(|r| format!("{:.1}", per_k(r))),
         r.map(|r| ratio(per_k(a), per_k(r))),
     );
-    if a.e2e_secs > 0.0 {
+    if a.e2e_secs > 0.0 && a.completed > 0 {
         row(
-            "AGQ writer thread busy (% of e2e time)",
-            format!("{:.0}", a.writer_cpu * 100.0 / a.e2e_secs),
+            "AGQ writer thread: busy %, CPU/job (µs)",
+            format!(
+                "{:.0}%, {:.1}",
+                a.writer_cpu * 100.0 / a.e2e_secs,
+                a.writer_cpu * 1e6 / a.completed as f64
+            ),
+            None,
+            None,
+        );
+    }
+    if a.commits.0 > 0 {
+        row(
+            "AGQ commits/s, operations per commit",
+            format!(
+                "{:.0}, {:.1}",
+                a.commits.0 as f64 / a.e2e_secs.max(1e-9),
+                a.commits.1 as f64 / a.commits.0 as f64
+            ),
             None,
             None,
         );
