@@ -70,7 +70,8 @@ async fn one(args: &BenchArgs, pending: usize, sample: usize) -> Result<Result1,
             slots: 1,
             heartbeat: Duration::from_millis(args.heartbeat_ms.max(10)),
         };
-        let fleet = Fleet::start(&worker_channels, args.workers, "drain", spec, rec.clone()).await?;
+        let fleet =
+            Fleet::start(&worker_channels, args.workers, "drain", spec, rec.clone()).await?;
         let finished = wait_done(&rec, target, args.timeout()).await;
         let (server_cpu, _, _) = mark.since();
         let r = rec.take();

@@ -27,7 +27,10 @@ use super::{
 };
 use crate::{
     config::EngineConfig,
-    pb::{self, action_service_client::ActionServiceClient, worker_service_client::WorkerServiceClient},
+    pb::{
+        self, action_service_client::ActionServiceClient,
+        worker_service_client::WorkerServiceClient,
+    },
 };
 
 /// A worker the bench can kill or freeze, on its own connection.

@@ -142,14 +142,12 @@ impl Harness {
                 .filter(|l| !l.starts_with('#'))
                 .find_map(|l| {
                     let (name, v) = l.split_once(' ')?;
-                    name.ends_with(suffix).then(|| v.trim().parse::<f64>().ok())?
+                    name.ends_with(suffix)
+                        .then(|| v.trim().parse::<f64>().ok())?
                 })
                 .unwrap_or(0.0) as u64
         };
-        (
-            find("commit_batch_ops_count"),
-            find("commit_batch_ops_sum"),
-        )
+        (find("commit_batch_ops_count"), find("commit_batch_ops_sum"))
     }
 
     /// A new HTTP/2 connection to the server.

@@ -249,12 +249,7 @@ async fn agq_phase(
 /// The AGQ half of the default mode.
 pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     procstat::reset_peak_rss();
-    let h = Harness::start(
-        &args.base_dir(),
-        args.engine_config(),
-        args.server_threads,
-    )
-    .await?;
+    let h = Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await?;
     let conns = args
         .workers
         .div_ceil(args.workers_per_connection.max(1))
@@ -351,9 +346,14 @@ pub async fn run_redis(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     let server = RedisServer::start(&args.base_dir(), conns + 64).await?;
     let rec = Arc::new(Recorder::default());
     let stop = Arc::new(AtomicBool::new(false));
-    let workers =
-        redis_peer::start_workers(server.addr, args.workers, args.slots, rec.clone(), stop.clone())
-            .await?;
+    let workers = redis_peer::start_workers(
+        server.addr,
+        args.workers,
+        args.slots,
+        rec.clone(),
+        stop.clone(),
+    )
+    .await?;
     let mut out = SystemRun::default();
     let result = async {
         out.peak = redis_phase(args, &server, &rec, args.jobs as u64, None).await?;

@@ -176,9 +176,11 @@ mod tests {
             let (mut s, _) = l.accept().await.unwrap();
             let mut buf = vec![0u8; 4096];
             let _ = s.read(&mut buf).await.unwrap();
-            s.write_all(b"+OK\r\n:7\r\n$-1\r\n*2\r\n$3\r\nkey\r\n$5\r\nva\r\nl\r\n*-1\r\n-ERR x\r\n")
-                .await
-                .unwrap();
+            s.write_all(
+                b"+OK\r\n:7\r\n$-1\r\n*2\r\n$3\r\nkey\r\n$5\r\nva\r\nl\r\n*-1\r\n-ERR x\r\n",
+            )
+            .await
+            .unwrap();
         });
         let mut c = Conn::connect(addr).await.unwrap();
         for _ in 0..6 {
