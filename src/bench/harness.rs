@@ -60,7 +60,8 @@ pub struct Harness {
     rt: Option<tokio::runtime::Runtime>,
     stop: Option<oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
-    engine: Arc<Engine>,
+    engine: Option<Arc<Engine>>,
+    child: Option<std::process::Child>,
     _dir: TempDir,
 }
 
@@ -128,15 +129,96 @@ impl Harness {
             rt: Some(rt),
             stop: Some(stop),
             done: Some(done),
-            engine,
+            engine: Some(engine),
+            child: None,
             _dir: dir,
         })
     }
 
+    /// Starts `binary serve` (the real `agq` server) as a child process on
+    /// a free 127.0.0.1 port with a fresh database under `base`, so its CPU
+    /// and memory are its own. Returns once it accepts connections.
+    ///
+    /// Errors: it cannot be started or does not listen within 30 s.
+    pub async fn start_child(
+        binary: &Path,
+        base: &Path,
+        cfg: &EngineConfig,
+    ) -> Result<Harness, BenchError> {
+        let dir = TempDir::new(base, "agq-child")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let sync = match cfg.synchronous {
+            crate::config::SyncMode::Full => "full",
+            crate::config::SyncMode::Normal => "normal",
+        };
+        let child = std::process::Command::new(binary)
+            .arg("serve")
+            .args([
+                "--listen",
+                &addr.to_string(),
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--db")
+            .arg(dir.path().join("agq.db"))
+            .args([
+                "--heartbeat-interval-ms",
+                &cfg.heartbeat_interval.as_millis().to_string(),
+                "--sqlite-synchronous",
+                sync,
+                "--max-inputs-per-action",
+                &cfg.max_inputs_per_action.to_string(),
+            ])
+            .env("RUST_LOG", "error")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| BenchError::Setup(format!("cannot start {}: {e}", binary.display())))?;
+        let mut h = Harness {
+            addr,
+            rt: None,
+            stop: None,
+            done: None,
+            engine: None,
+            child: Some(child),
+            _dir: dir,
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if tokio::net::TcpStream::connect(addr).await.is_ok() {
+                return Ok(h);
+            }
+            if let Some(c) = h.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return Err(BenchError::Setup(format!("agq serve exited: {status}")));
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(BenchError::Setup(
+                    "agq serve did not listen within 30 s".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The server's process id when it runs as a child process.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// (commits, operations committed) so far, from the server's
-    /// `commit_batch_ops` histogram: how well group commit batches.
+    /// `commit_batch_ops` histogram: how well group commit batches (in-process only).
     pub fn commits(&self) -> (u64, u64) {
-        let text = self.engine.metrics().encode();
+        let Some(engine) = &self.engine else {
+            return (0, 0);
+        };
+        let text = engine.metrics().encode();
         let find = |suffix: &str| {
             text.lines()
                 .filter(|l| !l.starts_with('#'))
@@ -177,6 +259,25 @@ impl Harness {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+        if let Some(mut c) = self.child.take() {
+            // SIGTERM: the graceful shutdown an operator's would get.
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return result;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+            return Err(BenchError::Failed(
+                "agq serve did not stop within 30 s".into(),
+            ));
+        }
         result
     }
 }
@@ -188,6 +289,10 @@ impl Drop for Harness {
         }
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
+        }
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod backlog;
 pub mod engine_only;
 pub mod failover;
 pub mod harness;
+pub mod heap;
 pub mod procstat;
 pub mod redis_peer;
 pub mod report;
@@ -117,6 +118,11 @@ pub struct BenchArgs {
     /// ceiling the store and the state machine put on AGQ).
     #[arg(long, env = "AGQ_BENCH_ENGINE_ONLY", default_value_t = false)]
     pub engine_only: bool,
+    /// Run AGQ as a child process of this `agq` binary (`agq serve`)
+    /// instead of in-process in the default mode, so its CPU and RSS are
+    /// its own (e.g. target/release/agq).
+    #[arg(long, env = "AGQ_BENCH_AGQ_BINARY")]
+    pub agq_binary: Option<PathBuf>,
     /// Tiny sizes; exits non-zero unless every job completed (CI).
     #[arg(long, env = "AGQ_BENCH_SMOKE", default_value_t = false)]
     pub smoke: bool,

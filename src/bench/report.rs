@@ -107,8 +107,9 @@ pub struct Phase {
     pub writer_cpu: f64,
     /// SQLite commits during the phase and the operations they carried.
     pub commits: (u64, u64),
-    /// Whole-process CPU seconds (AGQ: server and clients; Redis: clients).
-    pub process_cpu: f64,
+    /// CPU seconds of the simulated clients (the bench process less the
+    /// in-process server).
+    pub client_cpu: f64,
     /// Peak RSS of the server, bytes (AGQ: the whole process).
     pub peak_rss: u64,
     /// Failed calls.
@@ -168,6 +169,17 @@ pub struct Idle {
     pub peak_rss: u64,
     /// Seconds measured.
     pub secs: f64,
+    /// Live heap of the server's threads at the end, bytes.
+    pub server_heap: u64,
+    /// Live heap of the simulated clients' threads at the end, bytes.
+    pub client_heap: u64,
+}
+
+impl Idle {
+    /// Process RSS minus the clients' heap: an upper bound of the server's RSS.
+    pub fn server_rss_bound(&self) -> u64 {
+        self.rss.saturating_sub(self.client_heap)
+    }
 }
 
 /// Everything the default mode measured on one system.
@@ -199,6 +211,10 @@ async fn agq_phase(
     rec.reset(jobs);
     let mark = CpuMark::now(None);
     let commits0 = h.commits();
+    let mark = match h.pid() {
+        Some(pid) => CpuMark::now(Some(pid)),
+        None => mark,
+    };
     let t0 = now_us();
     match rate {
         None => {
@@ -226,7 +242,10 @@ async fn agq_phase(
     }
     let submit_end = now_us();
     let finished = wait_done(rec, jobs, args.timeout()).await;
-    let (server_cpu, process_cpu, _) = mark.since();
+    let (mut server_cpu, process_cpu, child_cpu) = mark.since();
+    if h.pid().is_some() {
+        server_cpu = child_cpu;
+    }
     let writer_cpu = mark.writer_since();
     let mut p = Phase::from_record(rec.take(), jobs, t0, submit_end);
     p.writer_cpu = writer_cpu;
@@ -240,8 +259,12 @@ async fn agq_phase(
         ));
     }
     p.server_cpu = server_cpu;
-    p.process_cpu = process_cpu;
-    p.peak_rss = procstat::peak_rss(None);
+    p.client_cpu = if h.pid().is_some() {
+        process_cpu
+    } else {
+        (process_cpu - server_cpu).max(0.0)
+    };
+    p.peak_rss = procstat::peak_rss(h.pid());
     p.rate = rate.unwrap_or(0.0);
     Ok(p)
 }
@@ -249,7 +272,10 @@ async fn agq_phase(
 /// The AGQ half of the default mode.
 pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     procstat::reset_peak_rss();
-    let h = Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await?;
+    let h = match &args.agq_binary {
+        Some(bin) => Harness::start_child(bin, &args.base_dir(), &args.engine_config()).await?,
+        None => Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await?,
+    };
     let conns = args
         .workers
         .div_ceil(args.workers_per_connection.max(1))
@@ -268,19 +294,24 @@ pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     let mut out = SystemRun::default();
     // Idle: heartbeats only.
     rec.reset(u64::MAX);
-    let mark = CpuMark::now(None);
+    let mark = CpuMark::now(h.pid());
     let idle_start = Instant::now();
     tokio::time::sleep(Duration::from_secs(args.idle_secs)).await;
     let secs = idle_start.elapsed().as_secs_f64();
-    let (server_cpu, _, _) = mark.since();
+    let (mut server_cpu, _, child_cpu) = mark.since();
+    if h.pid().is_some() {
+        server_cpu = child_cpu;
+    }
     let r = rec.take();
     out.idle = Some(Idle {
         connect_secs,
         heartbeat: Summary::of(&r.heartbeat_ack),
         server_cpu_share: if secs > 0.0 { server_cpu / secs } else { 0.0 },
-        rss: procstat::rss(None),
-        peak_rss: procstat::peak_rss(None),
+        rss: procstat::rss(h.pid()),
+        peak_rss: procstat::peak_rss(h.pid()),
         secs,
+        server_heap: super::heap::live(super::heap::SERVER),
+        client_heap: super::heap::live(super::heap::CLIENT),
     });
     let result = async {
         out.peak = agq_phase(args, &h, &submit_channels, &rec, args.jobs as u64, None).await?;
@@ -334,7 +365,7 @@ async fn redis_phase(
         ));
     }
     p.server_cpu = server_cpu;
-    p.process_cpu = process_cpu;
+    p.client_cpu = process_cpu;
     p.peak_rss = procstat::peak_rss(Some(server.pid()));
     p.rate = rate.unwrap_or(0.0);
     Ok(p)
@@ -483,8 +514,8 @@ fn print_phase(a: &Phase, r: Option<&Phase>, paced: bool) {
     }
     row(
         "client CPU (s)",
-        format!("{:.2}", (a.process_cpu - a.server_cpu).max(0.0)),
-        r.map(|r| format!("{:.2}", r.process_cpu)),
+        format!("{:.2}", a.client_cpu),
+        r.map(|r| format!("{:.2}", r.client_cpu)),
         None,
     );
     row(
@@ -589,11 +620,29 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
             None,
         );
         row(
-            "process RSS now / peak (MB)",
+            if args.agq_binary.is_some() {
+                "agq serve RSS now / peak (MB)"
+            } else {
+                "process RSS now / peak (MB)"
+            },
             format!("{:.0} / {:.0}", mb(i.rss), mb(i.peak_rss)),
             None,
             None,
         );
+        if args.agq_binary.is_none() {
+            row(
+                "live heap: server / clients (MB)",
+                format!("{:.0} / {:.0}", mb(i.server_heap), mb(i.client_heap)),
+                None,
+                None,
+            );
+            row(
+                "server RSS bound: RSS - client heap (MB)",
+                format!("{:.0}", mb(i.server_rss_bound())),
+                None,
+                None,
+            );
+        }
     }
     println!();
     println!("bars (issue 7):");
@@ -623,12 +672,25 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
     }
     if let Some(i) = &agq.idle {
         if args.workers >= 10_000 {
-            println!(
-                "  {} workers <= 500 MB RSS: {:.0} MB (whole bench process) -> {}",
+            if args.agq_binary.is_some() {
+                println!(
+                    "  {} workers <= 500 MB RSS: agq serve RSS {:.0} MB (peak {:.0} MB) -> {}",
+                    args.workers,
+                    mb(i.rss),
+                    mb(i.peak_rss),
+                    verdict(mb(i.peak_rss) <= 500.0)
+                );
+            } else {
+                println!(
+                "  {} workers <= 500 MB RSS: server <= {:.0} MB (process RSS {:.0} MB - client heap                  {:.0} MB; server heap {:.0} MB) -> {}",
                 args.workers,
-                mb(i.peak_rss),
-                verdict(mb(i.peak_rss) <= 500.0)
+                mb(i.server_rss_bound()),
+                mb(i.rss),
+                mb(i.client_heap),
+                mb(i.server_heap),
+                verdict(mb(i.server_rss_bound()) <= 500.0)
             );
+            }
         }
     }
     let mut ok = true;

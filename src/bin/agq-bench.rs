@@ -7,6 +7,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// Tells the server's heap from the simulated clients' (see `agq::bench::heap`).
+#[global_allocator]
+static ALLOC: agq::bench::heap::Tagged = agq::bench::heap::Tagged;
+
 /// Benchmark AGQ against the seed's Redis-list design, in one run.
 #[derive(Debug, Parser)]
 #[command(name = "agq-bench", version, about)]

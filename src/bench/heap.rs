@@ -1,0 +1,165 @@
+//! A global allocator for `agq-bench` that tells apart the live heap of the
+//! in-process AGQ server from that of the simulated clients. Every block
+//! carries a 16-byte header holding the side of the thread that allocated
+//! it (by thread name: `agq-srv`, `agq-writer`, `agq-checkpoint`, `r2d2`
+//! are the server; `bench-cli` the clients), so a block freed on another
+//! thread is still taken off the right side.
+//!
+//! The process RSS covers both sides; `RSS - client heap` is an upper bound
+//! of what the server alone would use (it keeps the code, the stacks and
+//! the allocator's slack on the server's side).
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    cell::Cell,
+    sync::atomic::{AtomicIsize, Ordering},
+};
+
+/// The server's threads.
+pub const SERVER: usize = 0;
+/// The simulated clients' threads.
+pub const CLIENT: usize = 1;
+/// Anything else (the main thread, redis helpers, ...).
+pub const OTHER: usize = 2;
+
+static LIVE: [AtomicIsize; 3] = [
+    AtomicIsize::new(0),
+    AtomicIsize::new(0),
+    AtomicIsize::new(0),
+];
+
+/// Live heap bytes allocated by `side` ([`SERVER`], [`CLIENT`], [`OTHER`]).
+pub fn live(side: usize) -> u64 {
+    LIVE.get(side)
+        .map_or(0, |l| l.load(Ordering::Relaxed).max(0) as u64)
+}
+
+const UNKNOWN: u8 = 255;
+
+thread_local! {
+    static SIDE: Cell<u8> = const { Cell::new(UNKNOWN) };
+    static LOOKUPS: Cell<u8> = const { Cell::new(0) };
+}
+
+/// The side of this thread, from its name, without allocating.
+fn lookup() -> u8 {
+    let mut name = [0u8; 17];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes (NUL included) into the buffer.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_GET_NAME,
+            name.as_mut_ptr() as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if rc != 0 {
+        return OTHER as u8;
+    }
+    let n = name.iter().position(|&b| b == 0).unwrap_or(16);
+    let name = &name[..n];
+    let server: [&[u8]; 4] = [b"agq-srv", b"agq-writer", b"agq-checkpoint", b"r2d2"];
+    if server.iter().any(|p| name.starts_with(p)) {
+        SERVER as u8
+    } else if name.starts_with(b"bench-cli") {
+        CLIENT as u8
+    } else {
+        OTHER as u8
+    }
+}
+
+fn side() -> u8 {
+    SIDE.try_with(|s| {
+        let v = s.get();
+        if v != UNKNOWN {
+            return v;
+        }
+        let found = lookup();
+        // A thread may allocate before it is named: look again a few times
+        // before settling on OTHER.
+        let tries = LOOKUPS.try_with(|l| {
+            l.set(l.get().saturating_add(1));
+            l.get()
+        });
+        if found != OTHER as u8 || tries.is_ok_and(|t| t > 32) {
+            s.set(found);
+        }
+        found
+    })
+    .unwrap_or(OTHER as u8)
+}
+
+/// The bench's global allocator: [`System`] plus the side header.
+pub struct Tagged;
+
+const HEADER: usize = 16;
+
+fn outer(layout: Layout) -> Option<(Layout, usize)> {
+    let header = HEADER.max(layout.align());
+    let l = Layout::from_size_align(
+        layout.size().checked_add(header)?,
+        layout.align().max(HEADER),
+    )
+    .ok()?;
+    Some((l, header))
+}
+
+// SAFETY: every block handed out is `header` bytes into a System block
+// allocated with the outer layout; dealloc and realloc undo exactly that.
+unsafe impl GlobalAlloc for Tagged {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let Some((outer_l, header)) = outer(layout) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: outer_l has a non-zero size.
+        let base = unsafe { System.alloc(outer_l) };
+        if base.is_null() {
+            return base;
+        }
+        let s = side();
+        // SAFETY: base is valid for outer_l.size() >= header bytes.
+        unsafe {
+            *base = s;
+            LIVE[s as usize].fetch_add(layout.size() as isize, Ordering::Relaxed);
+            base.add(header)
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let Some((outer_l, header)) = outer(layout) else {
+            return;
+        };
+        // SAFETY: ptr came from alloc/realloc with the same layout.
+        unsafe {
+            let base = ptr.sub(header);
+            let s = (*base as usize).min(OTHER);
+            LIVE[s].fetch_sub(layout.size() as isize, Ordering::Relaxed);
+            System.dealloc(base, outer_l);
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let Some((outer_l, header)) = outer(layout) else {
+            return std::ptr::null_mut();
+        };
+        let Some(new_outer) = new_size.checked_add(header) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: ptr came from alloc/realloc with `layout`; System.realloc
+        // keeps the header bytes (they are part of the block).
+        unsafe {
+            let base = ptr.sub(header);
+            let s = (*base as usize).min(OTHER);
+            let nb = System.realloc(base, outer_l, new_outer);
+            if nb.is_null() {
+                return nb;
+            }
+            LIVE[s].fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+            nb.add(header)
+        }
+    }
+}
