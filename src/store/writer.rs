@@ -300,3 +300,89 @@ fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
     conn.prepare_cached(sql)?.execute([])?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A state that records what the batch loop told it.
+    #[derive(Default)]
+    struct Log {
+        rollbacks: usize,
+    }
+
+    impl BatchState for Log {
+        fn before_commit(&mut self, _: &Connection) -> Result<()> {
+            Ok(())
+        }
+        fn after_commit(&mut self, _: usize) {}
+        fn after_rollback(&mut self, _: &Connection) {
+            self.rollbacks += 1;
+        }
+        fn on_shutdown(&mut self, _: &Connection) {}
+    }
+
+    fn insert(c: &Connection, v: &str) -> Result<()> {
+        c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
+        Ok(())
+    }
+
+    /// A direct operation broken by storage after it wrote rolls back its
+    /// whole batch; the operation queued behind it is carried over and
+    /// committed in the next batch; a refused direct operation (nothing
+    /// written) leaves its batch alone.
+    #[tokio::test]
+    async fn broken_direct_operation_rolls_back_its_batch_and_carries_the_rest() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+            .unwrap();
+        let (w, thread) = Writer::start(conn, Log::default()).unwrap();
+        // Hold the writer so the next operations queue up into one batch.
+        let hold = w.write(|_, _| {
+            std::thread::sleep(Duration::from_millis(200));
+            Ok(())
+        });
+        let (held, broken, refused, after) = tokio::join!(
+            hold,
+            async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                w.write_direct(|_, c| {
+                    insert(c, "lost")?;
+                    c.execute("INSERT INTO missing VALUES (1)", [])?;
+                    Ok(())
+                })
+                .await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                w.write_direct(|_, _| -> Result<()> { Err(Error::invalid("no")) })
+                    .await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(70)).await;
+                w.write(|_, c| insert(c, "kept")).await
+            },
+        );
+        held.unwrap();
+        assert!(matches!(broken, Err(Error::Storage(_))), "{broken:?}");
+        assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+        after.unwrap();
+        let rows: Vec<String> = w
+            .run(|s, c| {
+                assert_eq!(s.rollbacks, 1);
+                let mut st = c.prepare("SELECT v FROM t ORDER BY v")?;
+                let v = st
+                    .query_map([], |r| r.get(0))?
+                    .collect::<rusqlite::Result<Vec<String>>>()?;
+                Ok(v)
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, vec!["kept".to_string()]);
+        w.stop();
+        drop(w);
+        thread.join().unwrap();
+    }
+}
