@@ -207,6 +207,12 @@ pub fn main(mut args: BenchArgs) -> i32 {
     };
     let result = rt.block_on(async move {
         report::print_machine(&args);
+        if let Some(bin) = &args.agq_binary {
+            println!(
+                "AGQ runs as a child process: {} serve (its own CPU and RSS)",
+                bin.display()
+            );
+        }
         let mut ok = true;
         if args.failover {
             ok &= failover::run(&args).await?;

@@ -488,7 +488,7 @@ fn print_phase(a: &Phase, r: Option<&Phase>, paced: bool) {
         r.map(|r| format!("{:.1}", per_k(r))),
         r.map(|r| ratio(per_k(a), per_k(r))),
     );
-    if a.e2e_secs > 0.0 && a.completed > 0 {
+    if a.e2e_secs > 0.0 && a.completed > 0 && a.writer_cpu > 0.0 {
         row(
             "AGQ writer thread: busy %, CPU/job (µs)",
             format!(
@@ -713,7 +713,7 @@ fn print_bars(args: &BenchArgs, agq: &SystemRun, redis: Option<&SystemRun>) {
                 );
             } else {
                 println!(
-                "  {} workers <= 500 MB RSS: server <= {:.0} MB (process RSS {:.0} MB - client heap                  {:.0} MB; server heap {:.0} MB) -> {}",
+                "  {} workers <= 500 MB RSS: server <= {:.0} MB (process RSS {:.0} MB - client heap {:.0} MB; server heap {:.0} MB) -> {}",
                 args.workers,
                 mb(i.server_rss_bound()),
                 mb(i.rss),
