@@ -338,7 +338,6 @@ async fn worker_main(
 
 /// Submits `actions` actions of `k` jobs from `clients` concurrent clients,
 /// each sending its next action as soon as the previous one returned.
-/// Returns the job ids in submit order when `keep_ids`.
 ///
 /// Errors: a SubmitAction failed.
 pub async fn submit_closed_loop(

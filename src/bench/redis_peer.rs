@@ -225,7 +225,7 @@ pub async fn submit_paced(
     let period = Duration::from_secs_f64(k as f64 / jobs_per_sec.max(1.0));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let (tx, rx) = async_channel_pool(8, addr, k, payload).await?;
+    let (tx, rx) = submit_pool(8, addr, k, payload).await?;
     for a in 0..actions {
         ticker.tick().await;
         if tx.send(a).await.is_err() {
@@ -243,7 +243,7 @@ pub async fn submit_paced(
 type PoolTasks = Vec<tokio::task::JoinHandle<Result<(), BenchError>>>;
 
 /// `n` connections taking action numbers from one shared queue.
-async fn async_channel_pool(
+async fn submit_pool(
     n: usize,
     addr: SocketAddr,
     k: usize,
