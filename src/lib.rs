@@ -11,6 +11,7 @@
 //! - [`service`] holds the thin tonic services; [`pb`] the generated code.
 
 pub mod auth;
+pub mod cli;
 pub mod config;
 pub mod core;
 pub mod error;
