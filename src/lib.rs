@@ -1,2 +1,3 @@
 //! AGQ: a durable gRPC job queue and worker coordinator.
 pub mod pb;
+pub mod worker;
