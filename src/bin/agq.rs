@@ -1,1 +1,130 @@
-fn main() {}
+//! `agq`: the AGQ server (`agq serve`) and its command-line client.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use agq::{
+    auth::Authenticator,
+    config::{LogFormat, ServeArgs},
+    server::{self, ServerOptions, TlsFiles},
+};
+
+/// AGQ: a durable gRPC job queue for fanning Unix pipelines out to workers.
+#[derive(Debug, Parser)]
+#[command(name = "agq", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the AGQ server.
+    Serve(ServeArgs),
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    let auth = match &args.auth_file {
+        Some(path) => Authenticator::load(path).map_err(|e| e.to_string())?,
+        None => Authenticator::default(),
+    };
+    if auth.is_disabled() && !args.listen.ip().is_loopback() && !args.insecure {
+        return Err(format!(
+            "refusing to listen on {} without authentication: pass --auth-file (AGQ_AUTH_FILE), \
+             listen on a loopback address, or pass --insecure (AGQ_INSECURE=true) to accept the risk",
+            args.listen
+        ));
+    }
+    if auth.is_disabled() {
+        tracing::warn!("no --auth-file: every caller is trusted");
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {} for metrics: {e}", args.metrics_listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let maddr = metrics_listener.local_addr().map_err(|e| e.to_string())?;
+    let opts = ServerOptions {
+        db: args.db.clone(),
+        engine: args.engine_config(),
+        auth,
+        tls: args
+            .tls_cert
+            .clone()
+            .zip(args.tls_key.clone())
+            .map(|(cert, key)| TlsFiles {
+                cert,
+                key,
+                client_ca: args.tls_client_ca.clone(),
+            }),
+    };
+    let db = args.db.display().to_string();
+    server::run(
+        listener,
+        Some(metrics_listener),
+        opts,
+        shutdown_signal(),
+        |_| {
+            tracing::info!(grpc = %addr, metrics = %maddr, db, "agq serving");
+            println!("listening on {addr}");
+            println!("metrics on http://{maddr}/metrics");
+        },
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agq: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Serve(args) => {
+            init_tracing(args.log_format);
+            runtime.block_on(serve(args))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agq: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

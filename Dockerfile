@@ -1,0 +1,41 @@
+# syntax=docker/dockerfile:1
+# AGQ image: the `agq` server and the `agw` worker in one slim Debian image
+# with the Unix tools the default worker advertises.
+#
+#   docker build -t agq:0.1.0 .
+#   docker run -p 6380:6380 -p 9090:9090 -v agq-data:/data \
+#     -v "$PWD/auth.toml:/etc/agq/auth.toml:ro" -e AGQ_AUTH_FILE=/etc/agq/auth.toml agq:0.1.0
+#
+# Secure by default: the default command listens on 0.0.0.0, which agq
+# refuses without authentication. Provide an auth file (AGQ_AUTH_FILE, see
+# docs/deployment.md) or, on a trusted network only, AGQ_INSECURE=true.
+# A worker: docker run agq:0.1.0 agw (configured through AGW_* variables).
+
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+COPY . .
+# protoc comes vendored through build.rs; the caches only speed up rebuilds.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin agq --bin agw \
+ && install -m 0755 target/release/agq target/release/agw /usr/local/bin/
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      coreutils grep sed gawk jq ca-certificates tini \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 agq \
+ && useradd --uid 10001 --gid 10001 --home-dir /data --no-create-home \
+      --shell /usr/sbin/nologin agq \
+ && mkdir -p /data \
+ && chown agq:agq /data
+COPY --from=build /usr/local/bin/agq /usr/local/bin/agw /usr/local/bin/
+USER 10001:10001
+WORKDIR /data
+VOLUME ["/data"]
+EXPOSE 6380 9090
+# tini reaps the worker's child processes and forwards SIGTERM, so agq
+# and agw can shut down (and drain) cleanly.
+ENTRYPOINT ["tini", "--"]
+CMD ["agq", "serve", "--listen", "0.0.0.0:6380", "--metrics-listen", "0.0.0.0:9090", "--db", "/data/agq.db"]

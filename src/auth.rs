@@ -1,0 +1,228 @@
+//! Authentication: bearer tokens from a TOML file, each with a role
+//! (client, admin, or worker bound to one `worker_id`), checked by a tonic
+//! interceptor in constant time (`subtle`). Replaces the seed's `AUTH <key>`.
+//! Tokens are never logged.
+
+use std::{path::Path, sync::Arc};
+
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+use tonic::{Request, Status};
+
+/// What a caller may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// Auth is off (loopback-only server): everything is allowed.
+    Anonymous,
+    /// Plans, actions, jobs, queue, read workers.
+    Client,
+    /// Everything, including any worker's calls.
+    Admin,
+    /// The worker RPCs of this one worker_id.
+    Worker(String),
+}
+
+/// Role names of the auth file.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// See [`Identity::Client`].
+    Client,
+    /// See [`Identity::Admin`].
+    Admin,
+    /// See [`Identity::Worker`]; needs `worker_id`.
+    Worker,
+}
+
+/// One entry of the auth file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    /// The bearer token (at least 16 bytes).
+    pub token: String,
+    /// Its role.
+    pub role: Role,
+    /// The worker a worker token is bound to.
+    #[serde(default)]
+    pub worker_id: Option<String>,
+}
+
+/// The auth file: `[[tokens]]` entries.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthFile {
+    /// Every token.
+    pub tokens: Vec<TokenEntry>,
+}
+
+/// Errors loading the auth file.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// The file could not be read.
+    #[error("cannot read auth file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("auth file {path} is invalid: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Why.
+        source: toml::de::Error,
+    },
+    /// An entry breaks a rule (token length, worker binding).
+    #[error("auth file {path}: token #{index}: {why}")]
+    Entry {
+        /// The file.
+        path: String,
+        /// 1-based entry number.
+        index: usize,
+        /// The rule broken.
+        why: String,
+    },
+}
+
+/// The token table the interceptor checks against.
+#[derive(Debug, Clone, Default)]
+pub struct Authenticator {
+    entries: Arc<Vec<(Vec<u8>, Identity)>>,
+}
+
+impl Authenticator {
+    /// Loads and checks the auth file.
+    ///
+    /// Errors: [`AuthError`] naming the file and the problem (never the token).
+    pub fn load(path: &Path) -> Result<Self, AuthError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        let file: AuthFile = toml::from_str(&text).map_err(|source| AuthError::Parse {
+            path: p.clone(),
+            source,
+        })?;
+        Self::from_file(&p, file)
+    }
+
+    /// Builds the table from parsed entries.
+    ///
+    /// Errors: [`AuthError::Entry`] for a short token, a worker token
+    /// without a valid `worker_id`, or a `worker_id` on another role.
+    pub fn from_file(path: &str, file: AuthFile) -> Result<Self, AuthError> {
+        let mut entries = Vec::new();
+        for (i, e) in file.tokens.into_iter().enumerate() {
+            let err = |why: &str| AuthError::Entry {
+                path: path.to_string(),
+                index: i + 1,
+                why: why.to_string(),
+            };
+            if e.token.len() < 16 || e.token.chars().any(|c| c.is_whitespace()) {
+                return Err(err(
+                    "token must be at least 16 characters without whitespace",
+                ));
+            }
+            let identity = match (e.role, e.worker_id) {
+                (Role::Client, None) => Identity::Client,
+                (Role::Admin, None) => Identity::Admin,
+                (Role::Worker, Some(w)) if crate::core::validate::worker_id(&w).is_ok() => {
+                    Identity::Worker(w)
+                }
+                (Role::Worker, _) => return Err(err("a worker token needs a valid worker_id")),
+                (_, Some(_)) => return Err(err("only worker tokens take a worker_id")),
+            };
+            entries.push((e.token.into_bytes(), identity));
+        }
+        Ok(Authenticator {
+            entries: Arc::new(entries),
+        })
+    }
+
+    /// True when no token is configured (auth off).
+    pub fn is_disabled(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The identity of a bearer token. Compares against every entry in
+    /// constant time per entry, without early exit.
+    pub fn identify(&self, token: &[u8]) -> Option<Identity> {
+        let mut found = None;
+        for (t, id) in self.entries.iter() {
+            if bool::from(t.as_slice().ct_eq(token)) && found.is_none() {
+                found = Some(id.clone());
+            }
+        }
+        found
+    }
+
+    /// The interceptor: puts the caller's [`Identity`] into the request
+    /// extensions, or rejects the call.
+    ///
+    /// Errors: `UNAUTHENTICATED` when the `authorization: Bearer <token>`
+    /// metadata is missing, malformed or unknown.
+    #[allow(clippy::result_large_err)]
+    pub fn intercept(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if self.is_disabled() {
+            req.extensions_mut().insert(Identity::Anonymous);
+            return Ok(req);
+        }
+        let header = req.metadata().get("authorization").ok_or_else(|| {
+            Status::unauthenticated(
+                "missing authorization metadata: send `authorization: Bearer <token>`",
+            )
+        })?;
+        let value = header.as_bytes();
+        let token = value
+            .strip_prefix(b"Bearer ")
+            .or_else(|| value.strip_prefix(b"bearer "))
+            .ok_or_else(|| Status::unauthenticated("authorization must be `Bearer <token>`"))?;
+        let identity = self
+            .identify(token)
+            .ok_or_else(|| Status::unauthenticated("invalid token"))?;
+        req.extensions_mut().insert(identity);
+        Ok(req)
+    }
+}
+
+/// The caller's identity from a request's extensions (Anonymous if the
+/// interceptor did not run, which only happens with auth off).
+pub fn identity<T>(req: &Request<T>) -> Identity {
+    req.extensions()
+        .get::<Identity>()
+        .cloned()
+        .unwrap_or(Identity::Anonymous)
+}
+
+/// Allows clients, admins and anonymous callers.
+///
+/// Errors: `PERMISSION_DENIED` for worker tokens.
+#[allow(clippy::result_large_err)]
+pub fn require_client(id: &Identity) -> Result<(), Status> {
+    match id {
+        Identity::Worker(_) => Err(Status::permission_denied(
+            "a worker token cannot make client calls",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Allows the worker `worker_id` itself, admins and anonymous callers.
+///
+/// Errors: `PERMISSION_DENIED` for clients and for other workers' tokens.
+#[allow(clippy::result_large_err)]
+pub fn require_worker(id: &Identity, worker_id: &str) -> Result<(), Status> {
+    match id {
+        Identity::Anonymous | Identity::Admin => Ok(()),
+        Identity::Worker(w) if w == worker_id => Ok(()),
+        Identity::Worker(_) => Err(Status::permission_denied(format!(
+            "this worker token is bound to another worker, not {worker_id}"
+        ))),
+        Identity::Client => Err(Status::permission_denied(
+            "worker calls need a worker or admin token",
+        )),
+    }
+}

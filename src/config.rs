@@ -1,0 +1,145 @@
+//! Configuration of `agq serve`: clap flags, each also readable from an
+//! `AGQ_*` environment variable, and the plain [`EngineConfig`] the core uses.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// SQLite `synchronous` setting of the embedded store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncMode {
+    /// fsync on every commit: durable across power loss.
+    Full,
+    /// fsync at WAL checkpoints only: durable across process crashes
+    /// (kill -9), may lose the last commits on power loss.
+    Normal,
+}
+
+/// Flags of `agq serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// gRPC listen address.
+    #[arg(long, env = "AGQ_LISTEN", default_value = "127.0.0.1:6380")]
+    pub listen: SocketAddr,
+    /// SQLite database file; missing directories are created.
+    #[arg(long, env = "AGQ_DB", default_value = "./agq-data/agq.db")]
+    pub db: PathBuf,
+    /// Interval workers must heartbeat at, in seconds; a worker silent for
+    /// 3 x this interval is stale and gets no leases.
+    #[arg(long, env = "AGQ_HEARTBEAT_INTERVAL_SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub heartbeat_interval_secs: u64,
+    /// The heartbeat interval in milliseconds; overrides
+    /// --heartbeat-interval-secs when set (for tests and benchmarks).
+    #[arg(long, env = "AGQ_HEARTBEAT_INTERVAL_MS",
+          value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub heartbeat_interval_ms: Option<u64>,
+    /// Grace period in milliseconds after a worker's heartbeat stream drops
+    /// before its leases are re-queued (it keeps them if it reconnects).
+    #[arg(long, env = "AGQ_LEASE_GRACE_MS", default_value_t = 10_000)]
+    pub lease_grace_ms: u64,
+    /// A running job whose lease is older than this many seconds fails its attempt.
+    #[arg(long, env = "AGQ_JOB_TIMEOUT_SECS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(1..=604_800))]
+    pub job_timeout_secs: u64,
+    /// First retry backoff in milliseconds; doubles per attempt, with jitter.
+    /// 0 re-queues at once.
+    #[arg(long, env = "AGQ_RETRY_BACKOFF_BASE_MS", default_value_t = 1000)]
+    pub retry_backoff_base_ms: u64,
+    /// Upper bound of the retry backoff in milliseconds.
+    #[arg(long, env = "AGQ_RETRY_BACKOFF_MAX_MS", default_value_t = 60_000)]
+    pub retry_backoff_max_ms: u64,
+    /// Most inputs (jobs) one SubmitAction may carry.
+    #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000)]
+    pub max_inputs_per_action: usize,
+    /// TOML file of tokens (client, admin, worker bound to a worker_id).
+    /// Without it AGQ runs unauthenticated and only on loopback.
+    #[arg(long, env = "AGQ_AUTH_FILE")]
+    pub auth_file: Option<PathBuf>,
+    /// Allow a non-loopback --listen without --auth-file.
+    #[arg(long, env = "AGQ_INSECURE", default_value_t = false)]
+    pub insecure: bool,
+    /// HTTP listen address of `GET /metrics` (Prometheus text format).
+    #[arg(long, env = "AGQ_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: SocketAddr,
+    /// Server TLS certificate (PEM); enables TLS together with --tls-key.
+    #[arg(long, env = "AGQ_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server TLS private key (PEM).
+    #[arg(long, env = "AGQ_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle (PEM) for mutual TLS: clients must present a certificate it signed.
+    #[arg(long, env = "AGQ_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// SQLite synchronous mode.
+    #[arg(long, env = "AGQ_SQLITE_SYNCHRONOUS", value_enum, default_value_t = SyncMode::Full)]
+    pub sqlite_synchronous: SyncMode,
+    /// Log format.
+    #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// The core settings these flags describe.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            heartbeat_interval: match self.heartbeat_interval_ms {
+                Some(ms) => Duration::from_millis(ms),
+                None => Duration::from_secs(self.heartbeat_interval_secs),
+            },
+            lease_grace: Duration::from_millis(self.lease_grace_ms),
+            job_timeout: Duration::from_secs(self.job_timeout_secs),
+            retry_backoff_base: Duration::from_millis(self.retry_backoff_base_ms),
+            retry_backoff_max: Duration::from_millis(self.retry_backoff_max_ms),
+            max_inputs_per_action: self.max_inputs_per_action,
+            synchronous: self.sqlite_synchronous,
+        }
+    }
+}
+
+/// Settings of the core (scheduler, leases, reaper, store), free of clap.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Interval workers heartbeat at; stale after 3 x this.
+    pub heartbeat_interval: Duration,
+    /// Grace after a heartbeat stream drops before leases are re-queued.
+    pub lease_grace: Duration,
+    /// Longest a lease (job attempt) may run.
+    pub job_timeout: Duration,
+    /// First retry backoff; doubles per attempt.
+    pub retry_backoff_base: Duration,
+    /// Upper bound of the retry backoff.
+    pub retry_backoff_max: Duration,
+    /// Most inputs one SubmitAction may carry.
+    pub max_inputs_per_action: usize,
+    /// SQLite synchronous mode.
+    pub synchronous: SyncMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            heartbeat_interval: Duration::from_secs(30),
+            lease_grace: Duration::from_secs(10),
+            job_timeout: Duration::from_secs(3600),
+            retry_backoff_base: Duration::from_secs(1),
+            retry_backoff_max: Duration::from_secs(60),
+            max_inputs_per_action: 10_000,
+            synchronous: SyncMode::Full,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Age of the last heartbeat at which a worker stops being fresh (3 x interval).
+    pub fn stale_after(&self) -> Duration {
+        self.heartbeat_interval * 3
+    }
+}

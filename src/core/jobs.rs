@@ -1,0 +1,290 @@
+//! Plans, actions and the job state machine in the core: submit, delete,
+//! fan-out, fenced updates, cancel and retry.
+
+use std::{collections::HashMap, sync::Arc};
+
+use rusqlite::Connection;
+
+use super::{
+    state::{PlanEntry, State, Waiting},
+    validate,
+};
+use crate::{
+    error::{Error, Result},
+    pb::{self, JobStatus},
+    store::{self, jobs, plans},
+};
+
+/// A validated SubmitAction.
+#[derive(Debug, Clone)]
+pub struct NewAction {
+    /// Action id (generated when the client gave none).
+    pub action_id: String,
+    /// Plan to run.
+    pub plan_id: String,
+    /// One map per job.
+    pub inputs: Vec<HashMap<String, String>>,
+    /// Scheduled start, ms; `None` runs now.
+    pub run_at_ms: Option<i64>,
+    /// Attempts per job.
+    pub max_attempts: u32,
+}
+
+impl State {
+    /// Stores a validated plan (seed: PLAN.SUBMIT).
+    ///
+    /// Errors: `AlreadyExists`, storage errors.
+    pub fn submit_plan(&mut self, conn: &Connection, plan: pb::Plan) -> Result<String> {
+        if !plans::insert(conn, &plan, store::now_ms())? {
+            return Err(Error::AlreadyExists(format!(
+                "plan {} already exists",
+                plan.plan_id
+            )));
+        }
+        let id = plan.plan_id.clone();
+        let tools = validate::plan_tools(&plan);
+        self.plans
+            .insert(id.clone(), Arc::new(PlanEntry { plan, tools }));
+        Ok(id)
+    }
+
+    /// Deletes a plan and its finished history (seed: PLAN.DELETE).
+    ///
+    /// Errors: `NotFound`; `FailedPrecondition` while pending, running or
+    /// retrying jobs use it; storage errors.
+    pub fn delete_plan(&mut self, conn: &Connection, plan_id: &str) -> Result<()> {
+        if !self.plans.contains_key(plan_id) {
+            return Err(Error::not_found(format!("plan {plan_id} not found")));
+        }
+        if plans::in_use(conn, plan_id)? {
+            return Err(Error::precondition(format!(
+                "plan {plan_id} is used by pending or running jobs; cancel them or wait until they finish"
+            )));
+        }
+        plans::delete(conn, plan_id)?;
+        self.plans.remove(plan_id);
+        Ok(())
+    }
+
+    /// Creates the action and one pending job per input, all in this
+    /// operation's savepoint (seed: ACTION.SUBMIT). Returns the job ids.
+    ///
+    /// Errors: `NotFound` (plan), `AlreadyExists` (action id), storage errors.
+    pub fn submit_action(&mut self, conn: &Connection, a: NewAction) -> Result<Vec<String>> {
+        if !self.plans.contains_key(&a.plan_id) {
+            return Err(Error::not_found(format!("plan {} not found", a.plan_id)));
+        }
+        let now_ms = store::now_ms();
+        let ready_at = a.run_at_ms.unwrap_or(now_ms).max(now_ms);
+        let total = a.inputs.len() as u32;
+        if !jobs::insert_action(
+            conn,
+            &a.action_id,
+            &a.plan_id,
+            total,
+            a.max_attempts,
+            a.run_at_ms,
+            now_ms,
+        )? {
+            return Err(Error::AlreadyExists(format!(
+                "action {} already exists",
+                a.action_id
+            )));
+        }
+        let mut rows = Vec::with_capacity(a.inputs.len());
+        let mut ids = Vec::with_capacity(a.inputs.len());
+        for input in &a.inputs {
+            let json = serde_json::to_string(input).map_err(|e| Error::Internal(e.to_string()))?;
+            let job_id = uuid::Uuid::now_v7().to_string();
+            let row = jobs::insert_job(
+                conn,
+                &job_id,
+                &a.action_id,
+                &a.plan_id,
+                &json,
+                a.max_attempts,
+                now_ms,
+                ready_at,
+            )?;
+            rows.push(row);
+            ids.push(job_id);
+        }
+        let plan_id = self.intern(&a.plan_id);
+        let action_id = self.intern(&a.action_id);
+        for row in rows {
+            let waiting = Waiting {
+                plan_id: plan_id.clone(),
+                action_id: action_id.clone(),
+                since_ms: ready_at,
+                status: JobStatus::Pending,
+            };
+            self.enqueue(row, waiting, now_ms);
+        }
+        for _ in 0..total {
+            self.metrics.transition(JobStatus::Pending);
+        }
+        self.touch(&action_id);
+        Ok(ids)
+    }
+
+    /// Applies a worker's report on a leased job (seed: JOB.UPDATE), fenced
+    /// by the lease: only the holder, with the current lease id, may report.
+    ///
+    /// Errors: `NotFound` (job), `PermissionDenied` (another worker's lease),
+    /// `FailedPrecondition` (stale lease id, job not running),
+    /// `InvalidArgument` (status not RUNNING/COMPLETED/FAILED), storage errors.
+    pub fn update_job(
+        &mut self,
+        conn: &Connection,
+        req: pb::UpdateJobRequest,
+    ) -> Result<JobStatus> {
+        let key = jobs::key_by_job_id(conn, &req.job_id)?
+            .ok_or_else(|| Error::not_found(format!("job {} not found", req.job_id)))?;
+        let lease = self.leases.get(&key.row).cloned();
+        let fenced = |msg: String, deny: bool| {
+            if deny {
+                Error::PermissionDenied(msg)
+            } else {
+                Error::FailedPrecondition(msg)
+            }
+        };
+        let Some(lease) = lease else {
+            self.metrics.fencing_rejections.inc();
+            let other = key.worker_id.as_deref() != Some(req.worker_id.as_str());
+            return Err(fenced(
+                format!(
+                    "job {} is {} and holds no lease of worker {}; the report is rejected",
+                    req.job_id,
+                    crate::metrics::status_name(key.status),
+                    req.worker_id
+                ),
+                other,
+            ));
+        };
+        if lease.worker_id != req.worker_id {
+            self.metrics.fencing_rejections.inc();
+            return Err(Error::PermissionDenied(format!(
+                "job {} is leased to another worker, not {}",
+                req.job_id, req.worker_id
+            )));
+        }
+        if lease.lease_id != req.lease_id {
+            self.metrics.fencing_rejections.inc();
+            return Err(Error::precondition(format!(
+                "stale lease {} for job {}: the current lease is newer (fencing)",
+                req.lease_id, req.job_id
+            )));
+        }
+        let status = JobStatus::try_from(req.status).unwrap_or(JobStatus::Unspecified);
+        if req.progress_percent > 100 {
+            return Err(Error::invalid("progress_percent must be in 0..=100"));
+        }
+        let now_ms = store::now_ms();
+        match status {
+            JobStatus::Running => {
+                jobs::set_progress(conn, key.row, req.current_task, req.progress_percent)?;
+                if !req.task_results.is_empty() {
+                    jobs::replace_task_results(conn, key.row, &req.task_results)?;
+                }
+            }
+            JobStatus::Completed => {
+                jobs::replace_task_results(conn, key.row, &req.task_results)?;
+                jobs::complete(conn, key.row, now_ms)?;
+                self.metrics.transition(JobStatus::Completed);
+                self.metrics
+                    .job_duration
+                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                self.release(key.row, &lease.worker_id);
+                self.touch(&lease.action_id);
+            }
+            JobStatus::Failed => {
+                jobs::replace_task_results(conn, key.row, &req.task_results)?;
+                let error = if req.error.is_empty() {
+                    "the worker reported failure".to_string()
+                } else {
+                    req.error.clone()
+                };
+                self.metrics
+                    .job_duration
+                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                self.end_attempt(conn, key.row, &lease, &error)?;
+                self.metrics.requeue("job_failed");
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "status must be JOB_STATUS_RUNNING, JOB_STATUS_COMPLETED or JOB_STATUS_FAILED",
+                ))
+            }
+        }
+        let after = jobs::key_by_row(conn, key.row)?
+            .map(|k| k.status)
+            .unwrap_or(status);
+        Ok(after)
+    }
+
+    /// Cancels a pending or running job; the holder of a running one is
+    /// told over its heartbeat stream. Returns the job's row.
+    ///
+    /// Errors: `NotFound`, `FailedPrecondition` (already terminal), storage errors.
+    pub fn cancel_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
+        let key = jobs::key_by_job_id(conn, job_id)?
+            .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
+        match key.status {
+            JobStatus::Pending | JobStatus::Failed | JobStatus::Running => {}
+            s => {
+                return Err(Error::precondition(format!(
+                    "job {job_id} is {} and cannot be cancelled",
+                    crate::metrics::status_name(s)
+                )))
+            }
+        }
+        jobs::cancel(conn, key.row, store::now_ms())?;
+        self.metrics.transition(JobStatus::Cancelled);
+        self.dequeue(key.row);
+        if let Some(lease) = self.leases.get(&key.row).cloned() {
+            self.command(
+                &lease.worker_id,
+                pb::heartbeat_response::Command::CancelJobId(job_id.to_string()),
+            );
+            self.release(key.row, &lease.worker_id);
+        }
+        let action = self.intern(&key.action_id);
+        self.touch(&action);
+        Ok(key.row)
+    }
+
+    /// Puts a failed or dead job back to pending with a fresh attempt
+    /// budget (seed: JOB.RETRY). Returns the job's row.
+    ///
+    /// Errors: `NotFound`, `FailedPrecondition` from any other status, storage errors.
+    pub fn retry_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
+        let key = jobs::key_by_job_id(conn, job_id)?
+            .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
+        if !matches!(key.status, JobStatus::Failed | JobStatus::Dead) {
+            return Err(Error::precondition(format!(
+                "job {job_id} is {}; only failed or dead jobs can be retried",
+                crate::metrics::status_name(key.status)
+            )));
+        }
+        if !self.plans.contains_key(&key.plan_id) {
+            return Err(Error::precondition(format!(
+                "plan {} no longer exists",
+                key.plan_id
+            )));
+        }
+        let now_ms = store::now_ms();
+        jobs::retry(conn, key.row, now_ms)?;
+        self.metrics.transition(JobStatus::Pending);
+        self.dequeue(key.row);
+        let waiting = Waiting {
+            plan_id: self.intern(&key.plan_id),
+            action_id: self.intern(&key.action_id),
+            since_ms: now_ms,
+            status: JobStatus::Pending,
+        };
+        let action = waiting.action_id.clone();
+        self.enqueue(key.row, waiting, now_ms);
+        self.touch(&action);
+        Ok(key.row)
+    }
+}

@@ -1,0 +1,624 @@
+//! The AGQ core: validation, the job state machine, the scheduler and the
+//! reaper, behind [`Engine`]. It knows nothing of gRPC transport; the
+//! services in `crate::service` decode requests, call it and encode replies.
+
+pub mod jobs;
+pub mod scheduler;
+pub mod state;
+pub mod validate;
+pub mod workers;
+
+use std::{sync::Arc, time::Duration};
+
+use tokio::sync::watch;
+
+use self::{
+    jobs::NewAction,
+    state::{State, StreamTx, Watchers},
+    workers::StreamKind,
+};
+use crate::{
+    config::EngineConfig,
+    error::{Error, Result},
+    metrics::{status_name, SharedMetrics, StatusLabel, WorkerLabel},
+    pb::{self, JobStatus, WorkerState},
+    store::{self, jobs as jstore, plans as pstore, writer::Writer, ReadPool},
+    time::ms_of,
+};
+
+/// Default and largest page sizes of list RPCs.
+const DEFAULT_PAGE: u32 = 100;
+const MAX_PAGE: u32 = 1000;
+
+/// Handle to the core. Cheap to share behind an `Arc`.
+pub struct Engine {
+    writer: Writer<State>,
+    pool: ReadPool,
+    cfg: EngineConfig,
+    metrics: SharedMetrics,
+    watchers: Arc<Watchers>,
+    writer_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    stop_reaper: watch::Sender<bool>,
+}
+
+fn page_size(n: u32) -> Result<usize> {
+    match n {
+        0 => Ok(DEFAULT_PAGE as usize),
+        n if n <= MAX_PAGE => Ok(n as usize),
+        n => Err(Error::invalid(format!(
+            "page_size must be at most {MAX_PAGE}, got {n}"
+        ))),
+    }
+}
+
+fn encode_token(kind: &str, value: &str) -> String {
+    hex::encode(format!("{kind}:{value}"))
+}
+
+fn decode_token(kind: &str, token: &str) -> Result<Option<String>> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    let bad = || Error::invalid("page_token is not a token this server issued");
+    let raw = hex::decode(token).map_err(|_| bad())?;
+    let text = String::from_utf8(raw).map_err(|_| bad())?;
+    let value = text
+        .strip_prefix(kind)
+        .and_then(|r| r.strip_prefix(':'))
+        .ok_or_else(bad)?;
+    Ok(Some(value.to_string()))
+}
+
+fn row_token(token: &str) -> Result<i64> {
+    match decode_token("job", token)? {
+        None => Ok(0),
+        Some(v) => v
+            .parse()
+            .map_err(|_| Error::invalid("page_token is not a token this server issued")),
+    }
+}
+
+impl Engine {
+    /// Opens the store at `db`, recovers the state (leases of workers that
+    /// do not come back return to pending after the grace), starts the
+    /// writer thread and the reaper.
+    ///
+    /// Errors: storage errors opening or recovering the database.
+    pub async fn open(
+        db: &std::path::Path,
+        cfg: EngineConfig,
+        metrics: SharedMetrics,
+    ) -> Result<Arc<Engine>> {
+        let (conn, pool) = store::open(db, cfg.synchronous)?;
+        let watchers = Arc::new(Watchers::default());
+        let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
+        let (writer, thread) = Writer::start(conn, state)?;
+        writer.write(|s, c| s.load(c)).await?;
+        let (stop_reaper, stop_rx) = watch::channel(false);
+        let engine = Arc::new(Engine {
+            writer,
+            pool,
+            cfg,
+            metrics,
+            watchers,
+            writer_thread: std::sync::Mutex::new(Some(thread)),
+            stop_reaper,
+        });
+        tokio::spawn(reaper(engine.writer.clone(), engine.tick_period(), stop_rx));
+        Ok(engine)
+    }
+
+    /// How often the reaper runs: a tenth of the heartbeat interval or of
+    /// the grace, between 10 ms and 1 s.
+    fn tick_period(&self) -> Duration {
+        let base = self
+            .cfg
+            .heartbeat_interval
+            .min(if self.cfg.lease_grace.is_zero() {
+                self.cfg.heartbeat_interval
+            } else {
+                self.cfg.lease_grace
+            });
+        (base / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
+    }
+
+    /// The settings the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &SharedMetrics {
+        &self.metrics
+    }
+
+    /// Stops the reaper and the writer (after the queued operations), and
+    /// closes the database cleanly. Later calls fail with `Unavailable`.
+    pub async fn close(&self) {
+        let _ = self.stop_reaper.send(true);
+        self.writer.stop();
+        let thread = self
+            .writer_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(t) = thread {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+
+    async fn read<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&rusqlite::Connection) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        let pool = self.pool.clone();
+        tokio::task::spawn_blocking(move || {
+            let conn = pool.get()?;
+            f(&conn)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
+    }
+
+    // ---- plans ----
+
+    /// Validates and stores a plan (seed: PLAN.SUBMIT).
+    ///
+    /// Errors: `InvalidArgument` (the rule broken), `AlreadyExists`.
+    pub async fn submit_plan(&self, plan: Option<pb::Plan>) -> Result<String> {
+        let plan = plan.ok_or_else(|| Error::invalid("plan is required"))?;
+        validate::plan(&plan)?;
+        self.writer.write(move |s, c| s.submit_plan(c, plan)).await
+    }
+
+    /// One plan (seed: PLAN.GET). Errors: `InvalidArgument`, `NotFound`.
+    pub async fn get_plan(&self, plan_id: String) -> Result<pb::Plan> {
+        validate::object_id("plan_id", &plan_id)?;
+        self.read(move |c| {
+            pstore::get(c, &plan_id)?
+                .ok_or_else(|| Error::not_found(format!("plan {plan_id} not found")))
+        })
+        .await
+    }
+
+    /// Plan ids matching a glob, paginated (seed: PLAN.LIST).
+    /// Errors: `InvalidArgument` (pattern, page size or token).
+    pub async fn list_plans(&self, req: pb::ListPlansRequest) -> Result<pb::ListPlansResponse> {
+        let limit = page_size(req.page_size)?;
+        if req.pattern.len() > 256 || req.pattern.contains('\0') {
+            return Err(Error::invalid(
+                "pattern must be at most 256 bytes without NUL",
+            ));
+        }
+        if !req.pattern.is_empty() {
+            glob::Pattern::new(&req.pattern)
+                .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))?;
+        }
+        let after = decode_token("plan", &req.page_token)?.unwrap_or_default();
+        let pattern = (!req.pattern.is_empty()).then_some(req.pattern);
+        let mut ids = self
+            .read(move |c| pstore::list(c, pattern.as_deref(), &after, limit + 1))
+            .await?;
+        let next = if ids.len() > limit {
+            ids.truncate(limit);
+            ids.last()
+                .map(|l| encode_token("plan", l))
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(pb::ListPlansResponse {
+            plan_ids: ids,
+            next_page_token: next,
+        })
+    }
+
+    /// Deletes a plan (seed: PLAN.DELETE).
+    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition` while in use.
+    pub async fn delete_plan(&self, plan_id: String) -> Result<()> {
+        validate::object_id("plan_id", &plan_id)?;
+        self.writer
+            .write(move |s, c| s.delete_plan(c, &plan_id))
+            .await
+    }
+
+    // ---- actions ----
+
+    /// Validates and creates an action with one job per input, atomically
+    /// (seed: ACTION.SUBMIT). Returns (action_id, job_ids).
+    ///
+    /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at),
+    /// `NotFound` (plan), `AlreadyExists` (action id).
+    pub async fn submit_action(
+        &self,
+        req: pb::SubmitActionRequest,
+    ) -> Result<(String, Vec<String>)> {
+        validate::object_id("plan_id", &req.plan_id)?;
+        let action_id = if req.action_id.is_empty() {
+            uuid::Uuid::now_v7().to_string()
+        } else {
+            validate::object_id("action_id", &req.action_id)?;
+            req.action_id
+        };
+        if req.inputs.is_empty() {
+            return Err(Error::invalid("an action needs at least one input"));
+        }
+        let max = self.cfg.max_inputs_per_action;
+        if req.inputs.len() > max {
+            return Err(Error::invalid(format!(
+                "an action has at most {max} inputs (max_inputs_per_action), got {}",
+                req.inputs.len()
+            )));
+        }
+        for (i, input) in req.inputs.iter().enumerate() {
+            validate::action_input(i, &input.values)?;
+        }
+        let max_attempts = match req.max_attempts {
+            0 => 3,
+            n if n <= validate::MAX_ATTEMPTS => n,
+            n => {
+                return Err(Error::invalid(format!(
+                    "max_attempts must be in 1..={}, got {n}",
+                    validate::MAX_ATTEMPTS
+                )))
+            }
+        };
+        let run_at_ms = match &req.run_at {
+            None => None,
+            Some(t) => {
+                Some(ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?)
+            }
+        };
+        let a = NewAction {
+            action_id: action_id.clone(),
+            plan_id: req.plan_id,
+            inputs: req.inputs.into_iter().map(|i| i.values).collect(),
+            run_at_ms,
+            max_attempts,
+        };
+        let ids = self.writer.write(move |s, c| s.submit_action(c, a)).await?;
+        Ok((action_id, ids))
+    }
+
+    /// Aggregate status of an action (seed: ACTION.STATUS).
+    /// Errors: `InvalidArgument`, `NotFound`.
+    pub async fn get_action(&self, action_id: String) -> Result<pb::ActionStatus> {
+        validate::object_id("action_id", &action_id)?;
+        self.read(move |c| {
+            jstore::action_status(c, &action_id)?
+                .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))
+        })
+        .await
+    }
+
+    /// A receiver that changes whenever a job of the action changes status.
+    pub fn watch_action(&self, action_id: &str) -> watch::Receiver<u64> {
+        self.watchers.subscribe(action_id)
+    }
+
+    // ---- jobs ----
+
+    /// One job with task results and, when waiting, why (seed: JOB.STATUS).
+    /// Errors: `InvalidArgument`, `NotFound`.
+    pub async fn get_job(&self, job_id: String) -> Result<pb::Job> {
+        validate::object_id("job_id", &job_id)?;
+        let id = job_id.clone();
+        let job = self
+            .read(move |c| {
+                let job = jstore::get(c, &id)?
+                    .ok_or_else(|| Error::not_found(format!("job {id} not found")))?;
+                let row = jstore::key_by_job_id(c, &id)?.map(|k| k.row).unwrap_or(0);
+                Ok((job, row))
+            })
+            .await?;
+        let (mut job, row) = job;
+        if job.status == JobStatus::Pending as i32 || job.status == JobStatus::Failed as i32 {
+            job.waiting_reason = self
+                .writer
+                .run(move |s, _| Ok(s.waiting_reason(row)))
+                .await?;
+        }
+        Ok(job)
+    }
+
+    async fn job_by_row(&self, row: i64) -> Result<pb::Job> {
+        let job = self
+            .read(move |c| {
+                jstore::get_by_row(c, row, true)?.ok_or_else(|| Error::not_found("job vanished"))
+            })
+            .await?;
+        let mut job = job;
+        if job.status == JobStatus::Pending as i32 || job.status == JobStatus::Failed as i32 {
+            job.waiting_reason = self
+                .writer
+                .run(move |s, _| Ok(s.waiting_reason(row)))
+                .await?;
+        }
+        Ok(job)
+    }
+
+    /// Job ids by filter, paginated (seed: JOB.LIST and JOBS.SEARCH).
+    /// Errors: `InvalidArgument` (page size, token, status), `NotFound`
+    /// (unknown action when filtering by action).
+    pub async fn search_jobs(
+        &self,
+        filter: jstore::JobFilter,
+        page: u32,
+        token: String,
+    ) -> Result<(Vec<String>, String)> {
+        let limit = page_size(page)?;
+        let after = row_token(&token)?;
+        if let Some(s) = filter.status {
+            if JobStatus::try_from(s).is_err() {
+                return Err(Error::invalid(format!("unknown job status {s}")));
+            }
+        }
+        if let Some(a) = &filter.action_id {
+            validate::object_id("action_id", a)?;
+        }
+        if let Some(p) = &filter.plan_id {
+            validate::object_id("plan_id", p)?;
+        }
+        let rows = self
+            .read(move |c| {
+                if let Some(a) = &filter.action_id {
+                    if !jstore::action_exists(c, a)? {
+                        return Err(Error::not_found(format!("action {a} not found")));
+                    }
+                }
+                jstore::search(c, &filter, after, limit + 1)
+            })
+            .await?;
+        let mut rows = rows;
+        let next = if rows.len() > limit {
+            rows.truncate(limit);
+            rows.last()
+                .map(|(r, _)| encode_token("job", &r.to_string()))
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok((rows.into_iter().map(|(_, id)| id).collect(), next))
+    }
+
+    /// Retries a failed or dead job (seed: JOB.RETRY).
+    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition`.
+    pub async fn retry_job(&self, job_id: String) -> Result<pb::Job> {
+        validate::object_id("job_id", &job_id)?;
+        let row = self
+            .writer
+            .write(move |s, c| s.retry_job(c, &job_id))
+            .await?;
+        self.job_by_row(row).await
+    }
+
+    /// Cancels a pending or running job.
+    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition`.
+    pub async fn cancel_job(&self, job_id: String) -> Result<pb::Job> {
+        validate::object_id("job_id", &job_id)?;
+        let row = self
+            .writer
+            .write(move |s, c| s.cancel_job(c, &job_id))
+            .await?;
+        self.job_by_row(row).await
+    }
+
+    // ---- workers ----
+
+    /// Registers a worker (seed: WORKER.REGISTER); returns the heartbeat interval.
+    /// Errors: `InvalidArgument`, `AlreadyExists`.
+    pub async fn register_worker(&self, req: pb::RegisterWorkerRequest) -> Result<Duration> {
+        let req = validate::registration(&req)?;
+        self.writer.write(move |s, c| s.register(c, req)).await?;
+        Ok(self.cfg.heartbeat_interval)
+    }
+
+    /// Attaches a heartbeat stream. Errors: `NotFound`, `FailedPrecondition`.
+    pub async fn open_heartbeat(
+        &self,
+        worker_id: String,
+        tx: StreamTx<pb::HeartbeatResponse>,
+    ) -> Result<u64> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .run(move |s, _| s.open_heartbeat(&worker_id, tx))
+            .await
+    }
+
+    /// Records one heartbeat. Errors: `NotFound`, `FailedPrecondition`.
+    pub async fn heartbeat(
+        &self,
+        worker_id: String,
+        stats: Option<pb::WorkerStats>,
+        held: Option<Vec<String>>,
+    ) -> Result<pb::HeartbeatResponse> {
+        if held.is_some() {
+            self.writer
+                .write(move |s, c| s.heartbeat(c, &worker_id, stats, held))
+                .await
+        } else {
+            self.writer
+                .run(move |s, c| s.heartbeat(c, &worker_id, stats, None))
+                .await
+        }
+    }
+
+    /// Reports that a stream ended (fire and forget).
+    pub fn close_stream(&self, worker_id: String, kind: StreamKind, sid: u64) {
+        self.writer
+            .submit(move |s, c| s.close_stream(c, &worker_id, kind, sid));
+    }
+
+    /// Attaches a lease stream. Errors: `NotFound`, `FailedPrecondition`.
+    pub async fn open_lease_stream(
+        &self,
+        worker_id: String,
+        tx: StreamTx<pb::JobLease>,
+    ) -> Result<u64> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .run(move |s, _| s.open_lease_stream(&worker_id, tx))
+            .await
+    }
+
+    /// Applies a fenced job report (seed: JOB.UPDATE).
+    /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`, `FailedPrecondition`.
+    pub async fn update_job(&self, req: pb::UpdateJobRequest) -> Result<JobStatus> {
+        validate::object_id("job_id", &req.job_id)?;
+        validate::worker_id(&req.worker_id)?;
+        if req.lease_id.is_empty() || req.lease_id.len() > 64 {
+            return Err(Error::invalid("lease_id is required (at most 64 bytes)"));
+        }
+        if req.task_results.len() > validate::MAX_TASKS {
+            return Err(Error::invalid(format!(
+                "at most {} task results",
+                validate::MAX_TASKS
+            )));
+        }
+        self.writer.write(move |s, c| s.update_job(c, req)).await
+    }
+
+    /// Deregisters a worker (seed: WORKER.UNREGISTER); returns re-queued jobs.
+    /// Errors: `InvalidArgument`, `NotFound`.
+    pub async fn unregister_worker(&self, worker_id: String) -> Result<u32> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .write(move |s, c| s.unregister(c, &worker_id))
+            .await
+    }
+
+    /// Drains a worker. Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition`.
+    pub async fn drain_worker(&self, worker_id: String) -> Result<pb::Worker> {
+        validate::worker_id(&worker_id)?;
+        self.writer.write(move |s, c| s.drain(c, &worker_id)).await
+    }
+
+    /// Workers, optionally of one state (seed: KEYS worker:*:alive).
+    pub async fn list_workers(&self, state: Option<WorkerState>) -> Result<Vec<pb::Worker>> {
+        self.writer.run(move |s, _| Ok(s.worker_views(state))).await
+    }
+
+    /// One worker (seed: GET worker:<id>:stats). Errors: `InvalidArgument`, `NotFound`.
+    pub async fn get_worker(&self, worker_id: String) -> Result<pb::Worker> {
+        validate::worker_id(&worker_id)?;
+        self.writer.run(move |s, _| s.worker_view(&worker_id)).await
+    }
+
+    // ---- queue ----
+
+    /// Queue depths and worker counts (seed: QUEUE.STATS).
+    pub async fn queue_stats(&self) -> Result<pb::GetQueueStatsResponse> {
+        self.writer.run(|s, _| Ok(s.queue_stats())).await
+    }
+
+    /// Next job ids of the ready or scheduled queue (seed: QUEUE.PEEK).
+    /// Errors: `InvalidArgument` for an unknown queue or count over 1000.
+    pub async fn peek_queue(&self, queue: String, count: u32) -> Result<Vec<String>> {
+        let count = match count {
+            0 => 10,
+            n if n <= MAX_PAGE => n as usize,
+            n => {
+                return Err(Error::invalid(format!(
+                    "count must be at most {MAX_PAGE}, got {n}"
+                )))
+            }
+        };
+        let scheduled = match queue.as_str() {
+            "" | "ready" => false,
+            "scheduled" => true,
+            q => {
+                return Err(Error::invalid(format!(
+                    "queue must be \"ready\" or \"scheduled\", got {q:?}"
+                )))
+            }
+        };
+        self.writer
+            .run(move |s, c| {
+                let rows: Vec<i64> = if scheduled {
+                    s.delayed.iter().take(count).map(|(_, r)| *r).collect()
+                } else {
+                    s.ready.keys().take(count).copied().collect()
+                };
+                jstore::job_ids(c, &rows)
+            })
+            .await
+    }
+
+    /// Refreshes the gauges from the current state and returns the metrics
+    /// in Prometheus text format (seed: METRICS).
+    pub async fn metrics_text(&self) -> Result<String> {
+        let counts = self.read(jstore::count_by_status).await?;
+        let (depth, workers) = self
+            .writer
+            .run(|s, _| {
+                let q = s.queue_stats();
+                let now = std::time::Instant::now();
+                let mut w = std::collections::HashMap::<(String, bool), i64>::new();
+                for e in s.workers.values() {
+                    *w.entry((
+                        workers::state_name(e.state).to_lowercase(),
+                        s.is_fresh(e, now),
+                    ))
+                    .or_default() += 1;
+                }
+                Ok(((q.ready_length, q.scheduled_length, q.running_length), w))
+            })
+            .await?;
+        let m = &self.metrics;
+        for status in [
+            JobStatus::Pending,
+            JobStatus::Running,
+            JobStatus::Completed,
+            JobStatus::Failed,
+            JobStatus::Dead,
+            JobStatus::Cancelled,
+        ] {
+            let n = counts.get(&(status as i32)).copied().unwrap_or(0);
+            m.jobs
+                .get_or_create(&StatusLabel {
+                    status: status_name(status).into(),
+                })
+                .set(n);
+        }
+        let q = |name: &str| crate::metrics::QueueLabel { queue: name.into() };
+        m.queue_depth.get_or_create(&q("ready")).set(depth.0 as i64);
+        m.queue_depth
+            .get_or_create(&q("scheduled"))
+            .set(depth.1 as i64);
+        m.queue_depth
+            .get_or_create(&q("running"))
+            .set(depth.2 as i64);
+        m.workers.clear();
+        for state in ["active", "draining", "dead", "unregistered"] {
+            for fresh in [true, false] {
+                let n = workers
+                    .get(&(state.to_string(), fresh))
+                    .copied()
+                    .unwrap_or(0);
+                m.workers
+                    .get_or_create(&WorkerLabel {
+                        state: state.into(),
+                        fresh: fresh.to_string(),
+                    })
+                    .set(n);
+            }
+        }
+        Ok(m.encode())
+    }
+}
+
+/// The reaper loop: runs [`State::tick`] every `period` until stopped.
+async fn reaper(writer: Writer<State>, period: Duration, mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {
+                if !writer.submit(|s, c| s.tick(c)) {
+                    return;
+                }
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! The scheduler: where leases are granted and lost. After every batch of
+//! operations that made a job ready or freed a slot, [`State::dispatch`]
+//! matches the oldest ready jobs to fresh, ACTIVE, capable workers with a
+//! free slot, least loaded first, and queues the leases for their streams.
+
+use std::{sync::Arc, time::Instant};
+
+use rand::Rng;
+use rusqlite::Connection;
+
+use super::state::{Effect, Lease, State, Waiting};
+use crate::{
+    error::{Error, Result},
+    pb::{self, JobStatus, WorkerState},
+    store::{self, jobs},
+    time::{rfc3339, ts},
+};
+
+impl State {
+    /// Grants leases until no ready job has an eligible worker. FIFO among
+    /// ready jobs: the oldest job some eligible worker can run goes first.
+    ///
+    /// Errors: storage errors (the batch is rolled back).
+    pub fn dispatch(&mut self, conn: &Connection) -> Result<()> {
+        self.wants_dispatch = false;
+        let now = Instant::now();
+        loop {
+            if self.ready.is_empty() || self.available.is_empty() {
+                return Ok(());
+            }
+            let mut heads: Vec<(i64, Arc<str>)> = self
+                .ready_by_plan
+                .iter()
+                .filter_map(|(p, rows)| rows.first().map(|r| (*r, p.clone())))
+                .collect();
+            heads.sort_unstable_by_key(|(row, _)| *row);
+            let mut granted = false;
+            for (row, plan_id) in heads {
+                if let Some(worker_id) = self.pick(&plan_id, now) {
+                    self.grant(conn, row, &worker_id)?;
+                    granted = true;
+                    break;
+                }
+            }
+            if !granted {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The best worker for a job of `plan_id`: fresh, ACTIVE, lease stream
+    /// open, every tool of the plan, a free slot; least loaded first.
+    fn pick(&self, plan_id: &str, now: Instant) -> Option<String> {
+        let plan = self.plans.get(plan_id)?;
+        self.available
+            .iter()
+            .find(|(_, _, id)| {
+                self.workers.get(id).is_some_and(|w| {
+                    w.state == WorkerState::Active
+                        && self.is_fresh(w, now)
+                        && (w.leases.len() as u32) < w.max
+                        && plan.tools.iter().all(|t| w.tools.contains(t))
+                })
+            })
+            .map(|(_, _, id)| id.clone())
+    }
+
+    /// Grants the job at `row` to `worker_id`: commits the lease in the
+    /// batch and queues it for the worker's lease stream.
+    fn grant(&mut self, conn: &Connection, row: i64, worker_id: &str) -> Result<()> {
+        let now_ms = store::now_ms();
+        let Some(mut job) = jobs::get_by_row(conn, row, false)? else {
+            self.dequeue(row);
+            return Ok(());
+        };
+        let attempt = job.attempt + 1;
+        let lease_id = uuid::Uuid::new_v4().to_string();
+        let expires_at_ms = now_ms + self.cfg.job_timeout.as_millis() as i64;
+        jobs::grant_lease(
+            conn,
+            row,
+            worker_id,
+            &lease_id,
+            attempt,
+            now_ms,
+            expires_at_ms,
+        )?;
+
+        let Some(waiting) = self.dequeue(row) else {
+            return Err(Error::Internal(format!("job row {row} was not ready")));
+        };
+        let plan = self
+            .plans
+            .get(&*waiting.plan_id)
+            .map(|p| p.plan.clone())
+            .ok_or_else(|| Error::Internal(format!("plan {} missing", waiting.plan_id)))?;
+        self.metrics
+            .enqueue_to_lease
+            .observe((now_ms - waiting.since_ms).max(0) as f64 / 1000.0);
+        self.metrics.transition(JobStatus::Running);
+        self.lease_seq += 1;
+        let seq = self.lease_seq;
+        job.status = JobStatus::Running as i32;
+        job.attempt = attempt;
+        job.started_at = Some(ts(now_ms));
+        job.worker_id = worker_id.to_string();
+        job.current_task = 0;
+        job.progress_percent = 0;
+        self.leases.insert(
+            row,
+            Lease {
+                lease_id: lease_id.clone(),
+                worker_id: worker_id.to_string(),
+                job_id: job.job_id.clone(),
+                action_id: waiting.action_id.clone(),
+                plan_id: waiting.plan_id.clone(),
+                attempt,
+                max_attempts: job.max_attempts,
+                expires_at_ms,
+                granted_at_ms: now_ms,
+                stream_id: self
+                    .workers
+                    .get(worker_id)
+                    .and_then(|w| w.lease_stream.as_ref())
+                    .map_or(0, |s| s.id),
+            },
+        );
+        self.touch(&waiting.action_id);
+        if let Some(w) = self.workers.get_mut(worker_id) {
+            w.leases.insert(row);
+            w.last_lease_seq = seq;
+            if let Some(slot) = &w.lease_stream {
+                let lease = pb::JobLease {
+                    lease_id,
+                    job: Some(job),
+                    plan: Some(plan),
+                    attempt,
+                    expires_at: Some(ts(expires_at_ms)),
+                };
+                self.outbox.push(Effect::Lease(slot.tx.clone(), lease));
+            }
+        }
+        self.refresh_available(worker_id);
+        Ok(())
+    }
+
+    /// Backoff before attempt `attempt + 1` after attempt `attempt` failed:
+    /// base x 2^(attempt-1), capped, with up to 25% jitter either way.
+    pub fn backoff_ms(&self, attempt: u32) -> i64 {
+        let base = self.cfg.retry_backoff_base.as_millis() as f64;
+        if base <= 0.0 {
+            return 0;
+        }
+        let max = self.cfg.retry_backoff_max.as_millis() as f64;
+        let exp = base * 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
+        let jitter = rand::rng().random_range(0.75..=1.25);
+        (exp.min(max) * jitter) as i64
+    }
+
+    /// Ends the lease of the job at `row` as a failed attempt: the job waits
+    /// out its backoff (Failed) while attempts remain, else goes Dead. The
+    /// holder's slot is freed. `reason` goes to the job's error, `label` to
+    /// the requeue metric. A still-connected holder is told to stop.
+    ///
+    /// Errors: storage errors.
+    pub fn lose_lease(
+        &mut self,
+        conn: &Connection,
+        row: i64,
+        reason: &str,
+        label: &str,
+    ) -> Result<()> {
+        let Some(lease) = self.leases.get(&row).cloned() else {
+            return Ok(());
+        };
+        self.end_attempt(conn, row, &lease, reason)?;
+        self.metrics.requeue(label);
+        if label != "job_failed" {
+            self.command(
+                &lease.worker_id,
+                pb::heartbeat_response::Command::CancelJobId(lease.job_id.clone()),
+            );
+        }
+        tracing::info!(job_id = %lease.job_id, worker_id = %lease.worker_id, reason, "lease lost");
+        Ok(())
+    }
+
+    /// Records a failed attempt of the leased job (reported or lost) and
+    /// re-queues it with backoff or sends it to dead.
+    pub(super) fn end_attempt(
+        &mut self,
+        conn: &Connection,
+        row: i64,
+        lease: &Lease,
+        error: &str,
+    ) -> Result<()> {
+        let now_ms = store::now_ms();
+        let dead = lease.attempt >= lease.max_attempts;
+        let ready_at = now_ms
+            + if dead {
+                0
+            } else {
+                self.backoff_ms(lease.attempt)
+            };
+        let error = format!(
+            "attempt {} of {}: {error}",
+            lease.attempt, lease.max_attempts
+        );
+        jobs::fail_attempt(conn, row, dead, &error, ready_at, now_ms)?;
+        let mut status = if dead {
+            JobStatus::Dead
+        } else {
+            JobStatus::Failed
+        };
+        self.metrics.transition(status);
+        if !dead && ready_at <= now_ms {
+            jobs::promote(conn, row)?;
+            status = JobStatus::Pending;
+            self.metrics.transition(status);
+        }
+        self.release(row, &lease.worker_id);
+        if !dead {
+            let waiting = Waiting {
+                plan_id: lease.plan_id.clone(),
+                action_id: lease.action_id.clone(),
+                since_ms: ready_at,
+                status,
+            };
+            self.enqueue(row, waiting, now_ms);
+        }
+        self.touch(&lease.action_id);
+        Ok(())
+    }
+
+    /// Drops the lease of `row` from memory and frees the holder's slot.
+    pub(super) fn release(&mut self, row: i64, worker_id: &str) {
+        self.leases.remove(&row);
+        if let Some(w) = self.workers.get_mut(worker_id) {
+            w.leases.remove(&row);
+        }
+        self.refresh_available(worker_id);
+        self.wants_dispatch = true;
+    }
+
+    /// Moves delayed jobs whose time has come to the ready queue
+    /// (Failed ones become Pending). Returns how many moved.
+    ///
+    /// Errors: storage errors.
+    pub fn promote_due(&mut self, conn: &Connection, now_ms: i64) -> Result<usize> {
+        let mut moved = 0;
+        while let Some(&(due, row)) = self.delayed.first() {
+            if due > now_ms {
+                break;
+            }
+            self.delayed.pop_first();
+            let Some(mut waiting) = self.delayed_jobs.remove(&row) else {
+                continue;
+            };
+            if waiting.status == JobStatus::Failed {
+                jobs::promote(conn, row)?;
+                waiting.status = JobStatus::Pending;
+                self.metrics.transition(JobStatus::Pending);
+                self.touch(&waiting.action_id.clone());
+            }
+            self.enqueue(row, waiting, now_ms);
+            moved += 1;
+        }
+        Ok(moved)
+    }
+
+    /// Why the pending or failed job at `row` is not running, in words a
+    /// person can act on; empty when it is not waiting.
+    pub fn waiting_reason(&self, row: i64) -> String {
+        if let Some(w) = self.delayed_jobs.get(&row) {
+            return if w.status == JobStatus::Failed {
+                format!(
+                    "backing off until {} before the next attempt",
+                    rfc3339(w.since_ms)
+                )
+            } else {
+                format!("scheduled for {}", rfc3339(w.since_ms))
+            };
+        }
+        let Some(w) = self.ready.get(&row) else {
+            return String::new();
+        };
+        let Some(plan) = self.plans.get(&*w.plan_id) else {
+            return format!("plan {} is missing", w.plan_id);
+        };
+        let now = Instant::now();
+        let capable: Vec<_> = self
+            .workers
+            .values()
+            .filter(|w| {
+                w.state == WorkerState::Active
+                    && self.is_fresh(w, now)
+                    && w.lease_stream.is_some()
+                    && plan.tools.iter().all(|t| w.tools.contains(t))
+            })
+            .collect();
+        if capable.is_empty() {
+            return format!(
+                "no fresh worker has tools [{}]; start or repair a worker that advertises them",
+                plan.tools.join(", ")
+            );
+        }
+        if capable.iter().all(|w| w.leases.len() as u32 >= w.max) {
+            let slots: u32 = capable.iter().map(|w| w.max).sum();
+            return format!(
+                "all {} capable workers are busy ({slots} of {slots} slots leased)",
+                capable.len()
+            );
+        }
+        let ahead = self.ready.range(..row).count();
+        format!("ready; {ahead} jobs ahead in the queue")
+    }
+}

@@ -1,0 +1,480 @@
+//! The core's in-memory state, owned by the writer thread: plans, the ready
+//! and delayed queues, leases and workers. The database is the source of
+//! truth; this state is rebuilt from it at startup and after a failed commit.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use rusqlite::Connection;
+use tokio::sync::{mpsc, watch};
+use tonic::Status;
+
+use crate::{
+    config::EngineConfig,
+    error::Result,
+    metrics::SharedMetrics,
+    pb::{self, JobStatus, WorkerState},
+    store::{self, writer::BatchState},
+};
+
+/// A stored plan with the tools it needs.
+#[derive(Debug)]
+pub struct PlanEntry {
+    /// The plan.
+    pub plan: pb::Plan,
+    /// Distinct commands of its tasks, sorted.
+    pub tools: Vec<String>,
+}
+
+/// Sender half of a server stream to one worker.
+pub type StreamTx<T> = mpsc::UnboundedSender<Result<T, Status>>;
+
+/// One open stream of a worker, identified so a late close of an old
+/// stream does not clear a newer one.
+#[derive(Debug)]
+pub struct StreamSlot<T> {
+    /// Unique id of the stream.
+    pub id: u64,
+    /// Where to push messages.
+    pub tx: StreamTx<T>,
+}
+
+/// A worker as the scheduler sees it.
+#[derive(Debug)]
+pub struct WorkerEntry {
+    /// Registration metadata (hostname, capabilities, tags, ...).
+    pub info: pb::Worker,
+    /// Lifecycle state.
+    pub state: WorkerState,
+    /// Advertised tools.
+    pub tools: HashSet<String>,
+    /// Leases it may hold at once.
+    pub max: u32,
+    /// Rows of the jobs it holds leases for.
+    pub leases: BTreeSet<i64>,
+    /// Monotonic time of the last heartbeat (or registration).
+    pub last_heartbeat: Instant,
+    /// Wall-clock time of the last heartbeat, ms.
+    pub last_heartbeat_ms: i64,
+    /// When the heartbeat was last written to the database, ms.
+    pub flushed_heartbeat_ms: i64,
+    /// Stats of the last heartbeat.
+    pub stats: pb::WorkerStats,
+    /// Open heartbeat stream.
+    pub heartbeat: Option<StreamSlot<pb::HeartbeatResponse>>,
+    /// Open lease stream.
+    pub lease_stream: Option<StreamSlot<pb::JobLease>>,
+    /// Since when its heartbeat stream is gone while it holds leases.
+    pub suspect_since: Option<Instant>,
+    /// Registration time, ms.
+    pub registered_at_ms: i64,
+    /// Key under which it sits in [`State::available`], if it does.
+    pub avail_key: Option<(u32, u64)>,
+    /// Sequence number of its last lease, for round robin among equals.
+    pub last_lease_seq: u64,
+}
+
+/// A granted lease.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    /// Fencing token.
+    pub lease_id: String,
+    /// Holder.
+    pub worker_id: String,
+    /// Public job id.
+    pub job_id: String,
+    /// Owning action.
+    pub action_id: Arc<str>,
+    /// Plan the job runs.
+    pub plan_id: Arc<str>,
+    /// Attempt number of this lease.
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Expiry (job timeout), ms.
+    pub expires_at_ms: i64,
+    /// When it was granted, ms.
+    pub granted_at_ms: i64,
+    /// Id of the lease stream it was sent on (0: loaded at startup).
+    pub stream_id: u64,
+}
+
+/// A pending job waiting in a queue.
+#[derive(Debug, Clone)]
+pub struct Waiting {
+    /// Plan the job runs.
+    pub plan_id: Arc<str>,
+    /// Owning action.
+    pub action_id: Arc<str>,
+    /// When it became (or becomes) eligible, ms.
+    pub since_ms: i64,
+    /// Pending (scheduled or ready) or Failed (backing off).
+    pub status: JobStatus,
+}
+
+/// A side effect released only after the commit.
+pub enum Effect {
+    /// Push a lease to a worker's lease stream.
+    Lease(StreamTx<pb::JobLease>, pb::JobLease),
+    /// Push a message (command or error) to a worker's heartbeat stream.
+    Heartbeat(
+        StreamTx<pb::HeartbeatResponse>,
+        Result<pb::HeartbeatResponse, Status>,
+    ),
+}
+
+/// Watch channels of actions someone streams with WatchAction.
+#[derive(Default)]
+pub struct Watchers {
+    map: Mutex<HashMap<String, watch::Sender<u64>>>,
+}
+
+impl Watchers {
+    /// A receiver that changes whenever a job of `action_id` changes status.
+    pub fn subscribe(&self, action_id: &str) -> watch::Receiver<u64> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(action_id.to_string())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
+    }
+
+    fn notify(&self, actions: &mut HashSet<Arc<str>>) {
+        if actions.is_empty() {
+            return;
+        }
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if map.is_empty() {
+            actions.clear();
+            return;
+        }
+        for a in actions.drain() {
+            if let Some(tx) = map.get(&*a) {
+                if tx.receiver_count() == 0 {
+                    map.remove(&*a);
+                } else {
+                    tx.send_modify(|v| *v += 1);
+                }
+            }
+        }
+    }
+}
+
+/// The in-memory state of the core. See the module docs.
+pub struct State {
+    /// Settings.
+    pub cfg: EngineConfig,
+    /// Metrics.
+    pub metrics: SharedMetrics,
+    /// Every plan by id.
+    pub plans: HashMap<String, Arc<PlanEntry>>,
+    /// Ready pending jobs by row (FIFO).
+    pub ready: BTreeMap<i64, Waiting>,
+    /// Ready rows per plan.
+    pub ready_by_plan: HashMap<Arc<str>, BTreeSet<i64>>,
+    /// Jobs waiting for a time: (due ms, row).
+    pub delayed: BTreeSet<(i64, i64)>,
+    /// Delayed jobs by row.
+    pub delayed_jobs: HashMap<i64, Waiting>,
+    /// Leases by job row.
+    pub leases: HashMap<i64, Lease>,
+    /// Every known worker by id.
+    pub workers: HashMap<String, WorkerEntry>,
+    /// Workers that can take a lease now (ACTIVE, lease stream open, free
+    /// slot), least loaded first: (active leases, last lease seq, id).
+    pub available: BTreeSet<(u32, u64, String)>,
+    /// Side effects of the current batch.
+    pub outbox: Vec<Effect>,
+    /// Actions whose jobs changed in the current batch.
+    pub changed_actions: HashSet<Arc<str>>,
+    /// WatchAction subscribers.
+    pub watchers: Arc<Watchers>,
+    /// Set when the dispatcher may find work (job ready, slot freed).
+    pub wants_dispatch: bool,
+    /// Counter of stream ids.
+    pub next_stream_id: u64,
+    /// Counter of leases, for round robin.
+    pub lease_seq: u64,
+    /// Interned action ids.
+    pub interned: HashMap<String, Arc<str>>,
+}
+
+impl State {
+    /// An empty state; call [`State::load`] inside the first transaction.
+    pub fn new(cfg: EngineConfig, metrics: SharedMetrics, watchers: Arc<Watchers>) -> Self {
+        State {
+            cfg,
+            metrics,
+            plans: HashMap::new(),
+            ready: BTreeMap::new(),
+            ready_by_plan: HashMap::new(),
+            delayed: BTreeSet::new(),
+            delayed_jobs: HashMap::new(),
+            leases: HashMap::new(),
+            workers: HashMap::new(),
+            available: BTreeSet::new(),
+            outbox: Vec::new(),
+            changed_actions: HashSet::new(),
+            watchers,
+            wants_dispatch: true,
+            next_stream_id: 1,
+            lease_seq: 0,
+            interned: HashMap::new(),
+        }
+    }
+
+    /// An interned `Arc<str>` of `s` (action and plan ids shared by many jobs).
+    pub fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.interned.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.interned.insert(s.to_string(), a.clone());
+        a
+    }
+
+    /// Rebuilds the state from the database. Stream slots and heartbeat
+    /// times of workers already in memory are kept; workers new to memory
+    /// (server start) count as suspect from now, so their leases return to
+    /// pending after the grace period unless they reconnect.
+    ///
+    /// Errors: [`crate::error::Error::Storage`].
+    pub fn load(&mut self, conn: &Connection) -> Result<()> {
+        let now = Instant::now();
+        let now_ms = store::now_ms();
+        self.plans.clear();
+        for plan in store::plans::load_all(conn)? {
+            let tools = super::validate::plan_tools(&plan);
+            self.plans
+                .insert(plan.plan_id.clone(), Arc::new(PlanEntry { plan, tools }));
+        }
+        let mut old = std::mem::take(&mut self.workers);
+        self.available.clear();
+        for row in store::workers::load_all(conn)? {
+            let id = row.worker.worker_id.clone();
+            let state = WorkerState::try_from(row.worker.state).unwrap_or(WorkerState::Dead);
+            let prev = old.remove(&id);
+            let tools: HashSet<String> = row
+                .worker
+                .capabilities
+                .as_ref()
+                .map(|c| c.tools.iter().cloned().collect())
+                .unwrap_or_default();
+            let live = matches!(state, WorkerState::Active | WorkerState::Draining);
+            let mut entry = WorkerEntry {
+                max: row.worker.max_concurrent_jobs.max(1),
+                stats: row.worker.stats.clone().unwrap_or_default(),
+                info: row.worker,
+                state,
+                tools,
+                leases: BTreeSet::new(),
+                last_heartbeat: now,
+                last_heartbeat_ms: row.last_heartbeat_at_ms.unwrap_or(row.registered_at_ms),
+                flushed_heartbeat_ms: row.last_heartbeat_at_ms.unwrap_or(row.registered_at_ms),
+                heartbeat: None,
+                lease_stream: None,
+                suspect_since: if live { Some(now) } else { None },
+                registered_at_ms: row.registered_at_ms,
+                avail_key: None,
+                last_lease_seq: 0,
+            };
+            if let Some(p) = prev {
+                entry.last_heartbeat = p.last_heartbeat;
+                entry.last_heartbeat_ms = p.last_heartbeat_ms;
+                entry.stats = p.stats;
+                entry.heartbeat = p.heartbeat;
+                entry.lease_stream = p.lease_stream;
+                entry.suspect_since = p.suspect_since;
+                entry.last_lease_seq = p.last_lease_seq;
+            }
+            self.workers.insert(id, entry);
+        }
+        self.ready.clear();
+        self.ready_by_plan.clear();
+        self.delayed.clear();
+        self.delayed_jobs.clear();
+        self.leases.clear();
+        let mut orphaned = Vec::new();
+        for job in store::jobs::load_open(conn)? {
+            let plan_id = self.intern(&job.plan_id);
+            let action_id = self.intern(&job.action_id);
+            match job.status {
+                JobStatus::Running => {
+                    let worker_id = job.worker_id.clone().unwrap_or_default();
+                    let lease = Lease {
+                        lease_id: job.lease_id.clone().unwrap_or_default(),
+                        worker_id: worker_id.clone(),
+                        job_id: job.job_id.clone(),
+                        action_id,
+                        plan_id,
+                        attempt: job.attempt,
+                        max_attempts: job.max_attempts,
+                        expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
+                        granted_at_ms: now_ms,
+                        stream_id: 0,
+                    };
+                    self.leases.insert(job.row, lease);
+                    match self.workers.get_mut(&worker_id) {
+                        Some(w)
+                            if matches!(w.state, WorkerState::Active | WorkerState::Draining) =>
+                        {
+                            w.leases.insert(job.row);
+                        }
+                        _ => orphaned.push(job.row),
+                    }
+                }
+                status => {
+                    let waiting = Waiting {
+                        plan_id,
+                        action_id,
+                        since_ms: job.ready_at_ms,
+                        status,
+                    };
+                    self.enqueue(job.row, waiting, now_ms);
+                }
+            }
+        }
+        let ids: Vec<String> = self.workers.keys().cloned().collect();
+        for id in ids {
+            self.refresh_available(&id);
+        }
+        for row in orphaned {
+            self.lose_lease(conn, row, "its worker is gone", "stream_lost")?;
+        }
+        self.wants_dispatch = true;
+        Ok(())
+    }
+
+    /// Puts a waiting job in the ready queue when due, else in the delayed set.
+    /// A due job stored as Failed must be promoted by the caller first.
+    pub fn enqueue(&mut self, row: i64, waiting: Waiting, now_ms: i64) {
+        if waiting.since_ms <= now_ms && waiting.status == JobStatus::Pending {
+            self.ready_by_plan
+                .entry(waiting.plan_id.clone())
+                .or_default()
+                .insert(row);
+            self.ready.insert(row, waiting);
+            self.wants_dispatch = true;
+        } else {
+            self.delayed.insert((waiting.since_ms, row));
+            self.delayed_jobs.insert(row, waiting);
+        }
+    }
+
+    /// Removes a job from the ready or delayed queue; returns what it was.
+    pub fn dequeue(&mut self, row: i64) -> Option<Waiting> {
+        if let Some(w) = self.ready.remove(&row) {
+            if let Some(set) = self.ready_by_plan.get_mut(&w.plan_id) {
+                set.remove(&row);
+                if set.is_empty() {
+                    self.ready_by_plan.remove(&w.plan_id);
+                }
+            }
+            return Some(w);
+        }
+        if let Some(w) = self.delayed_jobs.remove(&row) {
+            self.delayed.remove(&(w.since_ms, row));
+            return Some(w);
+        }
+        None
+    }
+
+    /// Re-files worker `id` in [`State::available`] after a change of its
+    /// state, streams or load.
+    pub fn refresh_available(&mut self, id: &str) {
+        let Some(w) = self.workers.get_mut(id) else {
+            return;
+        };
+        if let Some((load, seq)) = w.avail_key.take() {
+            self.available.remove(&(load, seq, id.to_string()));
+        }
+        let eligible = w.state == WorkerState::Active
+            && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed())
+            && (w.leases.len() as u32) < w.max;
+        if eligible {
+            let key = (w.leases.len() as u32, w.last_lease_seq);
+            w.avail_key = Some(key);
+            self.available.insert((key.0, key.1, id.to_string()));
+            self.wants_dispatch = true;
+        }
+    }
+
+    /// True while the worker's last heartbeat is younger than 3 x interval.
+    pub fn is_fresh(&self, w: &WorkerEntry, now: Instant) -> bool {
+        now.saturating_duration_since(w.last_heartbeat) < self.cfg.stale_after()
+    }
+
+    /// Queues a command for a worker's heartbeat stream, if it has one open.
+    pub fn command(&mut self, worker_id: &str, cmd: pb::heartbeat_response::Command) {
+        let deadline = self.next_deadline_ts();
+        if let Some(slot) = self
+            .workers
+            .get(worker_id)
+            .and_then(|w| w.heartbeat.as_ref())
+        {
+            let msg = pb::HeartbeatResponse {
+                next_deadline: Some(deadline),
+                command: Some(cmd),
+            };
+            self.outbox
+                .push(Effect::Heartbeat(slot.tx.clone(), Ok(msg)));
+        }
+    }
+
+    /// The deadline of a heartbeat sent now.
+    pub fn next_deadline_ts(&self) -> prost_types::Timestamp {
+        crate::time::ts(store::now_ms() + self.cfg.heartbeat_interval.as_millis() as i64)
+    }
+
+    /// Records that a job of `action` changed status (for WatchAction).
+    pub fn touch(&mut self, action: &Arc<str>) {
+        if !self.changed_actions.contains(action) {
+            self.changed_actions.insert(action.clone());
+        }
+    }
+}
+
+impl BatchState for State {
+    fn before_commit(&mut self, conn: &Connection) -> Result<()> {
+        if self.wants_dispatch {
+            self.dispatch(conn)?;
+        }
+        Ok(())
+    }
+
+    fn after_commit(&mut self, ops: usize) {
+        self.metrics.batch_size.observe(ops as f64);
+        for effect in self.outbox.drain(..) {
+            match effect {
+                Effect::Lease(tx, lease) => {
+                    let _ = tx.send(Ok(lease));
+                }
+                Effect::Heartbeat(tx, msg) => {
+                    let _ = tx.send(msg);
+                }
+            }
+        }
+        let watchers = self.watchers.clone();
+        watchers.notify(&mut self.changed_actions);
+    }
+
+    fn after_rollback(&mut self, conn: &Connection) {
+        self.outbox.clear();
+        self.changed_actions.clear();
+        if let Err(e) = self.load(conn) {
+            tracing::error!(error = %e, "reloading the state after a rollback failed");
+        }
+    }
+
+    fn on_shutdown(&mut self, conn: &Connection) {
+        if let Err(e) = self.flush_heartbeats(conn, true) {
+            tracing::warn!(error = %e, "flushing heartbeats at shutdown failed");
+        }
+        for w in self.workers.values_mut() {
+            w.heartbeat = None;
+            w.lease_stream = None;
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! Input validation of the seed protocol: ids, plans, action inputs and
+//! worker registrations. Every check returns [`Error::InvalidArgument`] with
+//! a message naming the rule, and nothing is written before it passes.
+
+use std::collections::HashMap;
+
+use crate::{
+    error::{Error, Result},
+    pb,
+};
+
+/// Most tasks in one plan.
+pub const MAX_TASKS: usize = 100;
+/// Largest `timeout_secs` of a task (one day).
+pub const MAX_TASK_TIMEOUT_SECS: u32 = 86_400;
+/// Most arguments of one task.
+pub const MAX_ARGS: usize = 256;
+/// Largest single argument, in bytes.
+pub const MAX_ARG_BYTES: usize = 64 * 1024;
+/// Largest plan description, in bytes.
+pub const MAX_DESCRIPTION_BYTES: usize = 4096;
+/// Most values in one action input.
+pub const MAX_INPUT_KEYS: usize = 64;
+/// Largest input value, in bytes.
+pub const MAX_INPUT_VALUE_BYTES: usize = 64 * 1024;
+/// Most tools one worker may advertise.
+pub const MAX_TOOLS: usize = 1024;
+/// Most leases one worker may hold.
+pub const MAX_CONCURRENT_JOBS: u32 = 1024;
+/// Most attempts per job.
+pub const MAX_ATTEMPTS: u32 = 100;
+
+fn id_chars(s: &str, extra: &[char]) -> bool {
+    s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || extra.contains(&c))
+}
+
+/// Checks an id of plans, actions and jobs: `[A-Za-z0-9._-]{1,128}`.
+/// `what` names the field in the message.
+pub fn object_id(what: &str, id: &str) -> Result<()> {
+    if id.is_empty() || id.len() > 128 || !id_chars(id, &['.', '_', '-']) {
+        return Err(Error::invalid(format!(
+            "{what} must match [A-Za-z0-9._-]{{1,128}}, got {:?}",
+            truncate(id, 64)
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a worker id: `[A-Za-z0-9_-]{1,64}`.
+pub fn worker_id(id: &str) -> Result<()> {
+    if id.is_empty() || id.len() > 64 || !id_chars(id, &['_', '-']) {
+        return Err(Error::invalid(format!(
+            "worker_id must match [A-Za-z0-9_-]{{1,64}}, got {:?}",
+            truncate(id, 80)
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a bare executable name: `[A-Za-z0-9._+-]{1,128}`, not "." or
+/// "..", not starting with "-". This excludes "/", whitespace, NUL and
+/// every shell metacharacter.
+pub fn command_name(cmd: &str) -> Result<()> {
+    let ok = !cmd.is_empty()
+        && cmd.len() <= 128
+        && cmd != "."
+        && cmd != ".."
+        && !cmd.starts_with('-')
+        && id_chars(cmd, &['.', '_', '-', '+']);
+    if !ok {
+        return Err(Error::invalid(format!(
+            "command must be a bare executable name ([A-Za-z0-9._+-], no '/', whitespace or shell syntax), got {:?}",
+            truncate(cmd, 64)
+        )));
+    }
+    Ok(())
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Validates a plan by every seed rule (seed: PLAN.SUBMIT): id syntax,
+/// description size, 1..=100 tasks numbered 1..=n, bare commands, bounded
+/// args, `timeout_secs` in 1..=86400, `input_from_task` naming an earlier task.
+pub fn plan(plan: &pb::Plan) -> Result<()> {
+    object_id("plan_id", &plan.plan_id)?;
+    if plan.plan_description.len() > MAX_DESCRIPTION_BYTES {
+        return Err(Error::invalid(format!(
+            "plan_description is {} bytes; at most {MAX_DESCRIPTION_BYTES} allowed",
+            plan.plan_description.len()
+        )));
+    }
+    if plan.tasks.is_empty() {
+        return Err(Error::invalid("a plan needs at least one task"));
+    }
+    if plan.tasks.len() > MAX_TASKS {
+        return Err(Error::invalid(format!(
+            "a plan has at most {MAX_TASKS} tasks, got {}",
+            plan.tasks.len()
+        )));
+    }
+    for (i, task) in plan.tasks.iter().enumerate() {
+        let n = i as u32 + 1;
+        if task.task_number != n {
+            return Err(Error::invalid(format!(
+                "task_number must be 1-based and contiguous: task at position {n} has task_number {}",
+                task.task_number
+            )));
+        }
+        command_name(&task.command).map_err(|e| Error::invalid(format!("task {n}: {e}")))?;
+        if task.args.len() > MAX_ARGS {
+            return Err(Error::invalid(format!(
+                "task {n}: at most {MAX_ARGS} args, got {}",
+                task.args.len()
+            )));
+        }
+        for (j, arg) in task.args.iter().enumerate() {
+            if arg.len() > MAX_ARG_BYTES {
+                return Err(Error::invalid(format!(
+                    "task {n}: arg {j} is {} bytes; at most {MAX_ARG_BYTES} allowed",
+                    arg.len()
+                )));
+            }
+            if arg.contains('\0') {
+                return Err(Error::invalid(format!(
+                    "task {n}: arg {j} contains a NUL byte"
+                )));
+            }
+        }
+        if task.timeout_secs == 0 || task.timeout_secs > MAX_TASK_TIMEOUT_SECS {
+            return Err(Error::invalid(format!(
+                "task {n}: timeout_secs must be in 1..={MAX_TASK_TIMEOUT_SECS}, got {}",
+                task.timeout_secs
+            )));
+        }
+        if let Some(from) = task.input_from_task {
+            if from == 0 || from >= n {
+                return Err(Error::invalid(format!(
+                    "task {n}: input_from_task must name an earlier task (1..={}), got {from}",
+                    n - 1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The distinct tools (commands) a plan needs, sorted.
+pub fn plan_tools(plan: &pb::Plan) -> Vec<String> {
+    let mut tools: Vec<String> = plan.tasks.iter().map(|t| t.command.clone()).collect();
+    tools.sort();
+    tools.dedup();
+    tools
+}
+
+/// Checks one action input: at most 64 values, keys `[A-Za-z0-9._-]{1,128}`,
+/// values at most 64 KiB without NUL bytes. `index` names the input.
+pub fn action_input(index: usize, values: &HashMap<String, String>) -> Result<()> {
+    if values.len() > MAX_INPUT_KEYS {
+        return Err(Error::invalid(format!(
+            "inputs[{index}] has {} values; at most {MAX_INPUT_KEYS} allowed",
+            values.len()
+        )));
+    }
+    for (k, v) in values {
+        if k.is_empty() || k.len() > 128 || !id_chars(k, &['.', '_', '-']) {
+            return Err(Error::invalid(format!(
+                "inputs[{index}]: key {:?} must match [A-Za-z0-9._-]{{1,128}}",
+                truncate(k, 64)
+            )));
+        }
+        if v.len() > MAX_INPUT_VALUE_BYTES {
+            return Err(Error::invalid(format!(
+                "inputs[{index}].{k} is {} bytes; at most {MAX_INPUT_VALUE_BYTES} allowed",
+                v.len()
+            )));
+        }
+        if v.contains('\0') {
+            return Err(Error::invalid(format!(
+                "inputs[{index}].{k} contains a NUL byte"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn short_text(what: &str, s: &str, min: usize, max: usize) -> Result<()> {
+    if s.len() < min || s.len() > max || s.chars().any(|c| !c.is_ascii_graphic() && c != ' ') {
+        return Err(Error::invalid(format!(
+            "{what} must be {min}..={max} bytes of printable ASCII, got {:?}",
+            truncate(s, 64)
+        )));
+    }
+    Ok(())
+}
+
+/// Validates a registration (seed: WORKER.REGISTER) and returns it with
+/// defaults applied (max_concurrent_jobs 0 → 1, tools sorted and deduplicated).
+pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorkerRequest> {
+    worker_id(&req.worker_id)?;
+    short_text("hostname", &req.hostname, 1, 255)?;
+    short_text("platform", &req.platform, 0, 64)?;
+    short_text("agw_version", &req.agw_version, 1, 64)?;
+    let mut req = req.clone();
+    if req.max_concurrent_jobs == 0 {
+        req.max_concurrent_jobs = 1;
+    }
+    if req.max_concurrent_jobs > MAX_CONCURRENT_JOBS {
+        return Err(Error::invalid(format!(
+            "max_concurrent_jobs must be in 1..={MAX_CONCURRENT_JOBS}, got {}",
+            req.max_concurrent_jobs
+        )));
+    }
+    let caps = req.capabilities.get_or_insert_with(Default::default);
+    if caps.tools.len() > MAX_TOOLS || caps.agentic_units.len() > MAX_TOOLS {
+        return Err(Error::invalid(format!(
+            "at most {MAX_TOOLS} tools and agentic units"
+        )));
+    }
+    for tool in &caps.tools {
+        command_name(tool).map_err(|e| Error::invalid(format!("capabilities.tools: {e}")))?;
+    }
+    for unit in &caps.agentic_units {
+        short_text("agentic unit", unit, 1, 128)?;
+    }
+    caps.tools.sort();
+    caps.tools.dedup();
+    if req.tags.len() > 64 {
+        return Err(Error::invalid("at most 64 tags"));
+    }
+    for (k, v) in &req.tags {
+        short_text("tag key", k, 1, 128)?;
+        short_text("tag value", v, 0, 256)?;
+    }
+    Ok(req)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(n: u32, cmd: &str) -> pb::Task {
+        pb::Task {
+            task_number: n,
+            command: cmd.into(),
+            args: vec![],
+            timeout_secs: 10,
+            input_from_task: None,
+        }
+    }
+
+    #[test]
+    fn commands() {
+        for ok in ["sort", "jq", "md5sum", "python3.11", "g++", "x-y_z"] {
+            assert!(command_name(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "", "/bin/sh", "ls -l", "a;b", "$(x)", "a|b", "..", "-rf", "a\0b", "é",
+        ] {
+            assert!(command_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn input_from_task_must_point_back() {
+        let mut p = pb::Plan {
+            plan_id: "p".into(),
+            plan_description: String::new(),
+            tasks: vec![task(1, "cat"), task(2, "sort")],
+        };
+        p.tasks[1].input_from_task = Some(1);
+        assert!(plan(&p).is_ok());
+        p.tasks[1].input_from_task = Some(2);
+        assert!(plan(&p).is_err());
+        p.tasks[1].input_from_task = Some(3);
+        assert!(plan(&p).is_err());
+        p.tasks[1].input_from_task = Some(0);
+        assert!(plan(&p).is_err());
+    }
+}

@@ -1,0 +1,96 @@
+//! The one error type of the AGQ server and the one place that maps it to a
+//! gRPC status code. Internal details are logged, never sent to clients.
+
+use tonic::{Code, Status};
+
+/// An error of the AGQ core or store, mapped to a gRPC [`Status`] by
+/// `From<Error> for Status`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad input: a malformed id, a plan that fails validation, a limit
+    /// exceeded by the request itself. Maps to `INVALID_ARGUMENT`.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The named plan, action, job or worker does not exist. Maps to `NOT_FOUND`.
+    #[error("{0}")]
+    NotFound(String),
+    /// The id is taken. Maps to `ALREADY_EXISTS`.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The request is valid but not in the current state: a bad job
+    /// transition, a stale lease (fencing), a plan still in use. Maps to
+    /// `FAILED_PRECONDITION`.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The caller may not act on this object (another worker's job, a
+    /// worker token used for a client call). Maps to `PERMISSION_DENIED`.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A server-side limit is reached. Maps to `RESOURCE_EXHAUSTED`.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The server is shutting down or its store is gone. Maps to `UNAVAILABLE`.
+    #[error("the server is shutting down")]
+    Unavailable,
+    /// SQLite failed. Maps to `INTERNAL`; the detail is logged only.
+    #[error("storage error: {0}")]
+    Storage(#[from] rusqlite::Error),
+    /// The read connection pool failed. Maps to `UNAVAILABLE`.
+    #[error("connection pool error: {0}")]
+    Pool(#[from] r2d2::Error),
+    /// Anything else unexpected. Maps to `INTERNAL`; the detail is logged only.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Result alias of the AGQ core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// Shorthand for [`Error::NotFound`].
+    pub fn not_found(msg: impl Into<String>) -> Self {
+        Error::NotFound(msg.into())
+    }
+
+    /// Shorthand for [`Error::FailedPrecondition`].
+    pub fn precondition(msg: impl Into<String>) -> Self {
+        Error::FailedPrecondition(msg.into())
+    }
+
+    /// The gRPC code this error maps to.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::InvalidArgument(_) => Code::InvalidArgument,
+            Error::NotFound(_) => Code::NotFound,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::PermissionDenied(_) => Code::PermissionDenied,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::Unavailable | Error::Pool(_) => Code::Unavailable,
+            Error::Storage(_) | Error::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(err: Error) -> Self {
+        let code = err.code();
+        match err {
+            Error::Storage(_) | Error::Internal(_) | Error::Pool(_) => {
+                tracing::error!(error = %err, "internal error");
+                let msg = if code == Code::Unavailable {
+                    "the store is temporarily unavailable; retry"
+                } else {
+                    "internal error; see the server log"
+                };
+                Status::new(code, msg)
+            }
+            other => Status::new(code, other.to_string()),
+        }
+    }
+}

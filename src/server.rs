@@ -1,0 +1,226 @@
+//! Builds and runs the gRPC server: the five `agq.v1` services behind the
+//! auth interceptor, `grpc.health.v1` and server reflection (v1 and
+//! v1alpha, both unauthenticated), and the HTTP metrics endpoint.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use tokio::{net::TcpListener, sync::watch};
+use tonic::transport::{
+    server::TcpIncoming, Certificate, Identity as TlsIdentity, Server, ServerTlsConfig,
+};
+
+use crate::{
+    auth::Authenticator,
+    config::EngineConfig,
+    core::Engine,
+    error::{Error, Result},
+    metrics::Metrics,
+    pb::{
+        action_service_server::ActionServiceServer, job_service_server::JobServiceServer,
+        plan_service_server::PlanServiceServer, queue_service_server::QueueServiceServer,
+        worker_service_server::WorkerServiceServer, FILE_DESCRIPTOR_SET,
+    },
+    service::{ActionApi, JobApi, PlanApi, QueueApi, WorkerApi},
+};
+
+/// Largest gRPC message the server accepts, in bytes (16 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// PEM files of the server's TLS setup.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: std::path::PathBuf,
+    /// Private key.
+    pub key: std::path::PathBuf,
+    /// CA that client certificates must chain to (mutual TLS).
+    pub client_ca: Option<std::path::PathBuf>,
+}
+
+/// Everything [`run`] needs besides the listeners.
+pub struct ServerOptions {
+    /// SQLite database file.
+    pub db: std::path::PathBuf,
+    /// Core settings.
+    pub engine: EngineConfig,
+    /// Tokens; empty means auth off.
+    pub auth: Authenticator,
+    /// TLS, if enabled.
+    pub tls: Option<TlsFiles>,
+}
+
+/// Runs AGQ on `listener` (and `GET /metrics` on `metrics_listener`) until
+/// `shutdown` resolves. On shutdown, health turns NOT_SERVING, open streams
+/// end, in-flight calls finish, then the database is closed cleanly.
+/// `ready` is called with the engine once the database is open and health
+/// reports SERVING.
+///
+/// Errors: storage errors opening the database, TLS files that cannot be
+/// read, transport errors.
+pub async fn run(
+    listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()> + Send,
+    ready: impl FnOnce(&Arc<Engine>),
+) -> Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let engine = Engine::open(&opts.db, opts.engine.clone(), metrics).await?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
+
+    let auth = opts.auth.clone();
+    let intercept = move |req| auth.intercept(req);
+    macro_rules! svc {
+        ($server:ident, $api:expr) => {
+            tonic::service::interceptor::InterceptedService::new(
+                $server::new($api)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                intercept.clone(),
+            )
+        };
+    }
+    let plan = svc!(
+        PlanServiceServer,
+        PlanApi {
+            engine: engine.clone()
+        }
+    );
+    let action = svc!(
+        ActionServiceServer,
+        ActionApi {
+            engine: engine.clone(),
+            shutdown: stop_rx.clone()
+        }
+    );
+    let job = svc!(
+        JobServiceServer,
+        JobApi {
+            engine: engine.clone()
+        }
+    );
+    let worker = svc!(
+        WorkerServiceServer,
+        WorkerApi {
+            engine: engine.clone(),
+            shutdown: stop_rx.clone()
+        }
+    );
+    let queue = svc!(
+        QueueServiceServer,
+        QueueApi {
+            engine: engine.clone()
+        }
+    );
+
+    health_reporter
+        .set_serving::<PlanServiceServer<PlanApi>>()
+        .await;
+    health_reporter
+        .set_serving::<ActionServiceServer<ActionApi>>()
+        .await;
+    health_reporter
+        .set_serving::<JobServiceServer<JobApi>>()
+        .await;
+    health_reporter
+        .set_serving::<WorkerServiceServer<WorkerApi>>()
+        .await;
+    health_reporter
+        .set_serving::<QueueServiceServer<QueueApi>>()
+        .await;
+    health_reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)));
+    if let Some(tls) = &opts.tls {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p)
+                .map_err(|e| Error::Internal(format!("cannot read {}: {e}", p.display())))
+        };
+        let mut cfg = ServerTlsConfig::new()
+            .identity(TlsIdentity::from_pem(read(&tls.cert)?, read(&tls.key)?));
+        if let Some(ca) = &tls.client_ca {
+            cfg = cfg.client_ca_root(Certificate::from_pem(read(ca)?));
+        }
+        builder = builder
+            .tls_config(cfg)
+            .map_err(|e| Error::Internal(format!("TLS: {e}")))?;
+    }
+
+    let metrics_task = metrics_listener.map(|l| {
+        let engine = engine.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(crate::metrics::serve_http(
+            l,
+            move || {
+                let engine = engine.clone();
+                async move {
+                    engine
+                        .metrics_text()
+                        .await
+                        .unwrap_or_else(|e| format!("# error: {e}\n"))
+                }
+            },
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        ))
+    });
+
+    ready(&engine);
+    let reporter = health_reporter.clone();
+    let graceful = async move {
+        shutdown.await;
+        tracing::info!("shutting down: health NOT_SERVING, ending streams, finishing calls");
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        reporter
+            .set_not_serving::<PlanServiceServer<PlanApi>>()
+            .await;
+        reporter
+            .set_not_serving::<ActionServiceServer<ActionApi>>()
+            .await;
+        reporter.set_not_serving::<JobServiceServer<JobApi>>().await;
+        reporter
+            .set_not_serving::<WorkerServiceServer<WorkerApi>>()
+            .await;
+        reporter
+            .set_not_serving::<QueueServiceServer<QueueApi>>()
+            .await;
+        let _ = stop_tx.send(true);
+    };
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let served = builder
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(plan)
+        .add_service(action)
+        .add_service(job)
+        .add_service(worker)
+        .add_service(queue)
+        .serve_with_incoming_shutdown(incoming, graceful)
+        .await;
+    if let Some(t) = metrics_task {
+        let _ = t.await;
+    }
+    engine.close().await;
+    tracing::info!("database closed");
+    served.map_err(|e| Error::Internal(format!("transport: {e}")))
+}

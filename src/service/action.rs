@@ -1,0 +1,115 @@
+//! `agq.v1.ActionService` (seed: ACTION.SUBMIT, ACTION.STATUS; WatchAction is new).
+
+use std::{pin::Pin, sync::Arc};
+
+use futures_util::Stream;
+use tonic::{Request, Response, Status};
+
+use super::rpc;
+use crate::{
+    auth::{identity, require_client},
+    core::Engine,
+    pb::{self, action_service_server::ActionService},
+};
+
+/// The ActionService implementation.
+pub struct ActionApi {
+    /// The core.
+    pub engine: Arc<Engine>,
+    /// Resolves when the server shuts down; ends open watch streams.
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
+}
+
+fn all_terminal(a: &pb::ActionStatus) -> bool {
+    a.completed + a.dead + a.cancelled >= a.total_jobs
+}
+
+#[tonic::async_trait]
+impl ActionService for ActionApi {
+    async fn submit_action(
+        &self,
+        req: Request<pb::SubmitActionRequest>,
+    ) -> Result<Response<pb::SubmitActionResponse>, Status> {
+        rpc(&self.engine, "ActionService/SubmitAction", async {
+            require_client(&identity(&req))?;
+            let (action_id, job_ids) = self.engine.submit_action(req.into_inner()).await?;
+            Ok(pb::SubmitActionResponse {
+                action_id,
+                jobs_created: job_ids.len() as u32,
+                job_ids,
+            })
+        })
+        .await
+    }
+
+    async fn get_action(
+        &self,
+        req: Request<pb::GetActionRequest>,
+    ) -> Result<Response<pb::GetActionResponse>, Status> {
+        rpc(&self.engine, "ActionService/GetAction", async {
+            require_client(&identity(&req))?;
+            let action = self.engine.get_action(req.into_inner().action_id).await?;
+            Ok(pb::GetActionResponse {
+                action: Some(action),
+            })
+        })
+        .await
+    }
+
+    type WatchActionStream =
+        Pin<Box<dyn Stream<Item = Result<pb::WatchActionResponse, Status>> + Send>>;
+
+    async fn watch_action(
+        &self,
+        req: Request<pb::WatchActionRequest>,
+    ) -> Result<Response<Self::WatchActionStream>, Status> {
+        rpc(&self.engine, "ActionService/WatchAction", async {
+            require_client(&identity(&req))?;
+            let action_id = req.into_inner().action_id;
+            let mut changes = self.engine.watch_action(&action_id);
+            changes.borrow_and_update();
+            // Fails with INVALID_ARGUMENT / NOT_FOUND before the stream starts.
+            let first = self.engine.get_action(action_id.clone()).await?;
+            let engine = self.engine.clone();
+            let mut shutdown = self.shutdown.clone();
+            let stream = async_stream(move |tx| async move {
+                let mut current = first;
+                loop {
+                    let done = all_terminal(&current);
+                    if tx.send(Ok(pb::WatchActionResponse { action: Some(current) })).await.is_err() || done {
+                        return;
+                    }
+                    let stopping = tokio::select! {
+                        changed = changes.changed() => if changed.is_err() { return } else { false },
+                        r = shutdown.wait_for(|s| *s) => r.is_ok(),
+                    };
+                    if stopping {
+                        let _ = tx.send(Err(Status::unavailable("the server is shutting down"))).await;
+                        return;
+                    }
+                    match engine.get_action(action_id.clone()).await {
+                        Ok(a) => current = a,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into())).await;
+                            return;
+                        }
+                    }
+                }
+            });
+            Ok(stream)
+        })
+        .await
+    }
+}
+
+/// A boxed stream fed by a task that gets the sender half of a channel.
+fn async_stream<T, F, Fut>(f: F) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<T, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}

@@ -1,0 +1,42 @@
+//! Thin tonic implementations of the `agq.v1` services: check the caller's
+//! role, decode, call the core, encode. Every RPC runs in one tracing span
+//! with its method and status code, and is counted in the metrics.
+
+mod action;
+mod job;
+mod plan;
+mod queue;
+mod worker;
+
+use std::{future::Future, sync::Arc};
+
+use tonic::{Code, Response, Status};
+use tracing::Instrument;
+
+pub use self::{action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi};
+use crate::core::Engine;
+
+/// Runs one RPC body inside a span named after `method`, records its status
+/// code in the metrics and the log, and wraps the reply.
+async fn rpc<T>(
+    engine: &Arc<Engine>,
+    method: &'static str,
+    body: impl Future<Output = Result<T, Status>>,
+) -> Result<Response<T>, Status> {
+    let span = tracing::info_span!("rpc", method, code = tracing::field::Empty);
+    let result = body.instrument(span.clone()).await;
+    let code = match &result {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    };
+    span.record("code", tracing::field::debug(code));
+    engine.metrics().rpc(method, code);
+    match &result {
+        Ok(_) => tracing::debug!(parent: &span, "ok"),
+        Err(s) if matches!(code, Code::Internal | Code::Unavailable) => {
+            tracing::warn!(parent: &span, message = s.message(), "rpc failed")
+        }
+        Err(s) => tracing::debug!(parent: &span, message = s.message(), "rpc rejected"),
+    }
+    result.map(Response::new)
+}

@@ -1,0 +1,253 @@
+//! `agq.v1.WorkerService` (seed: WORKER.REGISTER, WORKER.HEARTBEAT as a
+//! bidirectional stream, BRPOP queue:ready as the LeaseJobs server stream,
+//! JOB.UPDATE, WORKER.UNREGISTER, KEYS worker:*:alive, GET worker:<id>:stats).
+
+use std::{
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use futures_util::{Stream, StreamExt};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::rpc;
+use crate::{
+    auth::{identity, require_client, require_worker},
+    core::{workers::StreamKind, Engine},
+    error::Error,
+    pb::{self, worker_service_server::WorkerService},
+};
+
+/// The WorkerService implementation.
+pub struct WorkerApi {
+    /// The core.
+    pub engine: Arc<Engine>,
+    /// Turns true when the server shuts down; ends open streams.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// A server stream that tells the core when it is dropped (the client went
+/// away or the server ended it).
+struct ClosingStream<T> {
+    inner: BoxStream<T>,
+    on_close: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl<T> Stream for ClosingStream<T> {
+    type Item = Result<T, Status>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+impl<T> Drop for ClosingStream<T> {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_close.take() {
+            f();
+        }
+    }
+}
+
+fn until_shutdown<T: Send + 'static>(
+    stream: impl Stream<Item = Result<T, Status>> + Send + 'static,
+    mut shutdown: watch::Receiver<bool>,
+) -> BoxStream<T> {
+    let stop = async move {
+        let _ = shutdown.wait_for(|s| *s).await;
+    };
+    Box::pin(stream.take_until(Box::pin(stop)))
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerApi {
+    async fn register_worker(
+        &self,
+        req: Request<pb::RegisterWorkerRequest>,
+    ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/RegisterWorker", async {
+            let r = req.get_ref();
+            require_worker(&identity(&req), &r.worker_id)?;
+            let r = req.into_inner();
+            let worker_id = r.worker_id.clone();
+            let interval = self.engine.register_worker(r).await?;
+            Ok(pb::RegisterWorkerResponse {
+                worker_id,
+                heartbeat_interval_secs: interval.as_secs_f64().ceil() as u32,
+                heartbeat_interval_ms: interval.as_millis().min(u32::MAX as u128) as u32,
+            })
+        })
+        .await
+    }
+
+    type HeartbeatStream = BoxStream<pb::HeartbeatResponse>;
+
+    async fn heartbeat(
+        &self,
+        req: Request<Streaming<pb::HeartbeatRequest>>,
+    ) -> Result<Response<Self::HeartbeatStream>, Status> {
+        rpc(&self.engine, "WorkerService/Heartbeat", async {
+            let who = identity(&req);
+            let mut inbound = req.into_inner();
+            let first = inbound.message().await?.ok_or_else(|| {
+                Status::invalid_argument("the heartbeat stream ended before its first message")
+            })?;
+            require_worker(&who, &first.worker_id)?;
+            let worker_id = first.worker_id.clone();
+            let (tx, rx) = mpsc::unbounded_channel();
+            let engine = self.engine.clone();
+            let sid = engine.open_heartbeat(worker_id.clone(), tx.clone()).await?;
+            let held = first.held_leases.map(|h| h.lease_ids);
+            match engine.heartbeat(worker_id.clone(), first.stats, held).await {
+                Ok(resp) => {
+                    let _ = tx.send(Ok(resp));
+                }
+                Err(e) => {
+                    engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
+                    return Err(e.into());
+                }
+            }
+            let mut shutdown = self.shutdown.clone();
+            tokio::spawn(async move {
+                loop {
+                    let msg = tokio::select! {
+                        m = inbound.message() => m,
+                        _ = shutdown.wait_for(|s| *s) => break,
+                    };
+                    let m = match msg {
+                        Ok(Some(m)) => m,
+                        Ok(None) | Err(_) => break,
+                    };
+                    if m.worker_id != worker_id {
+                        let _ = tx.send(Err(Status::invalid_argument(
+                            "worker_id changed within one heartbeat stream",
+                        )));
+                        break;
+                    }
+                    let held = m.held_leases.map(|h| h.lease_ids);
+                    match engine.heartbeat(worker_id.clone(), m.stats, held).await {
+                        Ok(resp) => {
+                            if tx.send(Ok(resp)).is_err() {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into()));
+                            break;
+                        }
+                    }
+                }
+                engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
+            });
+            Ok(until_shutdown(
+                UnboundedReceiverStream::new(rx),
+                self.shutdown.clone(),
+            ))
+        })
+        .await
+    }
+
+    type LeaseJobsStream = BoxStream<pb::JobLease>;
+
+    async fn lease_jobs(
+        &self,
+        req: Request<pb::LeaseJobsRequest>,
+    ) -> Result<Response<Self::LeaseJobsStream>, Status> {
+        rpc(&self.engine, "WorkerService/LeaseJobs", async {
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            let worker_id = req.into_inner().worker_id;
+            let (tx, rx) = mpsc::unbounded_channel();
+            let sid = self.engine.open_lease_stream(worker_id.clone(), tx).await?;
+            let engine = self.engine.clone();
+            let stream: BoxStream<pb::JobLease> = Box::pin(ClosingStream {
+                inner: until_shutdown(UnboundedReceiverStream::new(rx), self.shutdown.clone()),
+                on_close: Some(Box::new(move || {
+                    engine.close_stream(worker_id, StreamKind::Lease, sid)
+                })),
+            });
+            Ok(stream)
+        })
+        .await
+    }
+
+    async fn update_job(
+        &self,
+        req: Request<pb::UpdateJobRequest>,
+    ) -> Result<Response<pb::UpdateJobResponse>, Status> {
+        rpc(&self.engine, "WorkerService/UpdateJob", async {
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            let status = self.engine.update_job(req.into_inner()).await?;
+            Ok(pb::UpdateJobResponse {
+                status: status as i32,
+            })
+        })
+        .await
+    }
+
+    async fn unregister_worker(
+        &self,
+        req: Request<pb::UnregisterWorkerRequest>,
+    ) -> Result<Response<pb::UnregisterWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/UnregisterWorker", async {
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            let requeued_jobs = self
+                .engine
+                .unregister_worker(req.into_inner().worker_id)
+                .await?;
+            Ok(pb::UnregisterWorkerResponse { requeued_jobs })
+        })
+        .await
+    }
+
+    async fn list_workers(
+        &self,
+        req: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        rpc(&self.engine, "WorkerService/ListWorkers", async {
+            require_client(&identity(&req))?;
+            let state = match req.into_inner().state {
+                0 => None,
+                s => Some(
+                    pb::WorkerState::try_from(s)
+                        .map_err(|_| Error::invalid(format!("unknown worker state {s}")))?,
+                ),
+            };
+            Ok(pb::ListWorkersResponse {
+                workers: self.engine.list_workers(state).await?,
+            })
+        })
+        .await
+    }
+
+    async fn get_worker(
+        &self,
+        req: Request<pb::GetWorkerRequest>,
+    ) -> Result<Response<pb::GetWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/GetWorker", async {
+            require_client(&identity(&req))?;
+            let worker = self.engine.get_worker(req.into_inner().worker_id).await?;
+            Ok(pb::GetWorkerResponse {
+                worker: Some(worker),
+            })
+        })
+        .await
+    }
+
+    async fn drain_worker(
+        &self,
+        req: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/DrainWorker", async {
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            let worker = self.engine.drain_worker(req.into_inner().worker_id).await?;
+            Ok(pb::DrainWorkerResponse {
+                worker: Some(worker),
+            })
+        })
+        .await
+    }
+}

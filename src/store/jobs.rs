@@ -1,0 +1,533 @@
+//! Actions, jobs and task results tables.
+
+use std::collections::HashMap;
+
+use rusqlite::{params, Connection, OptionalExtension, Row};
+
+use crate::{
+    error::{Error, Result},
+    pb::{self, JobStatus},
+    time::ts,
+};
+
+const PENDING: i32 = JobStatus::Pending as i32;
+const RUNNING: i32 = JobStatus::Running as i32;
+const COMPLETED: i32 = JobStatus::Completed as i32;
+const FAILED: i32 = JobStatus::Failed as i32;
+const DEAD: i32 = JobStatus::Dead as i32;
+const CANCELLED: i32 = JobStatus::Cancelled as i32;
+
+/// The fields of a job the state machine decides on.
+#[derive(Debug, Clone)]
+pub struct JobKey {
+    /// Internal row id (FIFO order).
+    pub row: i64,
+    /// Public id.
+    pub job_id: String,
+    /// Owning action.
+    pub action_id: String,
+    /// Plan it runs.
+    pub plan_id: String,
+    /// Current status.
+    pub status: JobStatus,
+    /// Attempts started.
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Current or last lease holder.
+    pub worker_id: Option<String>,
+    /// Current lease while running.
+    pub lease_id: Option<String>,
+}
+
+const KEY_COLS: &str =
+    "id, job_id, action_id, plan_id, status, attempt, max_attempts, worker_id, lease_id";
+
+fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
+    Ok(JobKey {
+        row: r.get(0)?,
+        job_id: r.get(1)?,
+        action_id: r.get(2)?,
+        plan_id: r.get(3)?,
+        status: JobStatus::try_from(r.get::<_, i32>(4)?).unwrap_or(JobStatus::Unspecified),
+        attempt: r.get(5)?,
+        max_attempts: r.get(6)?,
+        worker_id: r.get(7)?,
+        lease_id: r.get(8)?,
+    })
+}
+
+/// The job with public id `job_id`.
+///
+/// Errors: [`Error::Storage`].
+pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> {
+    Ok(conn
+        .prepare_cached(&format!("SELECT {KEY_COLS} FROM jobs WHERE job_id = ?1"))?
+        .query_row([job_id], key_from_row)
+        .optional()?)
+}
+
+/// The job with row id `row`.
+///
+/// Errors: [`Error::Storage`].
+pub fn key_by_row(conn: &Connection, row: i64) -> Result<Option<JobKey>> {
+    Ok(conn
+        .prepare_cached(&format!("SELECT {KEY_COLS} FROM jobs WHERE id = ?1"))?
+        .query_row([row], key_from_row)
+        .optional()?)
+}
+
+/// Inserts an action row. Returns false when the id is taken.
+///
+/// Errors: [`Error::Storage`].
+pub fn insert_action(
+    conn: &Connection,
+    action_id: &str,
+    plan_id: &str,
+    total_jobs: u32,
+    max_attempts: u32,
+    run_at_ms: Option<i64>,
+    now_ms: i64,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, created_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?
+        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, now_ms])?;
+    Ok(n == 1)
+}
+
+/// Inserts one pending job and returns its row id.
+///
+/// Errors: [`Error::Storage`] (also for a duplicate job id).
+#[allow(clippy::too_many_arguments)]
+pub fn insert_job(
+    conn: &Connection,
+    job_id: &str,
+    action_id: &str,
+    plan_id: &str,
+    input_json: &str,
+    max_attempts: u32,
+    now_ms: i64,
+    ready_at_ms: i64,
+) -> Result<i64> {
+    conn.prepare_cached(
+        "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?
+    .execute(params![job_id, action_id, plan_id, PENDING, input_json, max_attempts, now_ms, ready_at_ms])?;
+    Ok(conn.last_insert_rowid())
+}
+
+/// Marks the job running under a new lease.
+///
+/// Errors: [`Error::Storage`].
+pub fn grant_lease(
+    conn: &Connection,
+    row: i64,
+    worker_id: &str,
+    lease_id: &str,
+    attempt: u32,
+    now_ms: i64,
+    expires_at_ms: i64,
+) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE jobs SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
+                lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
+         WHERE id = ?1",
+    )?
+    .execute(params![row, RUNNING, worker_id, lease_id, attempt, now_ms, expires_at_ms])?;
+    Ok(())
+}
+
+/// Stores a progress report of a running job.
+///
+/// Errors: [`Error::Storage`].
+pub fn set_progress(conn: &Connection, row: i64, current_task: u32, progress: u32) -> Result<()> {
+    conn.prepare_cached("UPDATE jobs SET current_task = ?2, progress_percent = ?3 WHERE id = ?1")?
+        .execute(params![row, current_task, progress])?;
+    Ok(())
+}
+
+/// Replaces the job's task results with `results`.
+///
+/// Errors: [`Error::Storage`].
+pub fn replace_task_results(conn: &Connection, row: i64, results: &[pb::TaskResult]) -> Result<()> {
+    conn.prepare_cached("DELETE FROM task_results WHERE job_row = ?1")?
+        .execute([row])?;
+    let mut stmt = conn.prepare_cached(
+        "INSERT OR REPLACE INTO task_results (job_row, task_number, command, exit_code, stdout, stderr,
+            duration_ms, stdout_truncated, stderr_truncated) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )?;
+    for t in results {
+        stmt.execute(params![
+            row,
+            t.task_number,
+            t.command,
+            t.exit_code,
+            t.stdout,
+            t.stderr,
+            t.duration_ms as i64,
+            t.stdout_truncated,
+            t.stderr_truncated
+        ])?;
+    }
+    Ok(())
+}
+
+/// Marks the running job completed and clears its lease.
+///
+/// Errors: [`Error::Storage`].
+pub fn complete(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_id = NULL, lease_expires_at_ms = NULL,
+                error = '', progress_percent = 100 WHERE id = ?1",
+    )?
+    .execute(params![row, COMPLETED, now_ms])?;
+    Ok(())
+}
+
+/// Ends the current attempt as failed: `Failed` with the next attempt due at
+/// `ready_at_ms`, or `Dead` when no attempt is left. Clears the lease.
+///
+/// Errors: [`Error::Storage`].
+pub fn fail_attempt(
+    conn: &Connection,
+    row: i64,
+    dead: bool,
+    error: &str,
+    ready_at_ms: i64,
+    now_ms: i64,
+) -> Result<()> {
+    let status = if dead { DEAD } else { FAILED };
+    let completed = if dead { Some(now_ms) } else { None };
+    conn.prepare_cached(
+        "UPDATE jobs SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
+                lease_id = NULL, lease_expires_at_ms = NULL WHERE id = ?1",
+    )?
+    .execute(params![row, status, error, ready_at_ms, completed])?;
+    Ok(())
+}
+
+/// Marks the job cancelled and clears its lease.
+///
+/// Errors: [`Error::Storage`].
+pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_id = NULL, lease_expires_at_ms = NULL,
+                error = 'cancelled' WHERE id = ?1",
+    )?
+    .execute(params![row, CANCELLED, now_ms])?;
+    Ok(())
+}
+
+/// Puts a failed or dead job back to pending with a fresh attempt budget.
+///
+/// Errors: [`Error::Storage`].
+pub fn retry(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE jobs SET status = ?2, attempt = 0, ready_at_ms = ?3, completed_at_ms = NULL,
+                error = '', current_task = 0, progress_percent = 0 WHERE id = ?1",
+    )?
+    .execute(params![row, PENDING, now_ms])?;
+    Ok(())
+}
+
+/// Moves a failed job whose backoff has elapsed back to pending.
+///
+/// Errors: [`Error::Storage`].
+pub fn promote(conn: &Connection, row: i64) -> Result<()> {
+    conn.prepare_cached("UPDATE jobs SET status = ?2 WHERE id = ?1 AND status = ?3")?
+        .execute(params![row, PENDING, FAILED])?;
+    Ok(())
+}
+
+/// A job that is not terminal, as loaded at startup.
+#[derive(Debug, Clone)]
+pub struct OpenJob {
+    /// Row id.
+    pub row: i64,
+    /// Public id.
+    pub job_id: String,
+    /// Owning action.
+    pub action_id: String,
+    /// Plan it runs.
+    pub plan_id: String,
+    /// Pending, running or failed.
+    pub status: JobStatus,
+    /// Eligible from (pending/failed).
+    pub ready_at_ms: i64,
+    /// Lease holder (running).
+    pub worker_id: Option<String>,
+    /// Lease id (running).
+    pub lease_id: Option<String>,
+    /// Lease expiry (running).
+    pub lease_expires_at_ms: Option<i64>,
+    /// Attempts started.
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// When it was created.
+    pub created_at_ms: i64,
+}
+
+/// Every pending, running and failed job in FIFO order.
+///
+/// Errors: [`Error::Storage`].
+pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
+    let mut stmt = conn.prepare(
+        "SELECT id, job_id, action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
+                attempt, max_attempts, created_at_ms
+         FROM jobs WHERE status IN (?1, ?2, ?3) ORDER BY id",
+    )?;
+    let rows = stmt.query_map(params![PENDING, RUNNING, FAILED], |r| {
+        Ok(OpenJob {
+            row: r.get(0)?,
+            job_id: r.get(1)?,
+            action_id: r.get(2)?,
+            plan_id: r.get(3)?,
+            status: JobStatus::try_from(r.get::<_, i32>(4)?).unwrap_or(JobStatus::Unspecified),
+            ready_at_ms: r.get(5)?,
+            worker_id: r.get(6)?,
+            lease_id: r.get(7)?,
+            lease_expires_at_ms: r.get(8)?,
+            attempt: r.get(9)?,
+            max_attempts: r.get(10)?,
+            created_at_ms: r.get(11)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+fn parse_input(json: &str) -> Result<HashMap<String, String>> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::Internal(format!("stored input does not parse: {e}")))
+}
+
+fn opt_ts(ms: Option<i64>) -> Option<prost_types::Timestamp> {
+    ms.map(ts)
+}
+
+/// The full job `job_id` with its task results; `waiting_reason` is left
+/// empty for the core to fill.
+///
+/// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
+pub fn get(conn: &Connection, job_id: &str) -> Result<Option<pb::Job>> {
+    let row: Option<i64> = conn
+        .prepare_cached("SELECT id FROM jobs WHERE job_id = ?1")?
+        .query_row([job_id], |r| r.get(0))
+        .optional()?;
+    match row {
+        Some(row) => get_by_row(conn, row, true),
+        None => Ok(None),
+    }
+}
+
+/// The job at `row`, with task results when `with_results`.
+///
+/// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
+pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Option<pb::Job>> {
+    let found = conn
+        .prepare_cached(
+            "SELECT job_id, action_id, plan_id, status, input, attempt, max_attempts, created_at_ms,
+                    started_at_ms, completed_at_ms, worker_id, error, current_task, progress_percent, ready_at_ms
+             FROM jobs WHERE id = ?1",
+        )?
+        .query_row([row], |r| {
+            Ok((
+                pb::Job {
+                    job_id: r.get(0)?,
+                    action_id: r.get(1)?,
+                    plan_id: r.get(2)?,
+                    status: r.get(3)?,
+                    input: HashMap::new(),
+                    attempt: r.get(5)?,
+                    max_attempts: r.get(6)?,
+                    created_at: Some(ts(r.get(7)?)),
+                    started_at: opt_ts(r.get(8)?),
+                    completed_at: opt_ts(r.get(9)?),
+                    worker_id: r.get::<_, Option<String>>(10)?.unwrap_or_default(),
+                    task_results: Vec::new(),
+                    error: r.get(11)?,
+                    waiting_reason: String::new(),
+                    current_task: r.get(12)?,
+                    progress_percent: r.get(13)?,
+                    ready_at: None,
+                },
+                r.get::<_, String>(4)?,
+                r.get::<_, i64>(14)?,
+            ))
+        })
+        .optional()?;
+    let Some((mut job, input, ready_at_ms)) = found else {
+        return Ok(None);
+    };
+    job.input = parse_input(&input)?;
+    let waiting = job.status == PENDING || job.status == FAILED;
+    if waiting && ready_at_ms > crate::store::now_ms() {
+        job.ready_at = Some(ts(ready_at_ms));
+    }
+    if with_results {
+        job.task_results = task_results(conn, row)?;
+    }
+    Ok(Some(job))
+}
+
+fn task_results(conn: &Connection, row: i64) -> Result<Vec<pb::TaskResult>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT task_number, command, exit_code, stdout, stderr, duration_ms, stdout_truncated, stderr_truncated
+         FROM task_results WHERE job_row = ?1 ORDER BY task_number",
+    )?;
+    let rows = stmt.query_map([row], |r| {
+        Ok(pb::TaskResult {
+            task_number: r.get(0)?,
+            command: r.get(1)?,
+            exit_code: r.get(2)?,
+            stdout: r.get(3)?,
+            stderr: r.get(4)?,
+            duration_ms: r.get::<_, i64>(5)? as u64,
+            stdout_truncated: r.get(6)?,
+            stderr_truncated: r.get(7)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// Aggregate counts of the action `action_id`.
+///
+/// Errors: [`Error::Storage`].
+pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<pb::ActionStatus>> {
+    let head = conn
+        .prepare_cached(
+            "SELECT plan_id, total_jobs, created_at_ms FROM actions WHERE action_id = ?1",
+        )?
+        .query_row([action_id], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, u32>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })
+        .optional()?;
+    let Some((plan_id, total_jobs, created_at_ms)) = head else {
+        return Ok(None);
+    };
+    let mut status = pb::ActionStatus {
+        action_id: action_id.to_string(),
+        plan_id,
+        total_jobs,
+        created_at: Some(ts(created_at_ms)),
+        ..Default::default()
+    };
+    let mut stmt = conn.prepare_cached(
+        "SELECT status, count(*), max(completed_at_ms) FROM jobs WHERE action_id = ?1 GROUP BY status",
+    )?;
+    let rows = stmt.query_map([action_id], |r| {
+        Ok((
+            r.get::<_, i32>(0)?,
+            r.get::<_, u32>(1)?,
+            r.get::<_, Option<i64>>(2)?,
+        ))
+    })?;
+    let mut last_done: Option<i64> = None;
+    for row in rows {
+        let (s, n, done) = row?;
+        match s {
+            PENDING => status.pending = n,
+            RUNNING => status.running = n,
+            COMPLETED => status.completed = n,
+            FAILED => status.failed = n,
+            DEAD => status.dead = n,
+            CANCELLED => status.cancelled = n,
+            _ => {}
+        }
+        if matches!(s, COMPLETED | DEAD | CANCELLED) {
+            last_done = last_done.max(done);
+        }
+    }
+    if status.completed + status.dead + status.cancelled == status.total_jobs {
+        status.completed_jobs_at = opt_ts(last_done);
+    }
+    Ok(Some(status))
+}
+
+/// True when the action exists.
+///
+/// Errors: [`Error::Storage`].
+pub fn action_exists(conn: &Connection, action_id: &str) -> Result<bool> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM actions WHERE action_id = ?1")?
+        .query_row([action_id], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
+/// Filter of [`search`]; `None` fields match everything.
+#[derive(Debug, Default, Clone)]
+pub struct JobFilter {
+    /// Only this action's jobs.
+    pub action_id: Option<String>,
+    /// Only this status.
+    pub status: Option<i32>,
+    /// Only this plan's jobs.
+    pub plan_id: Option<String>,
+    /// Created at or after (ms).
+    pub created_after_ms: Option<i64>,
+    /// Created before (ms).
+    pub created_before_ms: Option<i64>,
+}
+
+/// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
+///
+/// Errors: [`Error::Storage`].
+pub fn search(
+    conn: &Connection,
+    filter: &JobFilter,
+    after_row: i64,
+    limit: usize,
+) -> Result<Vec<(i64, String)>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, job_id FROM jobs WHERE id > ?1
+           AND (?2 IS NULL OR action_id = ?2) AND (?3 IS NULL OR status = ?3)
+           AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
+           AND (?6 IS NULL OR created_at_ms < ?6)
+         ORDER BY id LIMIT ?7",
+    )?;
+    let rows = stmt.query_map(
+        params![
+            after_row,
+            filter.action_id,
+            filter.status,
+            filter.plan_id,
+            filter.created_after_ms,
+            filter.created_before_ms,
+            limit as i64
+        ],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// The public ids of `rows`, in the same order (missing rows skipped).
+///
+/// Errors: [`Error::Storage`].
+pub fn job_ids(conn: &Connection, rows: &[i64]) -> Result<Vec<String>> {
+    let mut stmt = conn.prepare_cached("SELECT job_id FROM jobs WHERE id = ?1")?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        if let Some(id) = stmt.query_row([row], |r| r.get(0)).optional()? {
+            out.push(id);
+        }
+    }
+    Ok(out)
+}
+
+/// Number of jobs in each status (keyed by the `JobStatus` value).
+///
+/// Errors: [`Error::Storage`].
+pub fn count_by_status(conn: &Connection) -> Result<HashMap<i32, i64>> {
+    let mut stmt = conn.prepare_cached("SELECT status, count(*) FROM jobs GROUP BY status")?;
+    let rows = stmt.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}

@@ -1,0 +1,156 @@
+//! Workers table and its capability index.
+
+use std::collections::HashMap;
+
+use prost::Message;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::{
+    error::{Error, Result},
+    pb,
+};
+
+/// A worker row as stored.
+#[derive(Debug, Clone)]
+pub struct WorkerRow {
+    /// Registration metadata and last stats (freshness fields unset).
+    pub worker: pb::Worker,
+    /// Registration time (ms).
+    pub registered_at_ms: i64,
+    /// Last flushed heartbeat time (ms).
+    pub last_heartbeat_at_ms: Option<i64>,
+}
+
+/// Inserts or replaces the worker's registration and its tools.
+///
+/// Errors: [`Error::Storage`].
+pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
+    let caps = w.capabilities.clone().unwrap_or_default();
+    let units =
+        serde_json::to_string(&caps.agentic_units).map_err(|e| Error::Internal(e.to_string()))?;
+    let tags = serde_json::to_string(&w.tags).map_err(|e| Error::Internal(e.to_string()))?;
+    conn.prepare_cached(
+        "INSERT INTO workers (worker_id, hostname, platform, agw_version, agentic_units, tags,
+            max_concurrent_jobs, state, registered_at_ms, last_heartbeat_at_ms, stats)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, NULL)
+         ON CONFLICT(worker_id) DO UPDATE SET hostname = ?2, platform = ?3, agw_version = ?4,
+            agentic_units = ?5, tags = ?6, max_concurrent_jobs = ?7, state = ?8,
+            registered_at_ms = ?9, last_heartbeat_at_ms = ?9, stats = NULL",
+    )?
+    .execute(params![
+        w.worker_id,
+        w.hostname,
+        w.platform,
+        w.agw_version,
+        units,
+        tags,
+        w.max_concurrent_jobs,
+        w.state,
+        now_ms
+    ])?;
+    conn.prepare_cached("DELETE FROM worker_tools WHERE worker_id = ?1")?
+        .execute([&w.worker_id])?;
+    let mut stmt = conn
+        .prepare_cached("INSERT OR IGNORE INTO worker_tools (tool, worker_id) VALUES (?1, ?2)")?;
+    for tool in &caps.tools {
+        stmt.execute(params![tool, w.worker_id])?;
+    }
+    Ok(())
+}
+
+/// Sets the worker's state.
+///
+/// Errors: [`Error::Storage`].
+pub fn set_state(conn: &Connection, worker_id: &str, state: pb::WorkerState) -> Result<()> {
+    conn.prepare_cached("UPDATE workers SET state = ?2 WHERE worker_id = ?1")?
+        .execute(params![worker_id, state as i32])?;
+    Ok(())
+}
+
+/// Stores the last heartbeat time and stats (flushed in batches, not per heartbeat).
+///
+/// Errors: [`Error::Storage`].
+pub fn flush_heartbeat(
+    conn: &Connection,
+    worker_id: &str,
+    at_ms: i64,
+    stats: &pb::WorkerStats,
+) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE workers SET last_heartbeat_at_ms = ?2, stats = ?3 WHERE worker_id = ?1",
+    )?
+    .execute(params![worker_id, at_ms, stats.encode_to_vec()])?;
+    Ok(())
+}
+
+/// Every worker with its tools.
+///
+/// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
+pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
+    let mut tools: HashMap<String, Vec<String>> = HashMap::new();
+    {
+        let mut stmt =
+            conn.prepare("SELECT worker_id, tool FROM worker_tools ORDER BY worker_id, tool")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        for row in rows {
+            let (w, t) = row?;
+            tools.entry(w).or_default().push(t);
+        }
+    }
+    let mut stmt = conn.prepare(
+        "SELECT worker_id, hostname, platform, agw_version, agentic_units, tags, max_concurrent_jobs, state,
+                registered_at_ms, last_heartbeat_at_ms, stats FROM workers ORDER BY worker_id",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+            r.get::<_, String>(4)?,
+            r.get::<_, String>(5)?,
+            r.get::<_, u32>(6)?,
+            r.get::<_, i32>(7)?,
+            r.get::<_, i64>(8)?,
+            r.get::<_, Option<i64>>(9)?,
+            r.get::<_, Option<Vec<u8>>>(10)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, hostname, platform, agw_version, units, tags, max, state, reg, hb, stats) = row?;
+        let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
+        let worker = pb::Worker {
+            capabilities: Some(pb::WorkerCapabilities {
+                tools: tools.remove(&id).unwrap_or_default(),
+                agentic_units: serde_json::from_str(&units).map_err(bad)?,
+            }),
+            tags: serde_json::from_str(&tags).map_err(bad)?,
+            hostname,
+            platform,
+            agw_version,
+            max_concurrent_jobs: max,
+            state,
+            stats: stats.and_then(|b| pb::WorkerStats::decode(b.as_slice()).ok()),
+            worker_id: id,
+            ..Default::default()
+        };
+        out.push(WorkerRow {
+            worker,
+            registered_at_ms: reg,
+            last_heartbeat_at_ms: hb,
+        });
+    }
+    Ok(out)
+}
+
+/// True when a worker row exists.
+///
+/// Errors: [`Error::Storage`].
+pub fn exists(conn: &Connection, worker_id: &str) -> Result<bool> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM workers WHERE worker_id = ?1")?
+        .query_row([worker_id], |_| Ok(()))
+        .optional()?
+        .is_some())
+}

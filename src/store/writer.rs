@@ -1,0 +1,222 @@
+//! The single writer: one thread owns the write connection and the core's
+//! in-memory state, and runs every state change as an operation. Operations
+//! that arrive together share one transaction and one commit (group commit);
+//! each runs inside its own savepoint so a failing one changes nothing.
+//! Replies and side effects (lease pushes, stream commands) are released
+//! only after the commit succeeded.
+
+use rusqlite::Connection;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::{Error, Result};
+
+/// The most operations one commit carries.
+const MAX_BATCH: usize = 1024;
+
+/// State owned by the writer thread, with the hooks the batch loop calls.
+pub trait BatchState: Send + 'static {
+    /// Runs after the batch's operations, inside the transaction, before
+    /// the commit (the dispatcher grants leases here).
+    ///
+    /// Errors: a storage error rolls the whole batch back.
+    fn before_commit(&mut self, conn: &Connection) -> Result<()>;
+    /// Runs once the commit is durable: releases buffered side effects.
+    /// `ops` is the number of operations the commit carried.
+    fn after_commit(&mut self, ops: usize);
+    /// Runs when the batch was rolled back: drops buffered side effects and
+    /// rebuilds the in-memory state from the database.
+    fn after_rollback(&mut self, conn: &Connection);
+    /// Runs when the writer stops, after the last batch.
+    fn on_shutdown(&mut self, conn: &Connection);
+}
+
+type Reply = Box<dyn FnOnce(Result<()>) + Send>;
+type TxFn<S> = Box<dyn FnOnce(&mut S, &Connection) -> (bool, Reply) + Send>;
+
+enum Op<S> {
+    /// A state change: runs in a savepoint, rolled back when it fails.
+    Write(TxFn<S>),
+    /// A read of the state and database: no savepoint.
+    Read(TxFn<S>),
+    /// Finish the queued operations, then stop the thread.
+    Stop,
+}
+
+/// Handle to the writer thread. Cloning is cheap; the thread stops when the
+/// last handle is dropped.
+pub struct Writer<S> {
+    tx: mpsc::UnboundedSender<Op<S>>,
+}
+
+impl<S> Clone for Writer<S> {
+    fn clone(&self) -> Self {
+        Writer {
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl<S: BatchState> Writer<S> {
+    /// Starts the writer thread on `conn` with `state`. The returned join
+    /// handle finishes after every handle is dropped and the queue drained.
+    ///
+    /// Errors: [`Error::Internal`] when the thread cannot be spawned.
+    pub fn start(conn: Connection, state: S) -> Result<(Self, std::thread::JoinHandle<()>)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let handle = std::thread::Builder::new()
+            .name("agq-writer".into())
+            .spawn(move || run(conn, state, rx))
+            .map_err(|e| Error::Internal(format!("cannot start the writer thread: {e}")))?;
+        Ok((Writer { tx }, handle))
+    }
+
+    /// Runs `f` as a state change and returns its result once committed.
+    ///
+    /// Errors: whatever `f` returns (its writes are rolled back);
+    /// [`Error::Storage`] when the commit fails; [`Error::Unavailable`] when
+    /// the writer has stopped.
+    pub async fn write<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+    {
+        self.call(f, true).await
+    }
+
+    /// Runs `f` on the writer thread without a savepoint, for operations that write no SQL (reads of the
+    /// in-memory state, heartbeats); the reply follows the batch's commit like any other.
+    ///
+    /// Errors: whatever `f` returns; [`Error::Unavailable`] when the writer
+    /// has stopped.
+    pub async fn run<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+    {
+        self.call(f, false).await
+    }
+
+    /// Queues a state change whose result nobody waits for (stream-closed
+    /// events, reaper ticks). Returns false when the writer has stopped.
+    pub fn submit<F>(&self, f: F) -> bool
+    where
+        F: FnOnce(&mut S, &Connection) -> Result<()> + Send + 'static,
+    {
+        let op: TxFn<S> = Box::new(move |s, c| {
+            let r = f(s, c);
+            if let Err(e) = &r {
+                tracing::warn!(error = %e, "background operation failed");
+            }
+            (r.is_ok(), Box::new(|_| {}))
+        });
+        self.tx.send(Op::Write(op)).is_ok()
+    }
+
+    /// Asks the writer to stop after the operations queued so far; later
+    /// calls fail with [`Error::Unavailable`].
+    pub fn stop(&self) {
+        let _ = self.tx.send(Op::Stop);
+    }
+
+    async fn call<R, F>(&self, f: F, write: bool) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+    {
+        let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
+        let op: TxFn<S> = Box::new(move |s, c| {
+            let r = f(s, c);
+            let ok = r.is_ok();
+            let reply: Reply = Box::new(move |commit: Result<()>| {
+                let out = match (commit, r) {
+                    (Ok(()), r) => r,
+                    (Err(_), Err(e)) => Err(e),
+                    (Err(e), Ok(_)) => Err(e),
+                };
+                let _ = reply_tx.send(out);
+            });
+            (ok, reply)
+        });
+        let op = if write { Op::Write(op) } else { Op::Read(op) };
+        self.tx.send(op).map_err(|_| Error::Unavailable)?;
+        reply_rx.await.map_err(|_| Error::Unavailable)?
+    }
+}
+
+fn run<S: BatchState>(conn: Connection, mut state: S, mut rx: mpsc::UnboundedReceiver<Op<S>>) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut replies: Vec<Reply> = Vec::with_capacity(MAX_BATCH);
+    let mut stopping = false;
+    while !stopping {
+        let Some(first) = rx.blocking_recv() else {
+            break;
+        };
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(op) => batch.push(op),
+                Err(_) => break,
+            }
+        }
+        if let Some(pos) = batch.iter().position(|op| matches!(op, Op::Stop)) {
+            stopping = true;
+            batch.truncate(pos);
+            rx.close();
+        }
+        let ops = batch.len();
+        let result = run_batch(&conn, &mut state, &mut batch, &mut replies);
+        match result {
+            Ok(()) => {
+                state.after_commit(ops);
+                for reply in replies.drain(..) {
+                    reply(Ok(()));
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "batch rolled back");
+                let _ = conn.execute_batch("ROLLBACK");
+                state.after_rollback(&conn);
+                for reply in replies.drain(..) {
+                    reply(Err(Error::Internal(format!("commit failed: {e}"))));
+                }
+            }
+        }
+    }
+    state.on_shutdown(&conn);
+    if let Err(e) = conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);") {
+        tracing::warn!(error = %e, "final WAL checkpoint failed");
+    }
+    if let Err((_, e)) = conn.close() {
+        tracing::warn!(error = %e, "closing the database failed");
+    }
+}
+
+fn run_batch<S: BatchState>(
+    conn: &Connection,
+    state: &mut S,
+    batch: &mut Vec<Op<S>>,
+    replies: &mut Vec<Reply>,
+) -> Result<()> {
+    conn.execute_batch("BEGIN")?;
+    for op in batch.drain(..) {
+        match op {
+            Op::Write(f) => {
+                conn.execute_batch("SAVEPOINT op")?;
+                let (ok, reply) = f(state, conn);
+                if !ok {
+                    conn.execute_batch("ROLLBACK TO op")?;
+                }
+                conn.execute_batch("RELEASE op")?;
+                replies.push(reply);
+            }
+            Op::Read(f) => {
+                let (_, reply) = f(state, conn);
+                replies.push(reply);
+            }
+            Op::Stop => {}
+        }
+    }
+    state.before_commit(conn)?;
+    conn.execute_batch("COMMIT")?;
+    Ok(())
+}
