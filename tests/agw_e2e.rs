@@ -38,23 +38,29 @@ struct Server {
     addr: String,
     db: PathBuf,
     heartbeat_ms: u64,
+    grace_ms: u64,
 }
 
 impl Server {
     /// Starts a server on an ephemeral port with a database in `dir`.
     fn start(dir: &Path) -> Server {
-        Self::start_with(dir.join("agq.db"), "127.0.0.1:0", 200)
+        Self::start_with(dir.join("agq.db"), "127.0.0.1:0", 200, 500)
     }
 
-    /// Starts a server on `listen` with database `db` and the given
-    /// heartbeat interval.
-    fn start_with(db: PathBuf, listen: &str, heartbeat_ms: u64) -> Server {
-        Self::try_start_with(db, listen, heartbeat_ms).expect("agq did not start")
+    /// Starts a server on `listen` with database `db`, the given heartbeat
+    /// interval and lease grace.
+    fn start_with(db: PathBuf, listen: &str, heartbeat_ms: u64, grace_ms: u64) -> Server {
+        Self::try_start_with(db, listen, heartbeat_ms, grace_ms).expect("agq did not start")
     }
 
     /// Like [`Server::start_with`], `None` when the server exits before it
     /// listens (e.g. its port is not free yet).
-    fn try_start_with(db: PathBuf, listen: &str, heartbeat_ms: u64) -> Option<Server> {
+    fn try_start_with(
+        db: PathBuf,
+        listen: &str,
+        heartbeat_ms: u64,
+        grace_ms: u64,
+    ) -> Option<Server> {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
             .args([
                 "serve",
@@ -66,7 +72,7 @@ impl Server {
             .arg("--db")
             .arg(&db)
             .args(["--heartbeat-interval-ms", &heartbeat_ms.to_string()])
-            .args(["--lease-grace-ms", "500"])
+            .args(["--lease-grace-ms", &grace_ms.to_string()])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -90,6 +96,7 @@ impl Server {
             addr,
             db,
             heartbeat_ms,
+            grace_ms,
         })
     }
 
@@ -98,7 +105,8 @@ impl Server {
     fn restart(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Some(s) = Self::try_start_with(self.db.clone(), &self.addr, self.heartbeat_ms) {
+            let (db, hb, grace) = (self.db.clone(), self.heartbeat_ms, self.grace_ms);
+            if let Some(s) = Self::try_start_with(db, &self.addr, hb, grace) {
                 *self = s;
                 return;
             }
@@ -548,7 +556,7 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // resumes it (ALREADY_EXISTS). A 2 s interval keeps that registration
     // fresh while agw starts.
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000);
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 500);
     let mut c = Clients::new(&server).await;
     c.workers
         .register_worker(RegisterWorkerRequest {
@@ -752,4 +760,133 @@ async fn agw_reconnects_after_a_server_restart_and_takes_new_work() {
     assert_eq!(job.worker_id, "w-restart");
     assert_eq!(job.task_results[0].stdout, "hello after\n");
     assert_eq!(c.worker_state("w-restart").await, WorkerState::Active);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan("nap", vec![task(1, "sleep", &["1"], 30, None)])
+        .await;
+    let _agw = Agw::start(&server, "w-conc", &["--max-concurrent-jobs", "3"]).await;
+    let start = Instant::now();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(c.submit("nap", &[], 1).await);
+    }
+    for id in &ids {
+        c.wait_status(id, JobStatus::Completed).await;
+    }
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed < Duration::from_millis(2500),
+        "3 one-second jobs on 3 slots took {elapsed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let pidfile = dir.path().join("task.pid");
+    c.plan(
+        "stuck",
+        vec![task(
+            1,
+            "sh",
+            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-drain", &["--drain-timeout-secs", "1"]).await;
+    let job_id = c
+        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 1)
+        .await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    let pid = read_pid(&pidfile).await;
+    let start = Instant::now();
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(0));
+    assert!(start.elapsed() < Duration::from_secs(5));
+    wait_dead(pid).await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert!(
+        job.error.contains("killed: drain timeout of 1 s exceeded"),
+        "{}",
+        job.error
+    );
+    assert_eq!(c.worker_state("w-drain").await, WorkerState::Unregistered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let pidfile = dir.path().join("task.pid");
+    c.plan(
+        "stuck",
+        vec![task(
+            1,
+            "sh",
+            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-twice", &[]).await;
+    let job_id = c
+        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 2)
+        .await;
+    let pid = read_pid(&pidfile).await;
+    agw.signal(nix::sys::signal::Signal::SIGINT);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(130));
+    wait_dead(pid).await;
+    // It did not unregister: the server re-queues the job after the grace.
+    assert_ne!(c.worker_state("w-twice").await, WorkerState::Unregistered);
+    c.wait_job(&job_id, "re-queued", |j| {
+        j.status != JobStatus::Running as i32
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_job_survives_a_server_restart() {
+    // A 2 s heartbeat interval and a 5 s grace: the worker is back long
+    // before the server could give up on it, so it keeps its lease.
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 5000);
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "steady",
+        vec![
+            task(1, "sleep", &["3"], 60, None),
+            task(2, "echo", &["survived"], 60, None),
+        ],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-steady", &[]).await;
+    let job_id = c.submit("steady", &[], 1).await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart();
+    agw.wait_registered().await;
+    let mut c = Clients::new(&server).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.attempt, 1, "the job was re-run: {job:#?}");
+    assert_eq!(job.task_results[1].stdout, "survived\n");
 }

@@ -20,7 +20,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, SystemTime},
 };
 
@@ -105,6 +108,8 @@ pub struct Shared {
     drain: watch::Sender<Drain>,
     /// Last heartbeat interval the server gave.
     interval: Mutex<Option<Duration>>,
+    /// Set once the worker unregisters: the session loop stops reconnecting.
+    leaving: AtomicBool,
 }
 
 /// How a session ended.
@@ -159,6 +164,7 @@ impl Shared {
             job_count: watch::channel(0).0,
             drain: watch::channel(Drain::No).0,
             interval: Mutex::new(None),
+            leaving: AtomicBool::new(false),
         }))
     }
 
@@ -243,7 +249,11 @@ impl Shared {
     fn on_heartbeat_response(&self, r: HeartbeatResponse) {
         match r.command {
             Some(Command::Drain(d)) => {
-                info!(reason = %d.reason, "server asked us to drain: taking no new leases");
+                if self.draining() {
+                    debug!(reason = %d.reason, "server confirms the drain");
+                } else {
+                    info!(reason = %d.reason, "server asked us to drain: taking no new leases");
+                }
                 self.request_drain(Drain::Server(d.reason));
             }
             Some(Command::CancelJobId(job_id)) => {
@@ -682,6 +692,12 @@ async fn session_loop(shared: Arc<Shared>) -> WorkerError {
             Err(SessionEnd::Lost(why)) => why,
             Err(SessionEnd::Fatal(e)) => return e,
         };
+        if shared.leaving.load(Ordering::SeqCst) {
+            // Unregistered: the server hung up on purpose; the supervisor
+            // stops this task.
+            debug!(reason = %why, "streams closed after unregistering");
+            return std::future::pending().await;
+        }
         let d = backoff.next_delay();
         warn!(reason = %why, retry_in_ms = d.as_millis() as u64, running_jobs = shared.active_jobs(), "connection lost; reconnecting");
         tokio::time::sleep(d).await;
@@ -808,6 +824,7 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
         }
     }
     info!("drained: unregistering");
+    shared.leaving.store(true, Ordering::SeqCst);
     tokio::select! {
         () = unregister(&shared) => {}
         Some(()) = signals.recv(), if signals_open => return forced(&sessions),
