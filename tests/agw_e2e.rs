@@ -39,6 +39,7 @@ struct Server {
     db: PathBuf,
     heartbeat_ms: u64,
     grace_ms: u64,
+    extra: Vec<String>,
 }
 
 impl Server {
@@ -50,7 +51,8 @@ impl Server {
     /// Starts a server on `listen` with database `db`, the given heartbeat
     /// interval and lease grace.
     fn start_with(db: PathBuf, listen: &str, heartbeat_ms: u64, grace_ms: u64) -> Server {
-        Self::try_start_with(db, listen, heartbeat_ms, grace_ms).expect("agq did not start")
+        Self::try_start_with(db, listen, heartbeat_ms, grace_ms, Vec::new())
+            .expect("agq did not start")
     }
 
     /// Like [`Server::start_with`], `None` when the server exits before it
@@ -60,6 +62,7 @@ impl Server {
         listen: &str,
         heartbeat_ms: u64,
         grace_ms: u64,
+        extra: Vec<String>,
     ) -> Option<Server> {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
             .args([
@@ -73,6 +76,7 @@ impl Server {
             .arg(&db)
             .args(["--heartbeat-interval-ms", &heartbeat_ms.to_string()])
             .args(["--lease-grace-ms", &grace_ms.to_string()])
+            .args(&extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -97,6 +101,7 @@ impl Server {
             db,
             heartbeat_ms,
             grace_ms,
+            extra,
         })
     }
 
@@ -106,7 +111,7 @@ impl Server {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let (db, hb, grace) = (self.db.clone(), self.heartbeat_ms, self.grace_ms);
-            if let Some(s) = Self::try_start_with(db, &self.addr, hb, grace) {
+            if let Some(s) = Self::try_start_with(db, &self.addr, hb, grace, self.extra.clone()) {
                 *self = s;
                 return;
             }
@@ -155,6 +160,14 @@ impl Agw {
     /// Starts `agw` with id `id` against `server` and waits until it has
     /// registered and opened its streams.
     async fn start(server: &Server, id: &str, extra: &[&str]) -> Agw {
+        let mut agw = Self::spawn(server, id, extra, &[]);
+        agw.wait_registered().await;
+        agw
+    }
+
+    /// Starts `agw` with extra flags and environment variables, without
+    /// waiting.
+    fn spawn(server: &Server, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Agw {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
             .args([
                 "--server",
@@ -169,6 +182,7 @@ impl Agw {
                 "RUST_LOG",
                 std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -180,13 +194,11 @@ impl Agw {
                 let _ = tx.send(line);
             }
         });
-        let mut agw = Agw {
+        Agw {
             child,
             id: id.to_owned(),
             lines: rx,
-        };
-        agw.wait_registered().await;
-        agw
+        }
     }
 
     /// Waits for the next `agw: registered <id> …` line.
@@ -889,4 +901,103 @@ async fn a_running_job_survives_a_server_restart() {
     let job = c.wait_status(&job_id, JobStatus::Completed).await;
     assert_eq!(job.attempt, 1, "the job was re-run: {job:#?}");
     assert_eq!(job.task_results[1].stdout, "survived\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_authenticates_every_call_and_stays_out_of_task_env() {
+    use tonic::{metadata::MetadataValue, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        r#"
+[[tokens]]
+token = "admin-token-0123456789"
+role = "admin"
+
+[[tokens]]
+token = "worker-token-0123456789"
+role = "worker"
+worker_id = "w-auth"
+"#,
+    )
+    .unwrap();
+    let server = Server::try_start_with(
+        dir.path().join("agq.db"),
+        "127.0.0.1:0",
+        200,
+        500,
+        vec!["--auth-file".into(), auth.to_str().unwrap().into()],
+    )
+    .expect("agq with auth");
+
+    // A wrong token: the first registration is refused for good, exit 1.
+    let mut bad = Agw::spawn(
+        &server,
+        "w-auth",
+        &[],
+        &[("AGW_TOKEN", "wrong-token-0123456789")],
+    );
+    assert_eq!(bad.wait_exit().await, Some(1));
+
+    let mut agw = Agw::spawn(
+        &server,
+        "w-auth",
+        &[],
+        &[("AGW_TOKEN", "worker-token-0123456789")],
+    );
+    agw.wait_registered().await;
+
+    let ch = server.channel().await;
+    let bearer: MetadataValue<_> = "Bearer admin-token-0123456789".parse().unwrap();
+    let add = move |mut r: Request<()>| {
+        r.metadata_mut().insert("authorization", bearer.clone());
+        Ok(r)
+    };
+    let mut plans = PlanServiceClient::with_interceptor(ch.clone(), add.clone());
+    let mut actions = ActionServiceClient::with_interceptor(ch.clone(), add.clone());
+    let mut jobs = JobServiceClient::with_interceptor(ch, add);
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(Plan {
+                plan_id: "env".into(),
+                plan_description: "print the task environment".into(),
+                tasks: vec![task(1, "sh", &["-c", "env"], 30, None)],
+            }),
+        })
+        .await
+        .expect("SubmitPlan");
+    let job_id = actions
+        .submit_action(SubmitActionRequest {
+            plan_id: "env".into(),
+            inputs: vec![ActionInput::default()],
+            max_attempts: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner()
+        .job_ids
+        .remove(0);
+    let deadline = Instant::now() + WAIT;
+    let job = loop {
+        let job = jobs
+            .get_job(GetJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await
+            .expect("GetJob")
+            .into_inner()
+            .job
+            .expect("job");
+        if job.status == JobStatus::Completed as i32 {
+            break job;
+        }
+        assert!(Instant::now() < deadline, "job never completed: {job:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let env = &job.task_results[0].stdout;
+    assert!(env.contains("PATH="), "{env}");
+    assert!(!env.contains("worker-token"), "the token leaked: {env}");
+    assert!(!env.contains("AGW_"), "{env}");
 }

@@ -96,7 +96,7 @@ struct RunningJob {
 }
 
 /// State shared by the supervisor, the session loop and the job tasks.
-pub struct Shared {
+struct Shared {
     cfg: WorkerConfig,
     client: WorkerClient,
     executor: Executor,
@@ -110,6 +110,8 @@ pub struct Shared {
     interval: Mutex<Option<Duration>>,
     /// Set once the worker unregisters: the session loop stops reconnecting.
     leaving: AtomicBool,
+    /// Set once a session got both streams open.
+    registered: AtomicBool,
 }
 
 /// How a session ended.
@@ -165,6 +167,7 @@ impl Shared {
             drain: watch::channel(Drain::No).0,
             interval: Mutex::new(None),
             leaving: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
         }))
     }
 
@@ -365,7 +368,15 @@ async fn run_job(
                 })
                 .await;
             drop(progress_tx);
-            let _ = reporter.await;
+            // Let an in-flight progress report land before the final one,
+            // but do not hold the result back for a server that is down.
+            let mut reporter = reporter;
+            if timeout(Duration::from_secs(2), &mut reporter)
+                .await
+                .is_err()
+            {
+                reporter.abort();
+            }
             outcome
         }
         None => super::executor::JobOutcome {
@@ -633,6 +644,7 @@ async fn session(
         Ok(Ok(r)) => r.into_inner(),
     };
     *established = true;
+    shared.registered.store(true, Ordering::SeqCst);
     info!(
         interval_ms = interval.as_millis() as u64,
         "connected: heartbeat and lease streams open"
@@ -823,11 +835,15 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
             }
         }
     }
-    info!("drained: unregistering");
     shared.leaving.store(true, Ordering::SeqCst);
-    tokio::select! {
-        () = unregister(&shared) => {}
-        Some(()) = signals.recv(), if signals_open => return forced(&sessions),
+    if shared.registered.load(Ordering::SeqCst) {
+        info!("drained: unregistering");
+        tokio::select! {
+            () = unregister(&shared) => {}
+            Some(()) = signals.recv(), if signals_open => return forced(&sessions),
+        }
+    } else {
+        info!("stopping before the first registration");
     }
     sessions.abort();
     groups.kill_all();

@@ -212,6 +212,17 @@ pub struct Executor {
     tools: Arc<ToolSet>,
     output_cap: usize,
     groups: ProcessGroups,
+    /// Environment variables tasks do not inherit (the worker's own
+    /// `AGW_*` settings, among them its token).
+    hidden_env: Arc<Vec<std::ffi::OsString>>,
+}
+
+/// Names of this process's environment variables that start with `AGW_`.
+fn agw_env_names() -> Vec<std::ffi::OsString> {
+    std::env::vars_os()
+        .map(|(k, _)| k)
+        .filter(|k| k.as_encoded_bytes().starts_with(b"AGW_"))
+        .collect()
 }
 
 /// How one task ended.
@@ -243,12 +254,15 @@ struct TaskRun {
 
 impl Executor {
     /// An executor that runs only the commands of `tools` and captures at
-    /// most `output_cap` bytes of stdout and of stderr per task.
+    /// most `output_cap` bytes of stdout and of stderr per task. Tasks
+    /// inherit the worker's environment except its `AGW_*` variables (the
+    /// token must not leak into task output).
     pub fn new(tools: Arc<ToolSet>, output_cap: usize) -> Self {
         Executor {
             tools,
             output_cap,
             groups: ProcessGroups::default(),
+            hidden_env: Arc::new(agw_env_names()),
         }
     }
 
@@ -449,6 +463,9 @@ impl Executor {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        for name in self.hidden_env.iter() {
+            cmd.env_remove(name);
+        }
         #[cfg(target_os = "linux")]
         // SAFETY: prctl is async-signal-safe and touches no memory of the
         // parent; it only asks the kernel to SIGKILL the child when the

@@ -12,6 +12,8 @@
 //! - [`client`], [`backoff`], [`stats`], [`error`]: the channel and auth,
 //!   retry delays, heartbeat figures, fatal errors.
 
+#![warn(missing_docs)]
+
 pub mod agent;
 pub mod backoff;
 pub mod client;
