@@ -7,7 +7,9 @@
 //! read and dropped so the process never blocks on a full pipe, and the
 //! truncation is flagged. A task that outlives its `timeout_secs`, or whose
 //! job is aborted (cancel, lost lease, drain timeout), gets its whole process
-//! group killed with `SIGKILL`, so children such as a `sleep` die too.
+//! group killed with `SIGKILL`, so children such as a `sleep` die too. A
+//! task whose leader exits has what is left of its group (background
+//! children) killed as well: a task leaves no processes behind.
 //!
 //! Before anything runs, every task of the plan is checked: its command must
 //! be advertised, its `{{name}}` placeholders must have values, and its
@@ -511,51 +513,41 @@ impl Executor {
         let mut err_task = spawn_reader(child.stderr.take(), cap, false, stop_rx);
 
         let deadline = tokio::time::Instant::from_std(started + task.timeout);
-        let finished = async {
-            let status = child.wait().await;
-            let out = (&mut out_task).await;
-            let err = (&mut err_task).await;
-            (status, out, err)
-        };
-        let (end, out, err) = tokio::select! {
+        let end = tokio::select! {
             biased;
-            reason = aborted(abort) => (TaskEnd::Aborted(reason), None, None),
-            () = tokio::time::sleep_until(deadline) => (TaskEnd::TimedOut(task.timeout), None, None),
-            (status, out, err) = finished => {
-                let end = match status {
-                    Ok(st) => match (st.code(), st.signal()) {
-                        (Some(code), _) => TaskEnd::Exited(code),
-                        (None, Some(sig)) => TaskEnd::Signalled(sig),
-                        (None, None) => TaskEnd::Exited(-1),
-                    },
-                    Err(e) => TaskEnd::SpawnFailed(e),
-                };
-                (end, out.ok(), err.ok())
-            }
+            reason = aborted(abort) => TaskEnd::Aborted(reason),
+            () = tokio::time::sleep_until(deadline) => TaskEnd::TimedOut(task.timeout),
+            status = child.wait() => match status {
+                Ok(st) => match (st.code(), st.signal()) {
+                    (Some(code), _) => TaskEnd::Exited(code),
+                    (None, Some(sig)) => TaskEnd::Signalled(sig),
+                    (None, None) => TaskEnd::Exited(-1),
+                },
+                Err(e) => TaskEnd::SpawnFailed(e),
+            },
         };
-        let (out, err) = match end {
-            TaskEnd::Aborted(_) | TaskEnd::TimedOut(_) => {
-                group.kill();
-                let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
-                // The pipes close once the group is dead; a process that left
-                // the group may hold them: stop reading after a grace.
-                let grace = tokio::time::sleep(PIPE_GRACE);
-                tokio::pin!(grace);
-                let (mut out, mut err, mut stopped) = (None, None, false);
-                while out.is_none() || err.is_none() {
-                    tokio::select! {
-                        r = &mut out_task, if out.is_none() => out = Some(r.unwrap_or_default()),
-                        r = &mut err_task, if err.is_none() => err = Some(r.unwrap_or_default()),
-                        () = &mut grace, if !stopped => {
-                            stopped = true;
-                            let _ = stop_tx.send(true);
-                        }
-                    }
+        // The task is over: kill its group, whether it timed out, was
+        // aborted, or its leader exited and left background children behind.
+        // Output already in the pipes stays readable.
+        group.kill();
+        if matches!(end, TaskEnd::Aborted(_) | TaskEnd::TimedOut(_)) {
+            let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
+        }
+        // The pipes close once the group is dead; a process that left the
+        // group may hold them open: stop reading after a grace.
+        let grace = tokio::time::sleep(PIPE_GRACE);
+        tokio::pin!(grace);
+        let (mut out, mut err, mut stopped) = (None, None, false);
+        while out.is_none() || err.is_none() {
+            tokio::select! {
+                r = &mut out_task, if out.is_none() => out = Some(r.unwrap_or_default()),
+                r = &mut err_task, if err.is_none() => err = Some(r.unwrap_or_default()),
+                () = &mut grace, if !stopped => {
+                    stopped = true;
+                    let _ = stop_tx.send(true);
                 }
-                (out, err)
             }
-            _ => (out, err),
-        };
+        }
         drop(group);
         if let Some(t) = stdin_task {
             t.abort();

@@ -173,6 +173,23 @@ async fn timeout_kills_the_whole_process_group() {
 }
 
 #[tokio::test]
+async fn background_children_die_with_their_task() {
+    // The shell exits at once but leaves a sleep holding its stdout: the
+    // task still ends at once, and the sleep is killed.
+    let p = plan(vec![task(1, "sh", &["-c", "sleep 30 & echo $!"], 20, None)]);
+    let start = Instant::now();
+    let out = run(&executor(DEFAULT_OUTPUT_CAP_BYTES), &p, &input(&[])).await;
+    assert!(out.success, "{}", out.error);
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let child: i32 = out.task_results[0].stdout.trim().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !is_dead(child) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(is_dead(child), "background sleep {child} outlived its task");
+}
+
+#[tokio::test]
 async fn unadvertised_command_is_refused_and_nothing_runs() {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("marker");
