@@ -168,15 +168,15 @@ impl Agw {
     /// Starts `agw` with extra flags and environment variables, without
     /// waiting.
     fn spawn(server: &Server, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Agw {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
-            .args([
-                "--server",
-                &server.url(),
-                "--worker-id",
-                id,
-                "--tools",
-                TOOLS,
-            ])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_agw"));
+        if !extra.contains(&"--server") {
+            cmd.args(["--server", &server.url()]);
+        }
+        if !extra.contains(&"--tools") {
+            cmd.args(["--tools", TOOLS]);
+        }
+        let mut child = cmd
+            .args(["--worker-id", id])
             .args(extra)
             .env(
                 "RUST_LOG",
@@ -1000,4 +1000,144 @@ worker_id = "w-auth"
     assert!(env.contains("PATH="), "{env}");
     assert!(!env.contains("worker-token"), "the token leaked: {env}");
     assert!(!env.contains("AGW_"), "{env}");
+}
+
+/// Makes a CA and a server certificate for `agq.test` with the openssl
+/// CLI; `None` when openssl is not installed.
+fn make_certs(dir: &Path) -> Option<()> {
+    let run = |args: &[&str]| {
+        Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if !run(&["version"]) {
+        return None;
+    }
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:agq.test\nbasicConstraints=CA:FALSE\n\
+         keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    assert!(run(&[
+        &["req", "-x509"][..],
+        &ec,
+        &[
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=agw-test-ca"
+        ],
+    ]
+    .concat()));
+    assert!(run(&[
+        &["req"][..],
+        &ec,
+        &[
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=agq.test"
+        ],
+    ]
+    .concat()));
+    assert!(run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    ]));
+    Some(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agw_talks_tls_to_the_server() {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let dir = tempfile::tempdir().unwrap();
+    if make_certs(dir.path()).is_none() {
+        eprintln!("openssl not installed: skipping the TLS test");
+        return;
+    }
+    let p = |f: &str| dir.path().join(f).to_str().unwrap().to_owned();
+    let mut server = Server::try_start_with(
+        dir.path().join("agq.db"),
+        "127.0.0.1:0",
+        200,
+        500,
+        vec![
+            "--tls-cert".into(),
+            p("server.pem"),
+            "--tls-key".into(),
+            p("server.key"),
+        ],
+    )
+    .expect("agq with TLS");
+    let url = format!("https://{}", server.addr);
+    let ca = p("ca.pem");
+    let mut agw = Agw::spawn(
+        &server,
+        "w-tls",
+        &[
+            "--server",
+            &url,
+            "--tls-ca",
+            &ca,
+            "--tls-domain",
+            "agq.test",
+        ],
+        &[],
+    );
+    agw.wait_registered().await;
+
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&ca).unwrap()))
+        .domain_name("agq.test");
+    let ch = Channel::from_shared(url)
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connect");
+    let mut c = Clients {
+        plans: PlanServiceClient::new(ch.clone()),
+        actions: ActionServiceClient::new(ch.clone()),
+        jobs: JobServiceClient::new(ch.clone()),
+        workers: WorkerServiceClient::new(ch),
+    };
+    c.plan("tls", vec![task(1, "echo", &["over tls"], 30, None)])
+        .await;
+    let job_id = c.submit("tls", &[], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].stdout, "over tls\n");
+    server.kill();
 }
