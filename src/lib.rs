@@ -21,3 +21,4 @@ pub mod server;
 pub mod service;
 pub mod store;
 pub mod time;
+pub mod worker;

@@ -104,8 +104,12 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         shutdown_signal(),
         |_| {
             tracing::info!(grpc = %addr, metrics = %maddr, db, "agq serving");
-            println!("listening on {addr}");
-            println!("metrics on http://{maddr}/metrics");
+            // Not println!: a closed stdout must not bring the server down.
+            use std::io::Write;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "listening on {addr}");
+            let _ = writeln!(out, "metrics on http://{maddr}/metrics");
+            let _ = out.flush();
         },
     )
     .await

@@ -137,7 +137,8 @@ impl State {
                     attempt,
                     expires_at: Some(ts(expires_at_ms)),
                 };
-                self.outbox.push(Effect::Lease(slot.tx.clone(), lease));
+                self.outbox
+                    .push(Effect::Lease(slot.tx.clone(), Box::new(lease)));
             }
         }
         self.refresh_available(worker_id);

@@ -118,7 +118,7 @@ pub struct Waiting {
 /// A side effect released only after the commit.
 pub enum Effect {
     /// Push a lease to a worker's lease stream.
-    Lease(StreamTx<pb::JobLease>, pb::JobLease),
+    Lease(StreamTx<pb::JobLease>, Box<pb::JobLease>),
     /// Push a message (command or error) to a worker's heartbeat stream.
     Heartbeat(
         StreamTx<pb::HeartbeatResponse>,
@@ -197,8 +197,11 @@ pub struct State {
     pub next_stream_id: u64,
     /// Counter of leases, for round robin.
     pub lease_seq: u64,
-    /// Interned action ids.
-    pub interned: HashMap<String, Arc<str>>,
+    /// Interned action and plan ids, weakly held: an id lives as long as a
+    /// queued job or lease uses it; dead entries are swept by the reaper.
+    pub interned: HashMap<String, std::sync::Weak<str>>,
+    /// Size of [`State::interned`] after the last sweep.
+    pub interned_after_sweep: usize,
 }
 
 impl State {
@@ -222,17 +225,27 @@ impl State {
             next_stream_id: 1,
             lease_seq: 0,
             interned: HashMap::new(),
+            interned_after_sweep: 0,
         }
     }
 
     /// An interned `Arc<str>` of `s` (action and plan ids shared by many jobs).
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.interned.get(s) {
-            return a.clone();
+        if let Some(a) = self.interned.get(s).and_then(|w| w.upgrade()) {
+            return a;
         }
         let a: Arc<str> = Arc::from(s);
-        self.interned.insert(s.to_string(), a.clone());
+        self.interned.insert(s.to_string(), Arc::downgrade(&a));
         a
+    }
+
+    /// Drops interned ids no job uses any more (amortised: only when the
+    /// table has grown past twice its size after the last sweep).
+    pub fn sweep_interned(&mut self) {
+        if self.interned.len() > 1024 && self.interned.len() > 2 * self.interned_after_sweep {
+            self.interned.retain(|_, w| w.strong_count() > 0);
+            self.interned_after_sweep = self.interned.len();
+        }
     }
 
     /// Rebuilds the state from the database. Stream slots and heartbeat
@@ -265,7 +278,7 @@ impl State {
             let live = matches!(state, WorkerState::Active | WorkerState::Draining);
             let mut entry = WorkerEntry {
                 max: row.worker.max_concurrent_jobs.max(1),
-                stats: row.worker.stats.clone().unwrap_or_default(),
+                stats: row.worker.stats.unwrap_or_default(),
                 info: row.worker,
                 state,
                 tools,
@@ -449,7 +462,7 @@ impl BatchState for State {
         for effect in self.outbox.drain(..) {
             match effect {
                 Effect::Lease(tx, lease) => {
-                    let _ = tx.send(Ok(lease));
+                    let _ = tx.send(Ok(*lease));
                 }
                 Effect::Heartbeat(tx, msg) => {
                     let _ = tx.send(msg);

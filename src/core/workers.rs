@@ -15,6 +15,9 @@ use crate::{
     time::ts,
 };
 
+/// How long a DEAD or UNREGISTERED worker stays listed: 24 hours, in ms.
+pub const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
+
 /// Which stream of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
@@ -148,7 +151,7 @@ impl State {
                 self.refresh_available(id);
             }
             StreamKind::Heartbeat => {
-                if !w.heartbeat.as_ref().is_some_and(|s| s.id == sid) {
+                if w.heartbeat.as_ref().is_none_or(|s| s.id != sid) {
                     return Ok(());
                 }
                 w.heartbeat = None;
@@ -365,6 +368,29 @@ impl State {
             );
         }
         self.flush_heartbeats(conn, false)?;
+        self.forget_departed(conn, now_ms)?;
+        self.sweep_interned();
+        Ok(())
+    }
+
+    /// Forgets DEAD and UNREGISTERED workers silent for longer than
+    /// [`DEPARTED_RETENTION_MS`], so restarts with new ids do not pile up.
+    ///
+    /// Errors: storage errors.
+    fn forget_departed(&mut self, conn: &Connection, now_ms: i64) -> Result<()> {
+        let old: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                matches!(w.state, WorkerState::Dead | WorkerState::Unregistered)
+                    && now_ms - w.last_heartbeat_ms > DEPARTED_RETENTION_MS
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in old {
+            wstore::delete(conn, &id)?;
+            self.workers.remove(&id);
+        }
         Ok(())
     }
 
@@ -415,7 +441,7 @@ impl State {
         v.fresh =
             matches!(w.state, WorkerState::Active | WorkerState::Draining) && self.is_fresh(w, now);
         v.last_heartbeat_at = Some(ts(w.last_heartbeat_ms));
-        v.stats = Some(w.stats.clone());
+        v.stats = Some(w.stats);
         v.active_leases = w.leases.len() as u32;
         v.connected =
             w.heartbeat.is_some() && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());

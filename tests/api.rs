@@ -1,0 +1,928 @@
+//! Core service: every RPC's happy path, every validation rule with its
+//! exact status code, the auth matrix, and persistence across a restart.
+
+mod common;
+
+use std::collections::HashMap;
+
+use agq::{
+    auth::{AuthFile, Authenticator, Role, TokenEntry},
+    config::EngineConfig,
+    pb::*,
+};
+use common::*;
+use tonic::Code;
+
+fn task(n: u32, cmd: &str) -> Task {
+    Task {
+        task_number: n,
+        command: cmd.into(),
+        args: vec![],
+        timeout_secs: 10,
+        input_from_task: None,
+    }
+}
+
+#[tokio::test]
+async fn plan_submit_get_list_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
+    let mut plans = s.plans().await;
+    for id in ["alpha-1", "alpha-2", "alpha-3", "beta.1"] {
+        let r = plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(plan(id, &["sort", "uniq"])),
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.into_inner().plan_id, id);
+    }
+    let got = plans
+        .get_plan(GetPlanRequest {
+            plan_id: "alpha-2".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan
+        .unwrap();
+    assert_eq!(got, plan("alpha-2", &["sort", "uniq"]));
+
+    let all = plans
+        .list_plans(ListPlansRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        all.plan_ids,
+        vec!["alpha-1", "alpha-2", "alpha-3", "beta.1"]
+    );
+    assert!(all.next_page_token.is_empty());
+    // glob + pagination
+    let p1 = plans
+        .list_plans(ListPlansRequest {
+            pattern: "alpha-*".into(),
+            page_size: 2,
+            page_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p1.plan_ids, vec!["alpha-1", "alpha-2"]);
+    assert!(!p1.next_page_token.is_empty());
+    let p2 = plans
+        .list_plans(ListPlansRequest {
+            pattern: "alpha-*".into(),
+            page_size: 2,
+            page_token: p1.next_page_token,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p2.plan_ids, vec!["alpha-3"]);
+    assert!(p2.next_page_token.is_empty());
+    let q = plans
+        .list_plans(ListPlansRequest {
+            pattern: "?eta.[0-9]".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(q.into_inner().plan_ids, vec!["beta.1"]);
+
+    let d = plans
+        .delete_plan(DeletePlanRequest {
+            plan_id: "alpha-1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(d.deleted);
+    let e = plans
+        .get_plan(GetPlanRequest {
+            plan_id: "alpha-1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = plans
+        .delete_plan(DeletePlanRequest {
+            plan_id: "alpha-1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn plan_validation_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
+    let mut plans = s.plans().await;
+    let base = plan("ok", &["cat", "sort"]);
+    let mut cases: Vec<(&str, Plan)> = Vec::new();
+    let mut p = base.clone();
+    p.tasks.clear();
+    cases.push(("no tasks", p));
+    let mut p = base.clone();
+    p.tasks = (1..=101).map(|n| task(n, "cat")).collect();
+    cases.push(("101 tasks", p));
+    let mut p = base.clone();
+    p.tasks[0].task_number = 0;
+    cases.push(("task_number 0", p));
+    let mut p = base.clone();
+    p.tasks[1].task_number = 3;
+    cases.push(("gap in task numbers", p));
+    let mut p = base.clone();
+    p.tasks[1].input_from_task = Some(2);
+    cases.push(("input_from_task self", p));
+    let mut p = base.clone();
+    p.tasks[0].input_from_task = Some(2);
+    cases.push(("input_from_task forward", p));
+    for cmd in [
+        "", "/bin/cat", "ca t", "cat;rm", "$(id)", "a|b", "x\0y", "..", "`id`", "a>b",
+    ] {
+        let mut p = base.clone();
+        p.tasks[0].command = cmd.into();
+        cases.push(("bad command", p));
+    }
+    let mut p = base.clone();
+    p.tasks[0].timeout_secs = 0;
+    cases.push(("timeout 0", p));
+    let mut p = base.clone();
+    p.tasks[0].timeout_secs = 86_401;
+    cases.push(("timeout too big", p));
+    for id in ["", "has space", "a/b", &"x".repeat(129), "ü"] {
+        let mut p = base.clone();
+        p.plan_id = id.to_string();
+        cases.push(("bad plan_id", p));
+    }
+    let mut p = base.clone();
+    p.tasks[0].args = vec!["a\0b".into()];
+    cases.push(("NUL in arg", p));
+    for (what, p) in cases {
+        let e = plans
+            .submit_plan(SubmitPlanRequest { plan: Some(p) })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{what}: {}", e.message());
+    }
+    let e = plans
+        .submit_plan(SubmitPlanRequest { plan: None })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    // nothing was written
+    let all = plans
+        .list_plans(ListPlansRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(all.plan_ids.is_empty(), "{:?}", all.plan_ids);
+    // valid, then duplicate
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(base.clone()),
+        })
+        .await
+        .unwrap();
+    let e = plans
+        .submit_plan(SubmitPlanRequest { plan: Some(base) })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists);
+    // other bad inputs
+    let e = plans
+        .get_plan(GetPlanRequest {
+            plan_id: "no/such".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = plans
+        .list_plans(ListPlansRequest {
+            page_size: 5000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = plans
+        .list_plans(ListPlansRequest {
+            page_token: "zz".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = plans
+        .list_plans(ListPlansRequest {
+            pattern: "[".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn actions_jobs_and_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        max_inputs_per_action: 50,
+        ..fast_config()
+    };
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let mut actions = s.actions().await;
+    let mut jobs = s.jobs().await;
+    s.plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["cat"])),
+        })
+        .await
+        .unwrap();
+    let input = |i: usize| ActionInput {
+        values: HashMap::from([("file".to_string(), format!("/tmp/{i}"))]),
+    };
+
+    // validation, each changing nothing
+    let bad = [
+        (
+            SubmitActionRequest {
+                plan_id: "nope".into(),
+                inputs: vec![input(0)],
+                ..Default::default()
+            },
+            Code::NotFound,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![],
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: (0..51).map(input).collect(),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![input(0)],
+                max_attempts: 101,
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                action_id: "bad id".into(),
+                plan_id: "p".into(),
+                inputs: vec![input(0)],
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![
+                    input(0),
+                    ActionInput {
+                        values: HashMap::from([("bad key!".to_string(), "v".to_string())]),
+                    },
+                ],
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![ActionInput {
+                    values: HashMap::from([("k".to_string(), "x".repeat(70_000))]),
+                }],
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![input(0)],
+                run_at: Some(prost_types::Timestamp {
+                    seconds: 1,
+                    nanos: -5,
+                }),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+    ];
+    for (req, code) in bad {
+        let e = actions.submit_action(req).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+    }
+    let e = actions
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: (0..51).map(input).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains("50"),
+        "the limit is named: {}",
+        e.message()
+    );
+    let none = jobs
+        .search_jobs(SearchJobsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        none.job_ids.is_empty(),
+        "a rejected action left jobs behind"
+    );
+
+    // happy path: 5 jobs, server-made id
+    let r = actions
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: (0..5).map(input).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.jobs_created, 5);
+    assert_eq!(r.job_ids.len(), 5);
+    assert!(!r.action_id.is_empty());
+    let a = actions
+        .get_action(GetActionRequest {
+            action_id: r.action_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!((a.total_jobs, a.pending, a.plan_id.as_str()), (5, 5, "p"));
+    assert!(a.completed_jobs_at.is_none());
+    // duplicate id
+    let named = actions
+        .submit_action(SubmitActionRequest {
+            action_id: "batch-7".into(),
+            plan_id: "p".into(),
+            inputs: vec![input(9)],
+            max_attempts: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(named.action_id, "batch-7");
+    let e = actions
+        .submit_action(SubmitActionRequest {
+            action_id: "batch-7".into(),
+            plan_id: "p".into(),
+            inputs: vec![input(1), input(2)],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists);
+    let a7 = actions
+        .get_action(GetActionRequest {
+            action_id: "batch-7".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!(a7.total_jobs, 1, "the duplicate did not add jobs");
+
+    // GetJob
+    let j = job(&s, &r.job_ids[0]).await;
+    assert_eq!(j.status, JobStatus::Pending as i32);
+    assert_eq!(j.input.get("file").map(String::as_str), Some("/tmp/0"));
+    assert_eq!((j.attempt, j.max_attempts), (0, 3));
+    assert!(
+        j.waiting_reason.contains("no fresh worker has tools [cat]"),
+        "{}",
+        j.waiting_reason
+    );
+    assert!(j.created_at.is_some());
+    let e = jobs
+        .get_job(GetJobRequest {
+            job_id: "missing".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+
+    // ListJobs with pagination and status filter
+    let p1 = jobs
+        .list_jobs(ListJobsRequest {
+            action_id: r.action_id.clone(),
+            page_size: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p1.job_ids, r.job_ids[..3]);
+    let p2 = jobs
+        .list_jobs(ListJobsRequest {
+            action_id: r.action_id.clone(),
+            page_size: 3,
+            page_token: p1.next_page_token,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p2.job_ids, r.job_ids[3..]);
+    assert!(p2.next_page_token.is_empty());
+    let e = jobs
+        .list_jobs(ListJobsRequest {
+            action_id: "nope".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+
+    // Cancel, retry rules
+    let c = jobs
+        .cancel_job(CancelJobRequest {
+            job_id: r.job_ids[4].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(c.status, JobStatus::Cancelled as i32);
+    let e = jobs
+        .cancel_job(CancelJobRequest {
+            job_id: r.job_ids[4].clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let e = jobs
+        .retry_job(RetryJobRequest {
+            job_id: r.job_ids[0].clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "retry of a pending job");
+    let e = jobs
+        .retry_job(RetryJobRequest {
+            job_id: r.job_ids[4].clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::FailedPrecondition,
+        "retry of a cancelled job"
+    );
+    let cancelled = jobs
+        .list_jobs(ListJobsRequest {
+            action_id: r.action_id.clone(),
+            status: JobStatus::Cancelled as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.job_ids, vec![r.job_ids[4].clone()]);
+
+    // SearchJobs: status, plan, time range
+    let pending = jobs
+        .search_jobs(SearchJobsRequest {
+            status: JobStatus::Pending as i32,
+            plan_id: "p".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(pending.into_inner().job_ids.len(), 5);
+    let future = prost_types::Timestamp {
+        seconds: 4_000_000_000,
+        nanos: 0,
+    };
+    let later = jobs
+        .search_jobs(SearchJobsRequest {
+            created_after: Some(future),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(later.into_inner().job_ids.is_empty());
+    let before = jobs
+        .search_jobs(SearchJobsRequest {
+            created_before: Some(future),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(before.into_inner().job_ids.len(), 6);
+
+    // run_at: scheduled
+    let at = prost_types::Timestamp {
+        seconds: 4_000_000_000,
+        nanos: 0,
+    };
+    let sch = actions
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![input(1)],
+            run_at: Some(at),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let sj = job(&s, &sch.job_ids[0]).await;
+    assert!(
+        sj.waiting_reason.starts_with("scheduled for 2096"),
+        "{}",
+        sj.waiting_reason
+    );
+
+    // Queue
+    let mut queue = s.queue().await;
+    let st = queue
+        .get_queue_stats(GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.ready_length, st.scheduled_length), (5, 1));
+    assert!(st.next_scheduled_due_in_secs > 1_000_000);
+    let peek = queue
+        .peek_queue(PeekQueueRequest {
+            queue: "ready".into(),
+            count: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(peek.job_ids, r.job_ids[..2]);
+    let peek = queue
+        .peek_queue(PeekQueueRequest {
+            queue: "scheduled".into(),
+            count: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(peek.job_ids, sch.job_ids);
+    let e = queue
+        .peek_queue(PeekQueueRequest {
+            queue: "nope".into(),
+            count: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let m = queue
+        .get_metrics(GetMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .body;
+    assert!(m.contains("agq_jobs{status=\"pending\"} 6"), "{m}");
+    assert!(m.contains("agq_queue_depth{queue=\"ready\"} 5"), "{m}");
+    let mj = queue
+        .get_metrics(GetMetricsRequest {
+            format: "json".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .body;
+    let v: serde_json::Value = serde_json::from_str(&mj).unwrap();
+    assert!(v.as_array().unwrap().iter().any(|s| s["name"] == "agq_jobs"
+        && s["labels"]["status"] == "cancelled"
+        && s["value"] == 1.0));
+
+    // DeletePlan refused while jobs are pending
+    let e = s
+        .plans()
+        .await
+        .delete_plan(DeletePlanRequest {
+            plan_id: "p".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn watch_action_streams_until_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (action_id, ids) = submit(&s, plan("w", &["cat"]), 3, 1).await;
+    let mut stream = s
+        .actions()
+        .await
+        .watch_action(WatchActionRequest {
+            action_id: action_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap().action.unwrap();
+    assert_eq!(first.pending, 3);
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 3).await;
+    let mut leases = vec![];
+    for _ in 0..3 {
+        leases.push(w.lease().await);
+    }
+    w.complete(&leases[0]).await;
+    w.report(&leases[1], JobStatus::Failed).await.unwrap();
+    s.jobs()
+        .await
+        .cancel_job(CancelJobRequest {
+            job_id: leases[2].job.as_ref().unwrap().job_id.clone(),
+        })
+        .await
+        .unwrap();
+    let mut last = first;
+    while let Some(msg) = stream.message().await.unwrap() {
+        last = msg.action.unwrap();
+    }
+    assert_eq!(
+        (
+            last.completed,
+            last.dead,
+            last.cancelled,
+            last.running,
+            last.pending
+        ),
+        (1, 1, 1, 0, 0)
+    );
+    assert!(last.completed_jobs_at.is_some());
+    let e = s
+        .actions()
+        .await
+        .watch_action(WatchActionRequest {
+            action_id: "missing".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    // the dead job can be retried, and gets a fresh budget
+    let dead = ids
+        .iter()
+        .find(|id| **id == leases[1].job.as_ref().unwrap().job_id)
+        .unwrap();
+    let r = s
+        .jobs()
+        .await
+        .retry_job(RetryJobRequest {
+            job_id: dead.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    // Pending, or already leased again in the same commit (the worker is idle).
+    assert!(
+        r.status == JobStatus::Pending as i32 || r.status == JobStatus::Running as i32,
+        "{r:?}"
+    );
+    assert!(r.attempt <= 1);
+    let again = w.lease().await;
+    assert_eq!(&again.job.as_ref().unwrap().job_id, dead);
+    assert_eq!(again.attempt, 1);
+    w.complete(&again).await;
+    s.stop().await;
+}
+
+fn tokens() -> Authenticator {
+    let e = |token: &str, role, worker_id: Option<&str>| TokenEntry {
+        token: token.into(),
+        role,
+        worker_id: worker_id.map(Into::into),
+    };
+    Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![
+                e("client-token-0123456789", Role::Client, None),
+                e("admin-token-0123456789", Role::Admin, None),
+                e("worker-token-0123456789", Role::Worker, Some("w1")),
+            ],
+        },
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn auth_matrix() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), tokens(), None).await;
+    let ch = s.channel().await;
+    let plans = |t: Option<&str>| {
+        plan_service_client::PlanServiceClient::with_interceptor(
+            ch.clone(),
+            Bearer(t.map(Into::into)),
+        )
+    };
+    let workers = |t: Option<&str>| {
+        worker_service_client::WorkerServiceClient::with_interceptor(
+            ch.clone(),
+            Bearer(t.map(Into::into)),
+        )
+    };
+    let reg = |id: &str| RegisterWorkerRequest {
+        worker_id: id.into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            agentic_units: vec![],
+        }),
+        ..Default::default()
+    };
+    let list = || ListPlansRequest::default();
+
+    // no token, wrong token
+    assert_eq!(
+        plans(None).list_plans(list()).await.unwrap_err().code(),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        plans(Some("wrong-token-0123456789"))
+            .list_plans(list())
+            .await
+            .unwrap_err()
+            .code(),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        workers(None)
+            .register_worker(reg("w1"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::Unauthenticated
+    );
+    // client: client calls yes, worker calls no
+    plans(Some("client-token-0123456789"))
+        .list_plans(list())
+        .await
+        .unwrap();
+    assert_eq!(
+        workers(Some("client-token-0123456789"))
+            .register_worker(reg("w1"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    workers(Some("client-token-0123456789"))
+        .list_workers(ListWorkersRequest::default())
+        .await
+        .unwrap();
+    // worker: its own worker calls yes, another worker's and client calls no
+    workers(Some("worker-token-0123456789"))
+        .register_worker(reg("w1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        workers(Some("worker-token-0123456789"))
+            .register_worker(reg("w2"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        workers(Some("worker-token-0123456789"))
+            .unregister_worker(UnregisterWorkerRequest {
+                worker_id: "w2".into()
+            })
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        plans(Some("worker-token-0123456789"))
+            .list_plans(list())
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    // admin: everything
+    plans(Some("admin-token-0123456789"))
+        .list_plans(list())
+        .await
+        .unwrap();
+    workers(Some("admin-token-0123456789"))
+        .register_worker(reg("w2"))
+        .await
+        .unwrap();
+    // health and reflection need no token
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+    let h = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        h.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let h = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "agq.v1.PlanService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        h.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn state_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("nested/dir/agq.db");
+    let s = TestServer::start(&db, fast_config()).await;
+    let (action_id, ids) = submit(&s, plan("keep", &["cat"]), 4, 3).await;
+    s.jobs()
+        .await
+        .cancel_job(CancelJobRequest {
+            job_id: ids[3].clone(),
+        })
+        .await
+        .unwrap();
+    s.stop().await;
+
+    let s = TestServer::start(&db, fast_config()).await;
+    let p = s
+        .plans()
+        .await
+        .get_plan(GetPlanRequest {
+            plan_id: "keep".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan
+        .unwrap();
+    assert_eq!(p, plan("keep", &["cat"]));
+    let a = s
+        .actions()
+        .await
+        .get_action(GetActionRequest { action_id })
+        .await
+        .unwrap()
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!((a.total_jobs, a.pending, a.cancelled), (4, 3, 1));
+    let st = s
+        .queue()
+        .await
+        .get_queue_stats(GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        st.ready_length, 3,
+        "pending jobs are back in the ready queue"
+    );
+    // and they still run
+    let mut w = SimWorker::start(&s, "after-restart", &["cat"], 4).await;
+    for _ in 0..3 {
+        let l = w.lease().await;
+        w.complete(&l).await;
+    }
+    s.stop().await;
+}

@@ -1,0 +1,492 @@
+//! Test harness: a real AGQ server on 127.0.0.1:0 with a temporary
+//! database, generated clients, and simulated workers that drive the
+//! WorkerService like agw does.
+#![allow(dead_code)]
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use agq::{
+    auth::Authenticator,
+    config::EngineConfig,
+    pb::{self, *},
+    server::{self, ServerOptions},
+};
+use tokio::{
+    sync::{mpsc, oneshot},
+    task::JoinHandle,
+};
+use tokio_stream::{wrappers::ReceiverStream, StreamExt};
+use tonic::{
+    metadata::MetadataValue, service::interceptor::InterceptedService, transport::Channel, Request,
+    Status,
+};
+
+/// Short intervals so no test waits long: heartbeat 200 ms (stale after
+/// 600 ms), grace 400 ms, backoff 50 ms.
+pub fn fast_config() -> EngineConfig {
+    EngineConfig {
+        heartbeat_interval: Duration::from_millis(200),
+        lease_grace: Duration::from_millis(400),
+        retry_backoff_base: Duration::from_millis(50),
+        retry_backoff_max: Duration::from_millis(200),
+        ..EngineConfig::default()
+    }
+}
+
+/// A running server.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    /// Address of `GET /metrics`, when started with one.
+    pub metrics_addr: Option<SocketAddr>,
+    pub db: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<agq::error::Result<()>>>,
+}
+
+impl TestServer {
+    /// Starts a server on `db` (created if missing).
+    pub async fn start(db: &Path, cfg: EngineConfig) -> TestServer {
+        Self::start_with(db, cfg, Authenticator::default(), None).await
+    }
+
+    /// Starts a server with auth, optionally on a fixed address.
+    pub async fn start_with(
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+        addr: Option<SocketAddr>,
+    ) -> TestServer {
+        Self::start_full(db, cfg, auth, addr, false).await
+    }
+
+    /// Starts a server that also serves `GET /metrics` on 127.0.0.1:0.
+    pub async fn start_with_metrics(db: &Path, cfg: EngineConfig) -> TestServer {
+        Self::start_full(db, cfg, Authenticator::default(), None, true).await
+    }
+
+    async fn start_full(
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+        addr: Option<SocketAddr>,
+        metrics: bool,
+    ) -> TestServer {
+        let listener =
+            tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
+                .await
+                .expect("bind");
+        let addr = listener.local_addr().unwrap();
+        let metrics_listener = if metrics {
+            Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
+        } else {
+            None
+        };
+        let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
+        let (stop, stop_rx) = oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = oneshot::channel::<()>();
+        let opts = ServerOptions {
+            db: db.to_path_buf(),
+            engine: cfg,
+            auth,
+            tls: None,
+        };
+        let handle = tokio::spawn(async move {
+            server::run(
+                listener,
+                metrics_listener,
+                opts,
+                async move {
+                    let _ = stop_rx.await;
+                },
+                move |_| {
+                    let _ = ready_tx.send(());
+                },
+            )
+            .await
+        });
+        ready_rx.await.expect("server failed to start");
+        TestServer {
+            addr,
+            metrics_addr,
+            db: db.to_path_buf(),
+            stop: Some(stop),
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops the server gracefully and waits until the database is closed.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(h) = self.handle.take() {
+            tokio::time::timeout(Duration::from_secs(20), h)
+                .await
+                .expect("server did not stop in time")
+                .expect("server task panicked")
+                .expect("server returned an error");
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(self.url())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect")
+    }
+
+    pub async fn plans(&self) -> plan_service_client::PlanServiceClient<Channel> {
+        plan_service_client::PlanServiceClient::new(self.channel().await)
+    }
+    pub async fn actions(&self) -> action_service_client::ActionServiceClient<Channel> {
+        action_service_client::ActionServiceClient::new(self.channel().await)
+    }
+    pub async fn jobs(&self) -> job_service_client::JobServiceClient<Channel> {
+        job_service_client::JobServiceClient::new(self.channel().await)
+    }
+    pub async fn workers(&self) -> worker_service_client::WorkerServiceClient<Channel> {
+        worker_service_client::WorkerServiceClient::new(self.channel().await)
+    }
+    pub async fn queue(&self) -> queue_service_client::QueueServiceClient<Channel> {
+        queue_service_client::QueueServiceClient::new(self.channel().await)
+    }
+}
+
+/// An interceptor adding a bearer token.
+#[derive(Clone)]
+pub struct Bearer(pub Option<String>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(t) = &self.0 {
+            req.metadata_mut().insert(
+                "authorization",
+                MetadataValue::try_from(format!("Bearer {t}")).unwrap(),
+            );
+        }
+        Ok(req)
+    }
+}
+
+/// A channel whose calls carry `token`.
+pub type Authed = InterceptedService<Channel, Bearer>;
+
+/// A one-task plan running `cmd`.
+pub fn plan(id: &str, cmds: &[&str]) -> pb::Plan {
+    pb::Plan {
+        plan_id: id.into(),
+        plan_description: format!("test plan {id}"),
+        tasks: cmds
+            .iter()
+            .enumerate()
+            .map(|(i, c)| pb::Task {
+                task_number: i as u32 + 1,
+                command: c.to_string(),
+                args: vec![],
+                timeout_secs: 30,
+                input_from_task: None,
+            })
+            .collect(),
+    }
+}
+
+/// Submits `plan` and an action with `n` inputs; returns (action_id, job_ids).
+pub async fn submit(
+    server: &TestServer,
+    p: pb::Plan,
+    n: usize,
+    max_attempts: u32,
+) -> (String, Vec<String>) {
+    let plan_id = p.plan_id.clone();
+    let _ = server
+        .plans()
+        .await
+        .submit_plan(SubmitPlanRequest { plan: Some(p) })
+        .await;
+    let inputs = (0..n)
+        .map(|i| ActionInput {
+            values: [("n".to_string(), i.to_string())].into_iter().collect(),
+        })
+        .collect();
+    let r = server
+        .actions()
+        .await
+        .submit_action(SubmitActionRequest {
+            plan_id,
+            inputs,
+            max_attempts,
+            ..Default::default()
+        })
+        .await
+        .expect("submit action")
+        .into_inner();
+    (r.action_id, r.job_ids)
+}
+
+pub async fn job(server: &TestServer, id: &str) -> pb::Job {
+    server
+        .jobs()
+        .await
+        .get_job(GetJobRequest { job_id: id.into() })
+        .await
+        .expect("get job")
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+pub async fn worker(server: &TestServer, id: &str) -> pb::Worker {
+    server
+        .workers()
+        .await
+        .get_worker(GetWorkerRequest {
+            worker_id: id.into(),
+        })
+        .await
+        .expect("get worker")
+        .into_inner()
+        .worker
+        .unwrap()
+}
+
+/// Polls `f` every 20 ms until it returns true or `secs` pass.
+pub async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if f().await {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A simulated worker: registers, heartbeats on a timer over the
+/// bidirectional stream, and receives leases on the server stream.
+pub struct SimWorker {
+    pub id: String,
+    client: worker_service_client::WorkerServiceClient<Channel>,
+    hb_tx: Option<mpsc::Sender<HeartbeatRequest>>,
+    hb_task: Option<JoinHandle<()>>,
+    pub commands: mpsc::UnboundedReceiver<heartbeat_response::Command>,
+    cmd_tx: mpsc::UnboundedSender<heartbeat_response::Command>,
+    leases: Option<tonic::Streaming<JobLease>>,
+    pub interval: Duration,
+}
+
+impl SimWorker {
+    /// Registers `id` with `tools` and `max` slots and opens both streams.
+    pub async fn start(server: &TestServer, id: &str, tools: &[&str], max: u32) -> SimWorker {
+        let mut client = server.workers().await;
+        let r = client
+            .register_worker(RegisterWorkerRequest {
+                worker_id: id.into(),
+                hostname: "test-host".into(),
+                platform: "linux-x86_64".into(),
+                agw_version: "sim".into(),
+                capabilities: Some(WorkerCapabilities {
+                    tools: tools.iter().map(|t| t.to_string()).collect(),
+                    agentic_units: vec![],
+                }),
+                max_concurrent_jobs: max,
+                tags: Default::default(),
+            })
+            .await
+            .expect("register")
+            .into_inner();
+        let (cmd_tx, commands) = mpsc::unbounded_channel();
+        let mut w = SimWorker {
+            id: id.into(),
+            client,
+            hb_tx: None,
+            hb_task: None,
+            commands,
+            cmd_tx,
+            leases: None,
+            interval: Duration::from_millis(r.heartbeat_interval_ms as u64),
+        };
+        w.connect(None).await;
+        w
+    }
+
+    /// Opens (or reopens) the heartbeat stream, sending `held` lease ids on
+    /// its first message when given, then the lease stream.
+    pub async fn connect(&mut self, held: Option<Vec<String>>) {
+        self.disconnect();
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(HeartbeatRequest {
+            worker_id: self.id.clone(),
+            stats: Some(WorkerStats::default()),
+            held_leases: held.map(|lease_ids| HeldLeases { lease_ids }),
+        })
+        .await
+        .unwrap();
+        let mut inbound = self
+            .client
+            .heartbeat(ReceiverStream::new(rx))
+            .await
+            .expect("heartbeat stream")
+            .into_inner();
+        let id = self.id.clone();
+        let interval = self.interval;
+        let beat = tx.clone();
+        let cmd_tx = self.cmd_tx.clone();
+        self.hb_task = Some(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval / 2);
+            loop {
+                tokio::select! {
+                    _ = ticker.tick() => {
+                        let req = HeartbeatRequest { worker_id: id.clone(), stats: Some(WorkerStats::default()), held_leases: None };
+                        if beat.send(req).await.is_err() { return; }
+                    }
+                    msg = inbound.next() => match msg {
+                        Some(Ok(resp)) => if let Some(c) = resp.command { let _ = cmd_tx.send(c); },
+                        _ => return,
+                    }
+                }
+            }
+        }));
+        self.hb_tx = Some(tx);
+        let leases = self
+            .client
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: self.id.clone(),
+            })
+            .await
+            .expect("lease stream")
+            .into_inner();
+        self.leases = Some(leases);
+    }
+
+    /// Drops both streams (a crash or a network cut).
+    pub fn disconnect(&mut self) {
+        if let Some(t) = self.hb_task.take() {
+            t.abort();
+        }
+        self.hb_tx = None;
+        self.leases = None;
+    }
+
+    /// Stops heartbeating but keeps the streams open (a frozen process).
+    pub fn freeze(&mut self) {
+        if let Some(t) = self.hb_task.take() {
+            t.abort();
+        }
+    }
+
+    /// The next lease, or None if none arrives within `ms`.
+    pub async fn lease_within(&mut self, ms: u64) -> Option<JobLease> {
+        let s = self.leases.as_mut()?;
+        match tokio::time::timeout(Duration::from_millis(ms), s.next()).await {
+            Ok(Some(Ok(l))) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The next lease; panics if none arrives within 5 s.
+    pub async fn lease(&mut self) -> JobLease {
+        self.lease_within(5000)
+            .await
+            .unwrap_or_else(|| panic!("{} got no lease", self.id))
+    }
+
+    /// Reports `status` for `lease`.
+    pub async fn report(
+        &mut self,
+        lease: &JobLease,
+        status: JobStatus,
+    ) -> Result<UpdateJobResponse, Status> {
+        let job_id = lease.job.as_ref().unwrap().job_id.clone();
+        self.client
+            .update_job(UpdateJobRequest {
+                job_id,
+                worker_id: self.id.clone(),
+                lease_id: lease.lease_id.clone(),
+                status: status as i32,
+                task_results: vec![TaskResult {
+                    task_number: 1,
+                    command: "x".into(),
+                    exit_code: if status == JobStatus::Completed { 0 } else { 1 },
+                    ..Default::default()
+                }],
+                error: if status == JobStatus::Failed {
+                    "boom".into()
+                } else {
+                    String::new()
+                },
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn complete(&mut self, lease: &JobLease) {
+        self.report(lease, JobStatus::Completed)
+            .await
+            .expect("complete");
+    }
+
+    /// The next command pushed over the heartbeat stream within `ms`.
+    pub async fn command_within(&mut self, ms: u64) -> Option<heartbeat_response::Command> {
+        tokio::time::timeout(Duration::from_millis(ms), self.commands.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    pub fn client(&self) -> worker_service_client::WorkerServiceClient<Channel> {
+        self.client.clone()
+    }
+}
+
+impl Drop for SimWorker {
+    fn drop(&mut self) {
+        self.disconnect();
+    }
+}
+
+/// The invariant of issue 3: no job is running without a live or
+/// recoverable lease — its worker is ACTIVE or DRAINING (it will heartbeat,
+/// or turn DEAD and lose the lease).
+pub async fn assert_nothing_stranded(server: &TestServer) {
+    let mut jobs = server.jobs().await;
+    let running = jobs
+        .search_jobs(SearchJobsRequest {
+            status: JobStatus::Running as i32,
+            page_size: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_ids;
+    for id in running {
+        let j = job(server, &id).await;
+        let w = worker(server, &j.worker_id).await;
+        assert!(
+            w.state == WorkerState::Active as i32 || w.state == WorkerState::Draining as i32,
+            "job {id} is running on {} which is {:?}",
+            j.worker_id,
+            WorkerState::try_from(w.state)
+        );
+        assert!(
+            w.active_leases > 0,
+            "job {id} running but its worker holds no lease"
+        );
+    }
+}

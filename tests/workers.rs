@@ -1,0 +1,582 @@
+//! Worker coordination with simulated workers and short intervals
+//! (heartbeat 200 ms, stale after 600 ms, grace 400 ms): capability
+//! routing, least-loaded choice, slots, freshness, fencing, grace,
+//! reconnects, max attempts, drain, cancel and server restarts. Every test
+//! ends by checking that no running job is stranded.
+
+mod common;
+
+use std::time::Duration;
+
+use agq::pb::*;
+use common::*;
+use tonic::Code;
+
+#[tokio::test]
+async fn capability_routing_and_waiting_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("needs-jq", &["cat", "jq"]), 1, 3).await;
+    let mut plain = SimWorker::start(&s, "plain", &["cat", "sort"], 4).await;
+    assert!(
+        plain.lease_within(400).await.is_none(),
+        "a worker without jq got the job"
+    );
+    let j = job(&s, &ids[0]).await;
+    assert_eq!(j.status, JobStatus::Pending as i32);
+    assert!(
+        j.waiting_reason
+            .contains("no fresh worker has tools [cat, jq]"),
+        "{}",
+        j.waiting_reason
+    );
+
+    let mut capable = SimWorker::start(&s, "capable", &["cat", "jq"], 1).await;
+    let l = capable.lease().await;
+    assert_eq!(l.job.as_ref().unwrap().job_id, ids[0]);
+    assert_eq!(l.plan.as_ref().unwrap().plan_id, "needs-jq");
+    assert_eq!(l.attempt, 1);
+    // the only capable worker is busy now
+    let (_, more) = submit(&s, plan("needs-jq", &["cat", "jq"]), 1, 3).await;
+    let j = job(&s, &more[0]).await;
+    assert!(
+        j.waiting_reason.contains("all 1 capable workers are busy"),
+        "{}",
+        j.waiting_reason
+    );
+    capable.complete(&l).await;
+    let l2 = capable.lease().await;
+    assert_eq!(l2.job.as_ref().unwrap().job_id, more[0]);
+    capable.complete(&l2).await;
+    assert!(plain.lease_within(100).await.is_none());
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn least_loaded_and_max_concurrent_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let mut a = SimWorker::start(&s, "a", &["cat"], 3).await;
+    let mut b = SimWorker::start(&s, "b", &["cat"], 3).await;
+    // 4 jobs over 6 slots: least loaded spreads them 2 and 2 (filling the
+    // first worker would give 3 and 1)
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 4, 3).await;
+    let mut la = vec![a.lease().await, a.lease().await];
+    let mut lb = vec![b.lease().await, b.lease().await];
+    assert!(
+        a.lease_within(300).await.is_none(),
+        "a got more than its share"
+    );
+    assert!(
+        b.lease_within(10).await.is_none(),
+        "b got more than its share"
+    );
+    let mut leased: Vec<String> = la
+        .iter()
+        .chain(lb.iter())
+        .map(|l| l.job.as_ref().unwrap().job_id.clone())
+        .collect();
+    leased.sort();
+    let mut all = ids.clone();
+    all.sort();
+    assert_eq!(leased, all);
+    // 4 more jobs, 2 free slots: max_concurrent_jobs holds, 2 stay pending
+    let (_, more) = submit(&s, plan("p", &["cat"]), 4, 3).await;
+    la.push(a.lease().await);
+    lb.push(b.lease().await);
+    assert!(
+        a.lease_within(300).await.is_none(),
+        "a exceeded max_concurrent_jobs"
+    );
+    assert!(
+        b.lease_within(10).await.is_none(),
+        "b exceeded max_concurrent_jobs"
+    );
+    assert_eq!(worker(&s, "a").await.active_leases, 3);
+    // FIFO: the two oldest of the new jobs went out
+    let mut got: Vec<String> = [&la[2], &lb[2]]
+        .iter()
+        .map(|l| l.job.as_ref().unwrap().job_id.clone())
+        .collect();
+    got.sort();
+    let mut first2 = more[..2].to_vec();
+    first2.sort();
+    assert_eq!(got, first2);
+    // a frees a slot and gets the next job in line
+    a.complete(&la.remove(0)).await;
+    let next = a.lease().await;
+    assert_eq!(next.job.as_ref().unwrap().job_id, more[2]);
+    la.push(next);
+    // a third, idle worker is the least loaded and gets the last job
+    let mut c = SimWorker::start(&s, "c", &["cat"], 2).await;
+    let l = c.lease().await;
+    assert_eq!(l.job.as_ref().unwrap().job_id, more[3]);
+    for (w, ls) in [(&mut a, la), (&mut b, lb), (&mut c, vec![l])] {
+        for l in ls {
+            w.complete(&l).await;
+        }
+    }
+    let st = s
+        .queue()
+        .await
+        .get_queue_stats(GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (st.workers_total, st.workers_active, st.workers_idle),
+        (3, 3, 3)
+    );
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_worker_that_stops_heartbeating_gets_no_new_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let mut w = SimWorker::start(&s, "frozen", &["cat"], 4).await;
+    w.freeze(); // lease stream stays open, heartbeats stop
+    tokio::time::sleep(Duration::from_millis(700)).await; // > 3 x 200 ms
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    assert!(
+        w.lease_within(500).await.is_none(),
+        "a stale worker got a lease"
+    );
+    let j = job(&s, &ids[0]).await;
+    assert!(
+        j.waiting_reason.contains("no fresh worker"),
+        "{}",
+        j.waiting_reason
+    );
+    let v = worker(&s, "frozen").await;
+    assert!(!v.fresh);
+    assert_eq!(
+        v.state,
+        WorkerState::Dead as i32,
+        "the reaper marks it DEAD"
+    );
+    // a fresh worker takes it
+    let mut ok = SimWorker::start(&s, "alive", &["cat"], 1).await;
+    let l = ok.lease().await;
+    ok.complete(&l).await;
+    // a DEAD worker's heartbeat is refused until it registers again
+    let e = s
+        .workers()
+        .await
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "frozen".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn frozen_worker_loses_its_lease_and_fencing_rejects_its_late_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut old = SimWorker::start(&s, "old", &["cat"], 1).await;
+    let stale = old.lease().await;
+    old.freeze();
+    let mut new = SimWorker::start(&s, "new", &["cat"], 1).await;
+    let fresh = new.lease().await; // after 3 x interval + backoff
+    assert_eq!(fresh.job.as_ref().unwrap().job_id, ids[0]);
+    assert_eq!(fresh.attempt, 2, "the lost lease counted as an attempt");
+    assert_ne!(fresh.lease_id, stale.lease_id);
+    // the old holder wakes up and reports: rejected
+    let e = old.report(&stale, JobStatus::Completed).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{}", e.message());
+    // same worker id, stale lease id: FAILED_PRECONDITION
+    let mut forged = stale.clone();
+    forged.lease_id = "00000000-0000-0000-0000-000000000000".into();
+    let e = new.report(&forged, JobStatus::Completed).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    new.complete(&fresh).await;
+    let j = job(&s, &ids[0]).await;
+    assert_eq!(
+        (j.status, j.worker_id.as_str()),
+        (JobStatus::Completed as i32, "new")
+    );
+    // a completed job stays completed whatever arrives later
+    let e = new.report(&fresh, JobStatus::Failed).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(job(&s, &ids[0]).await.status, JobStatus::Completed as i32);
+    let m = s
+        .queue()
+        .await
+        .get_metrics(GetMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .body;
+    assert!(
+        m.contains("agq_requeues_total{reason=\"stale_heartbeat\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("agq_fencing_rejections_total 3"), "{m}");
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn dropped_worker_job_is_re_leased_after_the_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut a = SimWorker::start(&s, "a", &["cat"], 1).await;
+    let mut b = SimWorker::start(&s, "b", &["cat"], 1).await;
+    let (mut holder, mut other) = match a.lease_within(2000).await {
+        Some(l) => ((a, l), b),
+        None => {
+            let l = b.lease().await;
+            ((b, l), a)
+        }
+    };
+    let dropped_at = tokio::time::Instant::now();
+    holder.0.disconnect(); // crash: both streams gone
+    let l = other.lease().await;
+    let waited = dropped_at.elapsed();
+    assert_eq!(l.job.as_ref().unwrap().job_id, ids[0]);
+    assert!(
+        waited >= Duration::from_millis(350),
+        "re-leased before the grace: {waited:?}"
+    );
+    let j = job(&s, &ids[0]).await;
+    assert_eq!(j.attempt, 2);
+    other.complete(&l).await;
+    let e = holder
+        .0
+        .report(&holder.1, JobStatus::Completed)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_worker_that_reconnects_within_the_grace_keeps_its_leases() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = fast_config();
+    cfg.lease_grace = std::time::Duration::from_millis(1500);
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
+    let mut w = SimWorker::start(&s, "blip", &["cat"], 2).await;
+    let l1 = w.lease().await;
+    let l2 = w.lease().await;
+    w.disconnect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // it comes back still running l1 only: l2 is given up, l1 kept
+    let mut client = w.client();
+    let e = client.register_worker(RegisterWorkerRequest {
+        worker_id: "blip".into(),
+        hostname: "h".into(),
+        agw_version: "sim".into(),
+        ..Default::default()
+    });
+    assert_eq!(
+        e.await.unwrap_err().code(),
+        Code::AlreadyExists,
+        "still registered: resume"
+    );
+    w.connect(Some(vec![l1.lease_id.clone()])).await;
+    let again = w.lease().await; // l2's job, re-leased to the same worker with a new lease
+    assert_eq!(
+        again.job.as_ref().unwrap().job_id,
+        l2.job.as_ref().unwrap().job_id
+    );
+    assert_ne!(again.lease_id, l2.lease_id);
+    tokio::time::sleep(Duration::from_millis(1600)).await; // past the original grace
+    assert_eq!(
+        job(&s, &ids[0]).await.attempt,
+        1,
+        "the kept lease was not re-queued"
+    );
+    w.complete(&l1).await;
+    w.complete(&again).await;
+    assert_eq!(
+        job(&s, &l1.job.as_ref().unwrap().job_id).await.status,
+        JobStatus::Completed as i32
+    );
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn max_attempts_then_dead() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (action_id, ids) = submit(&s, plan("p", &["false"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "w", &["false"], 1).await;
+    for attempt in 1..=3 {
+        let l = w.lease().await;
+        assert_eq!(l.attempt, attempt);
+        let r = w.report(&l, JobStatus::Failed).await.unwrap();
+        if attempt < 3 {
+            assert_eq!(r.status, JobStatus::Failed as i32, "backing off");
+            let j = job(&s, &ids[0]).await;
+            if j.status == JobStatus::Failed as i32 {
+                assert!(
+                    j.waiting_reason.contains("backing off until"),
+                    "{}",
+                    j.waiting_reason
+                );
+                assert!(j.error.contains("boom"), "{}", j.error);
+            }
+        } else {
+            assert_eq!(r.status, JobStatus::Dead as i32);
+        }
+    }
+    assert!(w.lease_within(300).await.is_none());
+    let j = job(&s, &ids[0]).await;
+    assert_eq!((j.status, j.attempt), (JobStatus::Dead as i32, 3));
+    assert!(j.error.contains("attempt 3 of 3"), "{}", j.error);
+    assert_eq!(j.task_results.len(), 1);
+    let a = s
+        .actions()
+        .await
+        .get_action(GetActionRequest { action_id })
+        .await
+        .unwrap()
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!(a.dead, 1);
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn drain_keeps_leases_but_gives_no_new_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 3, 3).await;
+    let mut w = SimWorker::start(&s, "d", &["cat"], 1).await;
+    let l = w.lease().await;
+    let v = s
+        .workers()
+        .await
+        .drain_worker(DrainWorkerRequest {
+            worker_id: "d".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .worker
+        .unwrap();
+    assert_eq!(v.state, WorkerState::Draining as i32);
+    match w.command_within(2000).await {
+        Some(heartbeat_response::Command::Drain(_)) => {}
+        other => panic!("expected a drain command, got {other:?}"),
+    }
+    w.complete(&l).await; // its lease is still valid
+    assert!(
+        w.lease_within(400).await.is_none(),
+        "a draining worker got a new lease"
+    );
+    let n = w
+        .client()
+        .unregister_worker(UnregisterWorkerRequest {
+            worker_id: "d".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(n.requeued_jobs, 0);
+    assert_eq!(
+        worker(&s, "d").await.state,
+        WorkerState::Unregistered as i32
+    );
+    // unregistering with a lease re-queues it
+    let mut u = SimWorker::start(&s, "u", &["cat"], 1).await;
+    let held = u.lease().await;
+    let n = u
+        .client()
+        .unregister_worker(UnregisterWorkerRequest {
+            worker_id: "u".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(n.requeued_jobs, 1);
+    let j = job(&s, &held.job.as_ref().unwrap().job_id).await;
+    assert!(j.status == JobStatus::Failed as i32 || j.status == JobStatus::Pending as i32);
+    assert_eq!(ids.len(), 3);
+    // an unregistered id may register again
+    let _again = SimWorker::start(&s, "u", &["cat"], 1).await;
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn cancel_of_a_running_job_reaches_the_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["sleep"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "c", &["sleep"], 1).await;
+    let l = w.lease().await;
+    let j = s
+        .jobs()
+        .await
+        .cancel_job(CancelJobRequest {
+            job_id: ids[0].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(j.status, JobStatus::Cancelled as i32);
+    match w.command_within(2000).await {
+        Some(heartbeat_response::Command::CancelJobId(id)) => assert_eq!(id, ids[0]),
+        other => panic!("expected cancel_job_id, got {other:?}"),
+    }
+    let e = w.report(&l, JobStatus::Completed).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(
+        worker(&s, "c").await.active_leases,
+        0,
+        "the slot is free again"
+    );
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn registration_rules_and_heartbeat_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let mut c = s.workers().await;
+    let reg = |id: &str| RegisterWorkerRequest {
+        worker_id: id.into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        ..Default::default()
+    };
+    for bad in ["", "with space", "dot.not.allowed", &"x".repeat(65)] {
+        assert_eq!(
+            c.register_worker(reg(bad)).await.unwrap_err().code(),
+            Code::InvalidArgument,
+            "{bad:?}"
+        );
+    }
+    let mut r = reg("ok");
+    r.max_concurrent_jobs = 5000;
+    assert_eq!(
+        c.register_worker(r).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut r = reg("ok");
+    r.capabilities = Some(WorkerCapabilities {
+        tools: vec!["/bin/sh".into()],
+        agentic_units: vec![],
+    });
+    assert_eq!(
+        c.register_worker(r).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut r = reg("ok");
+    r.hostname = String::new();
+    assert_eq!(
+        c.register_worker(r).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let resp = c.register_worker(reg("ok")).await.unwrap().into_inner();
+    assert_eq!(
+        (resp.heartbeat_interval_ms, resp.heartbeat_interval_secs),
+        (200, 1)
+    );
+    assert_eq!(
+        c.register_worker(reg("ok")).await.unwrap_err().code(),
+        Code::AlreadyExists
+    );
+    assert_eq!(worker(&s, "ok").await.max_concurrent_jobs, 1, "0 means 1");
+    // heartbeat of an unknown worker
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(HeartbeatRequest {
+        worker_id: "ghost".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let e = c
+        .heartbeat(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .update_job(UpdateJobRequest {
+            job_id: "nope".into(),
+            worker_id: "ok".into(),
+            lease_id: "x".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .get_worker(GetWorkerRequest {
+            worker_id: "ghost".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let all = c
+        .list_workers(ListWorkersRequest {
+            state: WorkerState::Active as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(all.workers.len(), 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn server_restart_mid_lease_strands_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let s = TestServer::start(&db, fast_config()).await;
+    let addr = s.addr;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
+    let mut keeper = SimWorker::start(&s, "keeper", &["cat"], 1).await;
+    let mut gone = SimWorker::start(&s, "gone", &["cat"], 1).await;
+    let kl = keeper.lease().await;
+    let _gl = gone.lease().await;
+    s.stop().await;
+    drop(gone); // never comes back
+
+    let s = TestServer::start_with(&db, fast_config(), Default::default(), Some(addr)).await;
+    assert_eq!(
+        s.queue()
+            .await
+            .get_queue_stats(GetQueueStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .running_length,
+        2
+    );
+    // keeper reconnects: already registered, resumes with its lease
+    keeper.connect(Some(vec![kl.lease_id.clone()])).await;
+    keeper.complete(&kl).await;
+    // gone's job goes back to pending after the grace and runs on keeper
+    let l = keeper.lease().await;
+    assert_eq!(l.attempt, 2);
+    keeper.complete(&l).await;
+    for id in &ids {
+        assert_eq!(job(&s, id).await.status, JobStatus::Completed as i32);
+    }
+    // gone turns DEAD after 3 x interval
+    eventually(5, "gone is DEAD", || async {
+        worker(&s, "gone").await.state == WorkerState::Dead as i32
+    })
+    .await;
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
