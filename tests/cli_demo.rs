@@ -105,3 +105,51 @@ fn demo_rejects_missing_files() {
     run_agq(&["demo", dir.path().to_str().unwrap()], None, &[])
         .assert_err(1, "no regular files under");
 }
+
+#[test]
+fn demo_stops_its_workers_when_terminated() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..300 {
+        write_file(dir.path(), &format!("f{i:03}.txt"), &sample_text(i));
+    }
+    let mut child = cli_support::clean_command(cli_support::AGQ)
+        .args(["demo", "--workers", "2", dir.path().to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut pids = Vec::new();
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("worker demo-") {
+            let pid: i32 = rest
+                .split("(pid ")
+                .nth(1)
+                .and_then(|p| p.trim_end_matches(')').parse().ok())
+                .unwrap_or_else(|| panic!("no pid in {line:?}"));
+            pids.push(pid);
+            if pids.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert_eq!(pids.len(), 2);
+    let agq = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(agq, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    // Either the signal cut the run short, or the run won the race.
+    assert!(
+        (status.code() == Some(1) && stderr.contains("interrupted by SIGTERM")) || status.success(),
+        "{status:?} {stderr} {rest:?}"
+    );
+    for pid in pids {
+        let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+        assert!(!alive, "worker pid {pid} outlived agq demo");
+    }
+}

@@ -166,8 +166,8 @@ pub fn parse_inputs(text: &str, source: &str) -> Result<Vec<HashMap<String, Stri
 }
 
 /// The regular files matching `patterns`, as absolute UTF-8 paths, in
-/// pattern order then name order, without duplicates. A pattern that is
-/// not a valid glob but names an existing file is taken literally.
+/// pattern order then name order, without duplicates. A pattern that names
+/// an existing file is taken literally.
 ///
 /// # Errors
 ///
@@ -177,16 +177,19 @@ pub fn expand_files(patterns: &[String]) -> Result<Vec<String>, CliError> {
     let mut seen = BTreeSet::new();
     let mut files = Vec::new();
     for pattern in patterns {
-        let mut matched: Vec<PathBuf> = match glob::glob(pattern) {
-            Ok(paths) => paths
-                .filter_map(Result::ok)
-                .filter(|p| p.is_file())
-                .collect(),
-            Err(_) => Vec::new(),
+        // A path that exists is taken as it is (the shell may have expanded
+        // the glob already, and names may hold `[` or `*`).
+        let matched: Vec<PathBuf> = if Path::new(pattern).is_file() {
+            vec![PathBuf::from(pattern)]
+        } else {
+            match glob::glob(pattern) {
+                Ok(paths) => paths
+                    .filter_map(Result::ok)
+                    .filter(|p| p.is_file())
+                    .collect(),
+                Err(_) => Vec::new(),
+            }
         };
-        if matched.is_empty() && Path::new(pattern).is_file() {
-            matched.push(PathBuf::from(pattern));
-        }
         if matched.is_empty() {
             return Err(CliError::Input(format!(
                 "--files {pattern:?} matches no regular file"

@@ -471,7 +471,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
             Err(e) => format!("the server failed: {e}"),
         })),
         r = flow => r,
-        _ = tokio::signal::ctrl_c() => Err(CliError::Failed("interrupted".into())),
+        signal = interrupted() => Err(CliError::Failed(format!("interrupted by {signal}"))),
     };
 
     // Clean shutdown, whatever happened: workers drain and leave, then the server stops.
@@ -479,14 +479,14 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
     let _ = stop_tx.send(());
     let served = tokio::time::timeout(Duration::from_secs(30), &mut server).await;
     drop(scratch);
-    let outcome = outcome?;
-    if !workers.is_empty() {
+    if !workers.is_empty() && problems.is_empty() {
         emit_line(&format!(
             "stopped {} worker{} (SIGTERM: drained, unregistered) and the server",
             workers.len(),
             if workers.len() == 1 { "" } else { "s" }
         ))?;
     }
+    let outcome = outcome?;
     match served {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(CliError::Failed(format!("the server failed: {e}"))),
@@ -507,6 +507,22 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
     }
     debug_assert_eq!(outcome.completed, outcome.jobs);
     Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM with the signal's name, so the demo can
+/// stop its workers and server before it exits.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => tokio::select! {
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        },
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            "SIGINT"
+        }
+    }
 }
 
 /// Workers up, Plan and Action in, watch, results out.

@@ -39,7 +39,7 @@ pub enum OutputFormat {
 /// before or after the subcommand (`agq -o json plan list` or
 /// `agq plan list -o json`). `agq serve` and `agq demo` ignore them.
 #[derive(Debug, Clone, clap::Args)]
-#[command(next_help_heading = "Client options")]
+#[command(next_help_heading = "Client options (plan, action, job, worker, queue, metrics)")]
 pub struct ClientOptions {
     /// AGQ server URL (http://, or https:// with --tls-ca).
     #[arg(
