@@ -15,10 +15,11 @@ use std::{
 
 use agq::pb::{
     action_service_client::ActionServiceClient, job_service_client::JobServiceClient,
-    plan_service_client::PlanServiceClient, worker_service_client::WorkerServiceClient,
-    ActionInput, CancelJobRequest, GetActionRequest, GetJobRequest, GetWorkerRequest, Job,
-    JobStatus, Plan, RegisterWorkerRequest, SubmitActionRequest, SubmitPlanRequest, Task,
-    WorkerCapabilities, WorkerState,
+    plan_service_client::PlanServiceClient, queue_service_client::QueueServiceClient,
+    worker_service_client::WorkerServiceClient, ActionInput, CancelJobRequest, GetActionRequest,
+    GetJobRequest, GetMetricsRequest, GetWorkerRequest, Job, JobStatus, Plan,
+    RegisterWorkerRequest, SubmitActionRequest, SubmitPlanRequest, Task, WorkerCapabilities,
+    WorkerState,
 };
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
@@ -714,6 +715,64 @@ async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
         .action
         .expect("action");
     assert_eq!((action.total_jobs, action.completed), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstop_then_sigcont_the_late_completion_is_rejected_by_fencing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "frozen",
+        vec![
+            task(1, "sleep", &["2"], 60, None),
+            task(2, "echo", &["done {{tag}}"], 60, None),
+        ],
+    )
+    .await;
+    let a = Agw::start(&server, "w-frozen", &["--max-concurrent-jobs", "1"]).await;
+    let job_id = c.submit("frozen", &[("tag", "x")], 3).await;
+    c.wait_job(&job_id, "running on w-frozen", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "w-frozen"
+    })
+    .await;
+    // Freeze the worker: its streams stay open, its heartbeats stop.
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let _b = Agw::start(&server, "w-thawed-peer", &["--max-concurrent-jobs", "1"]).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!((job.worker_id.as_str(), job.attempt), ("w-thawed-peer", 2));
+    assert_eq!(c.worker_state("w-frozen").await, WorkerState::Dead);
+    // Thaw it: whatever it reports for its old lease is fenced off.
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let mut queue = QueueServiceClient::new(server.channel().await);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let body = queue
+            .get_metrics(GetMetricsRequest::default())
+            .await
+            .expect("GetMetrics")
+            .into_inner()
+            .body;
+        let rejected = body
+            .lines()
+            .find_map(|l| l.strip_prefix("agq_fencing_rejections_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if rejected >= 1.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the thawed worker's report was never rejected"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = c.job(&job_id).await;
+    assert_eq!(
+        (after.status, after.worker_id.as_str(), after.attempt),
+        (JobStatus::Completed as i32, "w-thawed-peer", 2),
+        "the outcome is recorded once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
