@@ -144,15 +144,12 @@ pub fn collect_files(paths: &[PathBuf]) -> Result<Vec<String>, CliError> {
     Ok(files)
 }
 
-/// The `agw` binary the demo starts: next to the running `agq`. When it
-/// is missing and agq was started by `cargo run` (so `cargo run --release
-/// -- demo` works on a fresh clone), it is built first with the same cargo,
-/// profile and target directory.
+/// The `agw` binary the demo starts: the one next to the running `agq`
+/// (`cargo build --release` builds both).
 ///
 /// # Errors
 ///
-/// [`CliError::Input`] telling how to build it when it is missing and
-/// cannot be built.
+/// [`CliError::Input`] telling how to build it when it is missing.
 pub async fn agw_path() -> Result<PathBuf, CliError> {
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Input(format!("cannot locate the agq binary: {e}")))?;
@@ -160,85 +157,11 @@ pub async fn agw_path() -> Result<PathBuf, CliError> {
     if agw.is_file() {
         return Ok(agw);
     }
-    if let Some(build) = cargo_build_command(&exe) {
-        emit_line("agw is not built yet: building it (cargo build --bin agw) ...")?;
-        let mut cmd = Command::new(&build[0]);
-        cmd.args(&build[1..]).stdin(Stdio::null());
-        // Drop what `cargo run` sets for the running binary, so the build
-        // sees the same environment as a build from the shell (build
-        // scripts would otherwise rerun).
-        for (key, _) in std::env::vars_os() {
-            let k = key.to_string_lossy();
-            if k.starts_with("CARGO_PKG_")
-                || k.starts_with("CARGO_MANIFEST_")
-                || matches!(
-                    &*k,
-                    "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE" | "OUT_DIR"
-                )
-            {
-                cmd.env_remove(&key);
-            }
-        }
-        match cmd.status().await {
-            Ok(s) if s.success() && agw.is_file() => return Ok(agw),
-            Ok(s) => eprintln!("agq: building agw failed ({s})"),
-            Err(e) => eprintln!("agq: cannot run cargo: {e}"),
-        }
-    }
     Err(CliError::Input(format!(
         "the worker binary {} is missing: the demo starts agw processes from the directory \
-         of agq. Build both binaries first, e.g. `cargo build --release && \
-         ./target/release/agq demo`",
+         of agq. Build both binaries first: `cargo build --release && ./target/release/agq demo`",
         agw.display()
     )))
-}
-
-/// `cargo build --bin agw` for the cargo, manifest, profile and target
-/// directory that built `exe`, when `exe` runs under `cargo run` of this
-/// package (cargo sets `CARGO`, `CARGO_PKG_NAME` and `CARGO_MANIFEST_PATH`)
-/// from a plain `target/<profile>/` directory.
-fn cargo_build_command(exe: &Path) -> Option<Vec<String>> {
-    let cargo = std::env::var("CARGO").ok()?;
-    let manifest = std::env::var("CARGO_MANIFEST_PATH").ok()?;
-    if std::env::var("CARGO_PKG_NAME").ok()? != "agq" {
-        return None;
-    }
-    let profile_dir = exe.parent()?;
-    let target_dir = profile_dir.parent()?.to_str()?.to_owned();
-    let mut cmd = vec![
-        cargo,
-        "build".into(),
-        "--manifest-path".into(),
-        manifest,
-        "--bin".into(),
-        "agw".into(),
-        "--target-dir".into(),
-        target_dir,
-    ];
-    match profile_dir.file_name()?.to_str()? {
-        "debug" => {}
-        "release" => cmd.push("--release".into()),
-        _ => return None,
-    }
-    Some(cmd)
-}
-
-/// A directory removed (with its contents) when dropped.
-struct ScratchDir(PathBuf);
-
-impl ScratchDir {
-    fn create() -> Result<Self, CliError> {
-        let dir = std::env::temp_dir().join(format!("agq-demo-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| CliError::Input(format!("cannot create {}: {e}", dir.display())))?;
-        Ok(ScratchDir(dir))
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// One started `agw` process.
@@ -427,8 +350,14 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         )));
     }
     let agw = agw_path().await?;
-    let scratch = ScratchDir::create()?;
-    let db = args.db.clone().unwrap_or_else(|| scratch.0.join("agq.db"));
+    let scratch = tempfile::Builder::new()
+        .prefix("agq-demo-")
+        .tempdir()
+        .map_err(|e| CliError::Input(format!("cannot create a temporary directory: {e}")))?;
+    let db = args
+        .db
+        .clone()
+        .unwrap_or_else(|| scratch.path().join("agq.db"));
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -464,7 +393,14 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
     ))?;
 
     let mut workers: Vec<Worker> = Vec::new();
-    let flow = demo_flow(&url, &agw, args.workers, &scratch.0, &files, &mut workers);
+    let flow = demo_flow(
+        &url,
+        &agw,
+        args.workers,
+        scratch.path(),
+        &files,
+        &mut workers,
+    );
     let outcome = tokio::select! {
         r = &mut server => Err(CliError::Failed(match r {
             Ok(()) => "the server stopped unexpectedly".into(),
