@@ -378,3 +378,145 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         .unwrap();
     assert_eq!(check, "ok");
 }
+
+/// One sample of the soak: (seconds, RSS KiB, open fds, database bytes incl. WAL, jobs done).
+fn sample(pid: u32, db: &std::path::Path) -> (u64, usize, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let size = ["", "-wal", "-shm"]
+        .iter()
+        .filter_map(|s| std::fs::metadata(format!("{}{s}", db.display())).ok())
+        .map(|m| m.len())
+        .sum();
+    (rss, fds, size)
+}
+
+/// Soak: a steady submission rate (`AGQ_SOAK_RATE` jobs/s, default 1000)
+/// for `AGQ_SOAK_SECS` (default 600) with 4 simulated workers; prints the
+/// server's RSS, open files and database size every 30 s. Not in CI:
+/// `cargo test --release --test crash soak -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn soak_at_a_steady_rate() {
+    let secs: u64 = std::env::var("AGQ_SOAK_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(600);
+    let rate: u64 = std::env::var("AGQ_SOAK_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut server = spawn_server(&db, port);
+    let ch = channel(&url).await.expect("connect");
+    let plan = pb::Plan {
+        plan_id: "crash".into(),
+        plan_description: String::new(),
+        tasks: vec![Task {
+            task_number: 1,
+            command: "cat".into(),
+            args: vec![],
+            timeout_secs: 10,
+            input_from_task: None,
+        }],
+    };
+    plan_service_client::PlanServiceClient::new(ch.clone())
+        .submit_plan(SubmitPlanRequest { plan: Some(plan) })
+        .await
+        .unwrap();
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let workers: Vec<_> = (0..4)
+        .map(|i| {
+            tokio::spawn(worker(
+                url.clone(),
+                format!("soak-w{i}"),
+                ledger.clone(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+    // Actions of 50 jobs at `rate` jobs/s.
+    let mut actions = action_service_client::ActionServiceClient::new(ch);
+    let per_action = 50u64;
+    let mut tick =
+        tokio::time::interval(Duration::from_micros(1_000_000 * per_action / rate.max(1)));
+    let start = tokio::time::Instant::now();
+    let mut next_sample = Duration::ZERO;
+    let mut submitted = 0u64;
+    println!(
+        "{:>6} {:>10} {:>6} {:>12} {:>10} {:>10}",
+        "secs", "rss_kib", "fds", "db_bytes", "submitted", "completed"
+    );
+    let mut first_rss = 0;
+    let mut last = (0, 0, 0);
+    while start.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        let inputs = (0..per_action)
+            .map(|i| ActionInput {
+                values: [("i".to_string(), i.to_string())].into(),
+            })
+            .collect();
+        let req = SubmitActionRequest {
+            plan_id: "crash".into(),
+            inputs,
+            max_attempts: 3,
+            ..Default::default()
+        };
+        let r = actions.submit_action(req).await.expect("submit");
+        submitted += r.into_inner().jobs_created as u64;
+        if start.elapsed() >= next_sample {
+            last = sample(server.id(), &db);
+            if first_rss == 0 {
+                first_rss = last.0;
+            }
+            let done = ledger.lock().unwrap().completions.len();
+            println!(
+                "{:>6} {:>10} {:>6} {:>12} {:>10} {:>10}",
+                next_sample.as_secs(),
+                last.0,
+                last.1,
+                last.2,
+                submitted,
+                done
+            );
+            next_sample += Duration::from_secs(30);
+        }
+    }
+    // Let the workers finish the backlog (bounded).
+    let drain_deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while (ledger.lock().unwrap().completions.len() as u64) < submitted
+        && tokio::time::Instant::now() < drain_deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = stop_tx.send(true);
+    for w in workers {
+        w.abort();
+    }
+    let done = ledger.lock().unwrap().completions.len() as u64;
+    println!(
+        "soak: {secs} s at {rate} jobs/s: {submitted} submitted, {done} completed; RSS {first_rss} -> {} KiB, {} fds, database {} bytes",
+        last.0, last.1, last.2
+    );
+    assert!(
+        done as f64 >= submitted as f64 * 0.99,
+        "the workers fell behind: {done} of {submitted}"
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
