@@ -114,4 +114,38 @@ mod tests {
         assert_eq!(render_all(&args, &i).unwrap_err().name, "zz");
         assert_eq!(render_all(&args[..1], &i).unwrap(), vec!["A".to_owned()]);
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Rendering never panics; an argument without `{{` is unchanged;
+            /// a value inserted is never re-expanded.
+            #[test]
+            fn render_is_total_and_literal(
+                arg in "\\PC{0,40}",
+                values in prop::collection::hash_map("[a-z]{1,4}", "\\PC{0,10}", 0..4),
+            ) {
+                let r = render(&arg, &values);
+                if !arg.contains("{{") {
+                    prop_assert_eq!(r, Ok(arg.clone()));
+                }
+            }
+
+            /// `{{name}}` is replaced by exactly its value, whatever the value holds.
+            #[test]
+            fn placeholders_take_the_value_verbatim(
+                prefix in "[^{}]{0,8}",
+                suffix in "[^{}]{0,8}",
+                value in "\\PC{0,16}",
+            ) {
+                let input = HashMap::from([("file".to_string(), value.clone())]);
+                let arg = format!("{prefix}{{{{file}}}}{suffix}");
+                prop_assert_eq!(render(&arg, &input), Ok(format!("{prefix}{value}{suffix}")));
+            }
+        }
+    }
 }
