@@ -56,7 +56,7 @@ impl State {
         if !self.plans.contains_key(plan_id) {
             return Err(Error::not_found(format!("plan {plan_id} not found")));
         }
-        if plans::in_use(conn, plan_id)? {
+        if self.plan_in_use(plan_id) {
             return Err(Error::precondition(format!(
                 "plan {plan_id} is used by pending or running jobs; cancel them or wait until they finish"
             )));
@@ -129,6 +129,8 @@ impl State {
 
     /// Applies a worker's report on a leased job (seed: JOB.UPDATE), fenced
     /// by the lease: only the holder, with the current lease id, may report.
+    /// Every check comes before the first SQL write, so it runs without a
+    /// savepoint (`Writer::write_direct`): keep it that way.
     ///
     /// Errors: `NotFound` (job), `PermissionDenied` (another worker's lease),
     /// `FailedPrecondition` (stale lease id, job not running),
@@ -138,28 +140,32 @@ impl State {
         conn: &Connection,
         req: pb::UpdateJobRequest,
     ) -> Result<JobStatus> {
-        let key = jobs::key_by_job_id(conn, &req.job_id)?
-            .ok_or_else(|| Error::not_found(format!("job {} not found", req.job_id)))?;
-        let lease = self.leases.get(&key.row).cloned();
-        let fenced = |msg: String, deny: bool| {
-            if deny {
-                Error::PermissionDenied(msg)
-            } else {
-                Error::FailedPrecondition(msg)
-            }
-        };
-        let Some(lease) = lease else {
-            self.metrics.fencing_rejections.inc();
-            let other = key.worker_id.as_deref() != Some(req.worker_id.as_str());
-            return Err(fenced(
-                format!(
+        // A job under lease is found in memory; only reports on other jobs
+        // (rejected below) need the database to say what the job is.
+        let leased = self
+            .lease_by_job
+            .get(&req.job_id)
+            .and_then(|row| self.leases.get(row).map(|l| (*row, l.clone())));
+        let (row, lease) = match leased {
+            Some(found) => found,
+            None => {
+                let key = jobs::key_by_job_id(conn, &req.job_id)?
+                    .ok_or_else(|| Error::not_found(format!("job {} not found", req.job_id)))?;
+                self.metrics.fencing_rejections.inc();
+                let msg = format!(
                     "job {} is {} and holds no lease of worker {}; the report is rejected",
                     req.job_id,
                     crate::metrics::status_name(key.status),
                     req.worker_id
-                ),
-                other,
-            ));
+                );
+                return Err(
+                    if key.worker_id.as_deref() != Some(req.worker_id.as_str()) {
+                        Error::PermissionDenied(msg)
+                    } else {
+                        Error::FailedPrecondition(msg)
+                    },
+                );
+            }
         };
         if lease.worker_id != req.worker_id {
             self.metrics.fencing_rejections.inc();
@@ -180,45 +186,44 @@ impl State {
             return Err(Error::invalid("progress_percent must be in 0..=100"));
         }
         let now_ms = store::now_ms();
-        match status {
-            JobStatus::Running => {
-                jobs::set_progress(conn, key.row, req.current_task, req.progress_percent)?;
-                if !req.task_results.is_empty() {
-                    jobs::replace_task_results(conn, key.row, &req.task_results)?;
+        let after =
+            match status {
+                JobStatus::Running => {
+                    jobs::set_progress(conn, row, req.current_task, req.progress_percent)?;
+                    if !req.task_results.is_empty() {
+                        jobs::replace_task_results(conn, row, &req.task_results)?;
+                    }
+                    JobStatus::Running
                 }
-            }
-            JobStatus::Completed => {
-                jobs::replace_task_results(conn, key.row, &req.task_results)?;
-                jobs::complete(conn, key.row, now_ms)?;
-                self.metrics.transition(JobStatus::Completed);
-                self.metrics
-                    .job_duration
-                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                self.release(key.row, &lease.worker_id);
-                self.touch(&lease.action_id);
-            }
-            JobStatus::Failed => {
-                jobs::replace_task_results(conn, key.row, &req.task_results)?;
-                let error = if req.error.is_empty() {
-                    "the worker reported failure".to_string()
-                } else {
-                    req.error.clone()
-                };
-                self.metrics
-                    .job_duration
-                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                self.end_attempt(conn, key.row, &lease, &error)?;
-                self.metrics.requeue("job_failed");
-            }
-            _ => {
-                return Err(Error::invalid(
+                JobStatus::Completed => {
+                    jobs::replace_task_results(conn, row, &req.task_results)?;
+                    jobs::complete(conn, row, now_ms)?;
+                    self.metrics.transition(JobStatus::Completed);
+                    self.metrics
+                        .job_duration
+                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                    self.release(row, &lease.worker_id);
+                    self.touch(&lease.action_id);
+                    JobStatus::Completed
+                }
+                JobStatus::Failed => {
+                    jobs::replace_task_results(conn, row, &req.task_results)?;
+                    let error = if req.error.is_empty() {
+                        "the worker reported failure".to_string()
+                    } else {
+                        req.error.clone()
+                    };
+                    self.metrics
+                        .job_duration
+                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                    let after = self.end_attempt(conn, row, &lease, &error)?;
+                    self.metrics.requeue("job_failed");
+                    after
+                }
+                _ => return Err(Error::invalid(
                     "status must be JOB_STATUS_RUNNING, JOB_STATUS_COMPLETED or JOB_STATUS_FAILED",
-                ))
-            }
-        }
-        let after = jobs::key_by_row(conn, key.row)?
-            .map(|k| k.status)
-            .unwrap_or(status);
+                )),
+            };
         Ok(after)
     }
 

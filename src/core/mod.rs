@@ -38,6 +38,7 @@ pub struct Engine {
     metrics: SharedMetrics,
     watchers: Arc<Watchers>,
     writer_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    checkpointer: std::sync::Mutex<Option<store::Checkpointer>>,
     stop_reaper: watch::Sender<bool>,
 }
 
@@ -90,6 +91,7 @@ impl Engine {
         metrics: SharedMetrics,
     ) -> Result<Arc<Engine>> {
         let (conn, pool) = store::open(db, cfg.synchronous)?;
+        let checkpointer = store::Checkpointer::start(db, cfg.synchronous)?;
         let watchers = Arc::new(Watchers::default());
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
         let (writer, thread) = Writer::start(conn, state)?;
@@ -102,6 +104,7 @@ impl Engine {
             metrics,
             watchers,
             writer_thread: std::sync::Mutex::new(Some(thread)),
+            checkpointer: std::sync::Mutex::new(Some(checkpointer)),
             stop_reaper,
         });
         tokio::spawn(reaper(engine.writer.clone(), engine.tick_period(), stop_rx));
@@ -132,10 +135,18 @@ impl Engine {
         &self.metrics
     }
 
-    /// Stops the reaper and the writer (after the queued operations), and
-    /// closes the database cleanly. Later calls fail with `Unavailable`.
+    /// Stops the reaper, the checkpoint thread and the writer (after the
+    /// queued operations), and closes the database cleanly. Later calls fail with `Unavailable`.
     pub async fn close(&self) {
         let _ = self.stop_reaper.send(true);
+        let checkpointer = self
+            .checkpointer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(c) = checkpointer {
+            let _ = tokio::task::spawn_blocking(move || c.stop()).await;
+        }
         self.writer.stop();
         let thread = self
             .writer_thread
@@ -466,7 +477,11 @@ impl Engine {
                 validate::MAX_TASKS
             )));
         }
-        self.writer.write(move |s, c| s.update_job(c, req)).await
+        // update_job checks the lease, fencing and request before it
+        // writes: no savepoint needed (see `Writer::write_direct`).
+        self.writer
+            .write_direct(move |s, c| s.update_job(c, req))
+            .await
     }
 
     /// Deregisters a worker (seed: WORKER.UNREGISTER); returns re-queued jobs.

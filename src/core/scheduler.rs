@@ -106,6 +106,7 @@ impl State {
         job.worker_id = worker_id.to_string();
         job.current_task = 0;
         job.progress_percent = 0;
+        self.lease_by_job.insert(job.job_id.clone(), row);
         self.leases.insert(
             row,
             Lease {
@@ -187,14 +188,15 @@ impl State {
     }
 
     /// Records a failed attempt of the leased job (reported or lost) and
-    /// re-queues it with backoff or sends it to dead.
+    /// re-queues it with backoff or sends it to dead. Returns the job's
+    /// status now: Failed (backing off), Pending (no backoff) or Dead.
     pub(super) fn end_attempt(
         &mut self,
         conn: &Connection,
         row: i64,
         lease: &Lease,
         error: &str,
-    ) -> Result<()> {
+    ) -> Result<JobStatus> {
         let now_ms = store::now_ms();
         let dead = lease.attempt >= lease.max_attempts;
         let ready_at = now_ms
@@ -230,12 +232,14 @@ impl State {
             self.enqueue(row, waiting, now_ms);
         }
         self.touch(&lease.action_id);
-        Ok(())
+        Ok(status)
     }
 
     /// Drops the lease of `row` from memory and frees the holder's slot.
     pub(super) fn release(&mut self, row: i64, worker_id: &str) {
-        self.leases.remove(&row);
+        if let Some(lease) = self.leases.remove(&row) {
+            self.lease_by_job.remove(&lease.job_id);
+        }
         if let Some(w) = self.workers.get_mut(worker_id) {
             w.leases.remove(&row);
         }

@@ -180,6 +180,9 @@ pub struct State {
     pub delayed_jobs: HashMap<i64, Waiting>,
     /// Leases by job row.
     pub leases: HashMap<i64, Lease>,
+    /// Row of each leased job by public job id (the same jobs as
+    /// [`State::leases`]), so a worker's report finds its job without a query.
+    pub lease_by_job: HashMap<String, i64>,
     /// Every known worker by id.
     pub workers: HashMap<String, WorkerEntry>,
     /// Workers that can take a lease now (ACTIVE, lease stream open, free
@@ -216,6 +219,7 @@ impl State {
             delayed: BTreeSet::new(),
             delayed_jobs: HashMap::new(),
             leases: HashMap::new(),
+            lease_by_job: HashMap::new(),
             workers: HashMap::new(),
             available: BTreeSet::new(),
             outbox: Vec::new(),
@@ -309,6 +313,7 @@ impl State {
         self.delayed.clear();
         self.delayed_jobs.clear();
         self.leases.clear();
+        self.lease_by_job.clear();
         let mut orphaned = Vec::new();
         for job in store::jobs::load_open(conn)? {
             let plan_id = self.intern(&job.plan_id);
@@ -328,6 +333,7 @@ impl State {
                         granted_at_ms: now_ms,
                         stream_id: 0,
                     };
+                    self.lease_by_job.insert(job.job_id.clone(), job.row);
                     self.leases.insert(job.row, lease);
                     match self.workers.get_mut(&worker_id) {
                         Some(w)
@@ -374,6 +380,14 @@ impl State {
             self.delayed.insert((waiting.since_ms, row));
             self.delayed_jobs.insert(row, waiting);
         }
+    }
+
+    /// True while a pending, running or failed (retrying) job uses the
+    /// plan: every such job is in the ready or delayed queue or leased.
+    pub fn plan_in_use(&self, plan_id: &str) -> bool {
+        self.ready_by_plan.contains_key(plan_id)
+            || self.delayed_jobs.values().any(|w| &*w.plan_id == plan_id)
+            || self.leases.values().any(|l| &*l.plan_id == plan_id)
     }
 
     /// Removes a job from the ready or delayed queue; returns what it was.

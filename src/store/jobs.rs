@@ -154,8 +154,18 @@ pub fn set_progress(conn: &Connection, row: i64, current_task: u32, progress: u3
 ///
 /// Errors: [`Error::Storage`].
 pub fn replace_task_results(conn: &Connection, row: i64, results: &[pb::TaskResult]) -> Result<()> {
-    conn.prepare_cached("DELETE FROM task_results WHERE job_row = ?1")?
-        .execute([row])?;
+    // Most jobs have no results yet. Look before deleting: a DELETE on this
+    // WITHOUT ROWID table (with foreign keys on) builds a temporary b-tree
+    // of the keys to delete every time, even when it deletes nothing.
+    let stored = conn
+        .prepare_cached("SELECT 1 FROM task_results WHERE job_row = ?1 LIMIT 1")?
+        .query_row([row], |_| Ok(()))
+        .optional()?
+        .is_some();
+    if stored {
+        conn.prepare_cached("DELETE FROM task_results WHERE job_row = ?1")?
+            .execute([row])?;
+    }
     let mut stmt = conn.prepare_cached(
         "INSERT OR REPLACE INTO task_results (job_row, task_number, command, exit_code, stdout, stderr,
             duration_ms, stdout_truncated, stderr_truncated) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
@@ -405,32 +415,39 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<pb::Ac
         created_at: Some(ts(created_at_ms)),
         ..Default::default()
     };
-    let mut stmt = conn.prepare_cached(
-        "SELECT status, count(*), max(completed_at_ms) FROM jobs WHERE action_id = ?1 GROUP BY status",
-    )?;
-    let rows = stmt.query_map([action_id], |r| {
-        Ok((
-            r.get::<_, i32>(0)?,
-            r.get::<_, u32>(1)?,
-            r.get::<_, Option<i64>>(2)?,
-        ))
-    })?;
-    let mut last_done: Option<i64> = None;
-    for row in rows {
-        let (s, n, done) = row?;
-        match s {
-            PENDING => status.pending = n,
-            RUNNING => status.running = n,
-            COMPLETED => status.completed = n,
-            FAILED => status.failed = n,
-            DEAD => status.dead = n,
-            CANCELLED => status.cancelled = n,
-            _ => {}
-        }
-        if matches!(s, COMPLETED | DEAD | CANCELLED) {
-            last_done = last_done.max(done);
-        }
-    }
+    // One pass over the action's jobs (no GROUP BY sort).
+    let (counts, last_done) = conn
+        .prepare_cached(
+            "SELECT count(*) FILTER (WHERE status = ?2), count(*) FILTER (WHERE status = ?3),
+                    count(*) FILTER (WHERE status = ?4), count(*) FILTER (WHERE status = ?5),
+                    count(*) FILTER (WHERE status = ?6), count(*) FILTER (WHERE status = ?7),
+                    max(completed_at_ms) FILTER (WHERE status IN (?4, ?6, ?7))
+             FROM jobs WHERE action_id = ?1",
+        )?
+        .query_row(
+            params![action_id, PENDING, RUNNING, COMPLETED, FAILED, DEAD, CANCELLED],
+            |r| {
+                Ok((
+                    [
+                        r.get::<_, u32>(0)?,
+                        r.get::<_, u32>(1)?,
+                        r.get::<_, u32>(2)?,
+                        r.get::<_, u32>(3)?,
+                        r.get::<_, u32>(4)?,
+                        r.get::<_, u32>(5)?,
+                    ],
+                    r.get::<_, Option<i64>>(6)?,
+                ))
+            },
+        )?;
+    [
+        status.pending,
+        status.running,
+        status.completed,
+        status.failed,
+        status.dead,
+        status.cancelled,
+    ] = counts;
     if status.completed + status.dead + status.cancelled == status.total_jobs {
         status.completed_jobs_at = opt_ts(last_done);
     }

@@ -64,26 +64,6 @@ pub fn list(
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
-/// True while a pending, running or failed (retrying) job uses the plan.
-///
-/// Errors: [`crate::error::Error::Storage`].
-pub fn in_use(conn: &Connection, plan_id: &str) -> Result<bool> {
-    let n: i64 = conn
-        .prepare_cached(
-            "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE plan_id = ?1 AND status IN (?2, ?3, ?4) LIMIT 1)",
-        )?
-        .query_row(
-            params![
-                plan_id,
-                pb::JobStatus::Pending as i32,
-                pb::JobStatus::Running as i32,
-                pb::JobStatus::Failed as i32
-            ],
-            |r| r.get(0),
-        )?;
-    Ok(n > 0)
-}
-
 /// Deletes the plan with its actions, jobs and task results. Returns false
 /// when no such plan exists.
 ///

@@ -31,11 +31,38 @@ pub trait BatchState: Send + 'static {
 }
 
 type Reply = Box<dyn FnOnce(Result<()>) + Send>;
-type TxFn<S> = Box<dyn FnOnce(&mut S, &Connection) -> (bool, Reply) + Send>;
+type TxFn<S> = Box<dyn FnOnce(&mut S, &Connection) -> (Outcome, Reply) + Send>;
+
+/// How an operation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// It succeeded.
+    Done,
+    /// It refused (bad input, wrong state, ...).
+    Refused,
+    /// Storage failed under it.
+    Broken,
+}
+
+impl Outcome {
+    fn of<R>(r: &Result<R>) -> Outcome {
+        match r {
+            Ok(_) => Outcome::Done,
+            Err(Error::Storage(_) | Error::Pool(_)) => Outcome::Broken,
+            Err(_) => Outcome::Refused,
+        }
+    }
+}
 
 enum Op<S> {
     /// A state change: runs in a savepoint, rolled back when it fails.
     Write(TxFn<S>),
+    /// A state change that checks everything before its first SQL write,
+    /// so once it writes only a storage error can stop it: no savepoint
+    /// (a savepoint copies every page the operation touches), and a storage
+    /// error rolls the whole batch back; the operations after it in the
+    /// batch are carried over to the next batch.
+    Direct(TxFn<S>),
     /// A read of the state and database: no savepoint.
     Read(TxFn<S>),
     /// Finish the queued operations, then stop the thread.
@@ -80,7 +107,23 @@ impl<S: BatchState> Writer<S> {
         R: Send + 'static,
         F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
     {
-        self.call(f, true).await
+        self.call(f, Kind::Write).await
+    }
+
+    /// Runs `f` as a state change without a savepoint and returns its result
+    /// once committed. `f` must check everything before its first SQL write:
+    /// once it has written, the only error it may return is a storage error
+    /// ([`Error::Storage`]), which rolls back the whole batch (the writes of
+    /// a refused `f` would otherwise be committed). Worth it for the
+    /// frequent operations (a savepoint journals every page touched).
+    ///
+    /// Errors: as [`Writer::write`].
+    pub async fn write_direct<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+    {
+        self.call(f, Kind::Direct).await
     }
 
     /// Runs `f` on the writer thread without a savepoint, for operations that write no SQL (reads of the
@@ -93,7 +136,7 @@ impl<S: BatchState> Writer<S> {
         R: Send + 'static,
         F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
     {
-        self.call(f, false).await
+        self.call(f, Kind::Read).await
     }
 
     /// Queues a state change whose result nobody waits for (stream-closed
@@ -107,7 +150,7 @@ impl<S: BatchState> Writer<S> {
             if let Err(e) = &r {
                 tracing::warn!(error = %e, "background operation failed");
             }
-            (r.is_ok(), Box::new(|_| {}))
+            (Outcome::of(&r), Box::new(|_| {}))
         });
         self.tx.send(Op::Write(op)).is_ok()
     }
@@ -118,7 +161,7 @@ impl<S: BatchState> Writer<S> {
         let _ = self.tx.send(Op::Stop);
     }
 
-    async fn call<R, F>(&self, f: F, write: bool) -> Result<R>
+    async fn call<R, F>(&self, f: F, kind: Kind) -> Result<R>
     where
         R: Send + 'static,
         F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
@@ -126,7 +169,7 @@ impl<S: BatchState> Writer<S> {
         let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
         let op: TxFn<S> = Box::new(move |s, c| {
             let r = f(s, c);
-            let ok = r.is_ok();
+            let outcome = Outcome::of(&r);
             let reply: Reply = Box::new(move |commit: Result<()>| {
                 let out = match (commit, r) {
                     (Ok(()), r) => r,
@@ -135,23 +178,41 @@ impl<S: BatchState> Writer<S> {
                 };
                 let _ = reply_tx.send(out);
             });
-            (ok, reply)
+            (outcome, reply)
         });
-        let op = if write { Op::Write(op) } else { Op::Read(op) };
+        let op = match kind {
+            Kind::Write => Op::Write(op),
+            Kind::Direct => Op::Direct(op),
+            Kind::Read => Op::Read(op),
+        };
         self.tx.send(op).map_err(|_| Error::Unavailable)?;
         reply_rx.await.map_err(|_| Error::Unavailable)?
     }
 }
 
+/// The kind of operation [`Writer::call`] queues.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Write,
+    Direct,
+    Read,
+}
+
 fn run<S: BatchState>(conn: Connection, mut state: S, mut rx: mpsc::UnboundedReceiver<Op<S>>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut replies: Vec<Reply> = Vec::with_capacity(MAX_BATCH);
+    // Operations not run because a storage error ended their batch.
+    let mut carried: Vec<Op<S>> = Vec::new();
     let mut stopping = false;
-    while !stopping {
-        let Some(first) = rx.blocking_recv() else {
-            break;
-        };
-        batch.push(first);
+    while !stopping || !carried.is_empty() {
+        if carried.is_empty() {
+            let Some(first) = rx.blocking_recv() else {
+                break;
+            };
+            batch.push(first);
+        } else {
+            batch.append(&mut carried);
+        }
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
                 Ok(op) => batch.push(op),
@@ -164,7 +225,7 @@ fn run<S: BatchState>(conn: Connection, mut state: S, mut rx: mpsc::UnboundedRec
             rx.close();
         }
         let ops = batch.len();
-        let result = run_batch(&conn, &mut state, &mut batch, &mut replies);
+        let result = run_batch(&conn, &mut state, &mut batch, &mut replies, &mut carried);
         match result {
             Ok(()) => {
                 state.after_commit(ops);
@@ -196,18 +257,30 @@ fn run_batch<S: BatchState>(
     state: &mut S,
     batch: &mut Vec<Op<S>>,
     replies: &mut Vec<Reply>,
+    carried: &mut Vec<Op<S>>,
 ) -> Result<()> {
-    conn.execute_batch("BEGIN")?;
-    for op in batch.drain(..) {
+    exec(conn, "BEGIN")?;
+    let mut ops = batch.drain(..);
+    while let Some(op) = ops.next() {
         match op {
             Op::Write(f) => {
-                conn.execute_batch("SAVEPOINT op")?;
-                let (ok, reply) = f(state, conn);
-                if !ok {
-                    conn.execute_batch("ROLLBACK TO op")?;
+                exec(conn, "SAVEPOINT op")?;
+                let (outcome, reply) = f(state, conn);
+                if outcome != Outcome::Done {
+                    exec(conn, "ROLLBACK TO op")?;
                 }
-                conn.execute_batch("RELEASE op")?;
+                exec(conn, "RELEASE op")?;
                 replies.push(reply);
+            }
+            Op::Direct(f) => {
+                let (outcome, reply) = f(state, conn);
+                replies.push(reply);
+                if outcome == Outcome::Broken {
+                    carried.extend(ops);
+                    return Err(Error::Internal(
+                        "storage failed in the middle of an operation".into(),
+                    ));
+                }
             }
             Op::Read(f) => {
                 let (_, reply) = f(state, conn);
@@ -217,6 +290,13 @@ fn run_batch<S: BatchState>(
         }
     }
     state.before_commit(conn)?;
-    conn.execute_batch("COMMIT")?;
+    exec(conn, "COMMIT")?;
+    Ok(())
+}
+
+/// Runs a transaction-control statement through the statement cache
+/// (`execute_batch` would parse it again for every operation).
+fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([])?;
     Ok(())
 }

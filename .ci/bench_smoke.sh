@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Smoke run of agq-bench (issue 7): tiny sizes, every mode's code path of the
+# default mode, exits non-zero unless every job completed. The Redis peer is
+# skipped when redis-server is not installed. Numbers are printed, never
+# asserted: performance is measured by hand (BENCHMARKS.md), not in CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target="${CARGO_TARGET_DIR:-target}"
+cargo build --locked --bin agq-bench
+"$target/debug/agq-bench" --smoke
+"$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
+"$target/debug/agq-bench" --smoke --backlog 2000 --backlog-sample 200 --workers 4
+echo "bench smoke: ok"

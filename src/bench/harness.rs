@@ -1,0 +1,206 @@
+//! The AGQ server under test: [`crate::server::run`] on 127.0.0.1:0 with a
+//! temporary database, on its own tokio runtime whose threads are named
+//! `agq-srv` so its CPU time can be told apart from the simulated clients'.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use tokio::sync::oneshot;
+use tonic::transport::{Channel, Endpoint};
+
+use super::BenchError;
+use crate::{
+    auth::Authenticator,
+    config::EngineConfig,
+    core::Engine,
+    server::{self, ServerOptions},
+};
+
+/// A directory removed (with its contents) when dropped.
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates a fresh directory `agq-bench-<pid>-<n>-<tag>` under `base`.
+    ///
+    /// Errors: the directory cannot be created.
+    pub fn new(base: &Path, tag: &str) -> Result<TempDir, BenchError> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let path = base.join(format!("agq-bench-{}-{n}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&path)
+            .map_err(|e| BenchError::Setup(format!("cannot create {}: {e}", path.display())))?;
+        Ok(TempDir { path })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A running in-process AGQ server.
+pub struct Harness {
+    /// Its gRPC address.
+    pub addr: SocketAddr,
+    rt: Option<tokio::runtime::Runtime>,
+    stop: Option<oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
+    engine: Arc<Engine>,
+    _dir: TempDir,
+}
+
+impl Harness {
+    /// Starts AGQ with `cfg` on a fresh database under `base`, on a runtime
+    /// of `threads` worker threads. Returns once health reports SERVING.
+    ///
+    /// Errors: setup failures (runtime, directory, bind, database).
+    pub async fn start(
+        base: &Path,
+        cfg: EngineConfig,
+        threads: usize,
+    ) -> Result<Harness, BenchError> {
+        let dir = TempDir::new(base, "agq")?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("agq-srv")
+            .thread_keep_alive(Duration::from_secs(3600))
+            .enable_all()
+            .build()
+            .map_err(|e| BenchError::Setup(format!("server runtime: {e}")))?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let (stop, stop_rx) = oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = oneshot::channel::<Arc<Engine>>();
+        let opts = ServerOptions {
+            db: dir.path().join("agq.db"),
+            engine: cfg,
+            auth: Authenticator::default(),
+            tls: None,
+        };
+        let done = rt.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener)
+                .map_err(|e| crate::error::Error::Internal(e.to_string()))?;
+            server::run(
+                listener,
+                None,
+                opts,
+                async move {
+                    let _ = stop_rx.await;
+                },
+                move |engine| {
+                    let _ = ready_tx.send(engine.clone());
+                },
+            )
+            .await
+        });
+        let Ok(engine) = ready_rx.await else {
+            let err = match done.await {
+                Ok(Err(e)) => e.to_string(),
+                Ok(Ok(())) => "the server stopped at once".to_string(),
+                Err(e) => e.to_string(),
+            };
+            rt.shutdown_background();
+            return Err(BenchError::Setup(format!("AGQ did not start: {err}")));
+        };
+        Ok(Harness {
+            addr,
+            rt: Some(rt),
+            stop: Some(stop),
+            done: Some(done),
+            engine,
+            _dir: dir,
+        })
+    }
+
+    /// (commits, operations committed) so far, from the server's
+    /// `commit_batch_ops` histogram: how well group commit batches.
+    pub fn commits(&self) -> (u64, u64) {
+        let text = self.engine.metrics().encode();
+        let find = |suffix: &str| {
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .find_map(|l| {
+                    let (name, v) = l.split_once(' ')?;
+                    name.ends_with(suffix)
+                        .then(|| v.trim().parse::<f64>().ok())?
+                })
+                .unwrap_or(0.0) as u64
+        };
+        (find("commit_batch_ops_count"), find("commit_batch_ops_sum"))
+    }
+
+    /// A new HTTP/2 connection to the server.
+    ///
+    /// Errors: connection failures.
+    pub async fn connect(&self) -> Result<Channel, BenchError> {
+        connect(self.addr).await
+    }
+
+    /// Stops the server gracefully (streams end, database closed) and
+    /// removes its directory.
+    ///
+    /// Errors: the server returned an error or did not stop within 60 s.
+    pub async fn stop(mut self) -> Result<(), BenchError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let result = match self.done.take() {
+            Some(h) => match tokio::time::timeout(Duration::from_secs(60), h).await {
+                Ok(Ok(Ok(()))) => Ok(()),
+                Ok(Ok(Err(e))) => Err(BenchError::Failed(format!("AGQ stopped with: {e}"))),
+                Ok(Err(e)) => Err(BenchError::Failed(format!("AGQ task failed: {e}"))),
+                Err(_) => Err(BenchError::Failed("AGQ did not stop within 60 s".into())),
+            },
+            None => Ok(()),
+        };
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+        result
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A new HTTP/2 connection to `addr`.
+///
+/// Errors: connection failures.
+pub async fn connect(addr: SocketAddr) -> Result<Channel, BenchError> {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| BenchError::Setup(e.to_string()))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| BenchError::Setup(format!("connect to AGQ at {addr}: {e}")))
+}
