@@ -13,6 +13,7 @@
 
 pub mod auth;
 pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod core;
 pub mod error;
@@ -22,3 +23,4 @@ pub mod server;
 pub mod service;
 pub mod store;
 pub mod time;
+pub mod worker;

@@ -580,3 +580,44 @@ async fn server_restart_mid_lease_strands_nothing() {
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }
+
+#[tokio::test]
+async fn a_worker_that_registers_and_never_heartbeats_strands_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut c = s.workers().await;
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "mute".into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            agentic_units: vec![],
+        }),
+        max_concurrent_jobs: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // it opens a lease stream, takes the job, and is never heard of again
+    let mut leases = c
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "mute".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let l = leases.message().await.unwrap().unwrap();
+    assert_eq!(l.job.unwrap().job_id, ids[0]);
+    eventually(5, "mute is DEAD", || async {
+        worker(&s, "mute").await.state == WorkerState::Dead as i32
+    })
+    .await;
+    let mut ok = SimWorker::start(&s, "talker", &["cat"], 1).await;
+    let again = ok.lease().await;
+    assert_eq!(again.attempt, 2);
+    ok.complete(&again).await;
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}

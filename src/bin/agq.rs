@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 use agq::{
     auth::Authenticator,
+    cli::{demo::DemoArgs, ClientCommand, ClientOptions},
     config::{LogFormat, ServeArgs},
     server::{self, ServerOptions, TlsFiles},
 };
@@ -14,6 +15,8 @@ use agq::{
 #[derive(Debug, Parser)]
 #[command(name = "agq", version, about)]
 struct Cli {
+    #[command(flatten)]
+    client: ClientOptions,
     #[command(subcommand)]
     command: Command,
 }
@@ -22,6 +25,10 @@ struct Cli {
 enum Command {
     /// Run the AGQ server.
     Serve(ServeArgs),
+    #[command(flatten)]
+    Client(ClientCommand),
+    /// Run AGQ and two agw workers locally and count words in real files.
+    Demo(DemoArgs),
 }
 
 fn init_tracing(format: LogFormat) {
@@ -97,8 +104,12 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         shutdown_signal(),
         |_| {
             tracing::info!(grpc = %addr, metrics = %maddr, db, "agq serving");
-            println!("listening on {addr}");
-            println!("metrics on http://{maddr}/metrics");
+            // Not println!: a closed stdout must not bring the server down.
+            use std::io::Write;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "listening on {addr}");
+            let _ = writeln!(out, "metrics on http://{maddr}/metrics");
+            let _ = out.flush();
         },
     )
     .await
@@ -119,6 +130,13 @@ fn main() -> ExitCode {
             init_tracing(args.log_format);
             runtime.block_on(serve(args))
         }
+        Command::Client(cmd) => client_exit(runtime.block_on(agq::cli::run(&cli.client, cmd))),
+        Command::Demo(args) => {
+            if std::env::var_os("RUST_LOG").is_some() {
+                init_tracing(LogFormat::Text);
+            }
+            client_exit(runtime.block_on(agq::cli::demo::run(args)))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -126,5 +144,14 @@ fn main() -> ExitCode {
             eprintln!("agq: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Result of a client command or the demo: `Ok` also for a closed stdout
+/// (`agq job list X | head`), which ends quietly.
+fn client_exit(result: Result<(), agq::cli::CliError>) -> Result<(), String> {
+    match result {
+        Err(e) if e.is_silent() => Ok(()),
+        other => other.map_err(|e| e.to_string()),
     }
 }

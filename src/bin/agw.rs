@@ -1,1 +1,67 @@
-fn main() {}
+//! `agw`: the AGQ worker binary. Parses flags, starts logging, turns
+//! SIGTERM/SIGINT into drain requests and runs [`agq::worker::run`].
+//!
+//! Exit codes: 0 after a drain, 130 after a second signal, 1 on a
+//! configuration or registration error.
+
+use std::process::ExitCode;
+
+use agq::worker::{self, AgwArgs, Exit, LogFormat};
+use clap::Parser;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let args = AgwArgs::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("agw: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut term = signal(SignalKind::terminate())
+            .map_err(|e| worker::WorkerError::Config(format!("SIGTERM handler: {e}")))?;
+        let mut int = signal(SignalKind::interrupt())
+            .map_err(|e| worker::WorkerError::Config(format!("SIGINT handler: {e}")))?;
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                if tx.send(()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let cfg = args.into_config()?;
+        worker::run(cfg, rx).await
+    });
+    match result {
+        Ok(Exit::Drained) => {
+            // Do not wait for blocking threads (stats readers) to wind down.
+            runtime.shutdown_background();
+            ExitCode::SUCCESS
+        }
+        Ok(Exit::Forced) => std::process::exit(130),
+        Err(e) => {
+            eprintln!("agw: {e}");
+            runtime.shutdown_background();
+            ExitCode::FAILURE
+        }
+    }
+}

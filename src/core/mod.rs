@@ -313,32 +313,23 @@ impl Engine {
     /// Errors: `InvalidArgument`, `NotFound`.
     pub async fn get_job(&self, job_id: String) -> Result<pb::Job> {
         validate::object_id("job_id", &job_id)?;
-        let id = job_id.clone();
-        let job = self
+        let row = self
             .read(move |c| {
-                let job = jstore::get(c, &id)?
-                    .ok_or_else(|| Error::not_found(format!("job {id} not found")))?;
-                let row = jstore::key_by_job_id(c, &id)?.map(|k| k.row).unwrap_or(0);
-                Ok((job, row))
+                jstore::key_by_job_id(c, &job_id)?
+                    .map(|k| k.row)
+                    .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))
             })
             .await?;
-        let (mut job, row) = job;
-        if job.status == JobStatus::Pending as i32 || job.status == JobStatus::Failed as i32 {
-            job.waiting_reason = self
-                .writer
-                .run(move |s, _| Ok(s.waiting_reason(row)))
-                .await?;
-        }
-        Ok(job)
+        self.job_by_row(row).await
     }
 
+    /// The job at `row` with its task results and, when it waits, why.
     async fn job_by_row(&self, row: i64) -> Result<pb::Job> {
-        let job = self
+        let mut job = self
             .read(move |c| {
                 jstore::get_by_row(c, row, true)?.ok_or_else(|| Error::not_found("job vanished"))
             })
             .await?;
-        let mut job = job;
         if job.status == JobStatus::Pending as i32 || job.status == JobStatus::Failed as i32 {
             job.waiting_reason = self
                 .writer

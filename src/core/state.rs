@@ -200,8 +200,11 @@ pub struct State {
     pub next_stream_id: u64,
     /// Counter of leases, for round robin.
     pub lease_seq: u64,
-    /// Interned action ids.
-    pub interned: HashMap<String, Arc<str>>,
+    /// Interned action and plan ids, weakly held: an id lives as long as a
+    /// queued job or lease uses it; dead entries are swept by the reaper.
+    pub interned: HashMap<String, std::sync::Weak<str>>,
+    /// Size of [`State::interned`] after the last sweep.
+    pub interned_after_sweep: usize,
 }
 
 impl State {
@@ -226,17 +229,27 @@ impl State {
             next_stream_id: 1,
             lease_seq: 0,
             interned: HashMap::new(),
+            interned_after_sweep: 0,
         }
     }
 
     /// An interned `Arc<str>` of `s` (action and plan ids shared by many jobs).
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.interned.get(s) {
-            return a.clone();
+        if let Some(a) = self.interned.get(s).and_then(|w| w.upgrade()) {
+            return a;
         }
         let a: Arc<str> = Arc::from(s);
-        self.interned.insert(s.to_string(), a.clone());
+        self.interned.insert(s.to_string(), Arc::downgrade(&a));
         a
+    }
+
+    /// Drops interned ids no job uses any more (amortised: only when the
+    /// table has grown past twice its size after the last sweep).
+    pub fn sweep_interned(&mut self) {
+        if self.interned.len() > 1024 && self.interned.len() > 2 * self.interned_after_sweep {
+            self.interned.retain(|_, w| w.strong_count() > 0);
+            self.interned_after_sweep = self.interned.len();
+        }
     }
 
     /// Rebuilds the state from the database. Stream slots and heartbeat

@@ -286,4 +286,77 @@ mod tests {
         p.tasks[1].input_from_task = Some(0);
         assert!(plan(&p).is_err());
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn any_text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                "[A-Za-z0-9._+-]{0,12}",
+                "\\PC{0,20}",
+                Just("/bin/sh".to_string()),
+                Just("a;b".to_string()),
+                Just("a\0b".to_string()),
+                Just("..".to_string()),
+            ]
+        }
+
+        fn any_task() -> impl Strategy<Value = pb::Task> {
+            (
+                0u32..6,
+                any_text(),
+                prop::collection::vec(any_text(), 0..3),
+                0u32..100_000,
+                prop::option::of(0u32..6),
+            )
+                .prop_map(|(n, command, args, timeout_secs, input_from_task)| {
+                    pb::Task {
+                        task_number: n,
+                        command,
+                        args,
+                        timeout_secs,
+                        input_from_task,
+                    }
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Validation never panics, and whatever it accepts keeps every rule.
+            #[test]
+            fn plan_validation_accepts_only_valid_plans(
+                plan_id in any_text(),
+                tasks in prop::collection::vec(any_task(), 0..6),
+            ) {
+                let p = pb::Plan { plan_id, plan_description: String::new(), tasks };
+                if plan(&p).is_ok() {
+                    prop_assert!(!p.tasks.is_empty() && p.tasks.len() <= MAX_TASKS);
+                    for (i, t) in p.tasks.iter().enumerate() {
+                        prop_assert_eq!(t.task_number as usize, i + 1);
+                        prop_assert!(!t.command.is_empty());
+                        prop_assert!(t.command.chars().all(|c| c.is_ascii_alphanumeric() || "._+-".contains(c)));
+                        prop_assert!(t.timeout_secs >= 1 && t.timeout_secs <= MAX_TASK_TIMEOUT_SECS);
+                        if let Some(f) = t.input_from_task {
+                            prop_assert!(f >= 1 && f < t.task_number);
+                        }
+                    }
+                }
+            }
+
+            /// Action input validation never panics and bounds what it accepts.
+            #[test]
+            fn action_input_validation_bounds_inputs(
+                values in prop::collection::hash_map(any_text(), any_text(), 0..8),
+            ) {
+                if action_input(0, &values).is_ok() {
+                    for (k, v) in &values {
+                        prop_assert!(!k.is_empty() && k.len() <= 128);
+                        prop_assert!(!v.contains('\0'));
+                    }
+                }
+            }
+        }
+    }
 }

@@ -15,6 +15,9 @@ use crate::{
     time::ts,
 };
 
+/// How long a DEAD or UNREGISTERED worker stays listed: 24 hours, in ms.
+pub const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
+
 /// Which stream of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
@@ -365,6 +368,29 @@ impl State {
             );
         }
         self.flush_heartbeats(conn, false)?;
+        self.forget_departed(conn, now_ms)?;
+        self.sweep_interned();
+        Ok(())
+    }
+
+    /// Forgets DEAD and UNREGISTERED workers silent for longer than
+    /// [`DEPARTED_RETENTION_MS`], so restarts with new ids do not pile up.
+    ///
+    /// Errors: storage errors.
+    fn forget_departed(&mut self, conn: &Connection, now_ms: i64) -> Result<()> {
+        let old: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                matches!(w.state, WorkerState::Dead | WorkerState::Unregistered)
+                    && now_ms - w.last_heartbeat_ms > DEPARTED_RETENTION_MS
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in old {
+            wstore::delete(conn, &id)?;
+            self.workers.remove(&id);
+        }
         Ok(())
     }
 

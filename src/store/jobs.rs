@@ -319,21 +319,6 @@ fn opt_ts(ms: Option<i64>) -> Option<prost_types::Timestamp> {
     ms.map(ts)
 }
 
-/// The full job `job_id` with its task results; `waiting_reason` is left
-/// empty for the core to fill.
-///
-/// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
-pub fn get(conn: &Connection, job_id: &str) -> Result<Option<pb::Job>> {
-    let row: Option<i64> = conn
-        .prepare_cached("SELECT id FROM jobs WHERE job_id = ?1")?
-        .query_row([job_id], |r| r.get(0))
-        .optional()?;
-    match row {
-        Some(row) => get_by_row(conn, row, true),
-        None => Ok(None),
-    }
-}
-
 /// The job at `row`, with task results when `with_results`.
 ///
 /// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.

@@ -154,3 +154,12 @@ pub fn exists(conn: &Connection, worker_id: &str) -> Result<bool> {
         .optional()?
         .is_some())
 }
+
+/// Deletes a worker row and its tools.
+///
+/// Errors: [`Error::Storage`].
+pub fn delete(conn: &Connection, worker_id: &str) -> Result<()> {
+    conn.prepare_cached("DELETE FROM workers WHERE worker_id = ?1")?
+        .execute([worker_id])?;
+    Ok(())
+}

@@ -1,0 +1,489 @@
+//! `agq action submit|status`: fanning a Plan out over inputs (a JSON
+//! file, `--input key=value` pairs, or one job per file matched by
+//! `--files`), and watching an Action with a live progress bar driven by
+//! the `WatchAction` server stream.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::{
+    plan::read_source,
+    print_json,
+    table::{emit, emit_line, key_values},
+    time::{parse_time, to_timestamp},
+    view::ActionView,
+    CliError, Clients, OutputFormat,
+};
+use crate::pb;
+
+/// `agq action ...`
+#[derive(Debug, clap::Subcommand)]
+pub enum ActionCommand {
+    /// Create one job per input of a Plan.
+    Submit(SubmitArgs),
+    /// Show an Action's job counts; --watch follows it to the end.
+    Status {
+        /// Action id.
+        action_id: String,
+        /// Follow the Action live until every job is terminal (a progress
+        /// bar; one JSON line per update with --output json). Exits 1 when
+        /// any job ended dead or cancelled.
+        #[arg(long, short = 'w')]
+        watch: bool,
+    },
+}
+
+/// Flags of `agq action submit`. Exactly one input source is required.
+#[derive(Debug, clap::Args)]
+#[command(group(
+    clap::ArgGroup::new("source")
+        .required(true)
+        .args(["inputs", "input", "files"]),
+))]
+pub struct SubmitArgs {
+    /// The Plan to run.
+    #[arg(long, value_name = "PLAN_ID")]
+    pub plan: String,
+    /// Inputs from a file (`-` reads stdin): a JSON array of objects, or
+    /// one JSON object per line. Values must be strings (numbers and
+    /// booleans are turned into text).
+    #[arg(long, value_name = "FILE")]
+    pub inputs: Option<String>,
+    /// One input value, `key=value`; repeat to add keys to the same single
+    /// input (one job).
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub input: Vec<(String, String)>,
+    /// One job per file matching these globs, with input `file` = the
+    /// file's absolute path. Quote globs to let agq expand them.
+    #[arg(long, value_name = "GLOB", num_args = 1..)]
+    pub files: Vec<String>,
+    /// Id for the Action, [A-Za-z0-9._-]{1,128} [default: the server makes one].
+    #[arg(long)]
+    pub action_id: Option<String>,
+    /// Attempts per job before it goes dead, 1..=100 [server default: 3].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_attempts: Option<u32>,
+    /// Run the jobs no earlier than this: RFC 3339 (2025-01-31T12:00:00Z,
+    /// with any offset) or +DURATION from now (+10m).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub run_at: Option<SystemTime>,
+    /// After submitting, follow the Action like `action status --watch`.
+    #[arg(long, short = 'w')]
+    pub watch: bool,
+}
+
+/// Parses `key=value`.
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not key=value")),
+    }
+}
+
+/// One input object as a string map: values must be strings, numbers or
+/// booleans; `{"values": {...}}` (the ActionInput message) is unwrapped.
+fn to_input(
+    v: serde_json::Value,
+    n: usize,
+    source: &str,
+) -> Result<HashMap<String, String>, CliError> {
+    let bad = |why: String| CliError::Input(format!("{source}: input #{n}: {why}"));
+    let serde_json::Value::Object(mut m) = v else {
+        return Err(bad(format!(
+            "expected a JSON object of string values, got {}",
+            json_kind(&v)
+        )));
+    };
+    if m.len() == 1 && matches!(m.get("values"), Some(serde_json::Value::Object(_))) {
+        if let Some(serde_json::Value::Object(inner)) = m.remove("values") {
+            m = inner;
+        }
+    }
+    m.into_iter()
+        .map(|(k, v)| {
+            let text = match v {
+                serde_json::Value::String(s) => s,
+                serde_json::Value::Number(x) => x.to_string(),
+                serde_json::Value::Bool(b) => b.to_string(),
+                other => {
+                    return Err(bad(format!(
+                        "the value of {k:?} must be a string, got {}",
+                        json_kind(&other)
+                    )))
+                }
+            };
+            Ok((k, text))
+        })
+        .collect()
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Parses action inputs: a JSON array of objects, or JSON lines (one object
+/// per line; any whitespace between objects works). Arrays on lines are
+/// flattened.
+///
+/// # Errors
+///
+/// [`CliError::Input`] with the position of malformed JSON or the number of
+/// the offending input; also when there is no input at all.
+pub fn parse_inputs(text: &str, source: &str) -> Result<Vec<HashMap<String, String>>, CliError> {
+    let mut inputs = Vec::new();
+    for value in serde_json::Deserializer::from_str(text).into_iter::<serde_json::Value>() {
+        let value = value.map_err(|e| CliError::Input(format!("{source}: invalid JSON: {e}")))?;
+        match value {
+            serde_json::Value::Array(items) => {
+                for item in items {
+                    let n = inputs.len() + 1;
+                    inputs.push(to_input(item, n, source)?);
+                }
+            }
+            other => {
+                let n = inputs.len() + 1;
+                inputs.push(to_input(other, n, source)?);
+            }
+        }
+    }
+    if inputs.is_empty() {
+        return Err(CliError::Input(format!("{source}: holds no inputs")));
+    }
+    Ok(inputs)
+}
+
+/// The regular files matching `patterns`, as absolute UTF-8 paths, in
+/// pattern order then name order, without duplicates. A pattern that names
+/// an existing file is taken literally.
+///
+/// # Errors
+///
+/// [`CliError::Input`] for a pattern that matches no file or a path that
+/// is not UTF-8.
+pub fn expand_files(patterns: &[String]) -> Result<Vec<String>, CliError> {
+    let mut seen = BTreeSet::new();
+    let mut files = Vec::new();
+    for pattern in patterns {
+        // A path that exists is taken as it is (the shell may have expanded
+        // the glob already, and names may hold `[` or `*`).
+        let matched: Vec<PathBuf> = if Path::new(pattern).is_file() {
+            vec![PathBuf::from(pattern)]
+        } else {
+            match glob::glob(pattern) {
+                Ok(paths) => paths
+                    .filter_map(Result::ok)
+                    .filter(|p| p.is_file())
+                    .collect(),
+                Err(_) => Vec::new(),
+            }
+        };
+        if matched.is_empty() {
+            return Err(CliError::Input(format!(
+                "--files {pattern:?} matches no regular file"
+            )));
+        }
+        for p in matched {
+            let abs = std::path::absolute(&p)
+                .map_err(|e| CliError::Input(format!("{}: {e}", p.display())))?;
+            let text = abs.to_str().ok_or_else(|| {
+                CliError::Input(format!("{}: the path is not UTF-8", abs.display()))
+            })?;
+            if seen.insert(text.to_owned()) {
+                files.push(text.to_owned());
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// What `action submit` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct SubmitView {
+    /// Id of the Action.
+    pub action_id: String,
+    /// The Plan.
+    pub plan_id: String,
+    /// Jobs created.
+    pub jobs_created: u32,
+    /// Their ids in input order.
+    pub job_ids: Vec<String>,
+}
+
+/// The inputs `args` describe.
+///
+/// # Errors
+///
+/// [`CliError::Input`] as [`parse_inputs`] and [`expand_files`].
+pub fn inputs_of(args: &SubmitArgs) -> Result<Vec<pb::ActionInput>, CliError> {
+    let maps = if let Some(file) = &args.inputs {
+        let source = if file == "-" { "stdin" } else { file.as_str() };
+        parse_inputs(&read_source(file)?, source)?
+    } else if !args.input.is_empty() {
+        vec![args.input.iter().cloned().collect()]
+    } else {
+        expand_files(&args.files)?
+            .into_iter()
+            .map(|f| HashMap::from([("file".to_owned(), f)]))
+            .collect()
+    };
+    Ok(maps
+        .into_iter()
+        .map(|values| pb::ActionInput { values })
+        .collect())
+}
+
+/// Runs one `action` subcommand.
+///
+/// # Errors
+///
+/// See [`super::run`]; `--watch` also fails with [`CliError::Failed`] when
+/// the Action ends with dead or cancelled jobs.
+pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(), CliError> {
+    match cmd {
+        ActionCommand::Submit(args) => {
+            let inputs = inputs_of(&args)?;
+            let resp = c
+                .action
+                .clone()
+                .submit_action(pb::SubmitActionRequest {
+                    action_id: args.action_id.clone().unwrap_or_default(),
+                    plan_id: args.plan.clone(),
+                    inputs,
+                    run_at: args.run_at.map(to_timestamp),
+                    max_attempts: args.max_attempts.unwrap_or(0),
+                })
+                .await?
+                .into_inner();
+            let view = SubmitView {
+                action_id: resp.action_id.clone(),
+                plan_id: args.plan.clone(),
+                jobs_created: resp.jobs_created,
+                job_ids: resp.job_ids,
+            };
+            match out {
+                OutputFormat::Json if args.watch => emit_line(&compact(&view)?)?,
+                OutputFormat::Json => print_json(&view)?,
+                OutputFormat::Table => {
+                    let mut pairs = vec![
+                        ("action", view.action_id.clone()),
+                        ("plan", view.plan_id.clone()),
+                        ("jobs", view.jobs_created.to_string()),
+                    ];
+                    if view.job_ids.len() <= 20 {
+                        pairs.push(("job ids", view.job_ids.join("\n")));
+                    } else {
+                        pairs.push(("job ids", format!("agq job list {}", view.action_id)));
+                    }
+                    emit(&key_values(&pairs))?;
+                }
+            }
+            if args.watch {
+                if out == OutputFormat::Table {
+                    emit_line("")?;
+                }
+                finish_watch(c, &view.action_id, out).await?;
+            }
+            Ok(())
+        }
+        ActionCommand::Status { action_id, watch } => {
+            if watch {
+                return finish_watch(c, &action_id, out).await;
+            }
+            let a = c
+                .action
+                .clone()
+                .get_action(pb::GetActionRequest { action_id })
+                .await?
+                .into_inner()
+                .action
+                .unwrap_or_default();
+            let view = ActionView::from(&a);
+            match out {
+                OutputFormat::Json => print_json(&view),
+                OutputFormat::Table => emit(&view.table()),
+            }
+        }
+    }
+}
+
+/// One-line JSON.
+fn compact<T: Serialize>(v: &T) -> Result<String, CliError> {
+    serde_json::to_string(v).map_err(|e| CliError::Output(e.to_string()))
+}
+
+/// Watches to the end, prints the final status (table mode) and turns dead
+/// or cancelled jobs into [`CliError::Failed`].
+async fn finish_watch(c: &Clients, action_id: &str, out: OutputFormat) -> Result<(), CliError> {
+    let last = watch(c, action_id, out).await?;
+    if out == OutputFormat::Table {
+        emit(&ActionView::from(&last).table())?;
+    }
+    if last.dead + last.cancelled > 0 {
+        return Err(CliError::Failed(format!(
+            "action {} finished with {} dead and {} cancelled of {} jobs",
+            last.action_id, last.dead, last.cancelled, last.total_jobs
+        )));
+    }
+    Ok(())
+}
+
+/// A progress bar for `total` jobs on stderr (hidden when stderr is not a
+/// terminal).
+pub fn progress_bar(total: u32) -> ProgressBar {
+    let bar = ProgressBar::new(u64::from(total));
+    let style = ProgressStyle::with_template(
+        "{spinner:.green} {elapsed_precise} [{wide_bar:.cyan/blue}] {pos}/{len} jobs  {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+/// Moves `bar` to the terminal jobs of `a` and shows the other counts.
+pub fn update_bar(bar: &ProgressBar, a: &pb::ActionStatus) {
+    bar.set_length(u64::from(a.total_jobs));
+    bar.set_position(u64::from(a.completed + a.dead + a.cancelled));
+    let mut msg = format!(
+        "completed {} · running {} · pending {}",
+        a.completed, a.running, a.pending
+    );
+    for (n, name) in [
+        (a.failed, "retrying"),
+        (a.dead, "dead"),
+        (a.cancelled, "cancelled"),
+    ] {
+        if n > 0 {
+            msg.push_str(&format!(" · {name} {n}"));
+        }
+    }
+    bar.set_message(msg);
+}
+
+/// Follows an Action over `WatchAction` until every job is terminal: a
+/// progress bar in table mode, one JSON line per update in JSON mode.
+/// Returns the last status.
+///
+/// # Errors
+///
+/// The server's status (`NOT_FOUND`, or `UNAVAILABLE` when it shuts down
+/// mid-watch); [`CliError::Failed`] when the stream ends early.
+pub async fn watch(
+    c: &Clients,
+    action_id: &str,
+    out: OutputFormat,
+) -> Result<pb::ActionStatus, CliError> {
+    let mut stream = c
+        .action
+        .clone()
+        .watch_action(pb::WatchActionRequest {
+            action_id: action_id.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let bar = (out == OutputFormat::Table).then(|| progress_bar(0));
+    let mut last: Option<pb::ActionStatus> = None;
+    let result = loop {
+        match stream.message().await {
+            Ok(Some(msg)) => {
+                let Some(a) = msg.action else { continue };
+                match &bar {
+                    Some(bar) => update_bar(bar, &a),
+                    None => {
+                        if let Err(e) = emit_line(&compact(&ActionView::from(&a))?) {
+                            break Err(e);
+                        }
+                    }
+                }
+                last = Some(a);
+            }
+            Ok(None) => break Ok(()),
+            Err(status) => break Err(CliError::from(status)),
+        }
+    };
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    result?;
+    match last {
+        Some(a) if super::view::action_done(&a) => Ok(a),
+        _ => Err(CliError::Failed(format!(
+            "the watch of action {action_id} ended before every job was terminal"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_json_array_and_lines() {
+        let arr = parse_inputs(r#"[{"file":"a"},{"values":{"file":"b","n":3}}]"#, "x").unwrap();
+        assert_eq!(arr.len(), 2);
+        assert_eq!(arr[1]["file"], "b");
+        assert_eq!(arr[1]["n"], "3");
+        let lines =
+            parse_inputs("{\"file\":\"a\"}\n\n{\"file\":\"b\",\"ok\":true}\n", "x").unwrap();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["ok"], "true");
+    }
+
+    #[test]
+    fn rejects_bad_inputs() {
+        let e = parse_inputs("{\"file\":\"a\"}\n{\"file\":[1]}\n", "in.jsonl").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "in.jsonl: input #2: the value of \"file\" must be a string, got an array"
+        );
+        assert!(parse_inputs("", "x")
+            .unwrap_err()
+            .to_string()
+            .contains("no inputs"));
+        assert!(parse_inputs("[1]", "x").is_err());
+        assert!(parse_inputs("{\"a\":", "x")
+            .unwrap_err()
+            .to_string()
+            .contains("invalid JSON"));
+    }
+
+    #[test]
+    fn expands_globs_to_absolute_files() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["b.txt", "a.txt", "c.md"] {
+            std::fs::write(dir.path().join(name), "x").unwrap();
+        }
+        std::fs::create_dir(dir.path().join("sub.txt")).unwrap();
+        let pattern = format!("{}/*.txt", dir.path().display());
+        let files = expand_files(&[pattern.clone(), pattern]).unwrap();
+        assert_eq!(files.len(), 2);
+        assert!(files[0].ends_with("/a.txt") && files[1].ends_with("/b.txt"));
+        assert!(Path::new(&files[0]).is_absolute());
+        let e = expand_files(&[format!("{}/*.none", dir.path().display())]).unwrap_err();
+        assert!(e.to_string().contains("matches no regular file"));
+    }
+
+    #[test]
+    fn key_value_flags() {
+        assert_eq!(
+            parse_key_value("file=/a=b").unwrap(),
+            ("file".into(), "/a=b".into())
+        );
+        assert!(parse_key_value("novalue").is_err());
+        assert!(parse_key_value("=x").is_err());
+    }
+}

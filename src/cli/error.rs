@@ -1,0 +1,123 @@
+//! Errors of the `agq` client and demo. Server errors keep the gRPC code's
+//! canonical name and the server's message (`NOT_FOUND: plan x not found`).
+
+use std::error::Error as _;
+
+use tonic::{Code, Status};
+
+/// An error of a client subcommand or of `agq demo`.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The server answered with an error status.
+    #[error("{}", describe_status(.0))]
+    Rpc(Box<Status>),
+    /// The server could not be reached or the connection set-up failed.
+    #[error("cannot connect to {server}: {reason}")]
+    Connect {
+        /// The URL tried.
+        server: String,
+        /// Why, with the whole cause chain.
+        reason: String,
+    },
+    /// A local input is invalid: a file that cannot be read, bad JSON, a
+    /// glob that matches nothing.
+    #[error("{0}")]
+    Input(String),
+    /// Printing the result failed.
+    #[error("cannot write output: {0}")]
+    Output(String),
+    /// Stdout was closed by the reader (`agq ... | head`): stop quietly.
+    #[error("stdout closed")]
+    BrokenPipe,
+    /// The command ran, but what it observed is a failure: an Action that
+    /// finished with dead or cancelled jobs, a demo job that did not complete.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<Status> for CliError {
+    fn from(status: Status) -> Self {
+        CliError::Rpc(Box::new(status))
+    }
+}
+
+impl CliError {
+    /// The process exit code for this error: 0 for a closed stdout, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::BrokenPipe => 0,
+            _ => 1,
+        }
+    }
+
+    /// True when nothing should be printed for this error.
+    pub fn is_silent(&self) -> bool {
+        matches!(self, CliError::BrokenPipe)
+    }
+
+    /// The gRPC code, when the server returned one.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            CliError::Rpc(s) => Some(s.code()),
+            _ => None,
+        }
+    }
+}
+
+/// The canonical upper-case name of a gRPC code, as in `NOT_FOUND`.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// `CODE: message` of a status, with the transport cause chain appended
+/// when the status came from the client side (connection refused, timeout).
+pub fn describe_status(status: &Status) -> String {
+    let mut text = code_name(status.code()).to_owned();
+    if !status.message().is_empty() {
+        text.push_str(": ");
+        text.push_str(status.message());
+    }
+    let mut source = status.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// The message of an error followed by every cause, `a: b: c`.
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}

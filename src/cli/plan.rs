@@ -1,0 +1,369 @@
+//! `agq plan submit|get|list|delete`, and [`PlanFile`]: the JSON form of a
+//! Plan that `plan submit` reads (proto3 JSON: snake_case or lowerCamel
+//! field names, numbers or numeric strings for integers, optionally
+//! wrapped as a `SubmitPlanRequest` `{"plan": {...}}`).
+
+use std::{io::Read, path::Path};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::{
+    fetch_each, print_json,
+    table::{emit, emit_line, Table},
+    view::{one_line, PlanView},
+    CliError, Clients, OutputFormat,
+};
+use crate::pb;
+
+/// `agq plan ...`
+#[derive(Debug, clap::Subcommand)]
+pub enum PlanCommand {
+    /// Store a Plan from a JSON file (`-` reads stdin).
+    Submit {
+        /// JSON of the Plan message, e.g. examples/word-frequency.plan.json.
+        file: String,
+    },
+    /// Show one Plan.
+    Get {
+        /// Plan id.
+        plan_id: String,
+    },
+    /// List Plans, optionally those whose id matches a glob.
+    List(PlanListArgs),
+    /// Delete a Plan (refused while pending or running jobs use it).
+    Delete {
+        /// Plan id.
+        plan_id: String,
+    },
+}
+
+/// Flags of `agq plan list`.
+#[derive(Debug, clap::Args)]
+pub struct PlanListArgs {
+    /// Glob over plan ids (`*`, `?`, `[a-z]`); all plans when omitted.
+    pub pattern: Option<String>,
+    /// Plans per page, 1..=1000 [server default: 100].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub page_size: Option<u32>,
+    /// Token of the page to fetch (printed after a partial page).
+    #[arg(long, conflicts_with = "all")]
+    pub page_token: Option<String>,
+    /// Fetch every page.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// A Task as read from JSON.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TaskFile {
+    /// 1-based position.
+    #[serde(alias = "taskNumber", deserialize_with = "lenient_u32")]
+    pub task_number: u32,
+    /// Executable name.
+    pub command: String,
+    /// Arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Time limit in seconds (the server requires 1..=86400).
+    #[serde(default, alias = "timeoutSecs", deserialize_with = "lenient_u32")]
+    pub timeout_secs: u32,
+    /// Task whose stdout feeds this task's stdin.
+    #[serde(default, alias = "inputFromTask", deserialize_with = "lenient_opt_u32")]
+    pub input_from_task: Option<u32>,
+}
+
+/// A Plan as read from JSON.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    /// Id.
+    #[serde(alias = "planId")]
+    pub plan_id: String,
+    /// Description.
+    #[serde(default, alias = "planDescription")]
+    pub plan_description: String,
+    /// Tasks.
+    #[serde(default)]
+    pub tasks: Vec<TaskFile>,
+}
+
+impl From<PlanFile> for pb::Plan {
+    fn from(p: PlanFile) -> Self {
+        pb::Plan {
+            plan_id: p.plan_id,
+            plan_description: p.plan_description,
+            tasks: p
+                .tasks
+                .into_iter()
+                .map(|t| pb::Task {
+                    task_number: t.task_number,
+                    command: t.command,
+                    args: t.args,
+                    timeout_secs: t.timeout_secs,
+                    input_from_task: t.input_from_task,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A proto3 JSON integer: a number or a string of digits.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum JsonU32 {
+    Num(u32),
+    Text(String),
+}
+
+impl JsonU32 {
+    fn get<E: serde::de::Error>(self) -> Result<u32, E> {
+        match self {
+            JsonU32::Num(n) => Ok(n),
+            JsonU32::Text(s) => s
+                .trim()
+                .parse()
+                .map_err(|_| E::custom(format!("{s:?} is not an unsigned 32-bit integer"))),
+        }
+    }
+}
+
+fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    JsonU32::deserialize(d)?.get()
+}
+
+fn lenient_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    match Option::<JsonU32>::deserialize(d)? {
+        None => Ok(None),
+        Some(v) => v.get().map(Some),
+    }
+}
+
+/// Parses a Plan from JSON text: a Plan object, or `{"plan": {...}}`.
+///
+/// # Errors
+///
+/// [`CliError::Input`] naming the problem (with line and column when the
+/// JSON itself is malformed).
+pub fn parse_plan(text: &str, source: &str) -> Result<pb::Plan, CliError> {
+    let bad = |e: serde_json::Error| CliError::Input(format!("{source}: not a valid Plan: {e}"));
+    let value: serde_json::Value = serde_json::from_str(text).map_err(bad)?;
+    let plan: PlanFile = match value {
+        serde_json::Value::Object(mut m) if m.len() == 1 && m.contains_key("plan") => {
+            let inner = m.remove("plan").unwrap_or_default();
+            serde_json::from_value(inner).map_err(bad)?
+        }
+        _ => serde_json::from_str(text).map_err(bad)?,
+    };
+    Ok(plan.into())
+}
+
+/// Reads a file, or stdin for `-`.
+///
+/// # Errors
+///
+/// [`CliError::Input`] when it cannot be read.
+pub fn read_source(file: &str) -> Result<String, CliError> {
+    if file == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .map_err(|e| CliError::Input(format!("cannot read stdin: {e}")))?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(Path::new(file))
+            .map_err(|e| CliError::Input(format!("cannot read {file}: {e}")))
+    }
+}
+
+/// One line of `plan list`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanSummary {
+    /// Id.
+    pub plan_id: String,
+    /// Description.
+    pub plan_description: String,
+    /// Number of tasks.
+    pub task_count: usize,
+    /// The commands, `cat | tr | sort`.
+    pub commands: String,
+}
+
+/// A page of plans.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanPage {
+    /// The plans, ascending by id.
+    pub plans: Vec<PlanSummary>,
+    /// Token of the next page; empty on the last page.
+    pub next_page_token: String,
+}
+
+/// Runs one `plan` subcommand.
+///
+/// # Errors
+///
+/// See [`super::run`].
+pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(), CliError> {
+    match cmd {
+        PlanCommand::Submit { file } => {
+            let source = if file == "-" { "stdin" } else { file.as_str() };
+            let plan = parse_plan(&read_source(&file)?, source)?;
+            let resp = c
+                .plan
+                .clone()
+                .submit_plan(pb::SubmitPlanRequest { plan: Some(plan) })
+                .await?
+                .into_inner();
+            match out {
+                OutputFormat::Json => print_json(&serde_json::json!({ "plan_id": resp.plan_id })),
+                OutputFormat::Table => emit_line(&format!("stored plan {}", resp.plan_id)),
+            }
+        }
+        PlanCommand::Get { plan_id } => {
+            let plan = get_plan(c, plan_id).await?;
+            let view = PlanView::from(plan);
+            match out {
+                OutputFormat::Json => print_json(&view),
+                OutputFormat::Table => emit(&view.table()),
+            }
+        }
+        PlanCommand::List(args) => {
+            let (ids, next_page_token) = list_ids(c, &args).await?;
+            let plans = fetch_each(ids, |id| {
+                let mut client = c.plan.clone();
+                async move {
+                    let p = client
+                        .get_plan(pb::GetPlanRequest { plan_id: id })
+                        .await?
+                        .into_inner()
+                        .plan
+                        .unwrap_or_default();
+                    Ok(PlanSummary {
+                        commands: p
+                            .tasks
+                            .iter()
+                            .map(|t| t.command.as_str())
+                            .collect::<Vec<_>>()
+                            .join(" | "),
+                        task_count: p.tasks.len(),
+                        plan_id: p.plan_id,
+                        plan_description: p.plan_description,
+                    })
+                }
+            })
+            .await?;
+            let page = PlanPage {
+                plans,
+                next_page_token,
+            };
+            match out {
+                OutputFormat::Json => print_json(&page),
+                OutputFormat::Table => {
+                    let mut t = Table::new(["PLAN", "TASKS", "COMMANDS", "DESCRIPTION"]);
+                    for p in &page.plans {
+                        t.row([
+                            p.plan_id.clone(),
+                            p.task_count.to_string(),
+                            one_line(&p.commands, 60),
+                            one_line(&p.plan_description, 60),
+                        ]);
+                    }
+                    emit(&t.render())?;
+                    super::more_hint(&page.next_page_token);
+                    Ok(())
+                }
+            }
+        }
+        PlanCommand::Delete { plan_id } => {
+            let resp = c
+                .plan
+                .clone()
+                .delete_plan(pb::DeletePlanRequest {
+                    plan_id: plan_id.clone(),
+                })
+                .await?
+                .into_inner();
+            match out {
+                OutputFormat::Json => {
+                    print_json(&serde_json::json!({ "plan_id": plan_id, "deleted": resp.deleted }))
+                }
+                OutputFormat::Table if resp.deleted => {
+                    emit_line(&format!("deleted plan {plan_id}"))
+                }
+                OutputFormat::Table => emit_line(&format!("plan {plan_id} was not deleted")),
+            }
+        }
+    }
+}
+
+/// Fetches one Plan.
+///
+/// # Errors
+///
+/// The server's status (`NOT_FOUND`, `INVALID_ARGUMENT`).
+pub async fn get_plan(c: &Clients, plan_id: String) -> Result<pb::Plan, CliError> {
+    c.plan
+        .clone()
+        .get_plan(pb::GetPlanRequest { plan_id })
+        .await?
+        .into_inner()
+        .plan
+        .ok_or_else(|| CliError::Input("the server returned no plan".into()))
+}
+
+/// The plan ids of one page, or of every page with `--all`.
+async fn list_ids(c: &Clients, args: &PlanListArgs) -> Result<(Vec<String>, String), CliError> {
+    let mut ids = Vec::new();
+    let mut token = args.page_token.clone().unwrap_or_default();
+    loop {
+        let resp = c
+            .plan
+            .clone()
+            .list_plans(pb::ListPlansRequest {
+                pattern: args.pattern.clone().unwrap_or_default(),
+                page_size: args.page_size.unwrap_or(if args.all { 1000 } else { 0 }),
+                page_token: token,
+            })
+            .await?
+            .into_inner();
+        ids.extend(resp.plan_ids);
+        token = resp.next_page_token;
+        if !args.all || token.is_empty() {
+            return Ok((ids, token));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_snake_and_camel_case() {
+        let snake = r#"{"plan_id":"p","plan_description":"d","tasks":[
+            {"task_number":1,"command":"cat","args":["{{file}}"],"timeout_secs":60},
+            {"task_number":2,"command":"sort","timeout_secs":"60","input_from_task":1}]}"#;
+        let camel = r#"{"plan":{"planId":"p","planDescription":"d","tasks":[
+            {"taskNumber":1,"command":"cat","args":["{{file}}"],"timeoutSecs":60,"inputFromTask":null},
+            {"taskNumber":"2","command":"sort","timeoutSecs":60,"inputFromTask":"1"}]}}"#;
+        let a = parse_plan(snake, "a").unwrap();
+        let b = parse_plan(camel, "b").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.tasks[1].input_from_task, Some(1));
+        assert_eq!(a.tasks[0].input_from_task, None);
+        assert_eq!(a.tasks[1].timeout_secs, 60);
+    }
+
+    #[test]
+    fn rejects_unknown_fields_and_bad_numbers() {
+        let e = parse_plan(r#"{"plan_id":"p","taks":[]}"#, "f.json").unwrap_err();
+        assert!(e.to_string().contains("unknown field `taks`"), "{e}");
+        let e = parse_plan(
+            r#"{"plan_id":"p","tasks":[{"task_number":"x","command":"cat"}]}"#,
+            "f.json",
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("f.json: not a valid Plan"), "{e}");
+        assert!(parse_plan("{", "f.json").is_err());
+    }
+}

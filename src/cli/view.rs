@@ -1,0 +1,834 @@
+//! What the client prints: serde view structs of the protobuf messages for
+//! `--output json` (snake_case field names, status enums as short
+//! lower-case names such as `"completed"`, times as RFC 3339 strings, unset
+//! times as `null`), and the `--output table` rendering of each.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::{
+    table::{key_values, Table},
+    time::{ago, human_duration, rfc3339},
+};
+use crate::pb::{self, JobStatus, WorkerState};
+
+/// Short lower-case name of a job status (`"completed"`); `"unknown"` for
+/// values this client does not know.
+pub fn job_status_name(status: i32) -> &'static str {
+    match JobStatus::try_from(status) {
+        Ok(JobStatus::Unspecified) => "unspecified",
+        Ok(JobStatus::Pending) => "pending",
+        Ok(JobStatus::Running) => "running",
+        Ok(JobStatus::Completed) => "completed",
+        Ok(JobStatus::Failed) => "failed",
+        Ok(JobStatus::Dead) => "dead",
+        Ok(JobStatus::Cancelled) => "cancelled",
+        Err(_) => "unknown",
+    }
+}
+
+/// Short lower-case name of a worker state (`"active"`).
+pub fn worker_state_name(state: i32) -> &'static str {
+    match WorkerState::try_from(state) {
+        Ok(WorkerState::Unspecified) => "unspecified",
+        Ok(WorkerState::Active) => "active",
+        Ok(WorkerState::Draining) => "draining",
+        Ok(WorkerState::Dead) => "dead",
+        Ok(WorkerState::Unregistered) => "unregistered",
+        Err(_) => "unknown",
+    }
+}
+
+/// A job status as a command-line value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusArg {
+    /// Waiting to be leased.
+    Pending,
+    /// Leased to a worker.
+    Running,
+    /// Finished successfully.
+    Completed,
+    /// Last attempt failed; will be retried.
+    Failed,
+    /// Every attempt failed.
+    Dead,
+    /// Cancelled by a client.
+    Cancelled,
+}
+
+impl From<StatusArg> for JobStatus {
+    fn from(s: StatusArg) -> Self {
+        match s {
+            StatusArg::Pending => JobStatus::Pending,
+            StatusArg::Running => JobStatus::Running,
+            StatusArg::Completed => JobStatus::Completed,
+            StatusArg::Failed => JobStatus::Failed,
+            StatusArg::Dead => JobStatus::Dead,
+            StatusArg::Cancelled => JobStatus::Cancelled,
+        }
+    }
+}
+
+/// A worker state as a command-line value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StateArg {
+    /// Registered and taking leases.
+    Active,
+    /// Finishing its leases, taking no new ones.
+    Draining,
+    /// Missed its heartbeats.
+    Dead,
+    /// Left cleanly.
+    Unregistered,
+}
+
+impl From<StateArg> for WorkerState {
+    fn from(s: StateArg) -> Self {
+        match s {
+            StateArg::Active => WorkerState::Active,
+            StateArg::Draining => WorkerState::Draining,
+            StateArg::Dead => WorkerState::Dead,
+            StateArg::Unregistered => WorkerState::Unregistered,
+        }
+    }
+}
+
+/// One task of a Plan. The same shape `agq plan submit` reads, so
+/// `agq plan get X -o json` can be edited and submitted again.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct TaskView {
+    /// 1-based position.
+    pub task_number: u32,
+    /// Executable name.
+    pub command: String,
+    /// Arguments.
+    pub args: Vec<String>,
+    /// Time limit in seconds.
+    pub timeout_secs: u32,
+    /// Task whose stdout is this task's stdin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_from_task: Option<u32>,
+}
+
+/// A Plan.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct PlanView {
+    /// Id.
+    pub plan_id: String,
+    /// Description.
+    pub plan_description: String,
+    /// Tasks in order.
+    pub tasks: Vec<TaskView>,
+}
+
+impl From<pb::Plan> for PlanView {
+    fn from(p: pb::Plan) -> Self {
+        PlanView {
+            plan_id: p.plan_id,
+            plan_description: p.plan_description,
+            tasks: p
+                .tasks
+                .into_iter()
+                .map(|t| TaskView {
+                    task_number: t.task_number,
+                    command: t.command,
+                    args: t.args,
+                    timeout_secs: t.timeout_secs,
+                    input_from_task: t.input_from_task,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl PlanView {
+    /// The plan as a `key value` header and a task table; the pipeline is
+    /// also shown shell-like (`cat {{file}} | tr ...`) when it is linear.
+    pub fn table(&self) -> String {
+        let mut out = key_values(&[
+            ("plan", self.plan_id.clone()),
+            ("description", self.plan_description.clone()),
+            ("tasks", self.tasks.len().to_string()),
+        ]);
+        out.push('\n');
+        let mut t = Table::new(["TASK", "COMMAND", "ARGS", "STDIN", "TIMEOUT"]);
+        for task in &self.tasks {
+            t.row([
+                task.task_number.to_string(),
+                task.command.clone(),
+                shell_words(&task.args),
+                task.input_from_task
+                    .map(|n| format!("task {n}"))
+                    .unwrap_or_else(|| "-".into()),
+                format!("{}s", task.timeout_secs),
+            ]);
+        }
+        out.push_str(&t.render());
+        out
+    }
+}
+
+/// Arguments quoted like a shell would need them, for display only:
+/// `-cs A-Za-z $'\n'`.
+pub fn shell_words(args: &[String]) -> String {
+    args.iter()
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+%@{}".contains(c));
+            if plain {
+                a.clone()
+            } else if a.chars().any(char::is_control) {
+                let mut q = String::from("$'");
+                for c in a.chars() {
+                    match c {
+                        '\n' => q.push_str("\\n"),
+                        '\t' => q.push_str("\\t"),
+                        '\r' => q.push_str("\\r"),
+                        '\\' => q.push_str("\\\\"),
+                        '\'' => q.push_str("\\'"),
+                        c if c.is_control() => q.push_str(&format!("\\x{:02x}", c as u32)),
+                        c => q.push(c),
+                    }
+                }
+                q.push('\'');
+                q
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Aggregate progress of an Action.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ActionView {
+    /// Id.
+    pub action_id: String,
+    /// The Plan it runs.
+    pub plan_id: String,
+    /// Jobs created.
+    pub total_jobs: u32,
+    /// Jobs pending.
+    pub pending: u32,
+    /// Jobs running.
+    pub running: u32,
+    /// Jobs completed.
+    pub completed: u32,
+    /// Jobs failed, waiting for another attempt.
+    pub failed: u32,
+    /// Jobs dead.
+    pub dead: u32,
+    /// Jobs cancelled.
+    pub cancelled: u32,
+    /// True when every job is terminal (completed, dead or cancelled).
+    pub done: bool,
+    /// Submission time.
+    pub created_at: Option<String>,
+    /// When the last job became terminal.
+    pub completed_jobs_at: Option<String>,
+}
+
+impl From<&pb::ActionStatus> for ActionView {
+    fn from(a: &pb::ActionStatus) -> Self {
+        ActionView {
+            action_id: a.action_id.clone(),
+            plan_id: a.plan_id.clone(),
+            total_jobs: a.total_jobs,
+            pending: a.pending,
+            running: a.running,
+            completed: a.completed,
+            failed: a.failed,
+            dead: a.dead,
+            cancelled: a.cancelled,
+            done: action_done(a),
+            created_at: rfc3339(a.created_at.as_ref()),
+            completed_jobs_at: rfc3339(a.completed_jobs_at.as_ref()),
+        }
+    }
+}
+
+/// True when every job of the Action is terminal.
+pub fn action_done(a: &pb::ActionStatus) -> bool {
+    a.completed + a.dead + a.cancelled >= a.total_jobs
+}
+
+impl ActionView {
+    /// `key value` lines.
+    pub fn table(&self) -> String {
+        key_values(&[
+            ("action", self.action_id.clone()),
+            ("plan", self.plan_id.clone()),
+            ("jobs", self.total_jobs.to_string()),
+            ("pending", self.pending.to_string()),
+            ("running", self.running.to_string()),
+            ("completed", self.completed.to_string()),
+            ("failed", self.failed.to_string()),
+            ("dead", self.dead.to_string()),
+            ("cancelled", self.cancelled.to_string()),
+            ("done", if self.done { "yes" } else { "no" }.into()),
+            (
+                "created",
+                self.created_at.clone().unwrap_or_else(|| "-".into()),
+            ),
+            (
+                "finished",
+                self.completed_jobs_at.clone().unwrap_or_else(|| "-".into()),
+            ),
+        ])
+    }
+}
+
+/// Outcome of one task.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct TaskResultView {
+    /// The task's number.
+    pub task_number: u32,
+    /// The command that ran.
+    pub command: String,
+    /// Exit code; -1 when killed or never started.
+    pub exit_code: i32,
+    /// Run time in milliseconds.
+    pub duration_ms: u64,
+    /// Captured stdout.
+    pub stdout: String,
+    /// Captured stderr.
+    pub stderr: String,
+    /// stdout was cut at the worker's cap.
+    pub stdout_truncated: bool,
+    /// stderr was cut at the worker's cap.
+    pub stderr_truncated: bool,
+}
+
+/// A Job with its task results.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct JobView {
+    /// Id.
+    pub job_id: String,
+    /// The Action that created it.
+    pub action_id: String,
+    /// The Plan it runs.
+    pub plan_id: String,
+    /// Status name.
+    pub status: &'static str,
+    /// Input values.
+    pub input: BTreeMap<String, String>,
+    /// Attempts started.
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Worker holding or last holding the lease; empty when none.
+    pub worker_id: String,
+    /// Why the last attempt failed.
+    pub error: String,
+    /// Why a pending job waits.
+    pub waiting_reason: String,
+    /// Task running now, 0 when unknown.
+    pub current_task: u32,
+    /// Worker-reported progress.
+    pub progress_percent: u32,
+    /// Creation time.
+    pub created_at: Option<String>,
+    /// Start of the current or last attempt.
+    pub started_at: Option<String>,
+    /// When it became terminal.
+    pub completed_at: Option<String>,
+    /// When it becomes eligible to run (scheduled or backing off).
+    pub ready_at: Option<String>,
+    /// Results of the latest reported attempt.
+    pub task_results: Vec<TaskResultView>,
+}
+
+impl From<pb::Job> for JobView {
+    fn from(j: pb::Job) -> Self {
+        JobView {
+            status: job_status_name(j.status),
+            input: j.input.into_iter().collect(),
+            created_at: rfc3339(j.created_at.as_ref()),
+            started_at: rfc3339(j.started_at.as_ref()),
+            completed_at: rfc3339(j.completed_at.as_ref()),
+            ready_at: rfc3339(j.ready_at.as_ref()),
+            task_results: j
+                .task_results
+                .into_iter()
+                .map(|t| TaskResultView {
+                    task_number: t.task_number,
+                    command: t.command,
+                    exit_code: t.exit_code,
+                    duration_ms: t.duration_ms,
+                    stdout: t.stdout,
+                    stderr: t.stderr,
+                    stdout_truncated: t.stdout_truncated,
+                    stderr_truncated: t.stderr_truncated,
+                })
+                .collect(),
+            job_id: j.job_id,
+            action_id: j.action_id,
+            plan_id: j.plan_id,
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            worker_id: j.worker_id,
+            error: j.error,
+            waiting_reason: j.waiting_reason,
+            current_task: j.current_task,
+            progress_percent: j.progress_percent,
+        }
+    }
+}
+
+/// `k=v, k=v` of an input map.
+pub fn input_text(input: &BTreeMap<String, String>) -> String {
+    input
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Size and first line of captured output, for a table cell.
+fn preview(text: &str, truncated: bool) -> String {
+    if text.is_empty() {
+        return "-".into();
+    }
+    let lines = text.lines().count();
+    let first: String = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("")
+        .chars()
+        .take(32)
+        .collect();
+    let more = if truncated { "+, truncated" } else { "" };
+    format!(
+        "{first:?} ({} line{}{more})",
+        lines,
+        if lines == 1 { "" } else { "s" }
+    )
+}
+
+/// Text indented by two spaces, with a marker when it was truncated.
+fn block(text: &str, truncated: bool) -> String {
+    let mut out: String = text.lines().map(|l| format!("  {l}\n")).collect();
+    if truncated {
+        out.push_str("  [... truncated by the worker's output cap]\n");
+    }
+    out
+}
+
+impl JobView {
+    /// The job as `key value` lines, a task table (number, command, exit
+    /// code, duration, stdout/stderr preview), then the full stderr of
+    /// every task that wrote any and the full stdout of the last task (the
+    /// job's result). `full` prints every task's stdout and stderr.
+    pub fn table(&self, full: bool) -> String {
+        let mut pairs = vec![
+            ("job", self.job_id.clone()),
+            ("action", self.action_id.clone()),
+            ("plan", self.plan_id.clone()),
+            ("status", self.status.to_owned()),
+            (
+                "attempts",
+                format!("{}/{}", self.attempt, self.max_attempts),
+            ),
+            (
+                "worker",
+                if self.worker_id.is_empty() {
+                    "-".into()
+                } else {
+                    self.worker_id.clone()
+                },
+            ),
+            ("input", input_text(&self.input)),
+        ];
+        if !self.waiting_reason.is_empty() {
+            pairs.push(("waiting", self.waiting_reason.clone()));
+        }
+        if !self.error.is_empty() {
+            pairs.push(("error", self.error.clone()));
+        }
+        if self.status == "running" && self.current_task > 0 {
+            pairs.push((
+                "progress",
+                format!("task {}, {}%", self.current_task, self.progress_percent),
+            ));
+        }
+        let dash = |t: &Option<String>| t.clone().unwrap_or_else(|| "-".into());
+        pairs.push(("created", dash(&self.created_at)));
+        pairs.push(("started", dash(&self.started_at)));
+        pairs.push(("finished", dash(&self.completed_at)));
+        if self.ready_at.is_some() {
+            pairs.push(("ready at", dash(&self.ready_at)));
+        }
+        let mut out = key_values(&pairs);
+        if self.task_results.is_empty() {
+            return out;
+        }
+        out.push('\n');
+        let mut t = Table::new(["TASK", "COMMAND", "EXIT", "DURATION", "STDOUT", "STDERR"]);
+        for r in &self.task_results {
+            t.row([
+                r.task_number.to_string(),
+                r.command.clone(),
+                r.exit_code.to_string(),
+                human_duration(std::time::Duration::from_millis(r.duration_ms)),
+                preview(&r.stdout, r.stdout_truncated),
+                preview(&r.stderr, r.stderr_truncated),
+            ]);
+        }
+        out.push_str(&t.render());
+        let last = self.task_results.len() - 1;
+        for (i, r) in self.task_results.iter().enumerate() {
+            if (full || i == last) && !r.stdout.is_empty() {
+                out.push_str(&format!(
+                    "\nstdout of task {} ({}):\n",
+                    r.task_number, r.command
+                ));
+                out.push_str(&block(&r.stdout, r.stdout_truncated));
+            }
+            if !r.stderr.is_empty() {
+                out.push_str(&format!(
+                    "\nstderr of task {} ({}):\n",
+                    r.task_number, r.command
+                ));
+                out.push_str(&block(&r.stderr, r.stderr_truncated));
+            }
+        }
+        out
+    }
+}
+
+/// A job in a list: everything but the task results.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct JobSummary {
+    /// Id.
+    pub job_id: String,
+    /// The Action that created it.
+    pub action_id: String,
+    /// The Plan it runs.
+    pub plan_id: String,
+    /// Status name.
+    pub status: &'static str,
+    /// Attempts started.
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Worker holding or last holding the lease.
+    pub worker_id: String,
+    /// Input values.
+    pub input: BTreeMap<String, String>,
+    /// Why the last attempt failed.
+    pub error: String,
+    /// Why a pending job waits.
+    pub waiting_reason: String,
+    /// Creation time.
+    pub created_at: Option<String>,
+    /// When it became terminal.
+    pub completed_at: Option<String>,
+}
+
+impl From<pb::Job> for JobSummary {
+    fn from(j: pb::Job) -> Self {
+        JobSummary {
+            status: job_status_name(j.status),
+            input: j.input.into_iter().collect(),
+            created_at: rfc3339(j.created_at.as_ref()),
+            completed_at: rfc3339(j.completed_at.as_ref()),
+            job_id: j.job_id,
+            action_id: j.action_id,
+            plan_id: j.plan_id,
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            worker_id: j.worker_id,
+            error: j.error,
+            waiting_reason: j.waiting_reason,
+        }
+    }
+}
+
+/// A page of jobs.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobPage {
+    /// The jobs, in the server's order.
+    pub jobs: Vec<JobSummary>,
+    /// Token of the next page; empty on the last page.
+    pub next_page_token: String,
+}
+
+impl JobPage {
+    /// One row per job: id, status, attempts, worker, input and the error
+    /// or waiting reason.
+    pub fn table(&self) -> String {
+        let mut t = Table::new(["JOB", "STATUS", "ATTEMPTS", "WORKER", "INPUT", "NOTE"]);
+        for j in &self.jobs {
+            let note = if !j.error.is_empty() {
+                j.error.clone()
+            } else {
+                j.waiting_reason.clone()
+            };
+            t.row([
+                j.job_id.clone(),
+                j.status.to_owned(),
+                format!("{}/{}", j.attempt, j.max_attempts),
+                if j.worker_id.is_empty() {
+                    "-".into()
+                } else {
+                    j.worker_id.clone()
+                },
+                input_text(&j.input),
+                one_line(&note, 80),
+            ]);
+        }
+        t.render()
+    }
+}
+
+/// The first line of `s`, cut to `max` characters with an ellipsis.
+pub fn one_line(s: &str, max: usize) -> String {
+    let line = s.lines().next().unwrap_or("");
+    if line.chars().count() > max || s.lines().nth(1).is_some() {
+        let cut: String = line.chars().take(max.saturating_sub(1)).collect();
+        format!("{cut}…")
+    } else {
+        line.to_owned()
+    }
+}
+
+/// Load figures a worker reports.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct WorkerStatsView {
+    /// Jobs running now.
+    pub active_jobs: u32,
+    /// Jobs completed since start.
+    pub completed_jobs_total: u64,
+    /// Jobs failed since start.
+    pub failed_jobs_total: u64,
+    /// Seconds since start.
+    pub uptime_secs: u64,
+    /// Host CPU usage, percent.
+    pub cpu_usage_percent: f64,
+    /// Host memory used, MiB.
+    pub memory_mb: u64,
+    /// Free disk, GiB.
+    pub disk_available_gb: u64,
+    /// Mean job run time, ms.
+    pub avg_job_duration_ms: u64,
+}
+
+/// A worker as the server sees it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct WorkerView {
+    /// Id.
+    pub worker_id: String,
+    /// State name (`"active"`).
+    pub state: &'static str,
+    /// Heartbeat younger than 3 x the interval.
+    pub fresh: bool,
+    /// Heartbeat and lease streams open.
+    pub connected: bool,
+    /// Host.
+    pub hostname: String,
+    /// Platform.
+    pub platform: String,
+    /// agw version.
+    pub agw_version: String,
+    /// Leases it may hold.
+    pub max_concurrent_jobs: u32,
+    /// Leases it holds.
+    pub active_leases: u32,
+    /// Advertised tools.
+    pub tools: Vec<String>,
+    /// Advertised agentic units.
+    pub agentic_units: Vec<String>,
+    /// Labels.
+    pub tags: BTreeMap<String, String>,
+    /// Last heartbeat.
+    pub last_heartbeat_at: Option<String>,
+    /// Registration time.
+    pub registered_at: Option<String>,
+    /// Figures of the last heartbeat.
+    pub stats: Option<WorkerStatsView>,
+    /// Raw timestamp of the last heartbeat, for "3s ago" in tables.
+    #[serde(skip)]
+    pub last_heartbeat_ts: Option<prost_types::Timestamp>,
+}
+
+impl From<pb::Worker> for WorkerView {
+    fn from(w: pb::Worker) -> Self {
+        let caps = w.capabilities.unwrap_or_default();
+        WorkerView {
+            state: worker_state_name(w.state),
+            last_heartbeat_at: rfc3339(w.last_heartbeat_at.as_ref()),
+            registered_at: rfc3339(w.registered_at.as_ref()),
+            last_heartbeat_ts: w.last_heartbeat_at,
+            stats: w.stats.map(|s| WorkerStatsView {
+                active_jobs: s.active_jobs,
+                completed_jobs_total: s.completed_jobs_total,
+                failed_jobs_total: s.failed_jobs_total,
+                uptime_secs: s.uptime_secs,
+                cpu_usage_percent: s.cpu_usage_percent,
+                memory_mb: s.memory_mb,
+                disk_available_gb: s.disk_available_gb,
+                avg_job_duration_ms: s.avg_job_duration_ms,
+            }),
+            tools: caps.tools,
+            agentic_units: caps.agentic_units,
+            tags: w.tags.into_iter().collect(),
+            worker_id: w.worker_id,
+            fresh: w.fresh,
+            connected: w.connected,
+            hostname: w.hostname,
+            platform: w.platform,
+            agw_version: w.agw_version,
+            max_concurrent_jobs: w.max_concurrent_jobs,
+            active_leases: w.active_leases,
+        }
+    }
+}
+
+/// `yes` / `no`.
+fn yes_no(b: bool) -> String {
+    if b { "yes" } else { "no" }.into()
+}
+
+impl WorkerView {
+    /// All fields as `key value` lines.
+    pub fn table(&self) -> String {
+        let mut pairs = vec![
+            ("worker", self.worker_id.clone()),
+            ("state", self.state.to_owned()),
+            ("fresh", yes_no(self.fresh)),
+            ("connected", yes_no(self.connected)),
+            ("host", self.hostname.clone()),
+            ("platform", self.platform.clone()),
+            ("agw version", self.agw_version.clone()),
+            (
+                "leases",
+                format!("{}/{}", self.active_leases, self.max_concurrent_jobs),
+            ),
+            ("tools", self.tools.join(" ")),
+        ];
+        if !self.agentic_units.is_empty() {
+            pairs.push(("agentic units", self.agentic_units.join(" ")));
+        }
+        if !self.tags.is_empty() {
+            pairs.push(("tags", input_text(&self.tags)));
+        }
+        pairs.push((
+            "last heartbeat",
+            match &self.last_heartbeat_at {
+                Some(t) => format!("{t} ({})", ago(self.last_heartbeat_ts.as_ref())),
+                None => "-".into(),
+            },
+        ));
+        pairs.push((
+            "registered",
+            self.registered_at.clone().unwrap_or_else(|| "-".into()),
+        ));
+        if let Some(s) = &self.stats {
+            pairs.push(("active jobs", s.active_jobs.to_string()));
+            pairs.push(("completed jobs", s.completed_jobs_total.to_string()));
+            pairs.push(("failed jobs", s.failed_jobs_total.to_string()));
+            pairs.push((
+                "uptime",
+                human_duration(std::time::Duration::from_secs(s.uptime_secs)),
+            ));
+            pairs.push(("cpu", format!("{:.1}%", s.cpu_usage_percent)));
+            pairs.push(("memory", format!("{} MiB", s.memory_mb)));
+            pairs.push(("disk free", format!("{} GiB", s.disk_available_gb)));
+            pairs.push((
+                "avg job",
+                human_duration(std::time::Duration::from_millis(s.avg_job_duration_ms)),
+            ));
+        }
+        key_values(&pairs)
+    }
+}
+
+/// Workers as rows: id, state, freshness, leases, host, heartbeat age, tools.
+pub fn workers_table(workers: &[WorkerView]) -> String {
+    let mut t = Table::new([
+        "WORKER",
+        "STATE",
+        "FRESH",
+        "CONNECTED",
+        "LEASES",
+        "HOST",
+        "LAST HEARTBEAT",
+        "TOOLS",
+    ]);
+    for w in workers {
+        t.row([
+            w.worker_id.clone(),
+            w.state.to_owned(),
+            yes_no(w.fresh),
+            yes_no(w.connected),
+            format!("{}/{}", w.active_leases, w.max_concurrent_jobs),
+            w.hostname.clone(),
+            ago(w.last_heartbeat_ts.as_ref()),
+            w.tools.len().to_string(),
+        ]);
+    }
+    t.render()
+}
+
+/// Queue depth and worker counts.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct QueueStatsView {
+    /// Pending jobs eligible now.
+    pub ready_length: u64,
+    /// Pending jobs waiting for run_at or backoff.
+    pub scheduled_length: u64,
+    /// Jobs running.
+    pub running_length: u64,
+    /// Age of the oldest ready job, seconds.
+    pub oldest_ready_age_secs: u64,
+    /// Seconds until the next scheduled job is due.
+    pub next_scheduled_due_in_secs: u64,
+    /// Workers ACTIVE or DRAINING.
+    pub workers_total: u32,
+    /// Fresh ACTIVE workers.
+    pub workers_active: u32,
+    /// Fresh ACTIVE workers without a lease.
+    pub workers_idle: u32,
+    /// Workers whose heartbeat is stale.
+    pub workers_stale: u32,
+}
+
+impl From<pb::GetQueueStatsResponse> for QueueStatsView {
+    fn from(s: pb::GetQueueStatsResponse) -> Self {
+        QueueStatsView {
+            ready_length: s.ready_length,
+            scheduled_length: s.scheduled_length,
+            running_length: s.running_length,
+            oldest_ready_age_secs: s.oldest_ready_age_secs,
+            next_scheduled_due_in_secs: s.next_scheduled_due_in_secs,
+            workers_total: s.workers_total,
+            workers_active: s.workers_active,
+            workers_idle: s.workers_idle,
+            workers_stale: s.workers_stale,
+        }
+    }
+}
+
+impl QueueStatsView {
+    /// `key value` lines.
+    pub fn table(&self) -> String {
+        key_values(&[
+            ("ready", self.ready_length.to_string()),
+            ("scheduled", self.scheduled_length.to_string()),
+            ("running", self.running_length.to_string()),
+            ("oldest ready", format!("{}s", self.oldest_ready_age_secs)),
+            (
+                "next scheduled in",
+                format!("{}s", self.next_scheduled_due_in_secs),
+            ),
+            ("workers", self.workers_total.to_string()),
+            ("workers active", self.workers_active.to_string()),
+            ("workers idle", self.workers_idle.to_string()),
+            ("workers stale", self.workers_stale.to_string()),
+        ])
+    }
+}

@@ -1,0 +1,79 @@
+//! `agq worker list|get|drain`.
+
+use super::{
+    print_json,
+    table::emit,
+    view::{workers_table, StateArg, WorkerView},
+    CliError, Clients, OutputFormat,
+};
+use crate::pb::{self, WorkerState};
+
+/// `agq worker ...`
+#[derive(Debug, clap::Subcommand)]
+pub enum WorkerCommand {
+    /// List workers with state, freshness and load.
+    List {
+        /// Only workers in this state.
+        #[arg(long, value_enum)]
+        state: Option<StateArg>,
+    },
+    /// Show one worker: capabilities, heartbeat, stats.
+    Get {
+        /// Worker id.
+        worker_id: String,
+    },
+    /// Put a worker in DRAINING: it finishes its jobs and takes no new ones.
+    Drain {
+        /// Worker id.
+        worker_id: String,
+    },
+}
+
+/// Runs one `worker` subcommand.
+///
+/// # Errors
+///
+/// See [`super::run`].
+pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(), CliError> {
+    let one = |w: Option<pb::Worker>| -> Result<(), CliError> {
+        let view = WorkerView::from(w.unwrap_or_default());
+        match out {
+            OutputFormat::Json => print_json(&view),
+            OutputFormat::Table => emit(&view.table()),
+        }
+    };
+    match cmd {
+        WorkerCommand::List { state } => {
+            let workers: Vec<WorkerView> = c
+                .worker
+                .clone()
+                .list_workers(pb::ListWorkersRequest {
+                    state: state.map_or(0, |s| WorkerState::from(s) as i32),
+                })
+                .await?
+                .into_inner()
+                .workers
+                .into_iter()
+                .map(WorkerView::from)
+                .collect();
+            match out {
+                OutputFormat::Json => print_json(&serde_json::json!({ "workers": workers })),
+                OutputFormat::Table => emit(&workers_table(&workers)),
+            }
+        }
+        WorkerCommand::Get { worker_id } => one(c
+            .worker
+            .clone()
+            .get_worker(pb::GetWorkerRequest { worker_id })
+            .await?
+            .into_inner()
+            .worker),
+        WorkerCommand::Drain { worker_id } => one(c
+            .worker
+            .clone()
+            .drain_worker(pb::DrainWorkerRequest { worker_id })
+            .await?
+            .into_inner()
+            .worker),
+    }
+}

@@ -1,0 +1,851 @@
+//! The worker's life: register, keep the heartbeat and lease streams open,
+//! run every lease on its own task, report results, reconnect after any
+//! loss, and drain on a signal or a server command.
+//!
+//! Three kinds of tasks cooperate through [`Shared`]:
+//! - the **session loop** ([`session_loop`]) registers (`ALREADY_EXISTS`
+//!   means "resume"), opens the heartbeat stream (its first message lists
+//!   the leases still running), waits for the first acknowledgement, opens
+//!   the lease stream, then heartbeats every interval and starts a job task
+//!   per lease. When either stream ends or fails it reconnects with
+//!   exponential backoff (1 s, 2 s, 4 s … 60 s, jittered);
+//! - one **job task** per lease ([`run_job`]) runs the plan through the
+//!   [`Executor`], reports `RUNNING` as each task starts and the final
+//!   result, retried while the server is unreachable (until the lease
+//!   expires). Jobs outlive reconnects;
+//! - the **supervisor** ([`run`]) handles signals and drain: first signal →
+//!   DRAINING (no new leases), wait for the jobs up to the drain timeout,
+//!   kill the rest, unregister, exit; second signal → kill every task's
+//!   process group and exit at once.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, SystemTime},
+};
+
+use tokio::{
+    sync::{mpsc, watch},
+    time::{timeout, Instant, MissedTickBehavior},
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status};
+use tracing::{debug, error, info, warn};
+
+use super::{
+    backoff::Backoff,
+    client::{self, WorkerClient},
+    config::{platform, WorkerConfig},
+    error::WorkerError,
+    executor::{abort_channel, fit_to_budget, AbortReason, AbortSender, Executor, TaskStart},
+    stats::{JobCounters, StatsCollector},
+};
+use crate::pb::{
+    heartbeat_response::Command, DrainWorkerRequest, HeartbeatRequest, HeartbeatResponse,
+    HeldLeases, JobLease, JobStatus, LeaseJobsRequest, RegisterWorkerRequest,
+    UnregisterWorkerRequest, UpdateJobRequest, WorkerCapabilities,
+};
+
+/// Largest total of captured output sent in one final report, in bytes:
+/// stays under the 4 MiB gRPC message limit servers use by default.
+pub const REPORT_BUDGET_BYTES: usize = 3 * 1024 * 1024;
+
+/// Heartbeat interval assumed until the server has told us one.
+const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Limit on one unary call or on opening a stream.
+const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How long jobs killed at the drain timeout get to report before the
+/// worker unregisters anyway.
+const KILLED_REPORT_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the worker keeps trying to unregister before it exits anyway.
+const UNREGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How [`run`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Drained: running jobs finished (or were killed at the drain timeout)
+    /// and the worker unregistered (or tried to). Exit code 0.
+    Drained,
+    /// A second signal: every task was killed and the worker left without
+    /// unregistering; the server re-queues its leases. Exit code 130.
+    Forced,
+}
+
+/// Why the worker drains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Drain {
+    /// Not draining.
+    No,
+    /// The server pushed a drain command (with its reason): finish the jobs,
+    /// however long they take.
+    Server(String),
+    /// SIGTERM/SIGINT: finish the jobs within the drain timeout.
+    Signal,
+}
+
+/// A job running now.
+struct RunningJob {
+    lease_id: String,
+    abort: AbortSender,
+}
+
+/// State shared by the supervisor, the session loop and the job tasks.
+struct Shared {
+    cfg: WorkerConfig,
+    client: WorkerClient,
+    executor: Executor,
+    stats: StatsCollector,
+    /// Running jobs by job id.
+    jobs: Mutex<HashMap<String, RunningJob>>,
+    /// Number of running jobs, watched by the supervisor.
+    job_count: watch::Sender<usize>,
+    drain: watch::Sender<Drain>,
+    /// Last heartbeat interval the server gave.
+    interval: Mutex<Option<Duration>>,
+    /// Set once the worker unregisters: the session loop stops reconnecting.
+    leaving: AtomicBool,
+    /// Set once a session got both streams open.
+    registered: AtomicBool,
+}
+
+/// How a session ended.
+#[derive(Debug)]
+enum SessionEnd {
+    /// The connection or a stream was lost: reconnect after a backoff.
+    Lost(String),
+    /// Retrying cannot help: stop the worker.
+    Fatal(WorkerError),
+}
+
+/// True for codes that mean the server no longer gives us this lease.
+fn lease_gone(code: Code) -> bool {
+    matches!(
+        code,
+        Code::FailedPrecondition | Code::PermissionDenied | Code::NotFound
+    )
+}
+
+/// True for codes worth retrying an update for: the server (or the path to
+/// it) is down, not refusing.
+fn transient(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+    )
+}
+
+/// `CODE: message` of a status, for logs.
+fn describe(s: &Status) -> String {
+    format!("{:?}: {}", s.code(), s.message())
+}
+
+impl Shared {
+    /// Builds the client and executor for `cfg`.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkerError::Config`] for a bad server URL, TLS files or token.
+    pub async fn new(cfg: WorkerConfig) -> Result<Arc<Self>, WorkerError> {
+        let channel = client::channel(&cfg.server, &cfg.tls).await?;
+        let client = client::worker_client(channel, cfg.token.as_deref())?;
+        let executor = Executor::new(Arc::clone(&cfg.tools), cfg.output_cap_bytes);
+        let cwd = std::env::current_dir().unwrap_or_else(|_| "/".into());
+        let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
+        Ok(Arc::new(Shared {
+            cfg,
+            client,
+            executor,
+            stats,
+            jobs: Mutex::new(HashMap::new()),
+            job_count: watch::channel(0).0,
+            drain: watch::channel(Drain::No).0,
+            interval: Mutex::new(None),
+            leaving: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
+        }))
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunningJob>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn draining(&self) -> bool {
+        *self.drain.borrow() != Drain::No
+    }
+
+    /// Lease ids of the jobs running now.
+    fn held_leases(&self) -> Vec<String> {
+        self.jobs().values().map(|j| j.lease_id.clone()).collect()
+    }
+
+    fn active_jobs(&self) -> u32 {
+        u32::try_from(self.jobs().len()).unwrap_or(u32::MAX)
+    }
+
+    /// Stops the job `job_id` (any lease when `lease_id` is `None`).
+    /// Returns false when no such job runs.
+    fn abort_job(&self, job_id: &str, lease_id: Option<&str>, reason: AbortReason) -> bool {
+        match self.jobs().get(job_id) {
+            Some(j) if lease_id.is_none_or(|l| l == j.lease_id) => {
+                j.abort.send_if_modified(|r| {
+                    if r.is_none() {
+                        *r = Some(reason);
+                        true
+                    } else {
+                        false
+                    }
+                });
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Stops every running job.
+    fn abort_all(&self, reason: &AbortReason) {
+        for j in self.jobs().values() {
+            j.abort.send_if_modified(|r| {
+                if r.is_none() {
+                    *r = Some(reason.clone());
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    /// Enters DRAINING for `cause` (a signal takes over a server drain).
+    fn request_drain(&self, cause: Drain) {
+        self.drain.send_if_modified(|d| {
+            let change = matches!(
+                (&*d, &cause),
+                (Drain::No, _) | (Drain::Server(_), Drain::Signal)
+            );
+            if change {
+                *d = cause;
+            }
+            change
+        });
+    }
+
+    /// A heartbeat message with current stats; with `held_leases` on the
+    /// first message of a stream.
+    async fn heartbeat(&self, first: bool) -> HeartbeatRequest {
+        let stats = self.stats.collect(self.active_jobs()).await;
+        HeartbeatRequest {
+            worker_id: self.cfg.worker_id.clone(),
+            stats: Some(stats),
+            held_leases: first.then(|| HeldLeases {
+                lease_ids: self.held_leases(),
+            }),
+        }
+    }
+
+    /// Acts on a server message of the heartbeat stream.
+    fn on_heartbeat_response(&self, r: HeartbeatResponse) {
+        match r.command {
+            Some(Command::Drain(d)) => {
+                if self.draining() {
+                    debug!(reason = %d.reason, "server confirms the drain");
+                } else {
+                    info!(reason = %d.reason, "server asked us to drain: taking no new leases");
+                }
+                self.request_drain(Drain::Server(d.reason));
+            }
+            Some(Command::CancelJobId(job_id)) => {
+                if self.abort_job(&job_id, None, AbortReason::Cancelled) {
+                    info!(%job_id, "job cancelled by the server: killing it");
+                } else {
+                    debug!(%job_id, "cancel for a job that is not running here");
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Starts a job task for `lease`.
+    fn start_job(self: &Arc<Self>, lease: JobLease) {
+        let Some(job) = lease.job.as_ref() else {
+            warn!(lease_id = %lease.lease_id, "lease without a job: ignored");
+            return;
+        };
+        let job_id = job.job_id.clone();
+        let (abort_tx, abort_rx) = abort_channel();
+        {
+            let mut jobs = self.jobs();
+            if let Some(old) = jobs.get(&job_id) {
+                if old.lease_id == lease.lease_id {
+                    debug!(%job_id, lease_id = %lease.lease_id, "lease delivered again: already running");
+                    return;
+                }
+                // A new lease for a job we run under an old one: the old
+                // attempt is no longer ours.
+                warn!(%job_id, old = %old.lease_id, new = %lease.lease_id, "job leased again: restarting it under the new lease");
+                old.abort.send_replace(Some(AbortReason::LeaseLost(
+                    "superseded by a newer lease".into(),
+                )));
+            }
+            jobs.insert(
+                job_id.clone(),
+                RunningJob {
+                    lease_id: lease.lease_id.clone(),
+                    abort: abort_tx,
+                },
+            );
+            let n = jobs.len();
+            self.job_count.send_replace(n);
+            if n > self.cfg.max_concurrent_jobs as usize {
+                warn!(
+                    running = n,
+                    max = self.cfg.max_concurrent_jobs,
+                    "more leases than slots"
+                );
+            }
+        }
+        info!(%job_id, lease_id = %lease.lease_id, attempt = lease.attempt, "lease received");
+        let shared = Arc::clone(self);
+        tokio::spawn(async move { run_job(shared, lease, abort_rx).await });
+    }
+
+    /// Forgets a finished job (unless a newer lease replaced it).
+    fn finish_job(&self, job_id: &str, lease_id: &str) {
+        let mut jobs = self.jobs();
+        if jobs.get(job_id).is_some_and(|j| j.lease_id == lease_id) {
+            jobs.remove(job_id);
+        }
+        self.job_count.send_replace(jobs.len());
+    }
+
+    fn update(&self, lease: &LeaseIds, status: JobStatus) -> UpdateJobRequest {
+        UpdateJobRequest {
+            job_id: lease.job_id.clone(),
+            worker_id: self.cfg.worker_id.clone(),
+            lease_id: lease.lease_id.clone(),
+            status: status as i32,
+            ..Default::default()
+        }
+    }
+}
+
+/// Identity of one job attempt.
+#[derive(Debug, Clone)]
+struct LeaseIds {
+    job_id: String,
+    lease_id: String,
+}
+
+/// Runs one leased job and reports it.
+async fn run_job(
+    shared: Arc<Shared>,
+    lease: JobLease,
+    abort: tokio::sync::watch::Receiver<Option<AbortReason>>,
+) {
+    let job = lease.job.unwrap_or_default();
+    let ids = LeaseIds {
+        job_id: job.job_id.clone(),
+        lease_id: lease.lease_id.clone(),
+    };
+    let expires_at = lease.expires_at.and_then(|t| SystemTime::try_from(t).ok());
+    let outcome = match lease.plan {
+        Some(plan) => {
+            let (progress_tx, progress_rx) = watch::channel(None::<TaskStart>);
+            let reporter = tokio::spawn(report_progress(
+                Arc::clone(&shared),
+                ids.clone(),
+                progress_rx,
+            ));
+            let outcome = shared
+                .executor
+                .run(&plan, &job.input, abort, |s| {
+                    progress_tx.send_replace(Some(s));
+                })
+                .await;
+            drop(progress_tx);
+            // Let an in-flight progress report land before the final one,
+            // but do not hold the result back for a server that is down.
+            let mut reporter = reporter;
+            if timeout(Duration::from_secs(2), &mut reporter)
+                .await
+                .is_err()
+            {
+                reporter.abort();
+            }
+            outcome
+        }
+        None => super::executor::JobOutcome {
+            success: false,
+            error: "the lease carries no plan".into(),
+            task_results: Vec::new(),
+            aborted: None,
+            duration: Duration::ZERO,
+        },
+    };
+    shared
+        .stats
+        .counters()
+        .record(outcome.success, outcome.duration);
+    if outcome.success {
+        info!(job_id = %ids.job_id, ms = outcome.duration.as_millis() as u64, "job completed");
+    } else {
+        info!(job_id = %ids.job_id, error = %outcome.error, "job failed");
+    }
+    let mut req = shared.update(
+        &ids,
+        if outcome.success {
+            JobStatus::Completed
+        } else {
+            JobStatus::Failed
+        },
+    );
+    req.current_task = outcome
+        .task_results
+        .last()
+        .map(|r| r.task_number)
+        .unwrap_or(0);
+    req.progress_percent = if outcome.success { 100 } else { 0 };
+    req.error = outcome.error;
+    req.task_results = outcome.task_results;
+    fit_to_budget(&mut req.task_results, REPORT_BUDGET_BYTES);
+    report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some()).await;
+    shared.finish_job(&ids.job_id, &ids.lease_id);
+}
+
+/// Sends `RUNNING` with the current task each time one starts. Progress is
+/// best effort (one try per report); a reply saying the lease is no longer
+/// ours stops the job.
+async fn report_progress(
+    shared: Arc<Shared>,
+    ids: LeaseIds,
+    mut progress: watch::Receiver<Option<TaskStart>>,
+) {
+    let mut client = shared.client.clone();
+    while progress.changed().await.is_ok() {
+        let Some(s) = *progress.borrow_and_update() else {
+            continue;
+        };
+        let mut req = shared.update(&ids, JobStatus::Running);
+        req.current_task = s.task_number;
+        req.progress_percent = s.progress_percent;
+        match timeout(CALL_TIMEOUT, client.update_job(req)).await {
+            Ok(Ok(_)) => debug!(job_id = %ids.job_id, task = s.task_number, "progress reported"),
+            Ok(Err(st)) if lease_gone(st.code()) => {
+                warn!(job_id = %ids.job_id, status = %describe(&st), "server refused progress: the lease is no longer ours; stopping the job");
+                shared.abort_job(
+                    &ids.job_id,
+                    Some(&ids.lease_id),
+                    AbortReason::LeaseLost(st.message().to_owned()),
+                );
+                return;
+            }
+            Ok(Err(st)) => {
+                debug!(job_id = %ids.job_id, status = %describe(&st), "progress not reported");
+            }
+            Err(_) => debug!(job_id = %ids.job_id, "progress report timed out"),
+        }
+    }
+}
+
+/// Sends the final result, retrying with backoff while the server is
+/// unreachable, until it is accepted, refused, or the lease has expired
+/// (the server has failed the attempt by then). `aborted` jobs (cancelled,
+/// lease lost) are expected to be refused: logged at debug.
+async fn report_final(
+    shared: &Shared,
+    ids: &LeaseIds,
+    mut req: UpdateJobRequest,
+    expires_at: Option<SystemTime>,
+    aborted: bool,
+) {
+    let mut client = shared.client.clone();
+    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut stripped = false;
+    loop {
+        let st = match timeout(CALL_TIMEOUT, client.update_job(req.clone())).await {
+            Ok(Ok(_)) => {
+                debug!(job_id = %ids.job_id, "result reported");
+                return;
+            }
+            Ok(Err(st)) => st,
+            Err(_) => Status::deadline_exceeded("UpdateJob timed out"),
+        };
+        if transient(st.code()) {
+            if expires_at.is_some_and(|t| SystemTime::now() > t) {
+                warn!(job_id = %ids.job_id, status = %describe(&st), "result dropped: the lease expired while the server was unreachable");
+                return;
+            }
+            let d = backoff.next_delay();
+            warn!(job_id = %ids.job_id, status = %describe(&st), retry_in_ms = d.as_millis() as u64, "result not reported yet");
+            tokio::time::sleep(d).await;
+            continue;
+        }
+        if lease_gone(st.code()) {
+            if aborted {
+                debug!(job_id = %ids.job_id, status = %describe(&st), "result of a stopped job refused, as expected");
+            } else {
+                warn!(job_id = %ids.job_id, status = %describe(&st), "result dropped: the lease is no longer ours");
+            }
+            return;
+        }
+        if !stripped
+            && matches!(
+                st.code(),
+                Code::InvalidArgument | Code::ResourceExhausted | Code::OutOfRange
+            )
+        {
+            // Perhaps the outputs are too big for the server: report the
+            // outcome without them rather than strand the lease.
+            warn!(job_id = %ids.job_id, status = %describe(&st), "result refused; reporting it again without outputs");
+            stripped = true;
+            for r in &mut req.task_results {
+                r.stdout_truncated |= !r.stdout.is_empty();
+                r.stderr_truncated |= !r.stderr.is_empty();
+                r.stdout.clear();
+                r.stderr.clear();
+            }
+            if req.error.len() > 4096 {
+                let mut end = 4096;
+                while !req.error.is_char_boundary(end) {
+                    end -= 1;
+                }
+                req.error.truncate(end);
+            }
+            continue;
+        }
+        error!(job_id = %ids.job_id, status = %describe(&st), "result refused by the server");
+        return;
+    }
+}
+
+/// Registers (or resumes), opens both streams and serves them until one
+/// ends. `registered_once` tells whether an earlier session got this far;
+/// `established` is set once both streams are open.
+async fn session(
+    shared: &Arc<Shared>,
+    registered_once: bool,
+    established: &mut bool,
+) -> Result<(), SessionEnd> {
+    let cfg = &shared.cfg;
+    let mut client = shared.client.clone();
+
+    // 1. Register; ALREADY_EXISTS: the server still has us ACTIVE/DRAINING.
+    let req = RegisterWorkerRequest {
+        worker_id: cfg.worker_id.clone(),
+        hostname: cfg.hostname.clone(),
+        platform: platform(),
+        agw_version: env!("CARGO_PKG_VERSION").to_owned(),
+        capabilities: Some(WorkerCapabilities {
+            tools: cfg.tools.names().to_vec(),
+            agentic_units: Vec::new(),
+        }),
+        max_concurrent_jobs: cfg.max_concurrent_jobs,
+        tags: cfg.tags.clone(),
+    };
+    match timeout(CALL_TIMEOUT, client.register_worker(req)).await {
+        Err(_) => return Err(SessionEnd::Lost("RegisterWorker timed out".into())),
+        Ok(Ok(resp)) => {
+            let r = resp.into_inner();
+            let interval = if r.heartbeat_interval_ms > 0 {
+                Some(Duration::from_millis(u64::from(r.heartbeat_interval_ms)))
+            } else if r.heartbeat_interval_secs > 0 {
+                Some(Duration::from_secs(u64::from(r.heartbeat_interval_secs)))
+            } else {
+                None
+            };
+            if interval.is_some() {
+                *shared.interval.lock().unwrap_or_else(|e| e.into_inner()) = interval;
+            }
+            debug!(?interval, "registered");
+        }
+        Ok(Err(st)) if st.code() == Code::AlreadyExists => {
+            info!("server still has this worker registered: resuming");
+        }
+        Ok(Err(st))
+            if !registered_once
+                && matches!(
+                    st.code(),
+                    Code::InvalidArgument | Code::Unauthenticated | Code::PermissionDenied
+                ) =>
+        {
+            return Err(SessionEnd::Fatal(WorkerError::Registration(describe(&st))));
+        }
+        Ok(Err(st)) => {
+            return Err(SessionEnd::Lost(format!(
+                "RegisterWorker: {}",
+                describe(&st)
+            )))
+        }
+    }
+
+    // 2. A worker draining locally stays DRAINING on the server too.
+    if shared.draining() {
+        let req = DrainWorkerRequest {
+            worker_id: cfg.worker_id.clone(),
+        };
+        if let Ok(Err(st)) = timeout(CALL_TIMEOUT, client.drain_worker(req)).await {
+            debug!(status = %describe(&st), "DrainWorker after reconnect");
+        }
+    }
+
+    // 3. Heartbeat stream: the first message (queued before the call, as the
+    //    server may wait for it) lists the leases we still run.
+    let (hb_tx, hb_rx) = mpsc::channel::<HeartbeatRequest>(4);
+    let first = shared.heartbeat(true).await;
+    let _ = hb_tx.send(first).await;
+    let mut inbound =
+        match timeout(CALL_TIMEOUT, client.heartbeat(ReceiverStream::new(hb_rx))).await {
+            Err(_) => return Err(SessionEnd::Lost("opening Heartbeat timed out".into())),
+            Ok(Err(st)) => return Err(SessionEnd::Lost(format!("Heartbeat: {}", describe(&st)))),
+            Ok(Ok(r)) => r.into_inner(),
+        };
+    // Wait for the first answer so held_leases is applied before any lease.
+    match timeout(CALL_TIMEOUT, inbound.message()).await {
+        Err(_) => return Err(SessionEnd::Lost("no answer to the first heartbeat".into())),
+        Ok(Err(st)) => return Err(SessionEnd::Lost(format!("Heartbeat: {}", describe(&st)))),
+        Ok(Ok(None)) => {
+            return Err(SessionEnd::Lost(
+                "server closed the heartbeat stream".into(),
+            ))
+        }
+        Ok(Ok(Some(r))) => {
+            let known = *shared.interval.lock().unwrap_or_else(|e| e.into_inner());
+            if known.is_none() {
+                // Resumed without an interval: take half the time to the
+                // deadline the server gave (robust to modest clock skew).
+                let learned = r
+                    .next_deadline
+                    .and_then(|t| SystemTime::try_from(t).ok())
+                    .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                    .map(|d| (d / 2).clamp(Duration::from_millis(100), Duration::from_secs(60)));
+                *shared.interval.lock().unwrap_or_else(|e| e.into_inner()) = learned;
+            }
+            shared.on_heartbeat_response(r);
+        }
+    }
+    let interval = shared
+        .interval
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or(DEFAULT_HEARTBEAT_INTERVAL);
+
+    // 4. Lease stream.
+    let lease_req = LeaseJobsRequest {
+        worker_id: cfg.worker_id.clone(),
+    };
+    let mut leases = match timeout(CALL_TIMEOUT, client.lease_jobs(lease_req)).await {
+        Err(_) => return Err(SessionEnd::Lost("opening LeaseJobs timed out".into())),
+        Ok(Err(st)) => return Err(SessionEnd::Lost(format!("LeaseJobs: {}", describe(&st)))),
+        Ok(Ok(r)) => r.into_inner(),
+    };
+    *established = true;
+    shared.registered.store(true, Ordering::SeqCst);
+    info!(
+        interval_ms = interval.as_millis() as u64,
+        "connected: heartbeat and lease streams open"
+    );
+    println!(
+        "agw: registered {} with {} tools: {}",
+        cfg.worker_id,
+        cfg.tools.len(),
+        cfg.tools.names().join(",")
+    );
+
+    // 5. Serve both streams.
+    let mut tick = tokio::time::interval_at(Instant::now() + interval, interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let hb = shared.heartbeat(false).await;
+                match hb_tx.try_send(hb) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        debug!("heartbeat not sent: the stream is backed up");
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        return Err(SessionEnd::Lost("heartbeat stream closed".into()));
+                    }
+                }
+            }
+            m = inbound.message() => match m {
+                Ok(Some(r)) => shared.on_heartbeat_response(r),
+                Ok(None) => return Err(SessionEnd::Lost("server closed the heartbeat stream".into())),
+                Err(st) => return Err(SessionEnd::Lost(format!("Heartbeat: {}", describe(&st)))),
+            },
+            l = leases.message() => match l {
+                Ok(Some(lease)) => shared.start_job(lease),
+                Ok(None) => return Err(SessionEnd::Lost("server closed the lease stream".into())),
+                Err(st) => return Err(SessionEnd::Lost(format!("LeaseJobs: {}", describe(&st)))),
+            },
+        }
+    }
+}
+
+/// Runs sessions forever, reconnecting with backoff. Returns only on a fatal
+/// error.
+async fn session_loop(shared: Arc<Shared>) -> WorkerError {
+    let mut backoff = Backoff::reconnect();
+    let mut registered_once = false;
+    loop {
+        let mut established = false;
+        let end = session(&shared, registered_once, &mut established).await;
+        if established {
+            registered_once = true;
+            backoff.reset();
+        }
+        let why = match end {
+            Ok(()) => "session ended".to_owned(),
+            Err(SessionEnd::Lost(why)) => why,
+            Err(SessionEnd::Fatal(e)) => return e,
+        };
+        if shared.leaving.load(Ordering::SeqCst) {
+            // Unregistered: the server hung up on purpose; the supervisor
+            // stops this task.
+            debug!(reason = %why, "streams closed after unregistering");
+            return std::future::pending().await;
+        }
+        let d = backoff.next_delay();
+        warn!(reason = %why, retry_in_ms = d.as_millis() as u64, running_jobs = shared.active_jobs(), "connection lost; reconnecting");
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// Tells the server we drain (best effort: a reconnect repeats it).
+async fn drain_self(shared: Arc<Shared>) {
+    let mut client = shared.client.clone();
+    let req = DrainWorkerRequest {
+        worker_id: shared.cfg.worker_id.clone(),
+    };
+    match timeout(CALL_TIMEOUT, client.drain_worker(req)).await {
+        Ok(Ok(_)) => info!("server set this worker DRAINING"),
+        Ok(Err(st)) => warn!(status = %describe(&st), "DrainWorker failed"),
+        Err(_) => warn!("DrainWorker timed out"),
+    }
+}
+
+/// Unregisters, retrying while the server is unreachable, for at most
+/// [`UNREGISTER_TIMEOUT`].
+async fn unregister(shared: &Shared) {
+    let mut client = shared.client.clone();
+    let deadline = Instant::now() + UNREGISTER_TIMEOUT;
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(2));
+    loop {
+        let req = UnregisterWorkerRequest {
+            worker_id: shared.cfg.worker_id.clone(),
+        };
+        match tokio::time::timeout_at(deadline, client.unregister_worker(req)).await {
+            Ok(Ok(r)) => {
+                info!(requeued_jobs = r.into_inner().requeued_jobs, "unregistered");
+                return;
+            }
+            Ok(Err(st)) if transient(st.code()) && Instant::now() < deadline => {
+                debug!(status = %describe(&st), "UnregisterWorker failed; retrying");
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            Ok(Err(st)) => {
+                warn!(status = %describe(&st), "UnregisterWorker failed");
+                return;
+            }
+            Err(_) => {
+                warn!("UnregisterWorker timed out; the server will notice we are gone");
+                return;
+            }
+        }
+    }
+}
+
+/// Runs the worker until it drains or is stopped.
+///
+/// Each message on `signals` is one SIGTERM/SIGINT: the first starts a
+/// drain (DRAINING on the server, no new leases, running jobs get
+/// `drain_timeout` before they are killed, then UnregisterWorker), the second
+/// kills every task's process group and returns [`Exit::Forced`] at once. A
+/// `drain` command from the server drains the same way but without a time
+/// limit. Prints `agw: registered <id> with <n> tools: <list>` on stdout each
+/// time a connection is (re-)established.
+///
+/// # Errors
+///
+/// [`WorkerError::Config`] for a bad URL, TLS file or token;
+/// [`WorkerError::Registration`] when the server refuses the first
+/// registration for good (bad id, bad or missing token).
+pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<Exit, WorkerError> {
+    let shared = Shared::new(cfg).await?;
+    let groups = shared.executor.process_groups().clone();
+    info!(
+        worker_id = %shared.cfg.worker_id,
+        server = %shared.cfg.server,
+        tools = %shared.cfg.tools.names().join(","),
+        max_concurrent_jobs = shared.cfg.max_concurrent_jobs,
+        "agw starting"
+    );
+    let mut sessions = tokio::spawn(session_loop(Arc::clone(&shared)));
+    let mut drain_rx = shared.drain.subscribe();
+    let mut count_rx = shared.job_count.subscribe();
+    let mut signals_open = true;
+    let mut signal_count = 0u32;
+    let mut drain_deadline: Option<Instant> = None;
+    let mut report_deadline: Option<Instant> = None;
+    let forced = |sessions: &tokio::task::JoinHandle<WorkerError>| {
+        warn!("second signal: killing running jobs and exiting now");
+        groups.kill_all();
+        sessions.abort();
+        Ok(Exit::Forced)
+    };
+    loop {
+        if shared.draining() && *count_rx.borrow_and_update() == 0 {
+            break;
+        }
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        tokio::select! {
+            s = signals.recv(), if signals_open => match s {
+                None => signals_open = false,
+                Some(()) => {
+                    signal_count += 1;
+                    if signal_count >= 2 {
+                        return forced(&sessions);
+                    }
+                    let running = shared.active_jobs();
+                    info!(running_jobs = running, drain_timeout_secs = shared.cfg.drain_timeout.as_secs(), "signal: draining (send another to exit at once)");
+                    shared.request_drain(Drain::Signal);
+                    drain_deadline = Some(Instant::now() + shared.cfg.drain_timeout);
+                    tokio::spawn(drain_self(Arc::clone(&shared)));
+                }
+            },
+            r = &mut sessions => {
+                groups.kill_all();
+                return Err(r.unwrap_or_else(|e| WorkerError::Config(format!("session task failed: {e}"))));
+            }
+            _ = drain_rx.changed() => {}
+            _ = count_rx.changed() => {}
+            () = tokio::time::sleep_until(drain_deadline.unwrap_or(far)), if drain_deadline.is_some() && report_deadline.is_none() => {
+                warn!(running_jobs = shared.active_jobs(), "drain timeout: killing the jobs still running");
+                shared.abort_all(&AbortReason::DrainTimeout(shared.cfg.drain_timeout));
+                report_deadline = Some(Instant::now() + KILLED_REPORT_GRACE);
+            }
+            () = tokio::time::sleep_until(report_deadline.unwrap_or(far)), if report_deadline.is_some() => {
+                warn!("killed jobs did not report in time; unregistering anyway");
+                break;
+            }
+        }
+    }
+    shared.leaving.store(true, Ordering::SeqCst);
+    if shared.registered.load(Ordering::SeqCst) {
+        info!("drained: unregistering");
+        tokio::select! {
+            () = unregister(&shared) => {}
+            Some(()) = signals.recv(), if signals_open => return forced(&sessions),
+        }
+    } else {
+        info!("stopping before the first registration");
+    }
+    sessions.abort();
+    groups.kill_all();
+    Ok(Exit::Drained)
+}

@@ -1,0 +1,267 @@
+//! `agw` settings: the clap flags (each also read from an `AGW_*`
+//! environment variable) and the checked [`WorkerConfig`] they become.
+
+use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
+
+use clap::{Parser, ValueEnum};
+
+use super::{
+    client::TlsOptions,
+    error::WorkerError,
+    executor::DEFAULT_OUTPUT_CAP_BYTES,
+    tools::{ToolSet, DEFAULT_TOOLS},
+};
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Command-line flags of `agw`.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "agw",
+    version,
+    about = "AGQ worker: runs leased Plans as real processes"
+)]
+pub struct AgwArgs {
+    /// AGQ server URL (http:// or https://).
+    #[arg(long, env = "AGW_SERVER", default_value = "http://127.0.0.1:6380")]
+    pub server: String,
+
+    /// Token sent as `authorization: Bearer <token>` on every call.
+    #[arg(long, env = "AGW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Worker id, [A-Za-z0-9_-]{1,64} [default: worker-<hostname>-<pid>].
+    #[arg(long, env = "AGW_WORKER_ID")]
+    pub worker_id: Option<String>,
+
+    /// Jobs run at once [default: number of CPUs].
+    #[arg(long, env = "AGW_MAX_CONCURRENT_JOBS", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_concurrent_jobs: Option<u32>,
+
+    /// Comma-separated allowlist of commands; only those found on $PATH are
+    /// advertised [default: common text tools, see DEFAULT_TOOLS].
+    #[arg(long, env = "AGW_TOOLS", value_delimiter = ',')]
+    pub tools: Option<Vec<String>>,
+
+    /// A label `key=value` sent at registration; repeat for more.
+    #[arg(long = "tag", env = "AGW_TAGS", value_delimiter = ',', value_parser = parse_tag)]
+    pub tags: Vec<(String, String)>,
+
+    /// Seconds running jobs get to finish after SIGTERM/SIGINT before they
+    /// are killed.
+    #[arg(long, env = "AGW_DRAIN_TIMEOUT_SECS", default_value_t = 60)]
+    pub drain_timeout_secs: u64,
+
+    /// Bytes of stdout and of stderr kept per task; the rest is dropped and
+    /// flagged as truncated.
+    #[arg(long, env = "AGW_OUTPUT_CAP_BYTES", default_value_t = DEFAULT_OUTPUT_CAP_BYTES)]
+    pub output_cap_bytes: usize,
+
+    /// PEM file of the CA that signs the server certificate (https).
+    #[arg(long, env = "AGW_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+
+    /// PEM client certificate for mutual TLS (with --tls-key).
+    #[arg(long, env = "AGW_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM client private key for mutual TLS (with --tls-cert).
+    #[arg(long, env = "AGW_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Server name to verify the certificate against, when it differs from
+    /// the URL's host.
+    #[arg(long, env = "AGW_TLS_DOMAIN")]
+    pub tls_domain: Option<String>,
+
+    /// Log format (logs go to stderr; RUST_LOG sets the filter).
+    #[arg(long, env = "AGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Parses one `key=value` tag.
+fn parse_tag(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("tag {s:?} is not key=value")),
+    }
+}
+
+/// Everything the worker needs to run, checked.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// AGQ server URL.
+    pub server: String,
+    /// Bearer token, if any.
+    pub token: Option<String>,
+    /// This worker's id.
+    pub worker_id: String,
+    /// Host name sent at registration.
+    pub hostname: String,
+    /// Jobs run at once (≥ 1).
+    pub max_concurrent_jobs: u32,
+    /// The advertised tools.
+    pub tools: Arc<ToolSet>,
+    /// Labels sent at registration.
+    pub tags: HashMap<String, String>,
+    /// Time running jobs get after SIGTERM/SIGINT.
+    pub drain_timeout: Duration,
+    /// Bytes of stdout and of stderr kept per task.
+    pub output_cap_bytes: usize,
+    /// TLS settings.
+    pub tls: TlsOptions,
+}
+
+impl AgwArgs {
+    /// Checks the flags and resolves defaults: worker id, CPU count, the
+    /// tools found on `$PATH`.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkerError::Config`] for an invalid worker id or an empty tool set.
+    pub fn into_config(self) -> Result<WorkerConfig, WorkerError> {
+        let hostname = hostname();
+        let worker_id = match self.worker_id {
+            Some(id) => {
+                if !valid_worker_id(&id) {
+                    return Err(WorkerError::Config(format!(
+                        "--worker-id {id:?} must match [A-Za-z0-9_-]{{1,64}}"
+                    )));
+                }
+                id
+            }
+            None => default_worker_id(&hostname, std::process::id()),
+        };
+        let max_concurrent_jobs = self.max_concurrent_jobs.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| u32::try_from(n.get()).unwrap_or(1024).min(1024))
+                .unwrap_or(1)
+        });
+        let tools = match self.tools {
+            Some(list) => ToolSet::from_env(list),
+            None => ToolSet::from_env(DEFAULT_TOOLS),
+        };
+        if tools.is_empty() {
+            return Err(WorkerError::Config(
+                "none of the --tools is an executable on $PATH".into(),
+            ));
+        }
+        Ok(WorkerConfig {
+            server: self.server,
+            token: self.token.filter(|t| !t.is_empty()),
+            worker_id,
+            hostname,
+            max_concurrent_jobs,
+            tools: Arc::new(tools),
+            tags: self.tags.into_iter().collect(),
+            drain_timeout: Duration::from_secs(self.drain_timeout_secs),
+            output_cap_bytes: self.output_cap_bytes,
+            tls: TlsOptions {
+                ca: self.tls_ca,
+                cert: self.tls_cert,
+                key: self.tls_key,
+                domain: self.tls_domain,
+            },
+        })
+    }
+}
+
+/// True for `[A-Za-z0-9_-]{1,64}`.
+pub fn valid_worker_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// `worker-<hostname>-<pid>`, with characters a worker id may not hold
+/// replaced by `-` and the host part shortened so the id fits 64 bytes.
+pub fn default_worker_id(hostname: &str, pid: u32) -> String {
+    let suffix = format!("-{pid}");
+    let room = 64 - "worker-".len() - suffix.len();
+    let host: String = hostname
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(room)
+        .collect();
+    format!("worker-{host}{suffix}")
+}
+
+/// This host's name as printable ASCII (at most 255 bytes), or `unknown`.
+pub fn hostname() -> String {
+    let name: String = sysinfo::System::host_name()
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(255)
+        .collect();
+    if name.is_empty() {
+        "unknown".to_owned()
+    } else {
+        name
+    }
+}
+
+/// The platform string sent at registration, e.g. `linux-x86_64`.
+pub fn platform() -> String {
+    format!("{}-{}", std::env::consts::OS, std::env::consts::ARCH)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_id_is_valid() {
+        let id = default_worker_id("build.example.com", 4242);
+        assert_eq!(id, "worker-build-example-com-4242");
+        assert!(valid_worker_id(&id));
+        let long = default_worker_id(&"h".repeat(300), u32::MAX);
+        assert_eq!(long.len(), 64);
+        assert!(valid_worker_id(&long));
+    }
+
+    #[test]
+    fn parses_flags() {
+        let args = AgwArgs::try_parse_from([
+            "agw",
+            "--worker-id",
+            "w1",
+            "--tools",
+            "sort,uniq,definitely-not-a-tool",
+            "--tag",
+            "zone=a",
+            "--tag",
+            "gpu=no",
+            "--max-concurrent-jobs",
+            "3",
+        ])
+        .unwrap();
+        let cfg = args.into_config().unwrap();
+        assert_eq!(cfg.worker_id, "w1");
+        assert_eq!(cfg.max_concurrent_jobs, 3);
+        assert_eq!(cfg.tools.names(), ["sort".to_owned(), "uniq".to_owned()]);
+        assert_eq!(cfg.tags.get("zone").map(String::as_str), Some("a"));
+        assert_eq!(cfg.tags.len(), 2);
+        assert_eq!(cfg.drain_timeout, Duration::from_secs(60));
+        assert_eq!(cfg.server, "http://127.0.0.1:6380");
+
+        let bad = AgwArgs::try_parse_from(["agw", "--worker-id", "a b"]).unwrap();
+        assert!(bad.into_config().is_err());
+        assert!(AgwArgs::try_parse_from(["agw", "--tag", "novalue"]).is_err());
+        assert!(AgwArgs::try_parse_from(["agw", "--max-concurrent-jobs", "0"]).is_err());
+    }
+}

@@ -1,0 +1,14 @@
+//! Errors that stop the worker.
+
+/// Why `agw` could not start or had to stop. Connection losses are not
+/// errors: the worker reconnects on its own.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A bad flag or file (URL, TLS files, token, worker id, tools).
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The server refused the first registration for a reason retrying
+    /// cannot fix (bad id or capabilities, bad or missing token).
+    #[error("registration refused: {0}")]
+    Registration(String),
+}

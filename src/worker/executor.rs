@@ -1,0 +1,756 @@
+//! Runs a Plan's tasks as real processes.
+//!
+//! Every task is a direct exec of its `command` (resolved through the
+//! worker's [`ToolSet`], never a shell) in its own process group. Its stdin
+//! is the full stdout of the task named by `input_from_task`, or empty
+//! (`/dev/null`). Stdout and stderr are captured up to a cap; the rest is
+//! read and dropped so the process never blocks on a full pipe, and the
+//! truncation is flagged. A task that outlives its `timeout_secs`, or whose
+//! job is aborted (cancel, lost lease, drain timeout), gets its whole process
+//! group killed with `SIGKILL`, so children such as a `sleep` die too. A
+//! task whose leader exits has what is left of its group (background
+//! children) killed as well: a task leaves no processes behind.
+//!
+//! Before anything runs, every task of the plan is checked: its command must
+//! be advertised, its `{{name}}` placeholders must have values, and its
+//! `input_from_task` must name an earlier task. One bad task fails the job
+//! and nothing executes.
+
+use std::{
+    collections::{HashMap, HashSet},
+    fmt, io,
+    os::unix::process::ExitStatusExt,
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use nix::{
+    sys::signal::{killpg, Signal},
+    unistd::Pid,
+};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt, AsyncWriteExt},
+    process::Command,
+    sync::watch,
+    task::JoinHandle,
+};
+
+use super::{template, tools::ToolSet};
+use crate::pb::{Plan, TaskResult};
+
+/// Default cap on the captured stdout and on the captured stderr of one task,
+/// in bytes (1 MiB each).
+pub const DEFAULT_OUTPUT_CAP_BYTES: usize = 1024 * 1024;
+
+/// Longest stderr excerpt quoted in a job's error message, in bytes.
+pub const ERROR_STDERR_QUOTE_BYTES: usize = 1000;
+
+/// Timeout used for a task whose `timeout_secs` is 0 (unset): the largest
+/// value a Plan may carry, one day, in seconds.
+pub const UNSET_TIMEOUT_SECS: u32 = 86_400;
+
+/// How long the pipes of a killed task may stay open (held by a process that
+/// left the group) before capture stops anyway.
+const PIPE_GRACE: Duration = Duration::from_secs(2);
+
+/// How long to wait for a killed process to be reaped.
+const REAP_GRACE: Duration = Duration::from_secs(5);
+
+/// Why a running job was stopped from outside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AbortReason {
+    /// The server cancelled the job (pushed `cancel_job_id`).
+    Cancelled,
+    /// The server no longer recognises our lease (an update was rejected);
+    /// carries the server's message.
+    LeaseLost(String),
+    /// The worker was draining and the drain timeout ran out; carries the
+    /// timeout.
+    DrainTimeout(Duration),
+    /// The worker is shutting down at once.
+    Shutdown,
+}
+
+impl fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AbortReason::Cancelled => f.write_str("cancelled"),
+            AbortReason::LeaseLost(msg) => write!(f, "lease lost: {msg}"),
+            AbortReason::DrainTimeout(d) => {
+                write!(f, "killed: drain timeout of {} s exceeded", d.as_secs())
+            }
+            AbortReason::Shutdown => f.write_str("killed: worker shut down"),
+        }
+    }
+}
+
+/// Sender side of a job's abort signal: set it to `Some(reason)` to stop the
+/// job.
+pub type AbortSender = watch::Sender<Option<AbortReason>>;
+
+/// Receiver side of a job's abort signal, given to [`Executor::run`].
+pub type AbortReceiver = watch::Receiver<Option<AbortReason>>;
+
+/// A fresh abort signal pair, not yet triggered.
+pub fn abort_channel() -> (AbortSender, AbortReceiver) {
+    watch::channel(None)
+}
+
+/// Progress of a job: emitted when a task starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TaskStart {
+    /// The task's `task_number` (1-based).
+    pub task_number: u32,
+    /// Share of the plan's tasks already finished, 0..=100.
+    pub progress_percent: u32,
+}
+
+/// The result of running a plan on one input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobOutcome {
+    /// True when every task exited with code 0.
+    pub success: bool,
+    /// Why the job failed (empty on success). Names the task and command and
+    /// quotes a bounded part of its stderr.
+    pub error: String,
+    /// One result per task that was started, in plan order.
+    pub task_results: Vec<TaskResult>,
+    /// Set when the job was stopped from outside.
+    pub aborted: Option<AbortReason>,
+    /// Wall-clock time of the whole job.
+    pub duration: Duration,
+}
+
+impl JobOutcome {
+    fn failed(error: String, task_results: Vec<TaskResult>, start: Instant) -> Self {
+        JobOutcome {
+            success: false,
+            error,
+            task_results,
+            aborted: None,
+            duration: start.elapsed(),
+        }
+    }
+}
+
+/// The process groups of every task running now, so that a worker exiting
+/// at once can kill them all.
+#[derive(Debug, Clone, Default)]
+pub struct ProcessGroups(Arc<Mutex<HashSet<i32>>>);
+
+impl ProcessGroups {
+    /// Sends `SIGKILL` to every registered process group.
+    pub fn kill_all(&self) {
+        for pgid in self.lock().iter() {
+            kill_group(*pgid);
+        }
+    }
+
+    /// Number of process groups running now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when no task is running.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
+        // A panic while holding this lock leaves a consistent set; keep going.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Kills one task's process group when dropped (and on demand), and keeps it
+/// registered in [`ProcessGroups`] meanwhile.
+struct GroupGuard {
+    pgid: i32,
+    groups: ProcessGroups,
+}
+
+impl GroupGuard {
+    fn new(pgid: i32, groups: ProcessGroups) -> Self {
+        groups.lock().insert(pgid);
+        GroupGuard { pgid, groups }
+    }
+
+    fn kill(&self) {
+        kill_group(self.pgid);
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        // Whatever is left of the group (a stray background child) goes too.
+        self.kill();
+        self.groups.lock().remove(&self.pgid);
+    }
+}
+
+/// `SIGKILL` to a process group; a group that is already gone is fine.
+fn kill_group(pgid: i32) {
+    if pgid > 1 {
+        let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+    }
+}
+
+/// A task checked and ready to run.
+#[derive(Debug)]
+struct Prepared {
+    task_number: u32,
+    command: String,
+    path: PathBuf,
+    args: Vec<String>,
+    timeout: Duration,
+    input_from: Option<u32>,
+}
+
+/// Runs plans with a fixed tool set and output cap.
+#[derive(Debug, Clone)]
+pub struct Executor {
+    tools: Arc<ToolSet>,
+    output_cap: usize,
+    groups: ProcessGroups,
+    /// Environment variables tasks do not inherit (the worker's own
+    /// `AGW_*` settings, among them its token).
+    hidden_env: Arc<Vec<std::ffi::OsString>>,
+}
+
+/// Names of this process's environment variables that start with `AGW_`.
+fn agw_env_names() -> Vec<std::ffi::OsString> {
+    std::env::vars_os()
+        .map(|(k, _)| k)
+        .filter(|k| k.as_encoded_bytes().starts_with(b"AGW_"))
+        .collect()
+}
+
+/// How one task ended.
+#[derive(Debug)]
+enum TaskEnd {
+    Exited(i32),
+    Signalled(i32),
+    TimedOut(Duration),
+    Aborted(AbortReason),
+    SpawnFailed(io::Error),
+}
+
+/// Output of one stream, as read.
+#[derive(Debug, Default)]
+struct Captured {
+    /// Every byte when the full output was asked for, else the first `cap`.
+    data: Vec<u8>,
+    /// Bytes the stream produced in all.
+    total: u64,
+}
+
+/// One finished task.
+struct TaskRun {
+    result: TaskResult,
+    end: TaskEnd,
+    /// Full stdout, when it was asked for (a later task reads it).
+    full_stdout: Option<Vec<u8>>,
+}
+
+impl Executor {
+    /// An executor that runs only the commands of `tools` and captures at
+    /// most `output_cap` bytes of stdout and of stderr per task. Tasks
+    /// inherit the worker's environment except its `AGW_*` variables (the
+    /// token must not leak into task output).
+    pub fn new(tools: Arc<ToolSet>, output_cap: usize) -> Self {
+        Executor {
+            tools,
+            output_cap,
+            groups: ProcessGroups::default(),
+            hidden_env: Arc::new(agw_env_names()),
+        }
+    }
+
+    /// The advertised tools.
+    pub fn tools(&self) -> &ToolSet {
+        &self.tools
+    }
+
+    /// The process groups of the tasks running now (shared by clones).
+    pub fn process_groups(&self) -> &ProcessGroups {
+        &self.groups
+    }
+
+    /// Checks every task of `plan` before anything runs: advertised command,
+    /// template variables present, `input_from_task` naming an earlier task.
+    fn prepare(
+        &self,
+        plan: &Plan,
+        input: &HashMap<String, String>,
+    ) -> Result<Vec<Prepared>, String> {
+        if plan.tasks.is_empty() {
+            return Err("plan has no tasks".to_owned());
+        }
+        let mut tasks: Vec<_> = plan.tasks.iter().collect();
+        tasks.sort_by_key(|t| t.task_number);
+        // Unadvertised commands first: they are the most important refusal.
+        for t in &tasks {
+            if !self.tools.contains(&t.command) {
+                return Err(format!(
+                    "command {:?} is not advertised by this worker (task {})",
+                    t.command, t.task_number
+                ));
+            }
+        }
+        let mut seen = HashSet::new();
+        let mut prepared = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            if !seen.insert(t.task_number) {
+                return Err(format!("plan has task {} twice", t.task_number));
+            }
+            if let Some(from) = t.input_from_task {
+                if from >= t.task_number || !seen.contains(&from) {
+                    return Err(format!(
+                        "task {} ({}): input_from_task {from} is not an earlier task",
+                        t.task_number, t.command
+                    ));
+                }
+            }
+            let args = template::render_all(&t.args, input)
+                .map_err(|e| format!("task {} ({}): {e}", t.task_number, t.command))?;
+            let path = self
+                .tools
+                .path(&t.command)
+                .map(PathBuf::from)
+                .ok_or_else(|| format!("command {:?} is not advertised", t.command))?;
+            let secs = if t.timeout_secs == 0 {
+                UNSET_TIMEOUT_SECS
+            } else {
+                t.timeout_secs
+            };
+            prepared.push(Prepared {
+                task_number: t.task_number,
+                command: t.command.clone(),
+                path,
+                args,
+                timeout: Duration::from_secs(u64::from(secs)),
+                input_from: t.input_from_task,
+            });
+        }
+        Ok(prepared)
+    }
+
+    /// Runs `plan` on `input`: the tasks in `task_number` order, stopping at
+    /// the first that fails. Calls `on_task_start` as each task starts.
+    /// Setting `abort` kills the running task's process group and ends the
+    /// job with the reason as its error.
+    ///
+    /// Never returns an error: every failure (refused command, missing
+    /// template variable, spawn error, non-zero exit, timeout, abort) is a
+    /// failed [`JobOutcome`] whose `error` says why.
+    pub async fn run<F>(
+        &self,
+        plan: &Plan,
+        input: &HashMap<String, String>,
+        mut abort: AbortReceiver,
+        mut on_task_start: F,
+    ) -> JobOutcome
+    where
+        F: FnMut(TaskStart) + Send,
+    {
+        let start = Instant::now();
+        let tasks = match self.prepare(plan, input) {
+            Ok(t) => t,
+            Err(e) => return JobOutcome::failed(e, Vec::new(), start),
+        };
+        // Which task's stdout feeds a later task, and the last task that needs it.
+        let mut last_use: HashMap<u32, usize> = HashMap::new();
+        for (i, t) in tasks.iter().enumerate() {
+            if let Some(from) = t.input_from {
+                last_use.insert(from, i);
+            }
+        }
+        let mut outputs: HashMap<u32, Arc<Vec<u8>>> = HashMap::new();
+        let mut results = Vec::with_capacity(tasks.len());
+        let total = tasks.len();
+        for (i, task) in tasks.iter().enumerate() {
+            if let Some(reason) = abort.borrow().clone() {
+                let mut out = JobOutcome::failed(reason.to_string(), results, start);
+                out.aborted = Some(reason);
+                return out;
+            }
+            on_task_start(TaskStart {
+                task_number: task.task_number,
+                progress_percent: u32::try_from(i * 100 / total).unwrap_or(100),
+            });
+            let stdin = task.input_from.and_then(|from| outputs.get(&from).cloned());
+            let keep_full = last_use.contains_key(&task.task_number);
+            let run = self.run_task(task, stdin, keep_full, &mut abort).await;
+            // Free outputs no later task needs.
+            outputs.retain(|from, _| last_use.get(from).is_some_and(|&last| last > i));
+            let error = match &run.end {
+                TaskEnd::Exited(0) => None,
+                TaskEnd::Exited(code) => Some(with_stderr(
+                    format!(
+                        "task {} ({}) exited with code {code}",
+                        task.task_number, task.command
+                    ),
+                    &run.result.stderr,
+                )),
+                TaskEnd::Signalled(sig) => Some(with_stderr(
+                    format!(
+                        "task {} ({}) was killed by signal {}",
+                        task.task_number,
+                        task.command,
+                        signal_name(*sig)
+                    ),
+                    &run.result.stderr,
+                )),
+                TaskEnd::TimedOut(d) => Some(format!(
+                    "task {} ({}) timed out after {} s",
+                    task.task_number,
+                    task.command,
+                    d.as_secs()
+                )),
+                TaskEnd::Aborted(reason) => Some(reason.to_string()),
+                TaskEnd::SpawnFailed(e) => Some(format!(
+                    "task {} ({}) could not be started: {e}",
+                    task.task_number, task.command
+                )),
+            };
+            let aborted = match &run.end {
+                TaskEnd::Aborted(r) => Some(r.clone()),
+                _ => None,
+            };
+            results.push(run.result);
+            if let Some(error) = error {
+                let mut out = JobOutcome::failed(error, results, start);
+                out.aborted = aborted;
+                return out;
+            }
+            if let Some(full) = run.full_stdout {
+                outputs.insert(task.task_number, Arc::new(full));
+            }
+        }
+        JobOutcome {
+            success: true,
+            error: String::new(),
+            task_results: results,
+            aborted: None,
+            duration: start.elapsed(),
+        }
+    }
+
+    /// Runs one task to its end (exit, timeout, abort) and collects its
+    /// result.
+    async fn run_task(
+        &self,
+        task: &Prepared,
+        stdin: Option<Arc<Vec<u8>>>,
+        keep_full: bool,
+        abort: &mut AbortReceiver,
+    ) -> TaskRun {
+        let mut result = TaskResult {
+            task_number: task.task_number,
+            command: task.command.clone(),
+            exit_code: -1,
+            ..Default::default()
+        };
+        let mut cmd = Command::new(&task.path);
+        cmd.arg0(&task.command)
+            .args(&task.args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        for name in self.hidden_env.iter() {
+            cmd.env_remove(name);
+        }
+        #[cfg(target_os = "linux")]
+        // SAFETY: prctl is async-signal-safe and touches no memory of the
+        // parent; it only asks the kernel to SIGKILL the child when the
+        // thread that spawned it (an agw runtime thread) goes away, so a
+        // `kill -9` of agw does not leave task leaders running.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let started = Instant::now();
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                return TaskRun {
+                    result,
+                    end: TaskEnd::SpawnFailed(e),
+                    full_stdout: None,
+                };
+            }
+        };
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .unwrap_or(0);
+        let group = GroupGuard::new(pgid, self.groups.clone());
+
+        let stdin_task: Option<JoinHandle<()>> = match (stdin, child.stdin.take()) {
+            (Some(data), Some(mut pipe)) => Some(tokio::spawn(async move {
+                // A task that stops reading early (head) closes the pipe:
+                // EPIPE here is normal.
+                let _ = pipe.write_all(&data).await;
+                let _ = pipe.shutdown().await;
+            })),
+            _ => None,
+        };
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let cap = self.output_cap;
+        let mut out_task = spawn_reader(child.stdout.take(), cap, keep_full, stop_rx.clone());
+        let mut err_task = spawn_reader(child.stderr.take(), cap, false, stop_rx);
+
+        let deadline = tokio::time::Instant::from_std(started + task.timeout);
+        let end = tokio::select! {
+            biased;
+            reason = aborted(abort) => TaskEnd::Aborted(reason),
+            () = tokio::time::sleep_until(deadline) => TaskEnd::TimedOut(task.timeout),
+            status = child.wait() => match status {
+                Ok(st) => match (st.code(), st.signal()) {
+                    (Some(code), _) => TaskEnd::Exited(code),
+                    (None, Some(sig)) => TaskEnd::Signalled(sig),
+                    (None, None) => TaskEnd::Exited(-1),
+                },
+                Err(e) => TaskEnd::SpawnFailed(e),
+            },
+        };
+        // The task is over: kill its group, whether it timed out, was
+        // aborted, or its leader exited and left background children behind.
+        // Output already in the pipes stays readable.
+        group.kill();
+        if matches!(end, TaskEnd::Aborted(_) | TaskEnd::TimedOut(_)) {
+            let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
+        }
+        // The pipes close once the group is dead; a process that left the
+        // group may hold them open: stop reading after a grace.
+        let grace = tokio::time::sleep(PIPE_GRACE);
+        tokio::pin!(grace);
+        let (mut out, mut err, mut stopped) = (None, None, false);
+        while out.is_none() || err.is_none() {
+            tokio::select! {
+                r = &mut out_task, if out.is_none() => out = Some(r.unwrap_or_default()),
+                r = &mut err_task, if err.is_none() => err = Some(r.unwrap_or_default()),
+                () = &mut grace, if !stopped => {
+                    stopped = true;
+                    let _ = stop_tx.send(true);
+                }
+            }
+        }
+        drop(group);
+        if let Some(t) = stdin_task {
+            t.abort();
+        }
+        result.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // Anything but a normal exit (signal, timeout, abort) reports -1.
+        result.exit_code = match end {
+            TaskEnd::Exited(code) => code,
+            _ => -1,
+        };
+        let out = out.unwrap_or_default();
+        let err = err.unwrap_or_default();
+        let (stdout, stdout_truncated) = capped_text(&out, cap);
+        let (stderr, stderr_truncated) = capped_text(&err, cap);
+        result.stdout = stdout;
+        result.stdout_truncated = stdout_truncated;
+        result.stderr = stderr;
+        result.stderr_truncated = stderr_truncated;
+        TaskRun {
+            result,
+            end,
+            full_stdout: keep_full.then_some(out.data),
+        }
+    }
+}
+
+/// Waits until `abort` carries a reason; never resolves when its sender is
+/// gone without one.
+async fn aborted(abort: &mut AbortReceiver) -> AbortReason {
+    let reason = match abort.wait_for(Option::is_some).await {
+        Ok(r) => r.clone(),
+        Err(_) => None,
+    };
+    match reason {
+        Some(r) => r,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads `pipe` to its end (or until `stop` turns true) on its own task.
+fn spawn_reader<R>(
+    pipe: Option<R>,
+    cap: usize,
+    keep_full: bool,
+    stop: watch::Receiver<bool>,
+) -> JoinHandle<Captured>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        match pipe {
+            Some(p) => read_capped(p, cap, keep_full, stop).await,
+            None => Captured::default(),
+        }
+    })
+}
+
+/// Reads everything from `r`, keeping all of it when `keep_full`, else only
+/// the first `cap` bytes (the rest is read and dropped). Read errors end the
+/// stream.
+async fn read_capped<R: AsyncRead + Unpin>(
+    mut r: R,
+    cap: usize,
+    keep_full: bool,
+    mut stop: watch::Receiver<bool>,
+) -> Captured {
+    let mut c = Captured::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::select! {
+            n = r.read(&mut buf) => match n {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        c.total += n as u64;
+        let keep = if keep_full {
+            n
+        } else {
+            n.min(cap.saturating_sub(c.data.len()))
+        };
+        c.data.extend_from_slice(&buf[..keep]);
+    }
+    c
+}
+
+/// The captured text reported to the server: at most `cap` bytes of `c`,
+/// cut on a UTF-8 character boundary, lossily decoded; and whether anything
+/// was dropped.
+fn capped_text(c: &Captured, cap: usize) -> (String, bool) {
+    let mut end = c.data.len().min(cap);
+    if c.total > end as u64 {
+        end = utf8_floor(&c.data[..end]);
+    }
+    let truncated = c.total > end as u64;
+    (
+        String::from_utf8_lossy(&c.data[..end]).into_owned(),
+        truncated,
+    )
+}
+
+/// Length of `data` without a trailing, incomplete UTF-8 sequence (one cut
+/// by the capture cap).
+fn utf8_floor(data: &[u8]) -> usize {
+    let end = data.len();
+    // The last byte that is not a continuation byte, within a char's reach.
+    let Some(lead) = (end.saturating_sub(4)..end)
+        .rev()
+        .find(|&i| data[i] & 0xC0 != 0x80)
+    else {
+        return end;
+    };
+    let want = match data[lead] {
+        b if b & 0x80 == 0 => 1,
+        b if b & 0xE0 == 0xC0 => 2,
+        b if b & 0xF0 == 0xE0 => 3,
+        b if b & 0xF8 == 0xF0 => 4,
+        _ => 1,
+    };
+    if lead + want > end {
+        lead
+    } else {
+        end
+    }
+}
+
+/// `text` cut to at most `max` bytes on a char boundary, and whether it was
+/// cut.
+fn truncate_str(text: &str, max: usize) -> (&str, bool) {
+    if text.len() <= max {
+        return (text, false);
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    (&text[..end], true)
+}
+
+/// `msg`, followed by `: <stderr>` (trimmed, bounded) when stderr is not
+/// blank.
+fn with_stderr(msg: String, stderr: &str) -> String {
+    let trimmed = stderr.trim();
+    if trimmed.is_empty() {
+        return msg;
+    }
+    let (quote, cut) = truncate_str(trimmed, ERROR_STDERR_QUOTE_BYTES);
+    if cut {
+        format!("{msg}: {quote}…")
+    } else {
+        format!("{msg}: {quote}")
+    }
+}
+
+/// `SIGSEGV` for 11, or the number when it is not a known signal.
+fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig)
+        .map(|s| s.as_str().to_owned())
+        .unwrap_or_else(|_| sig.to_string())
+}
+
+/// Shrinks the captured outputs of `results` so that together they take at
+/// most `budget` bytes, keeping as much of each as a fair share allows (the
+/// small ones whole): the largest captures are cut first, their
+/// `*_truncated` flags set. Keeps a final report under the server's message
+/// size limit however many tasks ran.
+pub fn fit_to_budget(results: &mut [TaskResult], budget: usize) {
+    let mut sizes: Vec<usize> = results
+        .iter()
+        .flat_map(|r| [r.stdout.len(), r.stderr.len()])
+        .collect();
+    let total: usize = sizes.iter().sum();
+    if total <= budget {
+        return;
+    }
+    // Water-filling: the largest per-stream limit whose sum fits the budget.
+    sizes.sort_unstable();
+    let mut remaining = budget;
+    let mut limit = 0;
+    for (i, &s) in sizes.iter().enumerate() {
+        let left = sizes.len() - i;
+        let share = remaining / left;
+        if s <= share {
+            remaining -= s;
+        } else {
+            limit = share;
+            break;
+        }
+    }
+    for r in results.iter_mut() {
+        if r.stdout.len() > limit {
+            let (cut, _) = truncate_str(&r.stdout, limit);
+            r.stdout = cut.to_owned();
+            r.stdout_truncated = true;
+        }
+        if r.stderr.len() > limit {
+            let (cut, _) = truncate_str(&r.stderr, limit);
+            r.stderr = cut.to_owned();
+            r.stderr_truncated = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1202 @@
+//! End-to-end tests of `agw` against a real `agq serve` process: real
+//! worker processes run Plans as real Unix processes.
+//!
+//! Each test starts its own server on `127.0.0.1:0` with a temporary SQLite
+//! database, a 200 ms heartbeat interval and a 500 ms lease grace, starts
+//! `agw` processes against it, and drives it with the generated clients.
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agq::pb::{
+    action_service_client::ActionServiceClient, job_service_client::JobServiceClient,
+    plan_service_client::PlanServiceClient, queue_service_client::QueueServiceClient,
+    worker_service_client::WorkerServiceClient, ActionInput, CancelJobRequest, GetActionRequest,
+    GetJobRequest, GetMetricsRequest, GetWorkerRequest, Job, JobStatus, Plan,
+    RegisterWorkerRequest, SubmitActionRequest, SubmitPlanRequest, Task, WorkerCapabilities,
+    WorkerState,
+};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+/// Tools every test worker advertises (`sh` only for tests that need a
+/// process with children).
+const TOOLS: &str = "sort,uniq,cat,wc,tr,head,sleep,echo,tee,sh,grep";
+
+/// How long any wait in these tests may take.
+const WAIT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------- helpers --
+
+/// A running `agq serve`.
+struct Server {
+    child: Child,
+    addr: String,
+    db: PathBuf,
+    heartbeat_ms: u64,
+    grace_ms: u64,
+    extra: Vec<String>,
+}
+
+impl Server {
+    /// Starts a server on an ephemeral port with a database in `dir`.
+    fn start(dir: &Path) -> Server {
+        Self::start_with(dir.join("agq.db"), "127.0.0.1:0", 200, 500)
+    }
+
+    /// Starts a server on `listen` with database `db`, the given heartbeat
+    /// interval and lease grace.
+    fn start_with(db: PathBuf, listen: &str, heartbeat_ms: u64, grace_ms: u64) -> Server {
+        Self::try_start_with(db, listen, heartbeat_ms, grace_ms, Vec::new())
+            .expect("agq did not start")
+    }
+
+    /// Like [`Server::start_with`], `None` when the server exits before it
+    /// listens (e.g. its port is not free yet).
+    fn try_start_with(
+        db: PathBuf,
+        listen: &str,
+        heartbeat_ms: u64,
+        grace_ms: u64,
+        extra: Vec<String>,
+    ) -> Option<Server> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
+            .args([
+                "serve",
+                "--listen",
+                listen,
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--db")
+            .arg(&db)
+            .args(["--heartbeat-interval-ms", &heartbeat_ms.to_string()])
+            .args(["--lease-grace-ms", &grace_ms.to_string()])
+            .args(&extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start agq");
+        let stdout = child.stdout.take().expect("agq stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let Some(Ok(first)) = lines.next() else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        };
+        let addr = first
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
+            .to_owned();
+        // Keep draining stdout so the server never blocks on it.
+        std::thread::spawn(move || for _ in lines {});
+        Some(Server {
+            child,
+            addr,
+            db,
+            heartbeat_ms,
+            grace_ms,
+            extra,
+        })
+    }
+
+    /// Restarts a stopped server on the same address and database; the old
+    /// port may take a moment to be free again.
+    fn restart(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (db, hb, grace) = (self.db.clone(), self.heartbeat_ms, self.grace_ms);
+            if let Some(s) = Self::try_start_with(db, &self.addr, hb, grace, self.extra.clone()) {
+                *self = s;
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agq did not restart on {}",
+                self.addr
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Kills the server with SIGKILL and reaps it.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(self.url())
+            .expect("url")
+            .connect()
+            .await
+            .expect("connect to agq")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A running `agw`.
+struct Agw {
+    child: Child,
+    id: String,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl Agw {
+    /// Starts `agw` with id `id` against `server` and waits until it has
+    /// registered and opened its streams.
+    async fn start(server: &Server, id: &str, extra: &[&str]) -> Agw {
+        let mut agw = Self::spawn(server, id, extra, &[]);
+        agw.wait_registered().await;
+        agw
+    }
+
+    /// Starts `agw` with extra flags and environment variables, without
+    /// waiting.
+    fn spawn(server: &Server, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Agw {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_agw"));
+        if !extra.contains(&"--server") {
+            cmd.args(["--server", &server.url()]);
+        }
+        if !extra.contains(&"--tools") {
+            cmd.args(["--tools", TOOLS]);
+        }
+        let mut child = cmd
+            .args(["--worker-id", id])
+            .args(extra)
+            .env(
+                "RUST_LOG",
+                std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start agw");
+        let stdout = child.stdout.take().expect("agw stdout");
+        let (tx, rx) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Agw {
+            child,
+            id: id.to_owned(),
+            lines: rx,
+        }
+    }
+
+    /// Waits for the next `agw: registered <id> …` line.
+    async fn wait_registered(&mut self) -> String {
+        let want = format!("agw: registered {} with ", self.id);
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let line = tokio::time::timeout_at(deadline, self.lines.recv())
+                .await
+                .expect("agw did not register in time")
+                .expect("agw exited before registering");
+            if line.starts_with(&want) {
+                return line;
+            }
+        }
+    }
+
+    fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).expect("pid")
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).expect("signal agw");
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    async fn wait_exit(&mut self) -> Option<i32> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(st) = self.child.try_wait().expect("try_wait") {
+                return st.code();
+            }
+            assert!(Instant::now() < deadline, "agw did not exit in time");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Agw {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Generated clients on one channel.
+struct Clients {
+    plans: PlanServiceClient<Channel>,
+    actions: ActionServiceClient<Channel>,
+    jobs: JobServiceClient<Channel>,
+    workers: WorkerServiceClient<Channel>,
+}
+
+impl Clients {
+    async fn new(server: &Server) -> Clients {
+        let ch = server.channel().await;
+        Clients {
+            plans: PlanServiceClient::new(ch.clone()),
+            actions: ActionServiceClient::new(ch.clone()),
+            jobs: JobServiceClient::new(ch.clone()),
+            workers: WorkerServiceClient::new(ch),
+        }
+    }
+
+    /// Stores `tasks` as plan `plan_id`.
+    async fn plan(&mut self, plan_id: &str, tasks: Vec<Task>) {
+        self.plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(Plan {
+                    plan_id: plan_id.to_owned(),
+                    plan_description: format!("test plan {plan_id}"),
+                    tasks,
+                }),
+            })
+            .await
+            .expect("SubmitPlan");
+    }
+
+    /// Submits one job of `plan_id` on `input`; returns its id.
+    async fn submit(&mut self, plan_id: &str, input: &[(&str, &str)], max_attempts: u32) -> String {
+        let values: HashMap<String, String> = input
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let resp = self
+            .actions
+            .submit_action(SubmitActionRequest {
+                action_id: String::new(),
+                plan_id: plan_id.to_owned(),
+                inputs: vec![ActionInput { values }],
+                run_at: None,
+                max_attempts,
+            })
+            .await
+            .expect("SubmitAction")
+            .into_inner();
+        resp.job_ids.into_iter().next().expect("one job id")
+    }
+
+    async fn job(&mut self, job_id: &str) -> Job {
+        self.jobs
+            .get_job(GetJobRequest {
+                job_id: job_id.to_owned(),
+            })
+            .await
+            .expect("GetJob")
+            .into_inner()
+            .job
+            .expect("job in GetJobResponse")
+    }
+
+    /// Polls the job until `pred` holds; returns it.
+    async fn wait_job(&mut self, job_id: &str, what: &str, pred: impl Fn(&Job) -> bool) -> Job {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let job = self.job(job_id).await;
+            if pred(&job) {
+                return job;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {job_id} never became {what}: {job:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the job reaches `status`.
+    async fn wait_status(&mut self, job_id: &str, status: JobStatus) -> Job {
+        self.wait_job(job_id, status.as_str_name(), |j| j.status == status as i32)
+            .await
+    }
+
+    async fn worker_state(&mut self, worker_id: &str) -> WorkerState {
+        let w = self
+            .workers
+            .get_worker(GetWorkerRequest {
+                worker_id: worker_id.to_owned(),
+            })
+            .await
+            .expect("GetWorker")
+            .into_inner()
+            .worker
+            .expect("worker");
+        WorkerState::try_from(w.state).expect("state")
+    }
+}
+
+fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Task {
+    Task {
+        task_number: n,
+        command: cmd.to_owned(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        timeout_secs: timeout,
+        input_from_task: from,
+    }
+}
+
+/// A text file with repeated words, some non-ASCII.
+fn words_file(dir: &Path) -> String {
+    let mut text = String::new();
+    for i in 0..500 {
+        let w = [
+            "pear",
+            "apple",
+            "fig",
+            "kiwi",
+            "ünïcode",
+            "banana split",
+            "",
+        ][i * 7 % 13 % 7];
+        text.push_str(w);
+        text.push('\n');
+        if i % 3 == 0 {
+            text.push_str("apple\n");
+        }
+    }
+    let path = dir.join("words.txt");
+    std::fs::write(&path, text).expect("write words");
+    path.to_str().expect("utf-8 path").to_owned()
+}
+
+fn shell(script: &str) -> String {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("sh");
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// True when `pid` is gone or a zombie.
+fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+async fn wait_dead(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !is_dead(pid) {
+        assert!(Instant::now() < deadline, "process {pid} is still alive");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Reads a pid a task wrote into `path`, waiting for it to appear.
+async fn read_pid(path: &Path) -> i32 {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(pid) = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no pid in {}", path.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ------------------------------------------------------------------ tests --
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_matches_the_shell_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-pipe", &[]).await;
+    let file = words_file(dir.path());
+    c.plan(
+        "count-words",
+        vec![
+            task(1, "sort", &["{{file}}"], 30, None),
+            task(2, "uniq", &["-c"], 30, Some(1)),
+            task(3, "sort", &["-rn"], 30, Some(2)),
+        ],
+    )
+    .await;
+    let job_id = c.submit("count-words", &[("file", &file)], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    let expected = shell(&format!("sort '{file}' | uniq -c | sort -rn"));
+    assert_eq!(job.task_results.len(), 3);
+    assert_eq!(job.task_results[2].stdout, expected);
+    assert!(job.task_results.iter().all(|r| r.exit_code == 0));
+    assert_eq!(job.worker_id, "w-pipe");
+    assert!(job.error.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn templating_fills_args_from_the_job_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-tpl", &[]).await;
+    let file = words_file(dir.path());
+    c.plan(
+        "grep-count",
+        vec![
+            task(1, "grep", &["-c", "{{word}}", "{{file}}"], 30, None),
+            task(
+                2,
+                "echo",
+                &["file={{file}}", "{{ word }}", "{{literal"],
+                30,
+                None,
+            ),
+        ],
+    )
+    .await;
+    let job_id = c
+        .submit("grep-count", &[("file", &file), ("word", "apple")], 1)
+        .await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(
+        job.task_results[0].stdout,
+        shell(&format!("grep -c apple '{file}'"))
+    );
+    assert_eq!(
+        job.task_results[1].stdout,
+        format!("file={file} apple {{{{literal\n")
+    );
+
+    // A variable the input lacks fails the job, naming it, and runs nothing.
+    let job_id = c.submit("grep-count", &[("file", &file)], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert!(
+        job.error.contains("\"{{word}}\""),
+        "error should name the variable: {}",
+        job.error
+    );
+    assert!(job.task_results.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_from_a_task_other_than_the_previous_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-fanout", &[]).await;
+    let file = words_file(dir.path());
+    c.plan(
+        "fan-out",
+        vec![
+            task(1, "cat", &["{{file}}"], 30, None),
+            task(2, "wc", &["-l"], 30, Some(1)),
+            task(3, "tr", &["a-z", "A-Z"], 30, Some(1)),
+            task(4, "sort", &[], 30, Some(1)),
+        ],
+    )
+    .await;
+    let job_id = c.submit("fan-out", &[("file", &file)], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    let content = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(
+        job.task_results[1].stdout.trim(),
+        content.lines().count().to_string()
+    );
+    assert_eq!(job.task_results[2].stdout, content.to_ascii_uppercase());
+    assert_eq!(job.task_results[3].stdout, shell(&format!("sort '{file}'")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_timeout_kills_the_sleep_and_its_children() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-timeout", &[]).await;
+    let pidfile = dir.path().join("child.pid");
+    // The shell starts a background sleep (a child in the task's process
+    // group), records its pid and waits for it.
+    c.plan(
+        "slow",
+        vec![task(
+            1,
+            "sh",
+            &["-c", "sleep 30 & echo $! > {{pidfile}}; wait"],
+            1,
+            None,
+        )],
+    )
+    .await;
+    let start = Instant::now();
+    let job_id = c
+        .submit("slow", &[("pidfile", pidfile.to_str().unwrap())], 1)
+        .await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert!(start.elapsed() < Duration::from_secs(10));
+    // The server may prefix the attempt ("attempt 1 of 1: …").
+    assert!(
+        job.error.ends_with("task 1 (sh) timed out after 1 s"),
+        "{}",
+        job.error
+    );
+    assert_eq!(job.task_results[0].exit_code, -1);
+    wait_dead(read_pid(&pidfile).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unadvertised_command_is_refused_and_nothing_runs() {
+    // The server routes a job only to workers that advertise its tools, so
+    // the refusal guards against a stale registration: the id was
+    // registered (here by the test) with `rm`, and an agw with fewer tools
+    // resumes it (ALREADY_EXISTS). A 2 s interval keeps that registration
+    // fresh while agw starts.
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 500);
+    let mut c = Clients::new(&server).await;
+    c.workers
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "w-refuse".into(),
+            hostname: "test".into(),
+            platform: "linux-x86_64".into(),
+            agw_version: "0.0.0".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["tee".into(), "rm".into()],
+                agentic_units: vec![],
+            }),
+            max_concurrent_jobs: 1,
+            tags: HashMap::new(),
+        })
+        .await
+        .expect("RegisterWorker");
+    let _agw = Agw::start(&server, "w-refuse", &["--tools", "tee,cat"]).await;
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "keep me").unwrap();
+    let marker = dir.path().join("marker");
+    c.plan(
+        "dangerous",
+        vec![
+            task(1, "tee", &["{{marker}}"], 30, None),
+            task(2, "rm", &["-f", "{{victim}}"], 30, None),
+        ],
+    )
+    .await;
+    let job_id = c
+        .submit(
+            "dangerous",
+            &[
+                ("marker", marker.to_str().unwrap()),
+                ("victim", victim.to_str().unwrap()),
+            ],
+            1,
+        )
+        .await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert_eq!(job.worker_id, "w-refuse");
+    assert!(
+        job.error
+            .contains("command \"rm\" is not advertised by this worker"),
+        "{}",
+        job.error
+    );
+    assert!(job.task_results.is_empty());
+    assert!(!marker.exists(), "task 1 ran although the plan was refused");
+    assert!(victim.exists(), "rm ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_job_stops_a_running_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-cancel", &[]).await;
+    let pidfile = dir.path().join("task.pid");
+    c.plan(
+        "long",
+        vec![
+            task(
+                1,
+                "sh",
+                &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+                60,
+                None,
+            ),
+            task(2, "echo", &["never"], 60, None),
+        ],
+    )
+    .await;
+    let job_id = c
+        .submit("long", &[("pidfile", pidfile.to_str().unwrap())], 1)
+        .await;
+    c.wait_job(&job_id, "running task 1", |j| {
+        j.status == JobStatus::Running as i32 && j.current_task == 1
+    })
+    .await;
+    let pid = read_pid(&pidfile).await;
+    let start = Instant::now();
+    let job = c
+        .jobs
+        .cancel_job(CancelJobRequest {
+            job_id: job_id.clone(),
+        })
+        .await
+        .expect("CancelJob")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(job.status, JobStatus::Cancelled as i32);
+    wait_dead(pid).await;
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The cancel is final: the worker's late FAILED report is rejected.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(c.job(&job_id).await.status, JobStatus::Cancelled as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let log = dir.path().join("runs.log");
+    // Task 3 appends one line per completed run: the side effect must
+    // happen exactly once.
+    c.plan(
+        "once",
+        vec![
+            task(1, "sleep", &["3"], 60, None),
+            task(2, "echo", &["ran {{tag}}"], 60, None),
+            task(3, "tee", &["-a", "{{log}}"], 60, Some(2)),
+        ],
+    )
+    .await;
+    let mut a = Agw::start(&server, "w-a", &["--max-concurrent-jobs", "1"]).await;
+    let job_id = c
+        .submit("once", &[("tag", "x"), ("log", log.to_str().unwrap())], 3)
+        .await;
+    c.wait_job(&job_id, "running on w-a", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "w-a"
+    })
+    .await;
+    let _b = Agw::start(&server, "w-b", &["--max-concurrent-jobs", "1"]).await;
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    a.wait_exit().await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.worker_id, "w-b");
+    assert_eq!(job.attempt, 2);
+    assert_eq!(job.task_results[2].stdout, "ran x\n");
+    // Give a zombie run every chance to show up, then count.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "ran x\n");
+    let action = c
+        .actions
+        .get_action(GetActionRequest {
+            action_id: job.action_id.clone(),
+        })
+        .await
+        .expect("GetAction")
+        .into_inner()
+        .action
+        .expect("action");
+    assert_eq!((action.total_jobs, action.completed), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstop_then_sigcont_the_late_completion_is_rejected_by_fencing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "frozen",
+        vec![
+            task(1, "sleep", &["2"], 60, None),
+            task(2, "echo", &["done {{tag}}"], 60, None),
+        ],
+    )
+    .await;
+    let a = Agw::start(&server, "w-frozen", &["--max-concurrent-jobs", "1"]).await;
+    let job_id = c.submit("frozen", &[("tag", "x")], 3).await;
+    c.wait_job(&job_id, "running on w-frozen", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "w-frozen"
+    })
+    .await;
+    // Freeze the worker: its streams stay open, its heartbeats stop.
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let _b = Agw::start(&server, "w-thawed-peer", &["--max-concurrent-jobs", "1"]).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!((job.worker_id.as_str(), job.attempt), ("w-thawed-peer", 2));
+    assert_eq!(c.worker_state("w-frozen").await, WorkerState::Dead);
+    // Thaw it: whatever it reports for its old lease is fenced off.
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let mut queue = QueueServiceClient::new(server.channel().await);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let body = queue
+            .get_metrics(GetMetricsRequest::default())
+            .await
+            .expect("GetMetrics")
+            .into_inner()
+            .body;
+        let rejected = body
+            .lines()
+            .find_map(|l| l.strip_prefix("agq_fencing_rejections_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if rejected >= 1.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the thawed worker's report was never rejected"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = c.job(&job_id).await;
+    assert_eq!(
+        (after.status, after.worker_id.as_str(), after.attempt),
+        (JobStatus::Completed as i32, "w-thawed-peer", 2),
+        "the outcome is recorded once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_job_finishes_the_job_unregisters_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "short",
+        vec![
+            task(1, "sleep", &["2"], 60, None),
+            task(2, "echo", &["finished"], 60, None),
+        ],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-term", &["--max-concurrent-jobs", "2"]).await;
+    let job_id = c.submit("short", &[], 1).await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    // While draining, the worker takes no new job although it has a slot.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = c.submit("short", &[], 1).await;
+    let code = agw.wait_exit().await;
+    assert_eq!(code, Some(0));
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.worker_id, "w-term");
+    assert_eq!(job.task_results[1].stdout, "finished\n");
+    assert_eq!(c.worker_state("w-term").await, WorkerState::Unregistered);
+    let second = c.job(&second).await;
+    assert_eq!(second.status, JobStatus::Pending as i32, "{second:#?}");
+    assert_eq!(second.attempt, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agw_reconnects_after_a_server_restart_and_takes_new_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan("hello", vec![task(1, "echo", &["hello {{who}}"], 30, None)])
+        .await;
+    let mut agw = Agw::start(&server, "w-restart", &[]).await;
+    let first = c.submit("hello", &[("who", "before")], 1).await;
+    c.wait_status(&first, JobStatus::Completed).await;
+
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart();
+    agw.wait_registered().await;
+
+    let mut c = Clients::new(&server).await;
+    let second = c.submit("hello", &[("who", "after")], 1).await;
+    let job = c.wait_status(&second, JobStatus::Completed).await;
+    assert_eq!(job.worker_id, "w-restart");
+    assert_eq!(job.task_results[0].stdout, "hello after\n");
+    assert_eq!(c.worker_state("w-restart").await, WorkerState::Active);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan("nap", vec![task(1, "sleep", &["1"], 30, None)])
+        .await;
+    let _agw = Agw::start(&server, "w-conc", &["--max-concurrent-jobs", "3"]).await;
+    let start = Instant::now();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(c.submit("nap", &[], 1).await);
+    }
+    for id in &ids {
+        c.wait_status(id, JobStatus::Completed).await;
+    }
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed < Duration::from_millis(2500),
+        "3 one-second jobs on 3 slots took {elapsed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let pidfile = dir.path().join("task.pid");
+    c.plan(
+        "stuck",
+        vec![task(
+            1,
+            "sh",
+            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-drain", &["--drain-timeout-secs", "1"]).await;
+    let job_id = c
+        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 1)
+        .await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    let pid = read_pid(&pidfile).await;
+    let start = Instant::now();
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(0));
+    assert!(start.elapsed() < Duration::from_secs(5));
+    wait_dead(pid).await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert!(
+        job.error.contains("killed: drain timeout of 1 s exceeded"),
+        "{}",
+        job.error
+    );
+    assert_eq!(c.worker_state("w-drain").await, WorkerState::Unregistered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let pidfile = dir.path().join("task.pid");
+    c.plan(
+        "stuck",
+        vec![task(
+            1,
+            "sh",
+            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-twice", &[]).await;
+    let job_id = c
+        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 2)
+        .await;
+    let pid = read_pid(&pidfile).await;
+    agw.signal(nix::sys::signal::Signal::SIGINT);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(130));
+    wait_dead(pid).await;
+    // It did not unregister: the server re-queues the job after the grace.
+    assert_ne!(c.worker_state("w-twice").await, WorkerState::Unregistered);
+    c.wait_job(&job_id, "re-queued", |j| {
+        j.status != JobStatus::Running as i32
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_job_survives_a_server_restart() {
+    // A 2 s heartbeat interval and a 5 s grace: the worker is back long
+    // before the server could give up on it, so it keeps its lease.
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 5000);
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "steady",
+        vec![
+            task(1, "sleep", &["3"], 60, None),
+            task(2, "echo", &["survived"], 60, None),
+        ],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-steady", &[]).await;
+    let job_id = c.submit("steady", &[], 1).await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart();
+    agw.wait_registered().await;
+    let mut c = Clients::new(&server).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.attempt, 1, "the job was re-run: {job:#?}");
+    assert_eq!(job.task_results[1].stdout, "survived\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_authenticates_every_call_and_stays_out_of_task_env() {
+    use tonic::{metadata::MetadataValue, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        r#"
+[[tokens]]
+token = "admin-token-0123456789"
+role = "admin"
+
+[[tokens]]
+token = "worker-token-0123456789"
+role = "worker"
+worker_id = "w-auth"
+"#,
+    )
+    .unwrap();
+    let server = Server::try_start_with(
+        dir.path().join("agq.db"),
+        "127.0.0.1:0",
+        200,
+        500,
+        vec!["--auth-file".into(), auth.to_str().unwrap().into()],
+    )
+    .expect("agq with auth");
+
+    // A wrong token: the first registration is refused for good, exit 1.
+    let mut bad = Agw::spawn(
+        &server,
+        "w-auth",
+        &[],
+        &[("AGW_TOKEN", "wrong-token-0123456789")],
+    );
+    assert_eq!(bad.wait_exit().await, Some(1));
+
+    let mut agw = Agw::spawn(
+        &server,
+        "w-auth",
+        &[],
+        &[("AGW_TOKEN", "worker-token-0123456789")],
+    );
+    agw.wait_registered().await;
+
+    let ch = server.channel().await;
+    let bearer: MetadataValue<_> = "Bearer admin-token-0123456789".parse().unwrap();
+    let add = move |mut r: Request<()>| {
+        r.metadata_mut().insert("authorization", bearer.clone());
+        Ok(r)
+    };
+    let mut plans = PlanServiceClient::with_interceptor(ch.clone(), add.clone());
+    let mut actions = ActionServiceClient::with_interceptor(ch.clone(), add.clone());
+    let mut jobs = JobServiceClient::with_interceptor(ch, add);
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(Plan {
+                plan_id: "env".into(),
+                plan_description: "print the task environment".into(),
+                tasks: vec![task(1, "sh", &["-c", "env"], 30, None)],
+            }),
+        })
+        .await
+        .expect("SubmitPlan");
+    let job_id = actions
+        .submit_action(SubmitActionRequest {
+            plan_id: "env".into(),
+            inputs: vec![ActionInput::default()],
+            max_attempts: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner()
+        .job_ids
+        .remove(0);
+    let deadline = Instant::now() + WAIT;
+    let job = loop {
+        let job = jobs
+            .get_job(GetJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await
+            .expect("GetJob")
+            .into_inner()
+            .job
+            .expect("job");
+        if job.status == JobStatus::Completed as i32 {
+            break job;
+        }
+        assert!(Instant::now() < deadline, "job never completed: {job:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let env = &job.task_results[0].stdout;
+    assert!(env.contains("PATH="), "{env}");
+    assert!(!env.contains("worker-token"), "the token leaked: {env}");
+    assert!(!env.contains("AGW_"), "{env}");
+}
+
+/// Makes a CA and a server certificate for `agq.test` with the openssl
+/// CLI; `None` when openssl is not installed.
+fn make_certs(dir: &Path) -> Option<()> {
+    let run = |args: &[&str]| {
+        Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if !run(&["version"]) {
+        return None;
+    }
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:agq.test\nbasicConstraints=CA:FALSE\n\
+         keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    assert!(run(&[
+        &["req", "-x509"][..],
+        &ec,
+        &[
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=agw-test-ca"
+        ],
+    ]
+    .concat()));
+    assert!(run(&[
+        &["req"][..],
+        &ec,
+        &[
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=agq.test"
+        ],
+    ]
+    .concat()));
+    assert!(run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    ]));
+    Some(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agw_talks_tls_to_the_server() {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let dir = tempfile::tempdir().unwrap();
+    if make_certs(dir.path()).is_none() {
+        eprintln!("openssl not installed: skipping the TLS test");
+        return;
+    }
+    let p = |f: &str| dir.path().join(f).to_str().unwrap().to_owned();
+    let mut server = Server::try_start_with(
+        dir.path().join("agq.db"),
+        "127.0.0.1:0",
+        200,
+        500,
+        vec![
+            "--tls-cert".into(),
+            p("server.pem"),
+            "--tls-key".into(),
+            p("server.key"),
+        ],
+    )
+    .expect("agq with TLS");
+    let url = format!("https://{}", server.addr);
+    let ca = p("ca.pem");
+    let mut agw = Agw::spawn(
+        &server,
+        "w-tls",
+        &[
+            "--server",
+            &url,
+            "--tls-ca",
+            &ca,
+            "--tls-domain",
+            "agq.test",
+        ],
+        &[],
+    );
+    agw.wait_registered().await;
+
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&ca).unwrap()))
+        .domain_name("agq.test");
+    let ch = Channel::from_shared(url)
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connect");
+    let mut c = Clients {
+        plans: PlanServiceClient::new(ch.clone()),
+        actions: ActionServiceClient::new(ch.clone()),
+        jobs: JobServiceClient::new(ch.clone()),
+        workers: WorkerServiceClient::new(ch),
+    };
+    c.plan("tls", vec![task(1, "echo", &["over tls"], 30, None)])
+        .await;
+    let job_id = c.submit("tls", &[], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].stdout, "over tls\n");
+    server.kill();
+}

@@ -1,0 +1,239 @@
+//! The auth matrix for every RPC: no token, wrong token, client, admin, and
+//! a worker token for its own and for another worker_id.
+
+mod common;
+
+use agq::{
+    auth::{AuthFile, Authenticator, Role, TokenEntry},
+    pb::*,
+};
+use common::*;
+use tonic::{service::interceptor::InterceptedService, transport::Channel, Code, Status};
+
+type Ch = InterceptedService<Channel, Bearer>;
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    /// Plans, actions, jobs, queue, worker listing.
+    Client,
+    /// Worker calls naming worker "w1".
+    Worker,
+}
+
+async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
+    let mut p = plan_service_client::PlanServiceClient::new(ch.clone());
+    let mut a = action_service_client::ActionServiceClient::new(ch.clone());
+    let mut j = job_service_client::JobServiceClient::new(ch.clone());
+    let mut w = worker_service_client::WorkerServiceClient::new(ch.clone());
+    let mut q = queue_service_client::QueueServiceClient::new(ch);
+    let id = || "x".to_string();
+    match rpc {
+        "SubmitPlan" => p
+            .submit_plan(SubmitPlanRequest { plan: None })
+            .await
+            .map(|_| ()),
+        "GetPlan" => p
+            .get_plan(GetPlanRequest { plan_id: id() })
+            .await
+            .map(|_| ()),
+        "ListPlans" => p.list_plans(ListPlansRequest::default()).await.map(|_| ()),
+        "DeletePlan" => p
+            .delete_plan(DeletePlanRequest { plan_id: id() })
+            .await
+            .map(|_| ()),
+        "SubmitAction" => a
+            .submit_action(SubmitActionRequest::default())
+            .await
+            .map(|_| ()),
+        "GetAction" => a
+            .get_action(GetActionRequest { action_id: id() })
+            .await
+            .map(|_| ()),
+        "WatchAction" => a
+            .watch_action(WatchActionRequest { action_id: id() })
+            .await
+            .map(|_| ()),
+        "GetJob" => j.get_job(GetJobRequest { job_id: id() }).await.map(|_| ()),
+        "ListJobs" => j
+            .list_jobs(ListJobsRequest {
+                action_id: id(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+        "SearchJobs" => j
+            .search_jobs(SearchJobsRequest::default())
+            .await
+            .map(|_| ()),
+        "RetryJob" => j
+            .retry_job(RetryJobRequest { job_id: id() })
+            .await
+            .map(|_| ()),
+        "CancelJob" => j
+            .cancel_job(CancelJobRequest { job_id: id() })
+            .await
+            .map(|_| ()),
+        "ListWorkers" => w
+            .list_workers(ListWorkersRequest::default())
+            .await
+            .map(|_| ()),
+        "GetWorker" => w
+            .get_worker(GetWorkerRequest {
+                worker_id: "w1".into(),
+            })
+            .await
+            .map(|_| ()),
+        "GetQueueStats" => q.get_queue_stats(GetQueueStatsRequest {}).await.map(|_| ()),
+        "PeekQueue" => q.peek_queue(PeekQueueRequest::default()).await.map(|_| ()),
+        "GetMetrics" => q
+            .get_metrics(GetMetricsRequest::default())
+            .await
+            .map(|_| ()),
+        "RegisterWorker" => w
+            .register_worker(RegisterWorkerRequest {
+                worker_id: "w1".into(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+        "Heartbeat" => {
+            let req = HeartbeatRequest {
+                worker_id: "w1".into(),
+                ..Default::default()
+            };
+            w.heartbeat(tokio_stream::iter(vec![req])).await.map(|_| ())
+        }
+        "LeaseJobs" => w
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: "w1".into(),
+            })
+            .await
+            .map(|_| ()),
+        "UpdateJob" => w
+            .update_job(UpdateJobRequest {
+                job_id: id(),
+                worker_id: "w1".into(),
+                lease_id: id(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+        "UnregisterWorker" => w
+            .unregister_worker(UnregisterWorkerRequest {
+                worker_id: "w1".into(),
+            })
+            .await
+            .map(|_| ()),
+        "DrainWorker" => w
+            .drain_worker(DrainWorkerRequest {
+                worker_id: "w1".into(),
+            })
+            .await
+            .map(|_| ()),
+        other => panic!("unknown rpc {other}"),
+    }
+}
+
+const RPCS: &[(&str, Kind)] = &[
+    ("SubmitPlan", Kind::Client),
+    ("GetPlan", Kind::Client),
+    ("ListPlans", Kind::Client),
+    ("DeletePlan", Kind::Client),
+    ("SubmitAction", Kind::Client),
+    ("GetAction", Kind::Client),
+    ("WatchAction", Kind::Client),
+    ("GetJob", Kind::Client),
+    ("ListJobs", Kind::Client),
+    ("SearchJobs", Kind::Client),
+    ("RetryJob", Kind::Client),
+    ("CancelJob", Kind::Client),
+    ("ListWorkers", Kind::Client),
+    ("GetWorker", Kind::Client),
+    ("GetQueueStats", Kind::Client),
+    ("PeekQueue", Kind::Client),
+    ("GetMetrics", Kind::Client),
+    ("RegisterWorker", Kind::Worker),
+    ("Heartbeat", Kind::Worker),
+    ("LeaseJobs", Kind::Worker),
+    ("UpdateJob", Kind::Worker),
+    ("UnregisterWorker", Kind::Worker),
+    ("DrainWorker", Kind::Worker),
+];
+
+#[tokio::test]
+async fn every_rpc_under_every_identity() {
+    let e = |token: &str, role, worker_id: Option<&str>| TokenEntry {
+        token: token.into(),
+        role,
+        worker_id: worker_id.map(Into::into),
+    };
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![
+                e("client-token-0123456789", Role::Client, None),
+                e("admin-token-0123456789", Role::Admin, None),
+                e("worker-w1-token-0123456789", Role::Worker, Some("w1")),
+                e("worker-w2-token-0123456789", Role::Worker, Some("w2")),
+            ],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
+    let ch = s.channel().await;
+    let with = |t: Option<&str>| InterceptedService::new(ch.clone(), Bearer(t.map(Into::into)));
+    let denied = |r: &Result<(), Status>| r.as_ref().err().map(|e| e.code());
+    let mut checked = 0;
+    for (rpc, kind) in RPCS {
+        for token in [None, Some("wrong-token-0123456789")] {
+            assert_eq!(
+                denied(&call(with(token), rpc).await),
+                Some(Code::Unauthenticated),
+                "{rpc} with {token:?}"
+            );
+        }
+        let client = call(with(Some("client-token-0123456789")), rpc).await;
+        let admin = call(with(Some("admin-token-0123456789")), rpc).await;
+        let own = call(with(Some("worker-w1-token-0123456789")), rpc).await;
+        let other = call(with(Some("worker-w2-token-0123456789")), rpc).await;
+        let allowed = |r: &Result<(), Status>| {
+            !matches!(
+                denied(r),
+                Some(Code::Unauthenticated | Code::PermissionDenied)
+            )
+        };
+        assert!(allowed(&admin), "admin may call {rpc}: {admin:?}");
+        match kind {
+            Kind::Client => {
+                assert!(allowed(&client), "client may call {rpc}: {client:?}");
+                assert_eq!(
+                    denied(&own),
+                    Some(Code::PermissionDenied),
+                    "worker token on {rpc}"
+                );
+                assert_eq!(
+                    denied(&other),
+                    Some(Code::PermissionDenied),
+                    "worker token on {rpc}"
+                );
+            }
+            Kind::Worker => {
+                assert_eq!(
+                    denied(&client),
+                    Some(Code::PermissionDenied),
+                    "client token on {rpc}"
+                );
+                assert!(allowed(&own), "w1's token may call {rpc} for w1: {own:?}");
+                assert_eq!(
+                    denied(&other),
+                    Some(Code::PermissionDenied),
+                    "w2's token on {rpc} for w1"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 23);
+    s.stop().await;
+}

@@ -1,0 +1,522 @@
+//! Server crash test: under a steady load of submissions and simulated
+//! workers, `kill -9` the `agq` process at random moments and restart it on
+//! the same database. At the end every acknowledged job exists and is
+//! completed, none was accepted as completed twice, none is stuck in
+//! running, and `PRAGMA integrity_check` is ok.
+//!
+//! `AGQ_CRASH_KILLS` sets the number of kills (default 20).
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use agq::pb::{self, *};
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::{wrappers::ReceiverStream, StreamExt};
+use tonic::{transport::Endpoint, Code};
+
+const AGQ: &str = env!("CARGO_BIN_EXE_agq");
+
+fn spawn_server(db: &std::path::Path, port: u16) -> Child {
+    let mut child = Command::new(AGQ)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--heartbeat-interval-ms",
+            "200",
+            "--lease-grace-ms",
+            "300",
+            "--retry-backoff-base-ms",
+            "20",
+            "--retry-backoff-max-ms",
+            "500",
+        ])
+        .arg("--db")
+        .arg(db)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn agq");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(
+        line.starts_with("listening on"),
+        "agq did not start: {line:?}"
+    );
+    child
+}
+
+#[derive(Default)]
+struct Ledger {
+    /// Job ids whose SubmitAction was acknowledged.
+    acked: Vec<String>,
+    /// Leases received per job.
+    leases: HashMap<String, u32>,
+    /// Accepted completions per job (lease ids).
+    completions: HashMap<String, Vec<String>>,
+}
+
+async fn channel(url: &str) -> Option<tonic::transport::Channel> {
+    Endpoint::from_shared(url.to_string())
+        .ok()?
+        .connect_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .ok()
+}
+
+async fn submitter(
+    url: String,
+    ledger: Arc<Mutex<Ledger>>,
+    mut stop: watch::Receiver<bool>,
+) -> u32 {
+    let mut n = 0u32;
+    while !*stop.borrow() {
+        let Some(ch) = channel(&url).await else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let mut c = action_service_client::ActionServiceClient::new(ch);
+        loop {
+            if *stop.borrow() {
+                return n;
+            }
+            let inputs = (0..5)
+                .map(|i| ActionInput {
+                    values: [("i".to_string(), i.to_string())].into(),
+                })
+                .collect();
+            let req = SubmitActionRequest {
+                plan_id: "crash".into(),
+                inputs,
+                max_attempts: 100,
+                ..Default::default()
+            };
+            match c.submit_action(req).await {
+                Ok(r) => {
+                    n += 1;
+                    ledger.lock().unwrap().acked.extend(r.into_inner().job_ids);
+                }
+                Err(_) => break,
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                _ = stop.changed() => {}
+            }
+        }
+    }
+    n
+}
+
+async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch::Receiver<bool>) {
+    while !*stop.borrow() {
+        let Some(ch) = channel(&url).await else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let mut c = worker_service_client::WorkerServiceClient::new(ch);
+        let reg = RegisterWorkerRequest {
+            worker_id: id.clone(),
+            hostname: "crash-test".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["cat".into()],
+                agentic_units: vec![],
+            }),
+            max_concurrent_jobs: 4,
+            ..Default::default()
+        };
+        match c.register_worker(reg).await {
+            Ok(_) => {}
+            Err(e) if e.code() == Code::AlreadyExists => {}
+            Err(_) => continue,
+        }
+        // We complete every lease at once, so we hold none when we reconnect.
+        let (tx, rx) = mpsc::channel(4);
+        let first = HeartbeatRequest {
+            worker_id: id.clone(),
+            held_leases: Some(HeldLeases { lease_ids: vec![] }),
+            ..Default::default()
+        };
+        if tx.send(first).await.is_err() {
+            continue;
+        }
+        let Ok(hb) = c.heartbeat(ReceiverStream::new(rx)).await else {
+            continue;
+        };
+        let beat_id = id.clone();
+        let beats = tokio::spawn(async move {
+            let mut hb = hb.into_inner();
+            let mut tick = tokio::time::interval(Duration::from_millis(80));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        if tx.send(HeartbeatRequest { worker_id: beat_id.clone(), ..Default::default() }).await.is_err() { return; }
+                    }
+                    m = hb.next() => if !matches!(m, Some(Ok(_))) { return; },
+                }
+            }
+        });
+        if let Ok(stream) = c
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: id.clone(),
+            })
+            .await
+        {
+            let mut stream = stream.into_inner();
+            let mut stop = stop.clone();
+            loop {
+                let next = tokio::select! {
+                    n = stream.next() => n,
+                    _ = stop.changed() => None,
+                };
+                let Some(Ok(lease)) = next else { break };
+                let job_id = lease
+                    .job
+                    .as_ref()
+                    .map(|j| j.job_id.clone())
+                    .unwrap_or_default();
+                *ledger
+                    .lock()
+                    .unwrap()
+                    .leases
+                    .entry(job_id.clone())
+                    .or_default() += 1;
+                let upd = UpdateJobRequest {
+                    job_id: job_id.clone(),
+                    worker_id: id.clone(),
+                    lease_id: lease.lease_id.clone(),
+                    status: JobStatus::Completed as i32,
+                    ..Default::default()
+                };
+                if c.update_job(upd).await.is_ok() {
+                    ledger
+                        .lock()
+                        .unwrap()
+                        .completions
+                        .entry(job_id)
+                        .or_default()
+                        .push(lease.lease_id);
+                }
+            }
+        }
+        beats.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
+    let kills: u32 = std::env::var("AGQ_CRASH_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut server = spawn_server(&db, port);
+
+    let ch = channel(&url).await.expect("connect");
+    let plan = pb::Plan {
+        plan_id: "crash".into(),
+        plan_description: String::new(),
+        tasks: vec![Task {
+            task_number: 1,
+            command: "cat".into(),
+            args: vec![],
+            timeout_secs: 10,
+            input_from_task: None,
+        }],
+    };
+    plan_service_client::PlanServiceClient::new(ch)
+        .submit_plan(SubmitPlanRequest { plan: Some(plan) })
+        .await
+        .unwrap();
+
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let sub = tokio::spawn(submitter(url.clone(), ledger.clone(), stop_rx.clone()));
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            tokio::spawn(worker(
+                url.clone(),
+                format!("crash-w{i}"),
+                ledger.clone(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+
+    for _ in 0..kills {
+        let wait = rand::rng().random_range(100..400);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        server.kill().unwrap(); // SIGKILL
+        server.wait().unwrap();
+        server = spawn_server(&db, port);
+    }
+    // stop submitting, let the workers finish the backlog
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop_tx.send(true);
+    let submitted = sub.await.unwrap();
+
+    let ch = channel(&url).await.expect("connect");
+    let mut jobs = job_service_client::JobServiceClient::new(ch.clone());
+    let acked: Vec<String> = ledger.lock().unwrap().acked.clone();
+    assert!(
+        acked.len() >= 50,
+        "too little load to mean anything: {} jobs",
+        acked.len()
+    );
+    // the load workers stop with the submitter; fresh workers drive the rest
+    for w in workers {
+        w.abort();
+    }
+    let (stop2_tx, stop2_rx) = watch::channel(false);
+    let finishers: Vec<_> = (0..2)
+        .map(|i| {
+            tokio::spawn(worker(
+                url.clone(),
+                format!("finish-w{i}"),
+                ledger.clone(),
+                stop2_rx.clone(),
+            ))
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut not_done: Vec<String> = acked.clone();
+    while !not_done.is_empty() {
+        if tokio::time::Instant::now() > deadline {
+            let j = jobs
+                .get_job(GetJobRequest {
+                    job_id: not_done[0].clone(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .job
+                .unwrap();
+            panic!("{} jobs never completed, e.g. {j:?}", not_done.len());
+        }
+        let mut still = Vec::new();
+        for id in &not_done {
+            let j = jobs
+                .get_job(GetJobRequest { job_id: id.clone() })
+                .await
+                .expect("acknowledged job exists")
+                .into_inner()
+                .job
+                .unwrap();
+            if j.status != JobStatus::Completed as i32 {
+                assert_ne!(j.status, JobStatus::Dead as i32, "job {id} went dead");
+                still.push(id.clone());
+            }
+        }
+        not_done = still;
+        if !not_done.is_empty() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let _ = stop2_tx.send(true);
+    for f in finishers {
+        f.abort();
+    }
+    let running = jobs
+        .search_jobs(SearchJobsRequest {
+            status: JobStatus::Running as i32,
+            page_size: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_ids;
+    assert!(running.is_empty(), "jobs stuck in running: {running:?}");
+
+    let l = ledger.lock().unwrap();
+    let acked_set: HashSet<&String> = l.acked.iter().collect();
+    for (job, leases) in &l.completions {
+        assert!(
+            leases.len() <= 1,
+            "job {job} was accepted as completed under {} leases: {leases:?}",
+            leases.len()
+        );
+    }
+    let re_executions: u32 = l
+        .leases
+        .iter()
+        .filter(|(j, _)| acked_set.contains(j))
+        .map(|(_, n)| n.saturating_sub(1))
+        .sum();
+    println!(
+        "crash test: {kills} kills survived, {} actions / {} jobs acknowledged and checked, {re_executions} re-executions (at-least-once)",
+        submitted,
+        l.acked.len()
+    );
+    drop(l);
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let check: String = conn
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(check, "ok");
+}
+
+/// One sample of the soak: (seconds, RSS KiB, open fds, database bytes incl. WAL, jobs done).
+fn sample(pid: u32, db: &std::path::Path) -> (u64, usize, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let size = ["", "-wal", "-shm"]
+        .iter()
+        .filter_map(|s| std::fs::metadata(format!("{}{s}", db.display())).ok())
+        .map(|m| m.len())
+        .sum();
+    (rss, fds, size)
+}
+
+/// Soak: a steady submission rate (`AGQ_SOAK_RATE` jobs/s, default 1000)
+/// for `AGQ_SOAK_SECS` (default 600) with 4 simulated workers; prints the
+/// server's RSS, open files and database size every 30 s. Not in CI:
+/// `cargo test --release --test crash soak -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn soak_at_a_steady_rate() {
+    let secs: u64 = std::env::var("AGQ_SOAK_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(600);
+    let rate: u64 = std::env::var("AGQ_SOAK_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut server = spawn_server(&db, port);
+    let ch = channel(&url).await.expect("connect");
+    let plan = pb::Plan {
+        plan_id: "crash".into(),
+        plan_description: String::new(),
+        tasks: vec![Task {
+            task_number: 1,
+            command: "cat".into(),
+            args: vec![],
+            timeout_secs: 10,
+            input_from_task: None,
+        }],
+    };
+    plan_service_client::PlanServiceClient::new(ch.clone())
+        .submit_plan(SubmitPlanRequest { plan: Some(plan) })
+        .await
+        .unwrap();
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let workers: Vec<_> = (0..4)
+        .map(|i| {
+            tokio::spawn(worker(
+                url.clone(),
+                format!("soak-w{i}"),
+                ledger.clone(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+    // Actions of 50 jobs at `rate` jobs/s.
+    let mut actions = action_service_client::ActionServiceClient::new(ch);
+    let per_action = 50u64;
+    let mut tick =
+        tokio::time::interval(Duration::from_micros(1_000_000 * per_action / rate.max(1)));
+    let start = tokio::time::Instant::now();
+    let mut next_sample = Duration::ZERO;
+    let mut submitted = 0u64;
+    println!(
+        "{:>6} {:>10} {:>6} {:>12} {:>10} {:>10}",
+        "secs", "rss_kib", "fds", "db_bytes", "submitted", "completed"
+    );
+    let mut first_rss = 0;
+    let mut last = (0, 0, 0);
+    while start.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        let inputs = (0..per_action)
+            .map(|i| ActionInput {
+                values: [("i".to_string(), i.to_string())].into(),
+            })
+            .collect();
+        let req = SubmitActionRequest {
+            plan_id: "crash".into(),
+            inputs,
+            max_attempts: 3,
+            ..Default::default()
+        };
+        let r = actions.submit_action(req).await.expect("submit");
+        submitted += r.into_inner().jobs_created as u64;
+        if start.elapsed() >= next_sample {
+            last = sample(server.id(), &db);
+            if first_rss == 0 {
+                first_rss = last.0;
+            }
+            let done = ledger.lock().unwrap().completions.len();
+            println!(
+                "{:>6} {:>10} {:>6} {:>12} {:>10} {:>10}",
+                next_sample.as_secs(),
+                last.0,
+                last.1,
+                last.2,
+                submitted,
+                done
+            );
+            next_sample += Duration::from_secs(30);
+        }
+    }
+    // Let the workers finish the backlog (bounded).
+    let drain_deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while (ledger.lock().unwrap().completions.len() as u64) < submitted
+        && tokio::time::Instant::now() < drain_deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = stop_tx.send(true);
+    for w in workers {
+        w.abort();
+    }
+    let done = ledger.lock().unwrap().completions.len() as u64;
+    println!(
+        "soak: {secs} s at {rate} jobs/s: {submitted} submitted, {done} completed; RSS {first_rss} -> {} KiB, {} fds, database {} bytes",
+        last.0, last.1, last.2
+    );
+    assert!(
+        done as f64 >= submitted as f64 * 0.99,
+        "the workers fell behind: {done} of {submitted}"
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
