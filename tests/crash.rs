@@ -217,22 +217,16 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
-    let kills: u32 = std::env::var("AGQ_CRASH_KILLS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("agq.db");
+/// Starts `agq serve` on `db` at a free port and stores the one-task
+/// `cat` plan the load uses; returns the process, its port and its URL.
+async fn start_with_plan(db: &std::path::Path) -> (Child, u16, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
     let url = format!("http://127.0.0.1:{port}");
-    let mut server = spawn_server(&db, port);
-
+    let server = spawn_server(db, port);
     let ch = channel(&url).await.expect("connect");
     let plan = pb::Plan {
         plan_id: "crash".into(),
@@ -249,6 +243,18 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         .submit_plan(SubmitPlanRequest { plan: Some(plan) })
         .await
         .unwrap();
+    (server, port, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
+    let kills: u32 = std::env::var("AGQ_CRASH_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let (mut server, port, url) = start_with_plan(&db).await;
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -415,29 +421,7 @@ async fn soak_at_a_steady_rate() {
         .unwrap_or(1000);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut server = spawn_server(&db, port);
-    let ch = channel(&url).await.expect("connect");
-    let plan = pb::Plan {
-        plan_id: "crash".into(),
-        plan_description: String::new(),
-        tasks: vec![Task {
-            task_number: 1,
-            command: "cat".into(),
-            args: vec![],
-            timeout_secs: 10,
-            input_from_task: None,
-        }],
-    };
-    plan_service_client::PlanServiceClient::new(ch.clone())
-        .submit_plan(SubmitPlanRequest { plan: Some(plan) })
-        .await
-        .unwrap();
+    let (mut server, _, url) = start_with_plan(&db).await;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let workers: Vec<_> = (0..4)
@@ -451,7 +435,8 @@ async fn soak_at_a_steady_rate() {
         })
         .collect();
     // Actions of 50 jobs at `rate` jobs/s.
-    let mut actions = action_service_client::ActionServiceClient::new(ch);
+    let mut actions =
+        action_service_client::ActionServiceClient::new(channel(&url).await.expect("connect"));
     let per_action = 50u64;
     let mut tick =
         tokio::time::interval(Duration::from_micros(1_000_000 * per_action / rate.max(1)));
