@@ -94,7 +94,7 @@ impl Engine {
         let checkpointer = store::Checkpointer::start(db, cfg.synchronous)?;
         let watchers = Arc::new(Watchers::default());
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
-        let (writer, thread) = Writer::start(conn, state)?;
+        let (writer, thread) = Writer::start(conn, state, checkpointer.signal())?;
         writer.write(|s, c| s.load(c)).await?;
         let (stop_reaper, stop_rx) = watch::channel(false);
         let engine = Arc::new(Engine {

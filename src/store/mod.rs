@@ -6,7 +6,11 @@ pub mod plans;
 pub mod workers;
 pub mod writer;
 
-use std::{path::Path, time::Duration};
+use std::{
+    path::Path,
+    sync::{Arc, Condvar, Mutex},
+    time::Duration,
+};
 
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::Connection;
@@ -100,17 +104,49 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
 /// net behind the [`Checkpointer`] (SQLite's default is 1,000).
 const WRITER_AUTOCHECKPOINT_PAGES: i64 = 10_000;
 
-/// How often the [`Checkpointer`] copies committed WAL pages into the database.
+/// Least time between two checkpoints of the [`Checkpointer`].
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+#[derive(Default)]
+struct Wake {
+    /// A commit wrote to the WAL since the last checkpoint.
+    dirty: bool,
+    /// The checkpointer should end.
+    stop: bool,
+}
+
+/// Wakes the [`Checkpointer`] after a commit that wrote; cheap to clone.
+#[derive(Clone, Default)]
+pub struct CheckpointSignal(Arc<(Mutex<Wake>, Condvar)>);
+
+impl CheckpointSignal {
+    /// Tells the checkpointer that committed pages wait in the WAL.
+    pub fn committed(&self) {
+        let (lock, cv) = &*self.0;
+        let mut w = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if !w.dirty {
+            w.dirty = true;
+            cv.notify_one();
+        }
+    }
+
+    fn stop(&self) {
+        let (lock, cv) = &*self.0;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        cv.notify_one();
+    }
+}
 
 /// Checkpoints the WAL from its own thread and connection, so the writer
 /// does not stall on copying pages into the database file and syncing it
-/// in the middle of a batch. PASSIVE checkpoints never block the writer;
-/// once everything is copied, the writer's next transaction restarts the
-/// WAL from its beginning. Durability is unchanged: commits are durable in
-/// the WAL (synced per commit with `synchronous=FULL`).
+/// in the middle of a batch. It sleeps until the writer signals a commit
+/// that wrote (no work while idle) and checkpoints at most every 100 ms.
+/// PASSIVE checkpoints never block the writer; once everything is copied,
+/// the writer's next transaction restarts the WAL from its beginning.
+/// Durability is unchanged: commits are durable in the WAL (synced per
+/// commit with `synchronous=FULL`).
 pub struct Checkpointer {
-    stop: Option<std::sync::mpsc::Sender<()>>,
+    signal: CheckpointSignal,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -122,28 +158,52 @@ impl Checkpointer {
     pub fn start(path: &Path, sync: SyncMode) -> Result<Checkpointer> {
         let conn = Connection::open(path)?;
         configure(&conn, sync)?;
-        let (stop, rx) = std::sync::mpsc::channel::<()>();
+        let signal = CheckpointSignal::default();
+        let wake = signal.0.clone();
         let handle = std::thread::Builder::new()
             .name("agq-checkpoint".into())
-            .spawn(move || loop {
-                match rx.recv_timeout(CHECKPOINT_EVERY) {
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                    _ => return,
-                }
-                if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-                    tracing::warn!(error = %e, "background WAL checkpoint failed");
+            .spawn(move || {
+                let (lock, cv) = &*wake;
+                loop {
+                    {
+                        let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut w = cv
+                            .wait_while(guard, |w| !w.dirty && !w.stop)
+                            .unwrap_or_else(|e| e.into_inner());
+                        if w.stop {
+                            return;
+                        }
+                        w.dirty = false;
+                    }
+                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                    {
+                        tracing::warn!(error = %e, "background WAL checkpoint failed");
+                    }
+                    // Throttle: at most one checkpoint per CHECKPOINT_EVERY.
+                    let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let (w, _) = cv
+                        .wait_timeout_while(guard, CHECKPOINT_EVERY, |w| !w.stop)
+                        .unwrap_or_else(|e| e.into_inner());
+                    if w.stop {
+                        return;
+                    }
                 }
             })
             .map_err(|e| Error::Internal(format!("cannot start the checkpoint thread: {e}")))?;
         Ok(Checkpointer {
-            stop: Some(stop),
+            signal,
             handle: Some(handle),
         })
     }
 
+    /// The handle the writer uses to wake this checkpointer.
+    pub fn signal(&self) -> CheckpointSignal {
+        self.signal.clone()
+    }
+
     /// Stops the thread and waits for it (at most one checkpoint's time).
     pub fn stop(mut self) {
-        self.stop.take();
+        self.signal.stop();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
@@ -152,8 +212,7 @@ impl Checkpointer {
 
 impl Drop for Checkpointer {
     fn drop(&mut self) {
-        // Dropping the sender ends the thread at its next wake-up.
-        self.stop.take();
+        self.signal.stop();
     }
 }
 
@@ -163,4 +222,44 @@ pub fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checkpointer copies the WAL into the database only when a commit
+    /// signals it, not on a timer.
+    #[test]
+    fn checkpoints_follow_commits_not_a_timer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let conn = Connection::open(&path).unwrap();
+        configure(&conn, SyncMode::Normal).unwrap();
+        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        // Bring the main file to its settled size first.
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        let main_len = || std::fs::metadata(&path).unwrap().len();
+        let before = main_len();
+        let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
+        for _ in 0..50 {
+            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+                .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(main_len(), before, "checkpointed without being signalled");
+        cp.signal().committed();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while main_len() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint after the signal"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(main_len() > before + 50 * 4096);
+        cp.stop();
+    }
 }

@@ -8,6 +8,7 @@
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
+use super::CheckpointSignal;
 use crate::error::{Error, Result};
 
 /// The most operations one commit carries.
@@ -84,15 +85,20 @@ impl<S> Clone for Writer<S> {
 }
 
 impl<S: BatchState> Writer<S> {
-    /// Starts the writer thread on `conn` with `state`. The returned join
-    /// handle finishes after every handle is dropped and the queue drained.
+    /// Starts the writer thread on `conn` with `state`; `checkpoint` is
+    /// woken after every commit that wrote. The returned join handle
+    /// finishes after every handle is dropped and the queue drained.
     ///
     /// Errors: [`Error::Internal`] when the thread cannot be spawned.
-    pub fn start(conn: Connection, state: S) -> Result<(Self, std::thread::JoinHandle<()>)> {
+    pub fn start(
+        conn: Connection,
+        state: S,
+        checkpoint: CheckpointSignal,
+    ) -> Result<(Self, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::unbounded_channel();
         let handle = std::thread::Builder::new()
             .name("agq-writer".into())
-            .spawn(move || run(conn, state, rx))
+            .spawn(move || run(conn, state, rx, checkpoint))
             .map_err(|e| Error::Internal(format!("cannot start the writer thread: {e}")))?;
         Ok((Writer { tx }, handle))
     }
@@ -198,7 +204,12 @@ enum Kind {
     Read,
 }
 
-fn run<S: BatchState>(conn: Connection, mut state: S, mut rx: mpsc::UnboundedReceiver<Op<S>>) {
+fn run<S: BatchState>(
+    conn: Connection,
+    mut state: S,
+    mut rx: mpsc::UnboundedReceiver<Op<S>>,
+    checkpoint: CheckpointSignal,
+) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut replies: Vec<Reply> = Vec::with_capacity(MAX_BATCH);
     // Operations not run because a storage error ended their batch.
@@ -225,9 +236,13 @@ fn run<S: BatchState>(conn: Connection, mut state: S, mut rx: mpsc::UnboundedRec
             rx.close();
         }
         let ops = batch.len();
+        let changes_before = conn.total_changes();
         let result = run_batch(&conn, &mut state, &mut batch, &mut replies, &mut carried);
         match result {
             Ok(()) => {
+                if conn.total_changes() != changes_before {
+                    checkpoint.committed();
+                }
                 state.after_commit(ops);
                 for reply in replies.drain(..) {
                     reply(Ok(()));
@@ -338,7 +353,7 @@ mod tests {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
             .unwrap();
-        let (w, thread) = Writer::start(conn, Log::default()).unwrap();
+        let (w, thread) = Writer::start(conn, Log::default(), CheckpointSignal::default()).unwrap();
         // Hold the writer so the next operations queue up into one batch.
         let hold = w.write(|_, _| {
             std::thread::sleep(Duration::from_millis(200));
