@@ -67,16 +67,6 @@ pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> 
         .optional()?)
 }
 
-/// The job with row id `row`.
-///
-/// Errors: [`Error::Storage`].
-pub fn key_by_row(conn: &Connection, row: i64) -> Result<Option<JobKey>> {
-    Ok(conn
-        .prepare_cached(&format!("SELECT {KEY_COLS} FROM jobs WHERE id = ?1"))?
-        .query_row([row], key_from_row)
-        .optional()?)
-}
-
 /// Inserts an action row. Returns false when the id is taken.
 ///
 /// Errors: [`Error::Storage`].
