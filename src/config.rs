@@ -78,6 +78,10 @@ pub struct ServeArgs {
     /// CA bundle (PEM) for mutual TLS: clients must present a certificate it signed.
     #[arg(long, env = "AGQ_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Seconds in-flight calls may run after SIGTERM/SIGINT before open
+    /// streams are cut and the database is closed.
+    #[arg(long, env = "AGQ_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
+    pub shutdown_grace_secs: u64,
     /// SQLite synchronous mode.
     #[arg(long, env = "AGQ_SQLITE_SYNCHRONOUS", value_enum, default_value_t = SyncMode::Full)]
     pub sqlite_synchronous: SyncMode,

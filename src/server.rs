@@ -47,7 +47,13 @@ pub struct ServerOptions {
     pub auth: Authenticator,
     /// TLS, if enabled.
     pub tls: Option<TlsFiles>,
+    /// How long in-flight calls may run after shutdown begins; streams a
+    /// client keeps open past it (a health Watch, say) are cut.
+    pub shutdown_grace: Duration,
 }
+
+/// Default of [`ServerOptions::shutdown_grace`]: 10 seconds.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs AGQ on `listener` (and `GET /metrics` on `metrics_listener`) until
 /// `shutdown` resolves. On shutdown, health turns NOT_SERVING, open streams
@@ -186,6 +192,7 @@ pub async fn run(
 
     ready(&engine);
     let reporter = health_reporter.clone();
+    let (began_tx, began_rx) = tokio::sync::oneshot::channel::<()>();
     let graceful = async move {
         shutdown.await;
         tracing::info!("shutting down: health NOT_SERVING, ending streams, finishing calls");
@@ -206,9 +213,10 @@ pub async fn run(
             .set_not_serving::<QueueServiceServer<QueueApi>>()
             .await;
         let _ = stop_tx.send(true);
+        let _ = began_tx.send(());
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let served = builder
+    let serve = builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -217,8 +225,24 @@ pub async fn run(
         .add_service(job)
         .add_service(worker)
         .add_service(queue)
-        .serve_with_incoming_shutdown(incoming, graceful)
-        .await;
+        .serve_with_incoming_shutdown(incoming, graceful);
+    // Graceful shutdown waits for every open call; a client that keeps a
+    // stream open must not hold the database open forever.
+    let grace = opts.shutdown_grace;
+    let deadline = async move {
+        if began_rx.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let served = tokio::select! {
+        r = serve => r,
+        _ = deadline => {
+            tracing::warn!(grace_secs = grace.as_secs_f64(), "calls still open after the shutdown grace; cutting them");
+            Ok(())
+        }
+    };
     if let Some(t) = metrics_task {
         let _ = t.await;
     }

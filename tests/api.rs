@@ -926,3 +926,49 @@ async fn state_survives_a_restart() {
     }
     s.stop().await;
 }
+
+#[tokio::test]
+async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams() {
+    use tonic_health::pb::{
+        health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let mut health = HealthClient::new(s.channel().await);
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: "agq.v1.JobService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    // a call in flight when the shutdown starts still gets its answer
+    let (action_id, _) = submit(&s, plan("drain", &["cat"]), 100, 3).await;
+    let mut actions = s.actions().await;
+    let in_flight =
+        tokio::spawn(async move { actions.get_action(GetActionRequest { action_id }).await });
+    let stopping = tokio::spawn(s.stop());
+    let mut saw_not_serving = false;
+    while let Ok(Some(msg)) = watch.message().await {
+        if msg.status == ServingStatus::NotServing as i32 {
+            saw_not_serving = true;
+            break;
+        }
+    }
+    assert!(saw_not_serving, "health never said NOT_SERVING");
+    let a = in_flight
+        .await
+        .unwrap()
+        .expect("the in-flight call finished")
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!(a.total_jobs, 100);
+    tokio::time::timeout(std::time::Duration::from_secs(10), stopping)
+        .await
+        .expect("shutdown finished with a health watcher still connected")
+        .unwrap();
+    drop(watch);
+}

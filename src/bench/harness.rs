@@ -98,6 +98,7 @@ impl Harness {
             engine: cfg,
             auth: Authenticator::default(),
             tls: None,
+            shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
         };
         let done = rt.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener)

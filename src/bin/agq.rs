@@ -95,6 +95,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
                 key,
                 client_ca: args.tls_client_ca.clone(),
             }),
+        shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace_secs),
     };
     let db = args.db.display().to_string();
     server::run(

@@ -372,6 +372,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         engine: EngineConfig::default(),
         auth: Authenticator::default(),
         tls: None,
+        shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
     };
     let server = server::run(
         listener,

@@ -93,6 +93,7 @@ impl TestServer {
             engine: cfg,
             auth,
             tls: None,
+            shutdown_grace: std::time::Duration::from_secs(2),
         };
         let handle = tokio::spawn(async move {
             server::run(
