@@ -246,12 +246,17 @@ async fn start_with_plan(db: &std::path::Path) -> (Child, u16, String) {
     (server, port, url)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
-    let kills: u32 = std::env::var("AGQ_CRASH_KILLS")
+/// The number in environment variable `name`, or `default`.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(default)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
+    let kills: u32 = env_or("AGQ_CRASH_KILLS", 20);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
     let (mut server, port, url) = start_with_plan(&db).await;
@@ -411,14 +416,8 @@ fn sample(pid: u32, db: &std::path::Path) -> (u64, usize, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn soak_at_a_steady_rate() {
-    let secs: u64 = std::env::var("AGQ_SOAK_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(600);
-    let rate: u64 = std::env::var("AGQ_SOAK_RATE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
+    let secs: u64 = env_or("AGQ_SOAK_SECS", 600);
+    let rate: u64 = env_or("AGQ_SOAK_RATE", 1000);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
     let (mut server, _, url) = start_with_plan(&db).await;
