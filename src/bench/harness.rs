@@ -62,7 +62,7 @@ pub struct Harness {
     done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
     engine: Option<Arc<Engine>>,
     child: Option<std::process::Child>,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl Harness {
@@ -132,7 +132,7 @@ impl Harness {
             done: Some(done),
             engine: Some(engine),
             child: None,
-            _dir: dir,
+            dir,
         })
     }
 
@@ -187,7 +187,7 @@ impl Harness {
             done: None,
             engine: None,
             child: Some(child),
-            _dir: dir,
+            dir,
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -206,6 +206,11 @@ impl Harness {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// The server's SQLite database file.
+    pub fn db_path(&self) -> PathBuf {
+        self.dir.path().join("agq.db")
     }
 
     /// The server's process id when it runs as a child process.

@@ -12,6 +12,8 @@
 //! - `--backlog N`: lease latency with N pending jobs against 1,000;
 //! - `--failover`: re-lease time after a worker's kill (grace 0) and freeze;
 //! - `--engine-only`: the workload on the core without gRPC;
+//! - `--soak-secs N`: N seconds at half of peak, sampling RSS, open files
+//!   and database size (issue 8);
 //! - `--smoke`: tiny sizes, asserts every job completed (for CI).
 //!
 //! Nothing here is a timed test: the numbers are printed, not asserted
@@ -27,6 +29,7 @@ pub mod procstat;
 pub mod redis_peer;
 pub mod report;
 pub mod resp;
+pub mod soak;
 pub mod stats;
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
@@ -123,6 +126,16 @@ pub struct BenchArgs {
     /// its own (e.g. target/release/agq).
     #[arg(long, env = "AGQ_BENCH_AGQ_BINARY")]
     pub agq_binary: Option<PathBuf>,
+    /// Soak mode: this many seconds at half of the measured peak (or
+    /// `--soak-rate`), sampling the server's RSS, open files and database size.
+    #[arg(long, env = "AGQ_BENCH_SOAK_SECS")]
+    pub soak_secs: Option<u64>,
+    /// Rate of the soak, jobs/s (default: half of a peak phase run first).
+    #[arg(long, env = "AGQ_BENCH_SOAK_RATE")]
+    pub soak_rate: Option<f64>,
+    /// Seconds between two samples of the soak.
+    #[arg(long, env = "AGQ_BENCH_SOAK_SAMPLE_SECS", default_value_t = 30)]
+    pub soak_sample_secs: u64,
     /// Tiny sizes; exits non-zero unless every job completed (CI).
     #[arg(long, env = "AGQ_BENCH_SMOKE", default_value_t = false)]
     pub smoke: bool,
@@ -223,7 +236,11 @@ pub fn main(mut args: BenchArgs) -> i32 {
         if args.engine_only {
             ok &= engine_only::run(&args).await?;
         }
-        if !args.failover && args.backlog.is_none() && !args.engine_only {
+        if let Some(secs) = args.soak_secs {
+            ok &= soak::run(&args, secs).await?;
+        }
+        if !args.failover && args.backlog.is_none() && !args.engine_only && args.soak_secs.is_none()
+        {
             ok &= report::run_default(&args, nofile).await?;
         }
         Ok::<_, BenchError>(ok)

@@ -195,8 +195,10 @@ pub struct SystemRun {
 
 /// Runs a loaded phase on AGQ: `jobs` jobs in actions of `k`, closed loop
 /// from `clients` clients, or paced at `rate` jobs/s when given.
+///
+/// Errors: a SubmitAction failed.
 #[allow(clippy::too_many_arguments)]
-async fn agq_phase(
+pub async fn agq_phase(
     args: &BenchArgs,
     h: &Harness,
     submit_channels: &[Channel],
