@@ -118,6 +118,17 @@ async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        "BatchUpdateJobs" => w
+            .batch_update_jobs(BatchUpdateJobsRequest {
+                worker_id: "w1".into(),
+                requests: vec![UpdateJobRequest {
+                    job_id: id(),
+                    lease_id: id(),
+                    ..Default::default()
+                }],
+            })
+            .await
+            .map(|_| ()),
         "UnregisterWorker" => w
             .unregister_worker(UnregisterWorkerRequest {
                 worker_id: "w1".into(),
@@ -156,6 +167,7 @@ const RPCS: &[(&str, Kind)] = &[
     ("Heartbeat", Kind::Worker),
     ("LeaseJobs", Kind::Worker),
     ("UpdateJob", Kind::Worker),
+    ("BatchUpdateJobs", Kind::Worker),
     ("UnregisterWorker", Kind::Worker),
     ("DrainWorker", Kind::Worker),
 ];
@@ -234,6 +246,6 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 23);
+    assert_eq!(checked, 24);
     s.stop().await;
 }

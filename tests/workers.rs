@@ -621,3 +621,179 @@ async fn a_worker_that_registers_and_never_heartbeats_strands_nothing() {
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }
+
+/// A report for `lease` as BatchUpdateJobs carries it (worker_id empty:
+/// the batch's worker).
+fn batched(lease: &JobLease, status: JobStatus) -> UpdateJobRequest {
+    UpdateJobRequest {
+        job_id: lease.job.as_ref().unwrap().job_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        status: status as i32,
+        error: if status == JobStatus::Failed {
+            "boom".into()
+        } else {
+            String::new()
+        },
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn batch_update_jobs_applies_each_report_on_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 4, 3).await;
+    let mut w1 = SimWorker::start(&s, "w1", &["cat"], 3).await;
+    let (l1, l2, l3) = (w1.lease().await, w1.lease().await, w1.lease().await);
+    let mut w2 = SimWorker::start(&s, "w2", &["cat"], 1).await;
+    let l4 = w2.lease().await;
+    let mut c = w1.client();
+    let batch = |requests: Vec<UpdateJobRequest>| BatchUpdateJobsRequest {
+        worker_id: "w1".into(),
+        requests,
+    };
+
+    // Refused as a whole, nothing applied: no reports, too many, a report
+    // naming another worker, a bad worker_id.
+    let call = |r: BatchUpdateJobsRequest| {
+        let mut c = c.clone();
+        async move { c.batch_update_jobs(r).await.map(|r| r.into_inner()) }
+    };
+    let code = |r: Result<BatchUpdateJobsResponse, tonic::Status>| r.unwrap_err().code();
+    assert_eq!(code(call(batch(vec![])).await), Code::InvalidArgument);
+    let many = vec![batched(&l1, JobStatus::Completed); 1025];
+    assert_eq!(code(call(batch(many)).await), Code::InvalidArgument);
+    let mut other = batched(&l4, JobStatus::Completed);
+    other.worker_id = "w2".into();
+    let mixed = vec![batched(&l1, JobStatus::Completed), other];
+    assert_eq!(code(call(batch(mixed)).await), Code::InvalidArgument);
+    let mut bad = batch(vec![batched(&l1, JobStatus::Completed)]);
+    bad.worker_id = String::new();
+    assert_eq!(code(call(bad).await), Code::InvalidArgument);
+    assert_eq!(job(&s, &ids[0]).await.status, JobStatus::Running as i32);
+
+    // Each report gets what UpdateJob would have answered.
+    let mut stale = batched(&l3, JobStatus::Completed);
+    stale.lease_id = "not-the-lease".into();
+    let mut ghost = batched(&l3, JobStatus::Completed);
+    ghost.job_id = "no-such-job".into();
+    let r = c
+        .batch_update_jobs(batch(vec![
+            batched(&l1, JobStatus::Completed),
+            batched(&l2, JobStatus::Failed),
+            stale,
+            batched(&l4, JobStatus::Completed), // w2's lease
+            ghost,
+        ]))
+        .await
+        .unwrap()
+        .into_inner();
+    let codes: Vec<Code> = r.results.iter().map(|r| Code::from(r.code)).collect();
+    assert_eq!(
+        codes,
+        [
+            Code::Ok,
+            Code::Ok,
+            Code::FailedPrecondition,
+            Code::PermissionDenied,
+            Code::NotFound
+        ]
+    );
+    assert_eq!(r.results[0].status, JobStatus::Completed as i32);
+    assert_eq!(r.results[1].status, JobStatus::Failed as i32);
+    assert!(
+        r.results[2].message.contains("stale lease"),
+        "{:?}",
+        r.results[2]
+    );
+    let status = |j: Job| (j.status, j.worker_id);
+    let id = |l: &JobLease| l.job.as_ref().unwrap().job_id.clone();
+    assert_eq!(
+        status(job(&s, &id(&l1)).await).0,
+        JobStatus::Completed as i32
+    );
+    assert_ne!(status(job(&s, &id(&l2)).await).0, JobStatus::Running as i32);
+    assert_eq!(
+        status(job(&s, &id(&l3)).await),
+        (JobStatus::Running as i32, "w1".to_string())
+    );
+    assert_eq!(
+        status(job(&s, &id(&l4)).await),
+        (JobStatus::Running as i32, "w2".to_string())
+    );
+    // The freed slots are refilled; the rest finish normally.
+    w1.complete(&l3).await;
+    w2.complete(&l4).await;
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+/// agw's reporter: reports queued while no call is in flight go in one
+/// BatchUpdateJobs call, and each caller gets its own report's outcome.
+#[tokio::test]
+async fn agw_reporter_batches_queued_reports() {
+    use agq::worker::{client::worker_client, reporter::Reporter};
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 5, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 5).await;
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        leases.push(w.lease().await);
+    }
+    let client = worker_client(s.channel().await, None).unwrap();
+    let reporter = Reporter::start(client, "w1".into(), Duration::from_secs(5));
+    let mut reqs: Vec<UpdateJobRequest> = leases
+        .iter()
+        .map(|l| {
+            let mut r = batched(l, JobStatus::Completed);
+            r.worker_id = "w1".into();
+            r
+        })
+        .collect();
+    reqs[4].lease_id = "stale".into();
+    // One thread: every send is queued before the sender task runs.
+    let outcomes = futures_util::future::join_all(reqs.into_iter().map(|r| reporter.send(r))).await;
+    let codes: Vec<Code> = outcomes
+        .iter()
+        .map(|r| r.as_ref().err().map_or(Code::Ok, |e| e.code()))
+        .collect();
+    assert_eq!(
+        codes,
+        [
+            Code::Ok,
+            Code::Ok,
+            Code::Ok,
+            Code::Ok,
+            Code::FailedPrecondition
+        ]
+    );
+    let m = s
+        .queue()
+        .await
+        .get_metrics(GetMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .body;
+    assert!(
+        m.contains(
+            "agq_rpc_requests_total{method=\"WorkerService/BatchUpdateJobs\",code=\"Ok\"} 1\n"
+        ),
+        "{m}"
+    );
+    assert!(!m.contains("WorkerService/UpdateJob\""), "{m}");
+    let done = futures_util::future::join_all(ids.iter().map(|id| job(&s, id))).await;
+    let completed = done
+        .iter()
+        .filter(|j| j.status == JobStatus::Completed as i32)
+        .count();
+    assert_eq!(completed, 4);
+    // A lone report goes as a plain UpdateJob.
+    let last = &leases[4];
+    let mut r = batched(last, JobStatus::Completed);
+    r.worker_id = "w1".into();
+    reporter.send(r).await.unwrap();
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}

@@ -123,6 +123,10 @@ pub struct WorkerSpec {
     pub slots: u32,
     /// Heartbeat period.
     pub heartbeat: Duration,
+    /// Report completions with BatchUpdateJobs (the reports that queued up
+    /// while the previous call was in flight, as agw does) instead of one
+    /// UpdateJob each.
+    pub batch_updates: bool,
 }
 
 /// A running set of simulated workers.
@@ -201,7 +205,61 @@ impl Fleet {
     }
 }
 
-type Inflight = FuturesUnordered<BoxFuture<'static, (u64, Result<(), tonic::Status>)>>;
+/// Report calls in flight: each yields its send time and one outcome per
+/// report it carried.
+type Inflight = FuturesUnordered<BoxFuture<'static, (u64, Vec<Result<(), String>>)>>;
+
+/// One UpdateJob call for `req`.
+fn send_one(
+    mut c: WorkerServiceClient<Channel>,
+    req: pb::UpdateJobRequest,
+) -> BoxFuture<'static, (u64, Vec<Result<(), String>>)> {
+    async move {
+        let sent = now_us();
+        let r = c
+            .update_job(req)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("UpdateJob: {e}"));
+        (sent, vec![r])
+    }
+    .boxed()
+}
+
+/// One BatchUpdateJobs call for `reqs`.
+fn send_batch(
+    mut c: WorkerServiceClient<Channel>,
+    worker_id: String,
+    requests: Vec<pb::UpdateJobRequest>,
+) -> BoxFuture<'static, (u64, Vec<Result<(), String>>)> {
+    async move {
+        let sent = now_us();
+        let n = requests.len();
+        let out = match c
+            .batch_update_jobs(pb::BatchUpdateJobsRequest {
+                worker_id,
+                requests,
+            })
+            .await
+        {
+            Ok(r) => r
+                .into_inner()
+                .results
+                .into_iter()
+                .map(|r| match r.code {
+                    0 => Ok(()),
+                    code => Err(format!(
+                        "BatchUpdateJobs report: code {code}: {}",
+                        r.message
+                    )),
+                })
+                .collect(),
+            Err(e) => vec![Err(format!("BatchUpdateJobs: {e}")); n],
+        };
+        (sent, out)
+    }
+    .boxed()
+}
 
 async fn worker_main(
     mut client: WorkerServiceClient<Channel>,
@@ -270,6 +328,8 @@ async fn worker_main(
     );
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut inflight: Inflight = FuturesUnordered::new();
+    // Reports waiting for the batch in flight to return.
+    let mut queued: Vec<pb::UpdateJobRequest> = Vec::new();
     let one_slot = spec.slots == 1;
     let mut freed_at: Option<u64> = None;
     loop {
@@ -303,19 +363,21 @@ async fn worker_main(
                     let job = lease.job.unwrap_or_default();
                     let t = job.input.get("t").and_then(|t| t.parse().ok());
                     rec.leased(t, if one_slot { freed_at.take() } else { None }, now);
-                    let mut c = client.clone();
                     let req = pb::UpdateJobRequest {
                         job_id: job.job_id,
-                        worker_id: id.clone(),
+                        worker_id: if spec.batch_updates { String::new() } else { id.clone() },
                         lease_id: lease.lease_id,
                         status: pb::JobStatus::Completed as i32,
                         task_results: vec![task_result()],
                         ..Default::default()
                     };
-                    inflight.push(async move {
-                        let sent = now_us();
-                        (sent, c.update_job(req).await.map(|_| ()))
-                    }.boxed());
+                    if !spec.batch_updates {
+                        inflight.push(send_one(client.clone(), req));
+                    } else if inflight.is_empty() {
+                        inflight.push(send_batch(client.clone(), id.clone(), vec![req]));
+                    } else {
+                        queued.push(req);
+                    }
                     if one_slot {
                         freed_at = Some(now_us());
                     }
@@ -328,10 +390,18 @@ async fn worker_main(
                     break;
                 }
             },
-            Some((sent, r)) = inflight.next(), if !inflight.is_empty() => match r {
-                Ok(()) => rec.completed_at(sent, now_us()),
-                Err(e) => rec.error(format!("{id} UpdateJob: {e}")),
-            },
+            Some((sent, results)) = inflight.next(), if !inflight.is_empty() => {
+                let now = now_us();
+                for r in results {
+                    match r {
+                        Ok(()) => rec.completed_at(sent, now),
+                        Err(e) => rec.error(format!("{id} {e}")),
+                    }
+                }
+                if !queued.is_empty() {
+                    inflight.push(send_batch(client.clone(), id.clone(), std::mem::take(&mut queued)));
+                }
+            }
         }
     }
 }

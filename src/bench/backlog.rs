@@ -8,7 +8,7 @@
 use std::{sync::Arc, time::Duration};
 
 use super::{
-    agq_load::{self, Fleet, WorkerSpec},
+    agq_load::{self, Fleet},
     harness::Harness,
     procstat::{self, CpuMark},
     report::{channels, verdict, wait_done, MAX_CONNECTIONS, PLAN},
@@ -66,10 +66,7 @@ async fn one(args: &BenchArgs, pending: usize, sample: usize) -> Result<Result1,
         rec.reset(target);
         let mark = CpuMark::now(None);
         let t0 = now_us();
-        let spec = WorkerSpec {
-            slots: 1,
-            heartbeat: Duration::from_millis(args.heartbeat_ms.max(10)),
-        };
+        let spec = args.worker_spec(1);
         let fleet =
             Fleet::start(&worker_channels, args.workers, "drain", spec, rec.clone()).await?;
         let finished = wait_done(&rec, target, args.timeout()).await;

@@ -136,6 +136,11 @@ pub struct BenchArgs {
     /// Seconds between two samples of the soak.
     #[arg(long, env = "AGQ_BENCH_SOAK_SAMPLE_SECS", default_value_t = 30)]
     pub soak_sample_secs: u64,
+    /// Simulated AGQ workers report each completion with its own UpdateJob
+    /// call instead of batching the reports that queue up while one call
+    /// is in flight into a BatchUpdateJobs (as agw does).
+    #[arg(long, env = "AGQ_BENCH_UNARY_UPDATES", default_value_t = false)]
+    pub unary_updates: bool,
     /// Tiny sizes; exits non-zero unless every job completed (CI).
     #[arg(long, env = "AGQ_BENCH_SMOKE", default_value_t = false)]
     pub smoke: bool,
@@ -170,6 +175,15 @@ impl BenchArgs {
             synchronous: self.synchronous,
             max_inputs_per_action: 10_000,
             ..EngineConfig::default()
+        }
+    }
+
+    /// How the simulated AGQ workers behave, with `slots` leases each.
+    fn worker_spec(&self, slots: u32) -> agq_load::WorkerSpec {
+        agq_load::WorkerSpec {
+            slots,
+            heartbeat: Duration::from_millis(self.heartbeat_ms.max(10)),
+            batch_updates: !self.unary_updates,
         }
     }
 

@@ -9,7 +9,7 @@ use std::{
 use tonic::transport::Channel;
 
 use super::{
-    agq_load::{self, Fleet, WorkerSpec},
+    agq_load::{self, Fleet},
     harness::Harness,
     procstat::{self, CpuMark},
     redis_peer::{self, RedisServer},
@@ -287,10 +287,7 @@ pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
     let rec = Arc::new(Recorder::default());
     let started = Instant::now();
-    let spec = WorkerSpec {
-        slots: args.slots,
-        heartbeat: Duration::from_millis(args.heartbeat_ms.max(10)),
-    };
+    let spec = args.worker_spec(args.slots);
     let fleet = Fleet::start(&worker_channels, args.workers, "bench", spec, rec.clone()).await?;
     let connect_secs = started.elapsed().as_secs_f64();
     let mut out = SystemRun::default();

@@ -16,7 +16,7 @@ use std::{
 };
 
 use super::{
-    agq_load::{self, Fleet, WorkerSpec},
+    agq_load::{self, Fleet},
     harness::Harness,
     procstat,
     report::{self, channels, MAX_CONNECTIONS, PLAN},
@@ -108,10 +108,7 @@ pub async fn run(args: &BenchArgs, secs: u64) -> Result<bool, BenchError> {
     let submit_channels = channels(&h, args.clients.clamp(1, 8)).await?;
     agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
     let rec = Arc::new(Recorder::default());
-    let spec = WorkerSpec {
-        slots: args.slots,
-        heartbeat: Duration::from_millis(args.heartbeat_ms.max(10)),
-    };
+    let spec = args.worker_spec(args.slots);
     let fleet = Fleet::start(&worker_channels, args.workers, "soak", spec, rec.clone()).await?;
     let result = soak(args, &h, pid, &submit_channels, &rec, secs).await;
     fleet.stop().await;

@@ -463,6 +463,41 @@ impl Engine {
             .await
     }
 
+    /// Applies several fenced reports of one worker (BatchUpdateJobs; seed:
+    /// JOB.UPDATE, batched). A report with an empty worker_id is `worker_id`'s.
+    /// Each report is applied as by [`Engine::update_job`], independently;
+    /// all are queued to the writer at once, so they share group commits.
+    /// Returns one outcome per report, in order, each committed.
+    ///
+    /// Errors (nothing applied): `InvalidArgument` for a bad `worker_id`,
+    /// no reports, more than [`validate::MAX_BATCH_REPORTS`], or a report
+    /// naming another worker.
+    pub async fn batch_update_jobs(
+        &self,
+        worker_id: &str,
+        mut reqs: Vec<pb::UpdateJobRequest>,
+    ) -> Result<Vec<Result<JobStatus>>> {
+        validate::worker_id(worker_id)?;
+        if reqs.is_empty() || reqs.len() > validate::MAX_BATCH_REPORTS {
+            return Err(Error::invalid(format!(
+                "a batch carries 1..={} reports, got {}",
+                validate::MAX_BATCH_REPORTS,
+                reqs.len()
+            )));
+        }
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if r.worker_id.is_empty() {
+                r.worker_id = worker_id.to_string();
+            } else if r.worker_id != worker_id {
+                return Err(Error::invalid(format!(
+                    "report {i} names worker {:?}, not the batch's worker {worker_id}",
+                    r.worker_id
+                )));
+            }
+        }
+        Ok(futures_util::future::join_all(reqs.into_iter().map(|r| self.update_job(r))).await)
+    }
+
     /// Applies a fenced job report (seed: JOB.UPDATE).
     /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`, `FailedPrecondition`.
     pub async fn update_job(&self, req: pb::UpdateJobRequest) -> Result<JobStatus> {

@@ -11,6 +11,8 @@ use crate::{
 
 /// Most tasks in one plan.
 pub const MAX_TASKS: usize = 100;
+/// Most reports in one BatchUpdateJobs call.
+pub const MAX_BATCH_REPORTS: usize = 1024;
 /// Largest `timeout_secs` of a task (one day).
 pub const MAX_TASK_TIMEOUT_SECS: u32 = 86_400;
 /// Most arguments of one task.

@@ -188,6 +188,39 @@ impl WorkerService for WorkerApi {
         .await
     }
 
+    async fn batch_update_jobs(
+        &self,
+        req: Request<pb::BatchUpdateJobsRequest>,
+    ) -> Result<Response<pb::BatchUpdateJobsResponse>, Status> {
+        rpc(&self.engine, "WorkerService/BatchUpdateJobs", async {
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            let r = req.into_inner();
+            let results = self
+                .engine
+                .batch_update_jobs(&r.worker_id, r.requests)
+                .await?
+                .into_iter()
+                .map(|r| match r {
+                    Ok(status) => pb::UpdateJobResult {
+                        code: 0,
+                        message: String::new(),
+                        status: status as i32,
+                    },
+                    Err(e) => {
+                        let st = Status::from(e);
+                        pb::UpdateJobResult {
+                            code: st.code() as i32,
+                            message: st.message().to_string(),
+                            status: 0,
+                        }
+                    }
+                })
+                .collect();
+            Ok(pb::BatchUpdateJobsResponse { results })
+        })
+        .await
+    }
+
     async fn unregister_worker(
         &self,
         req: Request<pb::UnregisterWorkerRequest>,

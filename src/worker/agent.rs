@@ -41,6 +41,7 @@ use super::{
     config::{platform, WorkerConfig},
     error::WorkerError,
     executor::{abort_channel, fit_to_budget, AbortReason, AbortSender, Executor, TaskStart},
+    reporter::Reporter,
     stats::{JobCounters, StatsCollector},
 };
 use crate::pb::{
@@ -99,6 +100,8 @@ struct RunningJob {
 struct Shared {
     cfg: WorkerConfig,
     client: WorkerClient,
+    /// Sends final reports, batching those that queue up.
+    reporter: Reporter,
     executor: Executor,
     stats: StatsCollector,
     /// Running jobs by job id.
@@ -133,7 +136,7 @@ fn lease_gone(code: Code) -> bool {
 
 /// True for codes worth retrying an update for: the server (or the path to
 /// it) is down, not refusing.
-fn transient(code: Code) -> bool {
+pub(super) fn transient(code: Code) -> bool {
     matches!(
         code,
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
@@ -157,9 +160,11 @@ impl Shared {
         let executor = Executor::new(Arc::clone(&cfg.tools), cfg.output_cap_bytes);
         let cwd = std::env::current_dir().unwrap_or_else(|_| "/".into());
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
+        let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
         Ok(Arc::new(Shared {
             cfg,
             client,
+            reporter,
             executor,
             stats,
             jobs: Mutex::new(HashMap::new()),
@@ -463,17 +468,15 @@ async fn report_final(
     expires_at: Option<SystemTime>,
     aborted: bool,
 ) {
-    let mut client = shared.client.clone();
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
     let mut stripped = false;
     loop {
-        let st = match timeout(CALL_TIMEOUT, client.update_job(req.clone())).await {
-            Ok(Ok(_)) => {
+        let st = match shared.reporter.send(req.clone()).await {
+            Ok(()) => {
                 debug!(job_id = %ids.job_id, "result reported");
                 return;
             }
-            Ok(Err(st)) => st,
-            Err(_) => Status::deadline_exceeded("UpdateJob timed out"),
+            Err(st) => st,
         };
         if transient(st.code()) {
             if expires_at.is_some_and(|t| SystemTime::now() > t) {

@@ -9,6 +9,7 @@
 //!   process groups, capped capture).
 //! - [`agent`]: registration, heartbeat and lease streams, reconnects, job
 //!   reports, drain; [`run`] is the entry point.
+//! - [`reporter`]: final reports, batched into `BatchUpdateJobs` calls.
 //! - [`client`], [`backoff`], [`stats`], [`error`]: the channel and auth,
 //!   retry delays, heartbeat figures, fatal errors.
 
@@ -20,6 +21,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod executor;
+pub mod reporter;
 pub mod stats;
 pub mod template;
 pub mod tools;
