@@ -797,3 +797,38 @@ async fn agw_reporter_batches_queued_reports() {
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }
+
+/// A lease carries the job as GetJob shows it: for a new job (whose row the
+/// scheduler keeps in memory until its first lease) and for a retried one
+/// (read back from the database).
+#[tokio::test]
+async fn a_lease_carries_the_job_as_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 1).await;
+    let first = w.lease().await;
+    let stored = job(&s, &ids[0]).await;
+    assert_eq!(first.job.as_ref(), Some(&stored));
+    assert_eq!(stored.input.get("n").map(String::as_str), Some("0"));
+    assert_eq!(
+        (stored.attempt, stored.status),
+        (1, JobStatus::Running as i32)
+    );
+    w.report(&first, JobStatus::Failed).await.unwrap();
+    let second = w.lease().await;
+    assert_ne!(second.lease_id, first.lease_id);
+    let stored = job(&s, &ids[0]).await;
+    let mut leased = second.job.clone().unwrap();
+    // GetJob also shows the task results of the failed attempt, kept until
+    // the next report replaces them.
+    leased.task_results = stored.task_results.clone();
+    assert_eq!(leased, stored);
+    assert_eq!(
+        (stored.attempt, stored.error.as_str()),
+        (2, "attempt 1 of 3: boom")
+    );
+    w.complete(&second).await;
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}

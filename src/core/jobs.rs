@@ -6,7 +6,7 @@ use std::{collections::HashMap, sync::Arc};
 use rusqlite::Connection;
 
 use super::{
-    state::{PlanEntry, State, Waiting},
+    state::{FreshJob, PlanEntry, State, Waiting, FRESH_JOBS_MAX},
     validate,
 };
 use crate::{
@@ -70,7 +70,7 @@ impl State {
     /// operation's savepoint (seed: ACTION.SUBMIT). Returns the job ids.
     ///
     /// Errors: `NotFound` (plan), `AlreadyExists` (action id), storage errors.
-    pub fn submit_action(&mut self, conn: &Connection, a: NewAction) -> Result<Vec<String>> {
+    pub fn submit_action(&mut self, conn: &Connection, mut a: NewAction) -> Result<Vec<String>> {
         if !self.plans.contains_key(&a.plan_id) {
             return Err(Error::not_found(format!("plan {} not found", a.plan_id)));
         }
@@ -93,8 +93,11 @@ impl State {
         }
         let mut rows = Vec::with_capacity(a.inputs.len());
         let mut ids = Vec::with_capacity(a.inputs.len());
-        for input in &a.inputs {
-            let json = serde_json::to_string(input).map_err(|e| Error::Internal(e.to_string()))?;
+        // Jobs that go straight to the ready queue keep their row in memory
+        // for their first lease while the queues are short (FreshJob).
+        let mut queued = (ready_at <= now_ms).then(|| self.ready.len() + self.delayed_jobs.len());
+        for input in std::mem::take(&mut a.inputs) {
+            let json = serde_json::to_string(&input).map_err(|e| Error::Internal(e.to_string()))?;
             let job_id = uuid::Uuid::now_v7().to_string();
             let row = jobs::insert_job(
                 conn,
@@ -106,17 +109,30 @@ impl State {
                 now_ms,
                 ready_at,
             )?;
-            rows.push(row);
+            let fresh = match &mut queued {
+                Some(n) if *n < FRESH_JOBS_MAX => {
+                    *n += 1;
+                    Some(Box::new(FreshJob {
+                        job_id: job_id.clone(),
+                        input,
+                        max_attempts: a.max_attempts,
+                        created_at_ms: now_ms,
+                    }))
+                }
+                _ => None,
+            };
+            rows.push((row, fresh));
             ids.push(job_id);
         }
         let plan_id = self.intern(&a.plan_id);
         let action_id = self.intern(&a.action_id);
-        for row in rows {
+        for (row, fresh) in rows {
             let waiting = Waiting {
                 plan_id: plan_id.clone(),
                 action_id: action_id.clone(),
                 since_ms: ready_at,
                 status: JobStatus::Pending,
+                fresh,
             };
             self.enqueue(row, waiting, now_ms);
         }
@@ -286,6 +302,7 @@ impl State {
             action_id: self.intern(&key.action_id),
             since_ms: now_ms,
             status: JobStatus::Pending,
+            fresh: None,
         };
         let action = waiting.action_id.clone();
         self.enqueue(key.row, waiting, now_ms);

@@ -69,7 +69,23 @@ impl State {
     /// batch and queues it for the worker's lease stream.
     fn grant(&mut self, conn: &Connection, row: i64, worker_id: &str) -> Result<()> {
         let now_ms = store::now_ms();
-        let Some(mut job) = jobs::get_by_row(conn, row, false)? else {
+        // A new job's row is known without reading it (see FreshJob).
+        let cached = self.ready.get_mut(&row).and_then(|w| {
+            let f = w.fresh.take()?;
+            Some(jobs::inserted_view(
+                f.job_id,
+                &w.action_id,
+                &w.plan_id,
+                f.input,
+                f.max_attempts,
+                f.created_at_ms,
+            ))
+        });
+        let job = match cached {
+            Some(job) => Some(job),
+            None => jobs::get_by_row(conn, row, false)?,
+        };
+        let Some(mut job) = job else {
             self.dequeue(row);
             return Ok(());
         };
@@ -228,6 +244,7 @@ impl State {
                 action_id: lease.action_id.clone(),
                 since_ms: ready_at,
                 status,
+                fresh: None,
             };
             self.enqueue(row, waiting, now_ms);
         }

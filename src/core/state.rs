@@ -113,7 +113,30 @@ pub struct Waiting {
     pub since_ms: i64,
     /// Pending (scheduled or ready) or Failed (backing off).
     pub status: JobStatus,
+    /// A new job's row as inserted, kept for its first lease (see
+    /// [`FreshJob`]); `None` for every other job, which is read back.
+    pub fresh: Option<Box<FreshJob>>,
 }
+
+/// What a job's row holds right after `store::jobs::insert_job`, kept in
+/// memory from its insertion until its first lease so that granting it
+/// needs no read of the row (and no parse of its input). Only jobs that go
+/// straight to the ready queue while it holds fewer than
+/// [`FRESH_JOBS_MAX`] jobs keep one, which bounds the memory it takes.
+#[derive(Debug, Clone)]
+pub struct FreshJob {
+    /// Public job id.
+    pub job_id: String,
+    /// The job's input.
+    pub input: HashMap<String, String>,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Creation time, ms since the epoch.
+    pub created_at_ms: i64,
+}
+
+/// Most queued jobs that keep a [`FreshJob`] (a few MiB).
+pub const FRESH_JOBS_MAX: usize = 16_384;
 
 /// A side effect released only after the commit.
 pub enum Effect {
@@ -350,6 +373,7 @@ impl State {
                         action_id,
                         since_ms: job.ready_at_ms,
                         status,
+                        fresh: None,
                     };
                     self.enqueue(job.row, waiting, now_ms);
                 }

@@ -309,6 +309,38 @@ fn opt_ts(ms: Option<i64>) -> Option<prost_types::Timestamp> {
     ms.map(ts)
 }
 
+/// The job exactly as [`get_by_row`] (without results) reads it right
+/// after [`insert_job`] stored it with these values and a `ready_at_ms` not
+/// in the future: what the scheduler uses instead of reading a new job back.
+pub fn inserted_view(
+    job_id: String,
+    action_id: &str,
+    plan_id: &str,
+    input: HashMap<String, String>,
+    max_attempts: u32,
+    created_at_ms: i64,
+) -> pb::Job {
+    pb::Job {
+        job_id,
+        action_id: action_id.to_string(),
+        plan_id: plan_id.to_string(),
+        status: PENDING,
+        input,
+        attempt: 0,
+        max_attempts,
+        created_at: Some(ts(created_at_ms)),
+        started_at: None,
+        completed_at: None,
+        worker_id: String::new(),
+        task_results: Vec::new(),
+        error: String::new(),
+        waiting_reason: String::new(),
+        current_task: 0,
+        progress_percent: 0,
+        ready_at: None,
+    }
+}
+
 /// The job at `row`, with task results when `with_results`.
 ///
 /// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
