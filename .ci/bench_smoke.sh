@@ -11,4 +11,5 @@ cargo build --locked --bin agq-bench
 "$target/debug/agq-bench" --smoke
 "$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
 "$target/debug/agq-bench" --smoke --backlog 2000 --backlog-sample 200 --workers 4
+"$target/debug/agq-bench" --smoke --soak-secs 2 --soak-rate 400 --soak-sample-secs 1
 echo "bench smoke: ok"
