@@ -11,8 +11,9 @@
 //!   exponential backoff (1 s, 2 s, 4 s … 60 s, jittered);
 //! - one **job task** per lease ([`run_job`]) runs the plan through the
 //!   [`Executor`], reports `RUNNING` as each task starts and the final
-//!   result, retried while the server is unreachable (until the lease
-//!   expires). Jobs outlive reconnects;
+//!   result (through the [`Reporter`], which batches the reports that
+//!   queue up into `BatchUpdateJobs`), retried while the server is
+//!   unreachable (until the lease expires). Jobs outlive reconnects;
 //! - the **supervisor** ([`run`]) handles signals and drain: first signal →
 //!   DRAINING (no new leases), wait for the jobs up to the drain timeout,
 //!   kill the rest, unregister, exit; second signal → kill every task's
