@@ -116,6 +116,23 @@ pub async fn submit_action(
     Ok(r.into_inner().job_ids)
 }
 
+/// The registration of simulated worker `id` with `slots` leases at once:
+/// it offers [`TOOL`] only.
+pub fn register_request(id: &str, slots: u32) -> pb::RegisterWorkerRequest {
+    pb::RegisterWorkerRequest {
+        worker_id: id.into(),
+        hostname: "bench-host".into(),
+        platform: "linux-x86_64".into(),
+        agw_version: "agq-bench".into(),
+        capabilities: Some(pb::WorkerCapabilities {
+            tools: vec![TOOL.into()],
+            agentic_units: vec![],
+        }),
+        max_concurrent_jobs: slots,
+        tags: Default::default(),
+    }
+}
+
 /// How simulated workers behave.
 #[derive(Debug, Clone)]
 pub struct WorkerSpec {
@@ -273,18 +290,7 @@ async fn worker_main(
     let permit = gate.acquire_owned().await;
     let setup = async {
         client
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: id.clone(),
-                hostname: "bench-host".into(),
-                platform: "linux-x86_64".into(),
-                agw_version: "agq-bench".into(),
-                capabilities: Some(pb::WorkerCapabilities {
-                    tools: vec![TOOL.into()],
-                    agentic_units: vec![],
-                }),
-                max_concurrent_jobs: spec.slots,
-                tags: Default::default(),
-            })
+            .register_worker(register_request(&id, spec.slots))
             .await?;
         let (hb_tx, hb_rx) = mpsc::channel::<pb::HeartbeatRequest>(8);
         let beat = || pb::HeartbeatRequest {
@@ -436,11 +442,7 @@ pub async fn submit_closed_loop(
             }
         }));
     }
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
-    }
-    Ok(())
+    super::join_submitters(tasks).await
 }
 
 /// Submits `actions` actions of `k` jobs at a fixed rate of `jobs_per_sec`
@@ -472,9 +474,5 @@ pub async fn submit_paced(
                 .map(|_| ())
         }));
     }
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
-    }
-    Ok(())
+    super::join_submitters(tasks).await
 }

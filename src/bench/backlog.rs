@@ -11,7 +11,7 @@ use super::{
     agq_load::{self, Fleet},
     harness::Harness,
     procstat::{self, CpuMark},
-    report::{channels, verdict, wait_done, MAX_CONNECTIONS, PLAN},
+    report::{load_channels, verdict, wait_done, PLAN},
     stats::{now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
@@ -38,13 +38,7 @@ async fn one(args: &BenchArgs, pending: usize, sample: usize) -> Result<Result1,
     cfg.max_inputs_per_action = 10_000;
     let h = Harness::start(&args.base_dir(), cfg, args.server_threads).await?;
     let result = async {
-        let conns = args
-            .workers
-            .div_ceil(args.workers_per_connection.max(1))
-            .clamp(1, MAX_CONNECTIONS);
-        let worker_channels = channels(&h, conns).await?;
-        let submit_channels = channels(&h, args.clients.clamp(1, 8)).await?;
-        agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
+        let (worker_channels, submit_channels) = load_channels(args, &h).await?;
         let k = pending.min(10_000);
         let actions = pending.div_ceil(k);
         let t = now_us();

@@ -17,7 +17,7 @@ use futures_util::{stream::FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, watch};
 
 use super::{
-    agq_load::{bench_plan, job_input, task_result, TOOL},
+    agq_load::{bench_plan, job_input, register_request, task_result},
     harness::TempDir,
     procstat::CpuMark,
     report::{wait_done, PLAN},
@@ -96,18 +96,7 @@ async fn drive(args: &BenchArgs, engine: &Arc<Engine>) -> Result<bool, BenchErro
     for i in 0..args.workers {
         let id = format!("engine-{i}");
         engine
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: id.clone(),
-                hostname: "bench-host".into(),
-                platform: "linux-x86_64".into(),
-                agw_version: "agq-bench".into(),
-                capabilities: Some(pb::WorkerCapabilities {
-                    tools: vec![TOOL.into()],
-                    agentic_units: vec![],
-                }),
-                max_concurrent_jobs: args.slots,
-                tags: Default::default(),
-            })
+            .register_worker(register_request(&id, args.slots))
             .await
             .map_err(internal)?;
         let (hb_tx, hb_rx) = mpsc::unbounded_channel();
@@ -187,10 +176,7 @@ async fn drive(args: &BenchArgs, engine: &Arc<Engine>) -> Result<bool, BenchErro
             }
         }));
     }
-    for s in submitters {
-        s.await
-            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
-    }
+    super::join_submitters(submitters).await?;
     let submit_secs = (now_us() - t0) as f64 / 1e6;
     let finished = wait_done(&rec, jobs, args.timeout()).await;
     let (_, process_cpu, _) = mark.since();

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{transport::Channel, Streaming};
 
 use super::{
-    agq_load::{self, TOOL},
+    agq_load,
     harness::{self, Harness},
     report::{verdict, PLAN},
     stats::{histogram, now_us, Summary},
@@ -49,18 +49,7 @@ impl CtlWorker {
     async fn start(h: &Harness, id: &str, interval: Duration) -> Result<CtlWorker, BenchError> {
         let mut client = WorkerServiceClient::new(h.connect().await?);
         client
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: id.into(),
-                hostname: "bench-host".into(),
-                platform: "linux-x86_64".into(),
-                agw_version: "agq-bench".into(),
-                capabilities: Some(pb::WorkerCapabilities {
-                    tools: vec![TOOL.into()],
-                    agentic_units: vec![],
-                }),
-                max_concurrent_jobs: 1,
-                tags: Default::default(),
-            })
+            .register_worker(agq_load::register_request(id, 1))
             .await?;
         let (hb_tx, rx) = mpsc::channel(8);
         let beat = {

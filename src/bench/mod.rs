@@ -196,6 +196,19 @@ impl BenchArgs {
     }
 }
 
+/// Waits for every submit task; the first failure (or panic) wins.
+///
+/// Errors: a task's own error, or [`BenchError::Failed`] when it panicked.
+pub async fn join_submitters(
+    tasks: impl IntoIterator<Item = tokio::task::JoinHandle<Result<(), BenchError>>>,
+) -> Result<(), BenchError> {
+    for t in tasks {
+        t.await
+            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
+    }
+    Ok(())
+}
+
 /// Raises the soft open-files limit to the hard one (many sockets).
 fn raise_nofile() -> u64 {
     // SAFETY: getrlimit/setrlimit with a valid struct.

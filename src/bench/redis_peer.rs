@@ -204,11 +204,7 @@ pub async fn submit_closed_loop(
             }
         }));
     }
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
-    }
-    Ok(())
+    super::join_submitters(tasks).await
 }
 
 /// Submits `actions` actions of `k` jobs at `jobs_per_sec` (open loop, a
@@ -233,11 +229,7 @@ pub async fn submit_paced(
         }
     }
     drop(tx);
-    for t in rx {
-        t.await
-            .map_err(|e| BenchError::Failed(format!("submit task: {e}")))??;
-    }
-    Ok(())
+    super::join_submitters(rx).await
 }
 
 type PoolTasks = Vec<tokio::task::JoinHandle<Result<(), BenchError>>>;

@@ -2,6 +2,7 @@
 //! Redis peer) and the printing of its table, with the bars.
 
 use std::{
+    path::Path,
     sync::{atomic::AtomicBool, Arc},
     time::{Duration, Instant},
 };
@@ -84,6 +85,36 @@ pub async fn channels(h: &Harness, n: usize) -> Result<Vec<Channel>, BenchError>
         out.push(h.connect().await?);
     }
     Ok(out)
+}
+
+/// Starts AGQ for a loaded run: as a child `binary serve` process when
+/// given (its own CPU and RSS), else in-process.
+///
+/// Errors: setup failures.
+pub async fn start_agq(args: &BenchArgs, binary: Option<&Path>) -> Result<Harness, BenchError> {
+    match binary {
+        Some(bin) => Harness::start_child(bin, &args.base_dir(), &args.engine_config()).await,
+        None => Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await,
+    }
+}
+
+/// Opens the simulated workers' connections (`--workers-per-connection`
+/// workers each, at most [`MAX_CONNECTIONS`]) and the submit clients' (at
+/// most 8), and stores the bench plan. Returns (workers', clients').
+///
+/// Errors: connection failures, a failed SubmitPlan.
+pub async fn load_channels(
+    args: &BenchArgs,
+    h: &Harness,
+) -> Result<(Vec<Channel>, Vec<Channel>), BenchError> {
+    let conns = args
+        .workers
+        .div_ceil(args.workers_per_connection.max(1))
+        .clamp(1, MAX_CONNECTIONS);
+    let worker_channels = channels(h, conns).await?;
+    let submit_channels = channels(h, args.clients.clamp(1, 8)).await?;
+    agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
+    Ok((worker_channels, submit_channels))
 }
 
 /// The figures of one loaded phase of one system.
@@ -274,17 +305,8 @@ pub async fn agq_phase(
 /// The AGQ half of the default mode.
 pub async fn run_agq(args: &BenchArgs) -> Result<SystemRun, BenchError> {
     procstat::reset_peak_rss();
-    let h = match &args.agq_binary {
-        Some(bin) => Harness::start_child(bin, &args.base_dir(), &args.engine_config()).await?,
-        None => Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await?,
-    };
-    let conns = args
-        .workers
-        .div_ceil(args.workers_per_connection.max(1))
-        .clamp(1, MAX_CONNECTIONS);
-    let worker_channels = channels(&h, conns).await?;
-    let submit_channels = channels(&h, args.clients.clamp(1, 8)).await?;
-    agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
+    let h = start_agq(args, args.agq_binary.as_deref()).await?;
+    let (worker_channels, submit_channels) = load_channels(args, &h).await?;
     let rec = Arc::new(Recorder::default());
     let started = Instant::now();
     let spec = args.worker_spec(args.slots);

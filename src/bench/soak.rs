@@ -19,7 +19,7 @@ use super::{
     agq_load::{self, Fleet},
     harness::Harness,
     procstat,
-    report::{self, channels, MAX_CONNECTIONS, PLAN},
+    report::{self, PLAN},
     stats::{now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
@@ -85,10 +85,7 @@ fn print_sample(s: &Sample) {
 /// Errors: setup failures, a failed SubmitAction.
 pub async fn run(args: &BenchArgs, secs: u64) -> Result<bool, BenchError> {
     let binary = server_binary(args);
-    let h = match &binary {
-        Some(bin) => Harness::start_child(bin, &args.base_dir(), &args.engine_config()).await?,
-        None => Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await?,
-    };
+    let h = report::start_agq(args, binary.as_deref()).await?;
     let pid = h.pid();
     println!(
         "soak: AGQ {}",
@@ -100,13 +97,7 @@ pub async fn run(args: &BenchArgs, secs: u64) -> Result<bool, BenchError> {
             None => "in-process (no agq binary found): RSS and fds are the whole bench's".into(),
         }
     );
-    let conns = args
-        .workers
-        .div_ceil(args.workers_per_connection.max(1))
-        .clamp(1, MAX_CONNECTIONS);
-    let worker_channels = channels(&h, conns).await?;
-    let submit_channels = channels(&h, args.clients.clamp(1, 8)).await?;
-    agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
+    let (worker_channels, submit_channels) = report::load_channels(args, &h).await?;
     let rec = Arc::new(Recorder::default());
     let spec = args.worker_spec(args.slots);
     let fleet = Fleet::start(&worker_channels, args.workers, "soak", spec, rec.clone()).await?;

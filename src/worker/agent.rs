@@ -137,7 +137,7 @@ fn lease_gone(code: Code) -> bool {
 
 /// True for codes worth retrying an update for: the server (or the path to
 /// it) is down, not refusing.
-pub(super) fn transient(code: Code) -> bool {
+fn transient(code: Code) -> bool {
     matches!(
         code,
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown

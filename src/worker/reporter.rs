@@ -6,8 +6,9 @@
 //!
 //! Each report's caller gets the outcome the server gave that report, as
 //! the `Status` `UpdateJob` would have returned, so its retry rules do not
-//! change. A server without `BatchUpdateJobs` (`UNIMPLEMENTED`), or one
-//! that refuses a whole batch, gets the reports one `UpdateJob` each.
+//! change; a status for the whole call is every report's. A server without
+//! `BatchUpdateJobs` (`UNIMPLEMENTED`) gets `UNAVAILABLE` back to each
+//! caller, which retries, and from then on one `UpdateJob` per report.
 
 use std::time::Duration;
 
@@ -19,7 +20,7 @@ use tokio::{
 use tonic::{Code, Status};
 use tracing::{debug, info};
 
-use super::{agent::transient, client::WorkerClient};
+use super::client::WorkerClient;
 use crate::pb::{BatchUpdateJobsRequest, UpdateJobRequest};
 
 /// Most reports in one call (the server takes up to 1024).
@@ -100,13 +101,13 @@ async fn send_loop(
         let (reqs, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.req, p.reply)).unzip();
         let call = client.batch_update_jobs(BatchUpdateJobsRequest {
             worker_id: worker_id.clone(),
-            requests: reqs.clone(),
+            requests: reqs,
         });
         let outcome = match timeout(call_timeout, call).await {
             Ok(r) => r.map(|r| r.into_inner().results),
             Err(_) => Err(Status::deadline_exceeded("BatchUpdateJobs timed out")),
         };
-        match outcome {
+        let whole = match outcome {
             Ok(results) if results.len() == replies.len() => {
                 debug!(reports = results.len(), "reports sent in one batch");
                 for (r, reply) in results.into_iter().zip(replies) {
@@ -115,31 +116,24 @@ async fn send_loop(
                         code => Err(Status::new(Code::from(code), r.message)),
                     });
                 }
+                continue;
             }
-            Err(st) if transient(st.code()) => {
-                // The server is unreachable: every report's caller retries.
-                for reply in replies {
-                    let _ = reply.send(Err(st.clone()));
-                }
+            Ok(results) => Status::unknown(format!(
+                "BatchUpdateJobs answered {} results for {} reports",
+                results.len(),
+                replies.len()
+            )),
+            Err(st) if st.code() == Code::Unimplemented => {
+                info!("the server has no BatchUpdateJobs: reporting one job per call");
+                batches = false;
+                Status::unavailable("the server has no BatchUpdateJobs: send the report again")
             }
-            other => {
-                // No batch support, or a refusal (or an answer) that says
-                // nothing per report: send them one by one instead.
-                if let Err(st) = &other {
-                    if st.code() == Code::Unimplemented {
-                        info!("the server has no BatchUpdateJobs: reporting one job per call");
-                        batches = false;
-                    } else {
-                        debug!(code = ?st.code(), "batch refused as a whole: reporting one by one");
-                    }
-                }
-                let batch = reqs
-                    .into_iter()
-                    .zip(replies)
-                    .map(|(req, reply)| Pending { req, reply })
-                    .collect();
-                send_each(&mut client, batch, call_timeout).await;
-            }
+            Err(st) => st,
+        };
+        // An answer for the whole call is each report's answer (UpdateJob
+        // would have said the same); the transient ones are retried.
+        for reply in replies {
+            let _ = reply.send(Err(whole.clone()));
         }
     }
 }
