@@ -95,22 +95,20 @@ pub fn describe_status(status: &Status) -> String {
         text.push_str(": ");
         text.push_str(status.message());
     }
-    let mut source = status.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
+    append_causes(&mut text, status.source());
     text
 }
 
 /// The message of an error followed by every cause, `a: b: c`.
 pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
-    let mut source = err.source();
+    append_causes(&mut text, err.source());
+    text
+}
+
+/// Appends `: cause` for `source` and each cause below it, skipping a cause
+/// whose text is already there.
+fn append_causes(text: &mut String, mut source: Option<&(dyn std::error::Error + 'static)>) {
     while let Some(s) = source {
         let s_text = s.to_string();
         if !text.contains(&s_text) {
@@ -119,5 +117,4 @@ pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
         }
         source = s.source();
     }
-    text
 }

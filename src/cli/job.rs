@@ -5,11 +5,11 @@
 use std::time::SystemTime;
 
 use super::{
-    fetch_each, more_hint, print_json,
+    collect_pages, fetch_each, more_hint, print_json,
     table::emit,
     time::{parse_time, to_timestamp},
     view::{JobPage, JobSummary, JobView, StatusArg},
-    CliError, Clients, OutputFormat,
+    CliError, Clients, OutputFormat, PageArgs,
 };
 use crate::pb::{self, JobStatus};
 
@@ -61,20 +61,6 @@ pub enum JobCommand {
         /// Job id.
         job_id: String,
     },
-}
-
-/// Paging flags of the job listings.
-#[derive(Debug, Clone, clap::Args)]
-pub struct PageArgs {
-    /// Jobs per page, 1..=1000 [server default: 100].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub page_size: Option<u32>,
-    /// Token of the page to fetch (printed after a partial page).
-    #[arg(long, conflicts_with = "all")]
-    pub page_token: Option<String>,
-    /// Fetch every page.
-    #[arg(long)]
-    pub all: bool,
 }
 
 /// Runs one `job` subcommand.
@@ -175,28 +161,6 @@ fn show_job(view: JobView, out: OutputFormat, full: bool) -> Result<(), CliError
     match out {
         OutputFormat::Json => print_json(&view),
         OutputFormat::Table => emit(&view.table(full)),
-    }
-}
-
-/// Job ids of one page (or every page with `--all`) and the next token.
-async fn collect_pages<F, Fut>(
-    page: &PageArgs,
-    mut fetch: F,
-) -> Result<(Vec<String>, String), CliError>
-where
-    F: FnMut(u32, String) -> Fut,
-    Fut: std::future::Future<Output = Result<(Vec<String>, String), tonic::Status>>,
-{
-    let mut ids = Vec::new();
-    let mut token = page.page_token.clone().unwrap_or_default();
-    let size = page.page_size.unwrap_or(if page.all { 1000 } else { 0 });
-    loop {
-        let (more, next) = fetch(size, token).await?;
-        ids.extend(more);
-        token = next;
-        if !page.all || token.is_empty() {
-            return Ok((ids, token));
-        }
     }
 }
 

@@ -147,6 +147,45 @@ pub fn print_json<T: serde::Serialize>(value: &T) -> Result<(), CliError> {
 /// How many detail calls (`GetJob`, `GetPlan`) a listing runs at once.
 const FETCH_CONCURRENCY: usize = 16;
 
+/// Paging flags of the listings (jobs, plans).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PageArgs {
+    /// Results per page, 1..=1000 [server default: 100].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub page_size: Option<u32>,
+    /// Token of the page to fetch (printed after a partial page).
+    #[arg(long, conflicts_with = "all")]
+    pub page_token: Option<String>,
+    /// Fetch every page.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// The ids of one page (or every page with `--all`) and the next token;
+/// `fetch(page_size, page_token)` makes one listing call.
+///
+/// Errors: the first failed call.
+async fn collect_pages<F, Fut>(
+    page: &PageArgs,
+    mut fetch: F,
+) -> Result<(Vec<String>, String), CliError>
+where
+    F: FnMut(u32, String) -> Fut,
+    Fut: std::future::Future<Output = Result<(Vec<String>, String), tonic::Status>>,
+{
+    let mut ids = Vec::new();
+    let mut token = page.page_token.clone().unwrap_or_default();
+    let size = page.page_size.unwrap_or(if page.all { 1000 } else { 0 });
+    loop {
+        let (more, next) = fetch(size, token).await?;
+        ids.extend(more);
+        token = next;
+        if !page.all || token.is_empty() {
+            return Ok((ids, token));
+        }
+    }
+}
+
 /// Runs `fetch` for every id, a few at a time, and returns the results in
 /// id order. Ids that are `NOT_FOUND` by now (deleted between the listing
 /// and the fetch) are skipped.

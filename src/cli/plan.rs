@@ -8,10 +8,10 @@ use std::{io::Read, path::Path};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{
-    fetch_each, print_json,
+    collect_pages, fetch_each, print_json,
     table::{emit, emit_line, Table},
     view::{one_line, PlanView},
-    CliError, Clients, OutputFormat,
+    CliError, Clients, OutputFormat, PageArgs,
 };
 use crate::pb;
 
@@ -42,15 +42,9 @@ pub enum PlanCommand {
 pub struct PlanListArgs {
     /// Glob over plan ids (`*`, `?`, `[a-z]`); all plans when omitted.
     pub pattern: Option<String>,
-    /// Plans per page, 1..=1000 [server default: 100].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub page_size: Option<u32>,
-    /// Token of the page to fetch (printed after a partial page).
-    #[arg(long, conflicts_with = "all")]
-    pub page_token: Option<String>,
-    /// Fetch every page.
-    #[arg(long)]
-    pub all: bool,
+    /// Paging.
+    #[command(flatten)]
+    pub page: PageArgs,
 }
 
 /// A Task as read from JSON.
@@ -313,25 +307,23 @@ pub async fn get_plan(c: &Clients, plan_id: String) -> Result<pb::Plan, CliError
 
 /// The plan ids of one page, or of every page with `--all`.
 async fn list_ids(c: &Clients, args: &PlanListArgs) -> Result<(Vec<String>, String), CliError> {
-    let mut ids = Vec::new();
-    let mut token = args.page_token.clone().unwrap_or_default();
-    loop {
-        let resp = c
-            .plan
-            .clone()
-            .list_plans(pb::ListPlansRequest {
-                pattern: args.pattern.clone().unwrap_or_default(),
-                page_size: args.page_size.unwrap_or(if args.all { 1000 } else { 0 }),
-                page_token: token,
-            })
-            .await?
-            .into_inner();
-        ids.extend(resp.plan_ids);
-        token = resp.next_page_token;
-        if !args.all || token.is_empty() {
-            return Ok((ids, token));
+    let pattern = args.pattern.clone().unwrap_or_default();
+    collect_pages(&args.page, |page_size, page_token| {
+        let mut client = c.plan.clone();
+        let pattern = pattern.clone();
+        async move {
+            let r = client
+                .list_plans(pb::ListPlansRequest {
+                    pattern,
+                    page_size,
+                    page_token,
+                })
+                .await?
+                .into_inner();
+            Ok((r.plan_ids, r.next_page_token))
         }
-    }
+    })
+    .await
 }
 
 #[cfg(test)]
