@@ -818,3 +818,64 @@ fn tls_with_a_private_ca() {
     let plain = run_agq(&["--server", &s.url(), "plan", "list"], None, &[]);
     assert_eq!(plain.code, 1, "{plain:?}");
 }
+
+/// Issue 8: no token and no input value appears in the server's or the
+/// worker's log at the default level, through a whole job's life with
+/// client, worker and wrong tokens.
+#[test]
+fn tokens_and_input_values_stay_out_of_the_logs() {
+    const CLIENT: &str = "client-token-LOGCHECK-0123456789";
+    const WORKER: &str = "worker-token-LOGCHECK-0123456789";
+    const WRONG: &str = "wrong-token-LOGCHECK-0123456789";
+    const MARK: &str = "VALUEMARK7731";
+    let dir = tempfile::tempdir().unwrap();
+    let auth = write_file(
+        dir.path(),
+        "auth.toml",
+        &format!(
+            "[[tokens]]\ntoken = \"{CLIENT}\"\nrole = \"client\"\n\n\
+             [[tokens]]\ntoken = \"{WORKER}\"\nrole = \"worker\"\nworker_id = \"lw1\"\n"
+        ),
+    );
+    let input = write_file(dir.path(), &format!("input-{MARK}.txt"), "b a b\n");
+    let mut s = Server::start_at_default_log_level(&["--auth-file", &auth]);
+    s.agq(&["--token", WRONG, "plan", "list"])
+        .assert_err(1, "UNAUTHENTICATED");
+    s.agq(&["--token", CLIENT, "plan", "submit", &example_plan()])
+        .assert_ok();
+    s.start_worker_with("lw1", &["--token", WORKER]);
+    let submitted = s.json(&[
+        "--token",
+        CLIENT,
+        "action",
+        "submit",
+        "--plan",
+        "word-frequency",
+        "--input",
+        &format!("file={input}"),
+        "--input",
+        &format!("note={MARK}"),
+    ]);
+    let job_id = submitted["job_ids"][0].as_str().unwrap().to_owned();
+    let done = s.wait_json(&["--token", CLIENT, "job", "status", &job_id], |j| {
+        j["status"] == "completed"
+    });
+    assert_eq!(done["input"]["note"], MARK, "the job carried the value");
+    // What each log is known to say at this level: the server logs the
+    // worker's registration, agw the job it ran.
+    let logs = [
+        ("agq serve", "lw1", s.log()),
+        (
+            "agw",
+            job_id.as_str(),
+            std::fs::read_to_string(s.dir.path().join("lw1.log")).unwrap(),
+        ),
+    ];
+    drop(s);
+    for (who, said, log) in &logs {
+        assert!(log.contains(said), "{who}'s log lacks {said}:\n{log}");
+        for secret in [CLIENT, WORKER, WRONG, MARK] {
+            assert!(!log.contains(secret), "{who}'s log holds {secret}:\n{log}");
+        }
+    }
+}

@@ -47,10 +47,21 @@ impl Server {
 
     /// Starts a server with extra `agq serve` flags.
     pub fn start_with(extra: &[&str]) -> Server {
+        Self::start_logging(extra, false)
+    }
+
+    /// Starts a server with extra flags at the default log level (no
+    /// `RUST_LOG`, whatever the caller's environment says).
+    pub fn start_at_default_log_level(extra: &[&str]) -> Server {
+        Self::start_logging(extra, true)
+    }
+
+    fn start_logging(extra: &[&str], default_level: bool) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("agq.db");
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let mut child = clean_command(AGQ)
+        let mut child = clean_command(AGQ);
+        child
             .args([
                 "serve",
                 "--listen",
@@ -71,9 +82,11 @@ impl Server {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn agq serve");
+            .stderr(Stdio::from(log));
+        if default_level {
+            child.env_remove("RUST_LOG");
+        }
+        let mut child = child.spawn().expect("spawn agq serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = lines
@@ -125,6 +138,13 @@ impl Server {
 
     /// Starts an `agw` worker with this id and waits until it registered.
     pub fn start_worker(&mut self, id: &str) {
+        self.start_worker_with(id, &[]);
+    }
+
+    /// Starts an `agw` worker with this id and extra flags (at agw's
+    /// default log level) and waits until it registered; its log is
+    /// `<dir>/<id>.log`.
+    pub fn start_worker_with(&mut self, id: &str, extra: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
         let mut child = clean_command(AGW)
             .args([
@@ -137,6 +157,8 @@ impl Server {
                 "--drain-timeout-secs",
                 "5",
             ])
+            .args(extra)
+            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
