@@ -47,7 +47,12 @@ pub fn print_machine(args: &BenchArgs) {
         load.join(" ")
     );
     println!(
-        "AGQ: in-process, SQLite synchronous={} (WAL), {} server threads, {} client threads",
+        "AGQ: {}, SQLite synchronous={} (WAL), {} server threads, {} client threads",
+        if args.soak_secs.is_some() || args.agq_binary.is_some() {
+            "child process where found (see below)"
+        } else {
+            "in-process"
+        },
         sync_name(args),
         args.server_threads,
         args.client_threads
