@@ -802,8 +802,9 @@ async fn agw_reporter_batches_queued_reports() {
 }
 
 /// A lease carries the job as GetJob shows it: for a new job (whose row the
-/// scheduler keeps in memory until its first lease) and for a retried one
-/// (read back from the database).
+/// scheduler keeps in memory until its first lease), for a retried one
+/// (read back from the database) and for one leased in the transaction
+/// that inserts it.
 #[tokio::test]
 async fn a_lease_carries_the_job_as_stored() {
     let dir = tempfile::tempdir().unwrap();
@@ -832,6 +833,74 @@ async fn a_lease_carries_the_job_as_stored() {
         (2, "attempt 1 of 3: boom")
     );
     w.complete(&second).await;
+
+    // Submitted while an idle worker waits and nothing else is queued: the
+    // job is inserted already leased, in the submit's own transaction.
+    let (_, more) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let third = w.lease().await;
+    let stored = job(&s, &more[0]).await;
+    assert_eq!(third.job.as_ref(), Some(&stored));
+    assert_eq!(
+        (stored.attempt, stored.status, stored.worker_id.as_str()),
+        (1, JobStatus::Running as i32, "w1")
+    );
+    assert_eq!(third.attempt, 1);
+    w.report(&third, JobStatus::Failed).await.unwrap();
+    let fourth = w.lease().await;
+    assert_eq!(fourth.job.as_ref().unwrap().job_id, more[0]);
+    assert_eq!(fourth.attempt, 2);
+    w.complete(&fourth).await;
+    assert_eq!(job(&s, &more[0]).await.status, JobStatus::Completed as i32);
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+/// A report's task results replace whatever the job had stored: those of
+/// a progress report of the same attempt (a new job's first lease, which
+/// the server knows starts with none) and those of an earlier attempt.
+#[tokio::test]
+async fn task_results_are_replaced_by_the_next_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat", "sort"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat", "sort"], 1).await;
+    let result = |n: u32, out: &str| TaskResult {
+        task_number: n,
+        command: "cat".into(),
+        stdout: out.into(),
+        ..Default::default()
+    };
+    let report = |lease: &JobLease, status: JobStatus, results: Vec<TaskResult>| {
+        let mut r = batched(lease, status);
+        r.worker_id = "w1".into();
+        r.task_results = results;
+        r
+    };
+    let stdout =
+        |j: &Job| -> Vec<String> { j.task_results.iter().map(|t| t.stdout.clone()).collect() };
+
+    let first = w.lease().await;
+    let mut c = w.client();
+    c.update_job(report(
+        &first,
+        JobStatus::Running,
+        vec![result(1, "a1"), result(2, "a2")],
+    ))
+    .await
+    .unwrap();
+    assert_eq!(stdout(&job(&s, &ids[0]).await), ["a1", "a2"]);
+    c.update_job(report(&first, JobStatus::Failed, vec![result(1, "b1")]))
+        .await
+        .unwrap();
+    assert_eq!(stdout(&job(&s, &ids[0]).await), ["b1"]);
+
+    let second = w.lease().await;
+    c.update_job(report(&second, JobStatus::Completed, vec![result(1, "c1")]))
+        .await
+        .unwrap();
+    let done = job(&s, &ids[0]).await;
+    assert_eq!(done.status, JobStatus::Completed as i32);
+    assert_eq!(stdout(&done), ["c1"]);
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }

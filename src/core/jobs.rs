@@ -22,12 +22,40 @@ pub struct NewAction {
     pub action_id: String,
     /// Plan to run.
     pub plan_id: String,
-    /// One map per job.
-    pub inputs: Vec<HashMap<String, String>>,
+    /// One per input, in order.
+    pub jobs: Vec<NewJob>,
     /// Scheduled start, ms; `None` runs now.
     pub run_at_ms: Option<i64>,
     /// Attempts per job.
     pub max_attempts: u32,
+}
+
+/// One job of a [`NewAction`], prepared before it reaches the writer thread
+/// (the id and the JSON cost the single writer nothing).
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    /// Public id (a UUIDv7).
+    pub job_id: String,
+    /// The input values.
+    pub input: HashMap<String, String>,
+    /// `input` as the JSON object stored in the row.
+    pub input_json: String,
+}
+
+impl NewJob {
+    /// A job with a new id for `input`.
+    ///
+    /// Errors: `Internal` if the input cannot be written as JSON (a map of
+    /// strings always can).
+    pub fn new(input: HashMap<String, String>) -> Result<NewJob> {
+        let input_json =
+            serde_json::to_string(&input).map_err(|e| Error::Internal(e.to_string()))?;
+        Ok(NewJob {
+            job_id: uuid::Uuid::now_v7().to_string(),
+            input,
+            input_json,
+        })
+    }
 }
 
 impl State {
@@ -66,17 +94,19 @@ impl State {
         Ok(())
     }
 
-    /// Creates the action and one pending job per input, all in this
-    /// operation's savepoint (seed: ACTION.SUBMIT). Returns the job ids.
+    /// Creates the action and one pending job per input (seed:
+    /// ACTION.SUBMIT). Returns the job ids. Every check comes before the
+    /// first SQL write, so it runs without a savepoint
+    /// (`Writer::write_direct`): keep it that way.
     ///
     /// Errors: `NotFound` (plan), `AlreadyExists` (action id), storage errors.
     pub fn submit_action(&mut self, conn: &Connection, mut a: NewAction) -> Result<Vec<String>> {
-        if !self.plans.contains_key(&a.plan_id) {
+        let Some(plan) = self.plans.get(&a.plan_id).cloned() else {
             return Err(Error::not_found(format!("plan {} not found", a.plan_id)));
-        }
+        };
         let now_ms = store::now_ms();
         let ready_at = a.run_at_ms.unwrap_or(now_ms).max(now_ms);
-        let total = a.inputs.len() as u32;
+        let total = a.jobs.len() as u32;
         if !jobs::insert_action(
             conn,
             &a.action_id,
@@ -91,48 +121,56 @@ impl State {
                 a.action_id
             )));
         }
-        let mut rows = Vec::with_capacity(a.inputs.len());
-        let mut ids = Vec::with_capacity(a.inputs.len());
-        // Jobs that go straight to the ready queue keep their row in memory
-        // for their first lease while the queues are short (FreshJob).
-        let mut queued = (ready_at <= now_ms).then(|| self.ready.len() + self.delayed_jobs.len());
-        for input in std::mem::take(&mut a.inputs) {
-            let json = serde_json::to_string(&input).map_err(|e| Error::Internal(e.to_string()))?;
-            let job_id = uuid::Uuid::now_v7().to_string();
+        let plan_id = self.intern(&a.plan_id);
+        let action_id = self.intern(&a.action_id);
+        let runs_now = ready_at <= now_ms;
+        let mut ids = Vec::with_capacity(a.jobs.len());
+        for NewJob {
+            job_id,
+            input,
+            input_json,
+        } in std::mem::take(&mut a.jobs)
+        {
+            ids.push(job_id.clone());
+            let fresh = FreshJob {
+                job_id,
+                input,
+                max_attempts: a.max_attempts,
+                created_at_ms: now_ms,
+            };
+            // Straight to an idle worker while nothing older waits: the row
+            // is inserted leased (no second write to grant it).
+            if let Some(worker_id) = runs_now.then(|| self.place_at_once(&plan_id)).flatten() {
+                self.insert_leased(
+                    conn,
+                    fresh,
+                    &input_json,
+                    action_id.clone(),
+                    plan_id.clone(),
+                    plan.plan.clone(),
+                    &worker_id,
+                )?;
+                continue;
+            }
             let row = jobs::insert_job(
                 conn,
-                &job_id,
+                &fresh.job_id,
                 &a.action_id,
                 &a.plan_id,
-                &json,
+                &input_json,
                 a.max_attempts,
                 now_ms,
                 ready_at,
             )?;
-            let fresh = match &mut queued {
-                Some(n) if *n < FRESH_JOBS_MAX => {
-                    *n += 1;
-                    Some(Box::new(FreshJob {
-                        job_id: job_id.clone(),
-                        input,
-                        max_attempts: a.max_attempts,
-                        created_at_ms: now_ms,
-                    }))
-                }
-                _ => None,
-            };
-            rows.push((row, fresh));
-            ids.push(job_id);
-        }
-        let plan_id = self.intern(&a.plan_id);
-        let action_id = self.intern(&a.action_id);
-        for (row, fresh) in rows {
+            // Jobs that go straight to the ready queue keep their row in
+            // memory for their first lease while the queues are short.
+            let keep = runs_now && self.ready.len() + self.delayed_jobs.len() < FRESH_JOBS_MAX;
             let waiting = Waiting {
                 plan_id: plan_id.clone(),
                 action_id: action_id.clone(),
                 since_ms: ready_at,
                 status: JobStatus::Pending,
-                fresh,
+                fresh: keep.then(|| Box::new(fresh)),
             };
             self.enqueue(row, waiting, now_ms);
         }
@@ -202,44 +240,48 @@ impl State {
             return Err(Error::invalid("progress_percent must be in 0..=100"));
         }
         let now_ms = store::now_ms();
-        let after =
-            match status {
-                JobStatus::Running => {
-                    jobs::set_progress(conn, row, req.current_task, req.progress_percent)?;
-                    if !req.task_results.is_empty() {
-                        jobs::replace_task_results(conn, row, &req.task_results)?;
+        let after = match status {
+            JobStatus::Running => {
+                jobs::set_progress(conn, row, req.current_task, req.progress_percent)?;
+                if !req.task_results.is_empty() {
+                    jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
+                    if let Some(l) = self.leases.get_mut(&row) {
+                        l.results_stored = true;
                     }
-                    JobStatus::Running
                 }
-                JobStatus::Completed => {
-                    jobs::replace_task_results(conn, row, &req.task_results)?;
-                    jobs::complete(conn, row, now_ms)?;
-                    self.metrics.transition(JobStatus::Completed);
-                    self.metrics
-                        .job_duration
-                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                    self.release(row, &lease.worker_id);
-                    self.touch(&lease.action_id);
-                    JobStatus::Completed
-                }
-                JobStatus::Failed => {
-                    jobs::replace_task_results(conn, row, &req.task_results)?;
-                    let error = if req.error.is_empty() {
-                        "the worker reported failure".to_string()
-                    } else {
-                        req.error.clone()
-                    };
-                    self.metrics
-                        .job_duration
-                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                    let after = self.end_attempt(conn, row, &lease, &error)?;
-                    self.metrics.requeue("job_failed");
-                    after
-                }
-                _ => return Err(Error::invalid(
+                JobStatus::Running
+            }
+            JobStatus::Completed => {
+                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
+                jobs::complete(conn, row, now_ms)?;
+                self.metrics.transition(JobStatus::Completed);
+                self.metrics
+                    .job_duration
+                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                self.release(row, &lease.worker_id);
+                self.touch(&lease.action_id);
+                JobStatus::Completed
+            }
+            JobStatus::Failed => {
+                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
+                let error = if req.error.is_empty() {
+                    "the worker reported failure".to_string()
+                } else {
+                    req.error.clone()
+                };
+                self.metrics
+                    .job_duration
+                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                let after = self.end_attempt(conn, row, &lease, &error)?;
+                self.metrics.requeue("job_failed");
+                after
+            }
+            _ => {
+                return Err(Error::invalid(
                     "status must be JOB_STATUS_RUNNING, JOB_STATUS_COMPLETED or JOB_STATUS_FAILED",
-                )),
-            };
+                ))
+            }
+        };
         Ok(after)
     }
 

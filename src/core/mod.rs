@@ -13,7 +13,7 @@ use std::{sync::Arc, time::Duration};
 use tokio::sync::watch;
 
 use self::{
-    jobs::NewAction,
+    jobs::{NewAction, NewJob},
     state::{State, StreamTx, Watchers},
     workers::StreamKind,
 };
@@ -283,11 +283,18 @@ impl Engine {
         let a = NewAction {
             action_id: action_id.clone(),
             plan_id: req.plan_id,
-            inputs: req.inputs.into_iter().map(|i| i.values).collect(),
+            jobs: req
+                .inputs
+                .into_iter()
+                .map(|i| NewJob::new(i.values))
+                .collect::<Result<_>>()?,
             run_at_ms,
             max_attempts,
         };
-        let ids = self.writer.write(move |s, c| s.submit_action(c, a)).await?;
+        let ids = self
+            .writer
+            .write_direct(move |s, c| s.submit_action(c, a))
+            .await?;
         Ok((action_id, ids))
     }
 

@@ -8,13 +8,27 @@ use std::{sync::Arc, time::Instant};
 use rand::Rng;
 use rusqlite::Connection;
 
-use super::state::{Effect, Lease, State, Waiting};
+use super::state::{Effect, FreshJob, Lease, State, Waiting};
 use crate::{
     error::{Error, Result},
     pb::{self, JobStatus, WorkerState},
     store::{self, jobs},
     time::{rfc3339, ts},
 };
+
+/// A lease being granted, for [`State::lease_out`].
+struct NewLease<'a> {
+    action_id: Arc<str>,
+    plan_id: Arc<str>,
+    worker_id: &'a str,
+    lease_id: String,
+    attempt: u32,
+    /// Since when the job waited (the metric's start), ms.
+    waiting_since_ms: i64,
+    now_ms: i64,
+    expires_at_ms: i64,
+    results_stored: bool,
+}
 
 impl State {
     /// Grants leases until no ready job has an eligible worker. FIFO among
@@ -81,11 +95,12 @@ impl State {
                 f.created_at_ms,
             ))
         });
+        let fresh = cached.is_some();
         let job = match cached {
             Some(job) => Some(job),
             None => jobs::get_by_row(conn, row, false)?,
         };
-        let Some(mut job) = job else {
+        let Some(job) = job else {
             self.dequeue(row);
             return Ok(());
         };
@@ -101,7 +116,6 @@ impl State {
             now_ms,
             expires_at_ms,
         )?;
-
         let Some(waiting) = self.dequeue(row) else {
             return Err(Error::Internal(format!("job row {row} was not ready")));
         };
@@ -110,15 +124,108 @@ impl State {
             .get(&*waiting.plan_id)
             .map(|p| p.plan.clone())
             .ok_or_else(|| Error::Internal(format!("plan {} missing", waiting.plan_id)))?;
+        self.lease_out(
+            row,
+            job,
+            plan,
+            NewLease {
+                action_id: waiting.action_id,
+                plan_id: waiting.plan_id,
+                worker_id,
+                lease_id,
+                attempt,
+                waiting_since_ms: waiting.since_ms,
+                now_ms,
+                expires_at_ms,
+                results_stored: !fresh,
+            },
+        );
+        Ok(())
+    }
+
+    /// The worker a new job of `plan_id` goes to at once, in the operation
+    /// that submits it, when nothing older waits in the ready queue (so
+    /// FIFO holds) and a worker is eligible. `None`: it is queued.
+    pub(super) fn place_at_once(&self, plan_id: &str) -> Option<String> {
+        if !self.ready.is_empty() || self.available.is_empty() {
+            return None;
+        }
+        self.pick(plan_id, Instant::now())
+    }
+
+    /// Inserts a new job already leased to `worker_id` (see
+    /// [`State::place_at_once`]) and queues its lease like [`Self::grant`]:
+    /// one INSERT instead of an INSERT and an UPDATE. `plan` is the job's
+    /// plan. Returns its row.
+    ///
+    /// Errors: storage errors only.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn insert_leased(
+        &mut self,
+        conn: &Connection,
+        job: FreshJob,
+        input_json: &str,
+        action_id: Arc<str>,
+        plan_id: Arc<str>,
+        plan: pb::Plan,
+        worker_id: &str,
+    ) -> Result<i64> {
+        let lease_id = uuid::Uuid::new_v4().to_string();
+        let expires_at_ms = job.created_at_ms + self.cfg.job_timeout.as_millis() as i64;
+        let row = jobs::insert_leased_job(
+            conn,
+            &job.job_id,
+            &action_id,
+            &plan_id,
+            input_json,
+            job.max_attempts,
+            job.created_at_ms,
+            worker_id,
+            &lease_id,
+            expires_at_ms,
+        )?;
+        let now_ms = job.created_at_ms;
+        let view = jobs::inserted_view(
+            job.job_id,
+            &action_id,
+            &plan_id,
+            job.input,
+            job.max_attempts,
+            now_ms,
+        );
+        self.lease_out(
+            row,
+            view,
+            plan,
+            NewLease {
+                action_id,
+                plan_id,
+                worker_id,
+                lease_id,
+                attempt: 1,
+                waiting_since_ms: now_ms,
+                now_ms,
+                expires_at_ms,
+                results_stored: false,
+            },
+        );
+        Ok(row)
+    }
+
+    /// Records a lease granted in this batch (the row already says so) and
+    /// queues it, with the job's `plan`, for the holder's lease stream;
+    /// `job` is the row as it was before the grant.
+    fn lease_out(&mut self, row: i64, mut job: pb::Job, plan: pb::Plan, l: NewLease<'_>) {
+        let worker_id = l.worker_id;
         self.metrics
             .enqueue_to_lease
-            .observe((now_ms - waiting.since_ms).max(0) as f64 / 1000.0);
+            .observe((l.now_ms - l.waiting_since_ms).max(0) as f64 / 1000.0);
         self.metrics.transition(JobStatus::Running);
         self.lease_seq += 1;
         let seq = self.lease_seq;
         job.status = JobStatus::Running as i32;
-        job.attempt = attempt;
-        job.started_at = Some(ts(now_ms));
+        job.attempt = l.attempt;
+        job.started_at = Some(ts(l.now_ms));
         job.worker_id = worker_id.to_string();
         job.current_task = 0;
         job.progress_percent = 0;
@@ -126,40 +233,40 @@ impl State {
         self.leases.insert(
             row,
             Lease {
-                lease_id: lease_id.clone(),
+                lease_id: l.lease_id.clone(),
                 worker_id: worker_id.to_string(),
                 job_id: job.job_id.clone(),
-                action_id: waiting.action_id.clone(),
-                plan_id: waiting.plan_id.clone(),
-                attempt,
+                action_id: l.action_id.clone(),
+                plan_id: l.plan_id,
+                attempt: l.attempt,
                 max_attempts: job.max_attempts,
-                expires_at_ms,
-                granted_at_ms: now_ms,
+                expires_at_ms: l.expires_at_ms,
+                granted_at_ms: l.now_ms,
                 stream_id: self
                     .workers
                     .get(worker_id)
                     .and_then(|w| w.lease_stream.as_ref())
                     .map_or(0, |s| s.id),
+                results_stored: l.results_stored,
             },
         );
-        self.touch(&waiting.action_id);
+        self.touch(&l.action_id);
         if let Some(w) = self.workers.get_mut(worker_id) {
             w.leases.insert(row);
             w.last_lease_seq = seq;
             if let Some(slot) = &w.lease_stream {
                 let lease = pb::JobLease {
-                    lease_id,
+                    lease_id: l.lease_id,
                     job: Some(job),
                     plan: Some(plan),
-                    attempt,
-                    expires_at: Some(ts(expires_at_ms)),
+                    attempt: l.attempt,
+                    expires_at: Some(ts(l.expires_at_ms)),
                 };
                 self.outbox
                     .push(Effect::Lease(slot.tx.clone(), Box::new(lease)));
             }
         }
         self.refresh_available(worker_id);
-        Ok(())
     }
 
     /// Backoff before attempt `attempt + 1` after attempt `attempt` failed:

@@ -100,6 +100,11 @@ pub struct Lease {
     pub granted_at_ms: i64,
     /// Id of the lease stream it was sent on (0: loaded at startup).
     pub stream_id: u64,
+    /// Whether the job may have task results stored (from an earlier
+    /// attempt or a progress report of this one). False only for a new
+    /// job's first lease until it reports results: storing its results
+    /// then needs no look for old ones.
+    pub results_stored: bool,
 }
 
 /// A pending job waiting in a queue.
@@ -355,6 +360,7 @@ impl State {
                         expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
                         granted_at_ms: now_ms,
                         stream_id: 0,
+                        results_stored: true,
                     };
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
                     self.leases.insert(job.row, lease);

@@ -110,6 +110,44 @@ pub fn insert_job(
     Ok(conn.last_insert_rowid())
 }
 
+/// Inserts a new job that is leased at once (its first attempt, granted in
+/// the same transaction as its action): the row [`insert_job`] would write
+/// followed by [`grant_lease`], in one statement. Returns its row id.
+///
+/// Errors: [`Error::Storage`].
+#[allow(clippy::too_many_arguments)]
+pub fn insert_leased_job(
+    conn: &Connection,
+    job_id: &str,
+    action_id: &str,
+    plan_id: &str,
+    input_json: &str,
+    max_attempts: u32,
+    now_ms: i64,
+    worker_id: &str,
+    lease_id: &str,
+    expires_at_ms: i64,
+) -> Result<i64> {
+    conn.prepare_cached(
+        "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
+                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, 1, ?7, ?8, ?9, ?10)",
+    )?
+    .execute(params![
+        job_id,
+        action_id,
+        plan_id,
+        RUNNING,
+        input_json,
+        max_attempts,
+        now_ms,
+        worker_id,
+        lease_id,
+        expires_at_ms
+    ])?;
+    Ok(conn.last_insert_rowid())
+}
+
 /// Marks the job running under a new lease.
 ///
 /// Errors: [`Error::Storage`].
@@ -140,18 +178,26 @@ pub fn set_progress(conn: &Connection, row: i64, current_task: u32, progress: u3
     Ok(())
 }
 
-/// Replaces the job's task results with `results`.
+/// Replaces the job's task results with `results`. `maybe_stored` false
+/// says the job is known to have none stored (a new job's first lease
+/// before any report with results), which saves looking.
 ///
 /// Errors: [`Error::Storage`].
-pub fn replace_task_results(conn: &Connection, row: i64, results: &[pb::TaskResult]) -> Result<()> {
+pub fn replace_task_results(
+    conn: &Connection,
+    row: i64,
+    results: &[pb::TaskResult],
+    maybe_stored: bool,
+) -> Result<()> {
     // Most jobs have no results yet. Look before deleting: a DELETE on this
     // WITHOUT ROWID table (with foreign keys on) builds a temporary b-tree
     // of the keys to delete every time, even when it deletes nothing.
-    let stored = conn
-        .prepare_cached("SELECT 1 FROM task_results WHERE job_row = ?1 LIMIT 1")?
-        .query_row([row], |_| Ok(()))
-        .optional()?
-        .is_some();
+    let stored = maybe_stored
+        && conn
+            .prepare_cached("SELECT 1 FROM task_results WHERE job_row = ?1 LIMIT 1")?
+            .query_row([row], |_| Ok(()))
+            .optional()?
+            .is_some();
     if stored {
         conn.prepare_cached("DELETE FROM task_results WHERE job_row = ?1")?
             .execute([row])?;
