@@ -28,7 +28,6 @@ pub mod heap;
 pub mod procstat;
 pub mod redis_peer;
 pub mod report;
-pub mod resp;
 pub mod soak;
 pub mod stats;
 

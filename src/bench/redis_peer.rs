@@ -7,6 +7,13 @@
 //! `SET job:<id>:worker <worker>` and `SET job:<id> running` (pipelined, as
 //! the seed's worker set both before running), then `SET job:<id> <result
 //! json>` once done. A worker with S slots is S connections.
+//!
+//! The client is the `redis` crate (RESP2). Every connection the bench
+//! opens is its own TCP connection (one [`MultiplexedConnection`] per
+//! submit client and per worker slot, never cloned or shared), so a slot
+//! blocked in BRPOP holds up no one else and the connection count is the
+//! one `maxclients` is sized for. Connections are opened with TCP_NODELAY,
+//! without the `CLIENT SETINFO` handshake and without a response timeout.
 
 use std::{
     net::SocketAddr,
@@ -19,12 +26,15 @@ use std::{
     time::Duration,
 };
 
+use redis::{
+    aio::MultiplexedConnection, io::tcp::TcpSettings, AsyncConnectionConfig, Client,
+    ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError,
+};
 use serde::{Deserialize, Serialize};
 
 use super::{
     agq_load::{job_input, task_result},
     harness::TempDir,
-    resp::{Conn, Value},
     stats::{now_us, Recorder},
     BenchError,
 };
@@ -87,12 +97,12 @@ impl RedisServer {
             _dir: dir,
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let client = client(addr)?;
         loop {
-            if let Ok(mut c) = Conn::connect(addr).await {
-                if let Ok(Value::Simple(s)) = c.cmd(&[b"PING"]).await {
-                    if s == "PONG" {
-                        return Ok(server);
-                    }
+            if let Ok(mut c) = connect(&client).await {
+                let pong: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
+                if pong.is_ok_and(|s| s == "PONG") {
+                    return Ok(server);
                 }
             }
             if tokio::time::Instant::now() > deadline {
@@ -143,22 +153,59 @@ struct TaskResultJson {
     duration_ms: u64,
 }
 
-fn check(v: &Value, what: &str) -> Result<(), BenchError> {
-    match v {
-        Value::Error(e) => Err(BenchError::Failed(format!("redis {what}: {e}"))),
-        _ => Ok(()),
+/// Maps a Redis client error on `what` into a [`BenchError`]: I/O failures
+/// (cannot connect, connection closed) as [`BenchError::Io`], error replies
+/// and replies of an unexpected shape as [`BenchError::Failed`].
+fn redis_err(what: &'static str) -> impl Fn(RedisError) -> BenchError {
+    move |e| {
+        if e.is_io_error() {
+            BenchError::Io(std::io::Error::other(format!("{what}: {e}")))
+        } else {
+            BenchError::Failed(format!("redis {what}: {e}"))
+        }
     }
+}
+
+/// A client for the server at `addr`: TCP_NODELAY, no `CLIENT SETINFO`
+/// on connect (the handshake is the TCP connect alone).
+///
+/// Errors: the address is refused by the crate (not expected for an IP).
+fn client(addr: SocketAddr) -> Result<Client, BenchError> {
+    let info = ConnectionAddr::Tcp(addr.ip().to_string(), addr.port())
+        .into_connection_info()
+        .map_err(redis_err("connect"))?
+        .set_tcp_settings(TcpSettings::default().set_nodelay(true))
+        .set_redis_settings(RedisConnectionInfo::default().set_skip_set_lib_name());
+    Client::open(info).map_err(redis_err("connect"))
+}
+
+/// Opens one new TCP connection through `client`, with no connect or
+/// response timeout (a BRPOP may wait, and a loaded server may be slow;
+/// the bench's own deadlines apply). Each call is its own connection: the
+/// bench never clones a [`MultiplexedConnection`], so a blocking BRPOP
+/// holds up only its own slot.
+///
+/// Errors: the connect error.
+async fn connect(client: &Client) -> Result<MultiplexedConnection, BenchError> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(None)
+        .set_response_timeout(None);
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .map_err(redis_err("connect"))
 }
 
 /// Submits action `a` (jobs `a*k ..`) in one pipeline.
 async fn submit_action(
-    conn: &mut Conn,
+    conn: &mut MultiplexedConnection,
     a: usize,
     k: usize,
     payload: &str,
 ) -> Result<(), BenchError> {
     let t = now_us();
     let action_id = format!("action-{a}");
+    let mut pipe = redis::pipe();
     for j in 0..k {
         let i = (a * k + j) as u64;
         let job = JobJson {
@@ -169,13 +216,10 @@ async fn submit_action(
         };
         let json = serde_json::to_vec(&job).map_err(|e| BenchError::Failed(e.to_string()))?;
         let key = format!("job:{}", job.job_id);
-        conn.queue(&[b"LPUSH", b"queue:ready", &json]);
-        conn.queue(&[b"SET", key.as_bytes(), b"pending"]);
+        pipe.cmd("LPUSH").arg("queue:ready").arg(json.as_slice());
+        pipe.cmd("SET").arg(key).arg("pending");
     }
-    for v in conn.flush().await? {
-        check(&v, "submit")?;
-    }
-    Ok(())
+    pipe.exec_async(conn).await.map_err(redis_err("submit"))
 }
 
 /// Submits `actions` actions of `k` jobs from `clients` connections, closed loop.
@@ -188,13 +232,15 @@ pub async fn submit_closed_loop(
     k: usize,
     payload: Arc<str>,
 ) -> Result<(), BenchError> {
+    let client = client(addr)?;
     let next = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..clients.max(1) {
         let next = next.clone();
         let payload = payload.clone();
+        let client = client.clone();
         tasks.push(tokio::spawn(async move {
-            let mut conn = Conn::connect(addr).await?;
+            let mut conn = connect(&client).await?;
             loop {
                 let a = next.fetch_add(1, Ordering::Relaxed);
                 if a >= actions {
@@ -243,9 +289,10 @@ async fn submit_pool(
 ) -> Result<(tokio::sync::mpsc::Sender<usize>, PoolTasks), BenchError> {
     let (tx, rx) = tokio::sync::mpsc::channel::<usize>(1024);
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let client = client(addr)?;
     let mut tasks = Vec::new();
     for _ in 0..n {
-        let mut conn = Conn::connect(addr).await?;
+        let mut conn = connect(&client).await?;
         let rx = rx.clone();
         let payload = payload.clone();
         tasks.push(tokio::spawn(async move {
@@ -270,10 +317,11 @@ pub async fn start_workers(
     rec: Arc<Recorder>,
     stop: Arc<AtomicBool>,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, BenchError> {
+    let client = client(addr)?;
     let mut tasks = Vec::new();
     for w in 0..workers {
         for _ in 0..slots.max(1) {
-            let mut conn = Conn::connect(addr).await?;
+            let mut conn = connect(&client).await?;
             let rec = rec.clone();
             let stop = stop.clone();
             let worker_id = format!("redis-worker-{w}");
@@ -293,21 +341,27 @@ pub async fn start_workers(
     Ok(tasks)
 }
 
+/// One BRPOP on `conn` and, when it popped a job, its two pipelined SETs
+/// and the result SET, recorded in `rec` (`freed` carries the previous
+/// completion time of a one-slot worker, for the lease gap).
+///
+/// Errors: Redis errors and a job that is not the seed's JSON.
 async fn work_one(
-    conn: &mut Conn,
+    conn: &mut MultiplexedConnection,
     worker_id: &str,
     rec: &Recorder,
     freed: &mut Option<u64>,
     one_slot: bool,
 ) -> Result<(), BenchError> {
-    let reply = conn.cmd(&[b"BRPOP", b"queue:ready", b"0.2"]).await?;
-    let json = match reply {
-        Value::Array(Some(mut items)) if items.len() == 2 => match items.pop() {
-            Some(Value::Bulk(Some(b))) => b,
-            _ => return Err(BenchError::Failed("BRPOP: unexpected reply".into())),
-        },
-        Value::Array(None) => return Ok(()),
-        other => return Err(BenchError::Failed(format!("BRPOP: {other:?}"))),
+    // (key, element), or nil when the 0.2 s timeout passed.
+    let popped: Option<(Vec<u8>, Vec<u8>)> = redis::cmd("BRPOP")
+        .arg("queue:ready")
+        .arg("0.2")
+        .query_async(conn)
+        .await
+        .map_err(redis_err("BRPOP"))?;
+    let Some((_, json)) = popped else {
+        return Ok(());
     };
     let now = now_us();
     let job: JobJson =
@@ -316,11 +370,12 @@ async fn work_one(
     rec.leased(t, if one_slot { freed.take() } else { None }, now);
     let key = format!("job:{}", job.job_id);
     let worker_key = format!("job:{}:worker", job.job_id);
-    conn.queue(&[b"SET", worker_key.as_bytes(), worker_id.as_bytes()]);
-    conn.queue(&[b"SET", key.as_bytes(), b"running"]);
-    for v in conn.flush().await? {
-        check(&v, "SET running")?;
-    }
+    let mut pipe = redis::pipe();
+    pipe.cmd("SET").arg(worker_key).arg(worker_id);
+    pipe.cmd("SET").arg(&key).arg("running");
+    pipe.exec_async(conn)
+        .await
+        .map_err(redis_err("SET running"))?;
     let r = task_result();
     let result = ResultJson {
         status: "completed",
@@ -336,8 +391,12 @@ async fn work_one(
     };
     let body = serde_json::to_vec(&result).map_err(|e| BenchError::Failed(e.to_string()))?;
     let sent = now_us();
-    let v = conn.cmd(&[b"SET", key.as_bytes(), &body]).await?;
-    check(&v, "SET result")?;
+    redis::cmd("SET")
+        .arg(key)
+        .arg(body.as_slice())
+        .exec_async(conn)
+        .await
+        .map_err(redis_err("SET result"))?;
     let done = now_us();
     rec.completed_at(sent, done);
     if one_slot {
