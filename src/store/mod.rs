@@ -24,6 +24,7 @@ use crate::{
 const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0001_init.sql"),
     include_str!("migrations/0002_status_free_indexes.sql"),
+    include_str!("migrations/0003_drop_unused_job_indexes.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -227,6 +228,45 @@ pub fn now_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A database left at schema version 2 by an older agq is brought to
+    /// the current version with its rows kept, and the job indexes no
+    /// query uses are gone; a database newer than this agq is refused.
+    #[test]
+    fn migrations_bring_an_old_database_up_to_date() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(MIGRATIONS[0]).unwrap();
+        conn.execute_batch(MIGRATIONS[1]).unwrap();
+        conn.pragma_update(None, "user_version", 2).unwrap();
+        conn.execute_batch(
+            "INSERT INTO plans VALUES ('p', '', x'', 0);
+             INSERT INTO actions VALUES ('a', 'p', 1, 3, NULL, 0);
+             INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
+                 VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .unwrap();
+        assert_eq!(version as usize, MIGRATIONS.len());
+        let indexes: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobs' AND sql IS NOT NULL ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(indexes, ["jobs_by_action", "jobs_by_status"]);
+        let job: String = conn
+            .query_row("SELECT job_id FROM jobs", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(job, "j");
+
+        conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
+            .unwrap();
+        assert!(matches!(migrate(&mut conn), Err(Error::Internal(_))));
+    }
 
     /// The checkpointer copies the WAL into the database only when a commit
     /// signals it, not on a timer.
