@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Smoke run of agq-bench (issue 7): tiny sizes, every mode's code path of the
-# default mode, exits non-zero unless every job completed. The Redis peer is
-# skipped when redis-server is not installed. Numbers are printed, never
-# asserted: performance is measured by hand (BENCHMARKS.md), not in CI.
+# default mode, exits non-zero unless every job completed. The Redis peer
+# runs when redis-server can be had (this script tries Debian's package, as
+# root, and goes on without it when that fails: the bench then skips the
+# peer). Numbers are printed, never asserted: performance is measured by
+# hand (BENCHMARKS.md), not in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "installing redis-server (Debian package) for the Redis peer"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+    || echo "redis-server could not be installed; the smoke run skips the Redis peer"
+fi
 
 target="${CARGO_TARGET_DIR:-target}"
 cargo build --locked --bin agq-bench
