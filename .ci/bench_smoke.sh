@@ -15,9 +15,10 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
 fi
 
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --locked --bin agq-bench
+cargo build --locked --bin agq-bench --bin agq
 "$target/debug/agq-bench" --smoke
-"$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
+# The same bench as `agq bench` (what `cargo run --release -- bench` runs).
+"$target/debug/agq" bench --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
 "$target/debug/agq-bench" --smoke --backlog 2000 --backlog-sample 200 --workers 4
 "$target/debug/agq-bench" --smoke --soak-secs 2 --soak-rate 400 --soak-sample-secs 1
 echo "bench smoke: ok"

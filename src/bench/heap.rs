@@ -28,10 +28,16 @@ static LIVE: [AtomicIsize; 3] = [
     AtomicIsize::new(0),
 ];
 
-/// Live heap bytes allocated by `side` ([`SERVER`], [`CLIENT`], [`OTHER`]).
-pub fn live(side: usize) -> u64 {
+/// Live heap bytes allocated by `side` ([`SERVER`], [`CLIENT`], [`OTHER`]);
+/// `None` when [`Tagged`] is not the process's global allocator (`agq
+/// bench` runs the bench without it: only the `agq-bench` binary installs
+/// it), which shows as no bytes counted on any side.
+pub fn live(side: usize) -> Option<u64> {
+    if LIVE.iter().all(|l| l.load(Ordering::Relaxed) == 0) {
+        return None;
+    }
     LIVE.get(side)
-        .map_or(0, |l| l.load(Ordering::Relaxed).max(0) as u64)
+        .map(|l| l.load(Ordering::Relaxed).max(0) as u64)
 }
 
 const UNKNOWN: u8 = 255;

@@ -224,6 +224,17 @@ fn raise_nofile() -> u64 {
     }
 }
 
+/// Logs to stderr at the level `AGQ_BENCH_LOG` sets (default: errors only,
+/// so the figures on stdout stand alone).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("AGQ_BENCH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Runs the bench the flags ask for and prints the results. Returns the
 /// process exit code: 0, or 1 when the run failed (or, with `--smoke`,
 /// when a job did not complete).

@@ -205,17 +205,24 @@ pub struct Idle {
     pub peak_rss: u64,
     /// Seconds measured.
     pub secs: f64,
-    /// Live heap of the server's threads at the end, bytes.
-    pub server_heap: u64,
+    /// Live heap of the server's threads at the end, bytes (`None`: not
+    /// counted, see [`super::heap::live`]).
+    pub server_heap: Option<u64>,
     /// Live heap of the simulated clients' threads at the end, bytes.
-    pub client_heap: u64,
+    pub client_heap: Option<u64>,
 }
 
 impl Idle {
-    /// Process RSS minus the clients' heap: an upper bound of the server's RSS.
+    /// Process RSS minus the clients' heap: an upper bound of the server's
+    /// RSS (the process RSS when the heap was not counted).
     pub fn server_rss_bound(&self) -> u64 {
-        self.rss.saturating_sub(self.client_heap)
+        self.rss.saturating_sub(self.client_heap.unwrap_or(0))
     }
+}
+
+/// Megabytes of a heap figure, or "n/a" when it was not counted.
+fn heap_mb(b: Option<u64>) -> String {
+    b.map_or_else(|| "n/a".to_string(), |b| format!("{:.0}", mb(b)))
 }
 
 /// Everything the default mode measured on one system.
@@ -658,7 +665,7 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
         if args.agq_binary.is_none() {
             row(
                 "live heap: server / clients (MB)",
-                format!("{:.0} / {:.0}", mb(i.server_heap), mb(i.client_heap)),
+                format!("{} / {}", heap_mb(i.server_heap), heap_mb(i.client_heap)),
                 None,
                 None,
             );
@@ -739,12 +746,12 @@ fn print_bars(args: &BenchArgs, agq: &SystemRun, redis: Option<&SystemRun>) {
                 );
             } else {
                 println!(
-                "  {} workers <= 500 MB RSS: server <= {:.0} MB (process RSS {:.0} MB - client heap {:.0} MB; server heap {:.0} MB) -> {}",
+                "  {} workers <= 500 MB RSS: server <= {:.0} MB (process RSS {:.0} MB - client heap {} MB; server heap {} MB) -> {}",
                 args.workers,
                 mb(i.server_rss_bound()),
                 mb(i.rss),
-                mb(i.client_heap),
-                mb(i.server_heap),
+                heap_mb(i.client_heap),
+                heap_mb(i.server_heap),
                 verdict(mb(i.server_rss_bound()) <= 500.0)
             );
             }

@@ -21,11 +21,6 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("AGQ_BENCH_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    agq::bench::init_logging();
     ExitCode::from(agq::bench::main(cli.args) as u8)
 }
