@@ -17,43 +17,29 @@ const FAILED: i32 = JobStatus::Failed as i32;
 const DEAD: i32 = JobStatus::Dead as i32;
 const CANCELLED: i32 = JobStatus::Cancelled as i32;
 
-/// The fields of a job the state machine decides on.
+/// The fields of a job the state machine decides on when it finds the job
+/// by its public id.
 #[derive(Debug, Clone)]
 pub struct JobKey {
     /// Internal row id (FIFO order).
     pub row: i64,
-    /// Public id.
-    pub job_id: String,
     /// Owning action.
     pub action_id: String,
     /// Plan it runs.
     pub plan_id: String,
     /// Current status.
     pub status: JobStatus,
-    /// Attempts started.
-    pub attempt: u32,
-    /// Attempts allowed.
-    pub max_attempts: u32,
     /// Current or last lease holder.
     pub worker_id: Option<String>,
-    /// Current lease while running.
-    pub lease_id: Option<String>,
 }
-
-const KEY_COLS: &str =
-    "id, job_id, action_id, plan_id, status, attempt, max_attempts, worker_id, lease_id";
 
 fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
     Ok(JobKey {
         row: r.get(0)?,
-        job_id: r.get(1)?,
-        action_id: r.get(2)?,
-        plan_id: r.get(3)?,
-        status: JobStatus::try_from(r.get::<_, i32>(4)?).unwrap_or(JobStatus::Unspecified),
-        attempt: r.get(5)?,
-        max_attempts: r.get(6)?,
-        worker_id: r.get(7)?,
-        lease_id: r.get(8)?,
+        action_id: r.get(1)?,
+        plan_id: r.get(2)?,
+        status: JobStatus::try_from(r.get::<_, i32>(3)?).unwrap_or(JobStatus::Unspecified),
+        worker_id: r.get(4)?,
     })
 }
 
@@ -62,7 +48,9 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
 /// Errors: [`Error::Storage`].
 pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> {
     Ok(conn
-        .prepare_cached(&format!("SELECT {KEY_COLS} FROM jobs WHERE job_id = ?1"))?
+        .prepare_cached(
+            "SELECT id, action_id, plan_id, status, worker_id FROM jobs WHERE job_id = ?1",
+        )?
         .query_row([job_id], key_from_row)
         .optional()?)
 }
@@ -314,8 +302,6 @@ pub struct OpenJob {
     pub attempt: u32,
     /// Attempts allowed.
     pub max_attempts: u32,
-    /// When it was created.
-    pub created_at_ms: i64,
 }
 
 /// Every pending, running and failed job in FIFO order.
@@ -324,7 +310,7 @@ pub struct OpenJob {
 pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
     let mut stmt = conn.prepare(
         "SELECT id, job_id, action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
-                attempt, max_attempts, created_at_ms
+                attempt, max_attempts
          FROM jobs WHERE status IN (?1, ?2, ?3) ORDER BY id",
     )?;
     let rows = stmt.query_map(params![PENDING, RUNNING, FAILED], |r| {
@@ -340,7 +326,6 @@ pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
             lease_expires_at_ms: r.get(8)?,
             attempt: r.get(9)?,
             max_attempts: r.get(10)?,
-            created_at_ms: r.get(11)?,
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
