@@ -161,6 +161,7 @@ impl State {
                 a.max_attempts,
                 now_ms,
                 ready_at,
+                None,
             )?;
             // Jobs that go straight to the ready queue keep their row in
             // memory for their first lease while the queues are short.

@@ -172,7 +172,7 @@ impl State {
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
         let expires_at_ms = job.created_at_ms + self.cfg.job_timeout.as_millis() as i64;
-        let row = jobs::insert_leased_job(
+        let row = jobs::insert_job(
             conn,
             &job.job_id,
             &action_id,
@@ -180,9 +180,12 @@ impl State {
             input_json,
             job.max_attempts,
             job.created_at_ms,
-            worker_id,
-            &lease_id,
-            expires_at_ms,
+            job.created_at_ms,
+            Some(jobs::FirstLease {
+                worker_id,
+                lease_id: &lease_id,
+                expires_at_ms,
+            }),
         )?;
         let now_ms = job.created_at_ms;
         let view = jobs::inserted_view(

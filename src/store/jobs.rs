@@ -76,7 +76,22 @@ pub fn insert_action(
     Ok(n == 1)
 }
 
-/// Inserts one pending job and returns its row id.
+/// The lease a new job is inserted with when it is granted in the
+/// transaction that creates it (its first attempt).
+#[derive(Debug, Clone, Copy)]
+pub struct FirstLease<'a> {
+    /// Holder.
+    pub worker_id: &'a str,
+    /// Fencing token.
+    pub lease_id: &'a str,
+    /// Expiry (job timeout), ms.
+    pub expires_at_ms: i64,
+}
+
+/// Inserts one job and returns its row id: pending, eligible from
+/// `ready_at_ms`, or, with `lease`, already running its first attempt
+/// (started now: the row an insert and a [`grant_lease`] would leave, in
+/// one statement).
 ///
 /// Errors: [`Error::Storage`] (also for a duplicate job id).
 #[allow(clippy::too_many_arguments)]
@@ -89,49 +104,27 @@ pub fn insert_job(
     max_attempts: u32,
     now_ms: i64,
     ready_at_ms: i64,
-) -> Result<i64> {
-    conn.prepare_cached(
-        "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-    )?
-    .execute(params![job_id, action_id, plan_id, PENDING, input_json, max_attempts, now_ms, ready_at_ms])?;
-    Ok(conn.last_insert_rowid())
-}
-
-/// Inserts a new job that is leased at once (its first attempt, granted in
-/// the same transaction as its action): the row [`insert_job`] would write
-/// followed by [`grant_lease`], in one statement. Returns its row id.
-///
-/// Errors: [`Error::Storage`].
-#[allow(clippy::too_many_arguments)]
-pub fn insert_leased_job(
-    conn: &Connection,
-    job_id: &str,
-    action_id: &str,
-    plan_id: &str,
-    input_json: &str,
-    max_attempts: u32,
-    now_ms: i64,
-    worker_id: &str,
-    lease_id: &str,
-    expires_at_ms: i64,
+    lease: Option<FirstLease<'_>>,
 ) -> Result<i64> {
     conn.prepare_cached(
         "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
                            attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, 1, ?7, ?8, ?9, ?10)",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )?
     .execute(params![
         job_id,
         action_id,
         plan_id,
-        RUNNING,
+        if lease.is_some() { RUNNING } else { PENDING },
         input_json,
         max_attempts,
         now_ms,
-        worker_id,
-        lease_id,
-        expires_at_ms
+        ready_at_ms,
+        u32::from(lease.is_some()),
+        lease.map(|_| now_ms),
+        lease.map(|l| l.worker_id),
+        lease.map(|l| l.lease_id),
+        lease.map(|l| l.expires_at_ms)
     ])?;
     Ok(conn.last_insert_rowid())
 }
