@@ -158,7 +158,10 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
             continue;
         };
         let beat_id = id.clone();
-        let beats = tokio::spawn(async move {
+        // Dropped with this loop turn or with the task (`abort` of a load
+        // worker): an aborted worker must stop heartbeating, or the server
+        // rightly keeps the lease it was running for a live worker.
+        let _beats = AbortOnDrop(tokio::spawn(async move {
             let mut hb = hb.into_inner();
             let mut tick = tokio::time::interval(Duration::from_millis(80));
             loop {
@@ -169,7 +172,7 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
                     m = hb.next() => if !matches!(m, Some(Ok(_))) { return; },
                 }
             }
-        });
+        }));
         if let Ok(stream) = c
             .lease_jobs(LeaseJobsRequest {
                 worker_id: id.clone(),
@@ -213,7 +216,15 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
                 }
             }
         }
-        beats.abort();
+    }
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
