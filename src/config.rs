@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// Most inputs (jobs) one SubmitAction may carry.
     #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000)]
     pub max_inputs_per_action: usize,
+    /// Seconds a finished action (every job completed, dead or cancelled)
+    /// is kept before it is deleted with its jobs and task results; 0 keeps
+    /// everything forever. Default: 7 days.
+    #[arg(long, env = "AGQ_JOB_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
+    pub job_retention_secs: u64,
     /// TOML file of tokens (client, admin, worker bound to a worker_id).
     /// Without it AGQ runs unauthenticated and only on loopback.
     #[arg(long, env = "AGQ_AUTH_FILE")]
@@ -103,6 +108,8 @@ impl ServeArgs {
             retry_backoff_base: Duration::from_millis(self.retry_backoff_base_ms),
             retry_backoff_max: Duration::from_millis(self.retry_backoff_max_ms),
             max_inputs_per_action: self.max_inputs_per_action,
+            job_retention: (self.job_retention_secs > 0)
+                .then(|| Duration::from_secs(self.job_retention_secs)),
             synchronous: self.sqlite_synchronous,
         }
     }
@@ -123,6 +130,9 @@ pub struct EngineConfig {
     pub retry_backoff_max: Duration,
     /// Most inputs one SubmitAction may carry.
     pub max_inputs_per_action: usize,
+    /// How long a finished action (and its jobs) is kept; `None` keeps
+    /// everything.
+    pub job_retention: Option<Duration>,
     /// SQLite synchronous mode.
     pub synchronous: SyncMode,
 }
@@ -136,6 +146,7 @@ impl Default for EngineConfig {
             retry_backoff_base: Duration::from_secs(1),
             retry_backoff_max: Duration::from_secs(60),
             max_inputs_per_action: 10_000,
+            job_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             synchronous: SyncMode::Full,
         }
     }

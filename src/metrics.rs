@@ -75,6 +75,8 @@ pub struct Metrics {
     pub rpcs: Family<RpcLabel, Counter>,
     /// Operations committed per SQLite transaction (group commit size).
     pub batch_size: Histogram,
+    /// Finished jobs deleted by the retention sweep (counter).
+    pub expired_jobs: Counter,
 }
 
 impl Default for Metrics {
@@ -147,6 +149,12 @@ impl Metrics {
             "Operations per SQLite commit",
             batch_size.clone(),
         );
+        let expired_jobs = Counter::default();
+        registry.register(
+            "expired_jobs",
+            "Finished jobs deleted by the retention sweep",
+            expired_jobs.clone(),
+        );
         Metrics {
             registry,
             job_transitions,
@@ -159,6 +167,7 @@ impl Metrics {
             workers,
             rpcs,
             batch_size,
+            expired_jobs,
         }
     }
 

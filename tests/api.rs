@@ -972,3 +972,103 @@ async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams(
         .unwrap();
     drop(watch);
 }
+
+/// Job retention: an action whose jobs all ended is deleted, with its jobs,
+/// once it has been finished for longer than the retention; an action with
+/// an open job is kept however old its other jobs are, and a dead job
+/// retried before the deadline opens its action again until it ends anew.
+/// Completed, dead and cancelled endings all count.
+#[tokio::test]
+async fn finished_actions_expire_after_the_retention_with_their_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        job_retention: Some(std::time::Duration::from_secs(1)),
+        ..fast_config()
+    };
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let mut w = SimWorker::start(&s, "ret-w", &["cat"], 4).await;
+    let mut jobs = s.jobs().await;
+    let actions = s.actions().await;
+
+    // B: one job, one attempt: it fails into the dead letter, then is retried.
+    let (b, b_jobs) = submit(&s, plan("ret", &["cat"]), 1, 1).await;
+    let l = w.lease().await;
+    w.report(&l, JobStatus::Failed).await.unwrap();
+    assert_eq!(job(&s, &b_jobs[0]).await.status, JobStatus::Dead as i32);
+    let (a, a_jobs) = submit(&s, plan("ret", &["cat"]), 2, 1).await;
+    for _ in 0..2 {
+        let l = w.lease().await;
+        w.complete(&l).await;
+    }
+    jobs.retry_job(RetryJobRequest {
+        job_id: b_jobs[0].clone(),
+    })
+    .await
+    .unwrap();
+    let b_lease = w.lease().await;
+    // C: a job no worker can run, cancelled while pending.
+    let (c, c_jobs) = submit(&s, plan("ret-none", &["no-such-tool"]), 1, 1).await;
+    jobs.cancel_job(CancelJobRequest {
+        job_id: c_jobs[0].clone(),
+    })
+    .await
+    .unwrap();
+
+    let get_action = |id: String| {
+        let mut actions = actions.clone();
+        async move { actions.get_action(GetActionRequest { action_id: id }).await }
+    };
+    for (id, what) in [
+        (&a, "the completed action expires"),
+        (&c, "the cancelled action expires"),
+    ] {
+        eventually(10, what, || {
+            let f = get_action(id.clone());
+            async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
+        })
+        .await;
+    }
+    for id in &a_jobs {
+        let e = jobs
+            .get_job(GetJobRequest { job_id: id.clone() })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "job {id} outlived its action");
+    }
+    // B has been open since its retry: kept, with its running job.
+    let kept = get_action(b.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!((kept.total_jobs, kept.running), (1, 1));
+    let listed = jobs
+        .search_jobs(SearchJobsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.job_ids, b_jobs, "only B's job is left");
+
+    // Once B's job ends, B expires in turn.
+    w.complete(&b_lease).await;
+    assert!(get_action(b.clone()).await.is_ok());
+    eventually(10, "the retried action expires once it ended", || {
+        let f = get_action(b.clone());
+        async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
+    })
+    .await;
+    let metrics = s
+        .queue()
+        .await
+        .get_metrics(GetMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        metrics.body.contains("agq_expired_jobs_total 4"),
+        "{}",
+        metrics.body
+    );
+    s.stop().await;
+}

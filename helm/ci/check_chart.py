@@ -256,6 +256,7 @@ def check_ports(objs: list[dict]) -> None:
     env = env_of(container(sts, "agq"))
     expect(env["AGQ_LISTEN"]["value"] == f"0.0.0.0:{GRPC_PORT}", "AGQ_LISTEN")
     expect(env["AGQ_METRICS_LISTEN"]["value"] == f"0.0.0.0:{METRICS_PORT}", "AGQ_METRICS_LISTEN")
+    expect(env["AGQ_JOB_RETENTION_SECS"]["value"] == "604800", "AGQ_JOB_RETENTION_SECS")
     svc = find(objs, "Service", FULLNAME)
     sports = {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}
     expect(sports == {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")},

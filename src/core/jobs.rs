@@ -12,7 +12,7 @@ use super::{
 use crate::{
     error::{Error, Result},
     pb::{self, JobStatus},
-    store::{self, jobs, plans},
+    store::{self, jobs, plans, retention},
 };
 
 /// A validated SubmitAction.
@@ -122,7 +122,7 @@ impl State {
             )));
         }
         let plan_id = self.intern(&a.plan_id);
-        let action_id = self.intern(&a.action_id);
+        let action_id = self.intern_action(&a.action_id);
         let runs_now = ready_at <= now_ms;
         let mut ids = Vec::with_capacity(a.jobs.len());
         for NewJob {
@@ -312,7 +312,7 @@ impl State {
             );
             self.release(key.row, &lease.worker_id);
         }
-        let action = self.intern(&key.action_id);
+        let action = self.intern_action(&key.action_id);
         self.touch(&action);
         Ok(key.row)
     }
@@ -342,14 +342,47 @@ impl State {
         self.dequeue(key.row);
         let waiting = Waiting {
             plan_id: self.intern(&key.plan_id),
-            action_id: self.intern(&key.action_id),
+            action_id: self.intern_action(&key.action_id),
             since_ms: now_ms,
             status: JobStatus::Pending,
             fresh: None,
         };
         let action = waiting.action_id.clone();
         self.enqueue(key.row, waiting, now_ms);
+        // The action is open again: clear its finish time.
+        retention::mark_finished(conn, &action, now_ms)?;
         self.touch(&action);
         Ok(key.row)
+    }
+
+    /// Deletes finished actions whose last job ended before `cutoff_ms`
+    /// (ms since the epoch), oldest first, with their jobs and task
+    /// results: at most `limit` jobs in one call, so a large action goes
+    /// over several calls. Watchers of a deleted action are woken (their
+    /// next read is `NotFound`). Returns the number of jobs deleted, plus
+    /// one per action row deleted: 0 means nothing (more) has expired.
+    ///
+    /// Errors: storage errors.
+    pub fn expire_finished(
+        &mut self,
+        conn: &Connection,
+        cutoff_ms: i64,
+        limit: usize,
+    ) -> Result<usize> {
+        let mut removed = 0;
+        while removed < limit {
+            let Some(action_id) = retention::oldest_expired(conn, cutoff_ms)? else {
+                break;
+            };
+            let d = retention::delete_some(conn, &action_id, limit - removed)?;
+            self.metrics.expired_jobs.inc_by(d.jobs as u64);
+            removed += d.jobs;
+            if !d.action {
+                break;
+            }
+            removed += 1;
+            self.touch(&Arc::from(action_id));
+        }
+        Ok(removed)
     }
 }

@@ -107,6 +107,13 @@ impl Engine {
             checkpointer: std::sync::Mutex::new(Some(checkpointer)),
             stop_reaper,
         });
+        if let Some(retention) = engine.cfg.job_retention {
+            tokio::spawn(retention_sweeper(
+                engine.writer.clone(),
+                retention,
+                stop_rx.clone(),
+            ));
+        }
         tokio::spawn(reaper(engine.writer.clone(), engine.tick_period(), stop_rx));
         Ok(engine)
     }
@@ -652,6 +659,68 @@ impl Engine {
             }
         }
         Ok(m.encode())
+    }
+}
+
+/// Most jobs one retention operation deletes: it holds the single writer
+/// for a few milliseconds; the sweeper queues the next one after it.
+const EXPIRE_CHUNK: usize = 500;
+
+/// The retention loop: every tenth of `retention` (between 100 ms and
+/// 1 minute) deletes the actions finished longer than `retention` ago, in
+/// operations of at most [`EXPIRE_CHUNK`] jobs, each queued once the one
+/// before it committed so other work runs in between; then gives free
+/// pages beyond the slack back to the file system
+/// ([`store::retention::vacuum_some`]).
+async fn retention_sweeper(
+    writer: Writer<State>,
+    retention: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let period = (retention / 10).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let cutoff_ms = store::now_ms().saturating_sub(retention_ms);
+        let mut expired = 0;
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            match writer
+                .write_direct(move |s, c| s.expire_finished(c, cutoff_ms, EXPIRE_CHUNK))
+                .await
+            {
+                Ok(0) => break,
+                Ok(n) => expired += n,
+                Err(Error::Unavailable) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "retention sweep failed");
+                    break;
+                }
+            }
+        }
+        if expired > 0 {
+            tracing::debug!(expired, "retention sweep deleted finished jobs and actions");
+            loop {
+                match writer
+                    .write_direct(|_, c| store::retention::vacuum_some(c))
+                    .await
+                {
+                    Ok(n) if n >= store::retention::VACUUM_MAX_PAGES => {}
+                    Ok(_) | Err(Error::Unavailable) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "incremental vacuum failed");
+                        break;
+                    }
+                }
+            }
+        }
     }
 }
 

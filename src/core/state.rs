@@ -190,6 +190,15 @@ impl Watchers {
     }
 }
 
+fn intern_in(map: &mut HashMap<String, std::sync::Weak<str>>, s: &str) -> Arc<str> {
+    if let Some(a) = map.get(s).and_then(|w| w.upgrade()) {
+        return a;
+    }
+    let a: Arc<str> = Arc::from(s);
+    map.insert(s.to_string(), Arc::downgrade(&a));
+    a
+}
+
 /// The in-memory state of the core. See the module docs.
 pub struct State {
     /// Settings.
@@ -228,9 +237,14 @@ pub struct State {
     pub next_stream_id: u64,
     /// Counter of leases, for round robin.
     pub lease_seq: u64,
-    /// Interned action and plan ids, weakly held: an id lives as long as a
-    /// queued job or lease uses it; dead entries are swept by the reaper.
+    /// Interned plan ids, weakly held: an id lives as long as a queued job
+    /// or lease uses it; dead entries are swept by the reaper.
     pub interned: HashMap<String, std::sync::Weak<str>>,
+    /// Interned action ids, apart from the plan ids (a client may name an
+    /// action like a plan): the strong count of an action's id is the
+    /// number of its open jobs in memory (queued, delayed or leased) plus
+    /// transient holders such as [`State::changed_actions`].
+    pub interned_actions: HashMap<String, std::sync::Weak<str>>,
     /// Size of [`State::interned`] after the last sweep.
     pub interned_after_sweep: usize,
 }
@@ -257,26 +271,29 @@ impl State {
             next_stream_id: 1,
             lease_seq: 0,
             interned: HashMap::new(),
+            interned_actions: HashMap::new(),
             interned_after_sweep: 0,
         }
     }
 
-    /// An interned `Arc<str>` of `s` (action and plan ids shared by many jobs).
+    /// An interned `Arc<str>` of the plan id `s` (shared by many jobs).
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.interned.get(s).and_then(|w| w.upgrade()) {
-            return a;
-        }
-        let a: Arc<str> = Arc::from(s);
-        self.interned.insert(s.to_string(), Arc::downgrade(&a));
-        a
+        intern_in(&mut self.interned, s)
+    }
+
+    /// An interned `Arc<str>` of the action id `s` (shared by its jobs).
+    pub fn intern_action(&mut self, s: &str) -> Arc<str> {
+        intern_in(&mut self.interned_actions, s)
     }
 
     /// Drops interned ids no job uses any more (amortised: only when the
     /// table has grown past twice its size after the last sweep).
     pub fn sweep_interned(&mut self) {
-        if self.interned.len() > 1024 && self.interned.len() > 2 * self.interned_after_sweep {
+        let len = self.interned.len() + self.interned_actions.len();
+        if len > 1024 && len > 2 * self.interned_after_sweep {
             self.interned.retain(|_, w| w.strong_count() > 0);
-            self.interned_after_sweep = self.interned.len();
+            self.interned_actions.retain(|_, w| w.strong_count() > 0);
+            self.interned_after_sweep = self.interned.len() + self.interned_actions.len();
         }
     }
 
@@ -345,7 +362,7 @@ impl State {
         let mut orphaned = Vec::new();
         for job in store::jobs::load_open(conn)? {
             let plan_id = self.intern(&job.plan_id);
-            let action_id = self.intern(&job.action_id);
+            let action_id = self.intern_action(&job.action_id);
             match job.status {
                 JobStatus::Running => {
                     let worker_id = job.worker_id.clone().unwrap_or_default();
@@ -497,6 +514,18 @@ impl BatchState for State {
     fn before_commit(&mut self, conn: &Connection) -> Result<()> {
         if self.wants_dispatch {
             self.dispatch(conn)?;
+        }
+        // Record the finish time (for retention) of each changed action
+        // that has no open job left, in the same transaction as the change.
+        // An action with an open job holds its id in memory (a queued job
+        // or a lease), so only ids held by `changed_actions` alone are
+        // checked against the database; RetryJob clears the time itself.
+        let mut now_ms = None;
+        for action in &self.changed_actions {
+            if Arc::strong_count(action) == 1 {
+                let now_ms = *now_ms.get_or_insert_with(store::now_ms);
+                store::retention::mark_finished(conn, action, now_ms)?;
+            }
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 
 pub mod jobs;
 pub mod plans;
+pub mod retention;
 pub mod workers;
 pub mod writer;
 
@@ -25,6 +26,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0001_init.sql"),
     include_str!("migrations/0002_status_free_indexes.sql"),
     include_str!("migrations/0003_drop_unused_job_indexes.sql"),
+    include_str!("migrations/0004_action_retention.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -88,6 +90,9 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
         }
     }
     let mut conn = Connection::open(path)?;
+    // Before the first table: a new database gives the pages freed by the
+    // retention sweep back to the file system.
+    retention::enable_incremental_vacuum(&conn)?;
     configure(&conn, sync)?;
     // The writer checkpoints itself only when the WAL passes 10,000 pages
     // (40 MiB); the [`Checkpointer`] thread does the regular work.
@@ -230,8 +235,10 @@ mod tests {
     use super::*;
 
     /// A database left at schema version 2 by an older agq is brought to
-    /// the current version with its rows kept, and the job indexes no
-    /// query uses are gone; a database newer than this agq is refused.
+    /// the current version with its rows kept, the job indexes no query
+    /// uses are gone, and actions whose jobs all ended have a finish time
+    /// (the last job's) for retention; a database newer than this agq is
+    /// refused.
     #[test]
     fn migrations_bring_an_old_database_up_to_date() {
         let mut conn = Connection::open_in_memory().unwrap();
@@ -242,7 +249,10 @@ mod tests {
             "INSERT INTO plans VALUES ('p', '', x'', 0);
              INSERT INTO actions VALUES ('a', 'p', 1, 3, NULL, 0);
              INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
-                 VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);",
+                 VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);
+             INSERT INTO actions VALUES ('b', 'p', 2, 3, NULL, 0);
+             INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms, completed_at_ms)
+                 VALUES ('k', 'b', 'p', 3, '{}', 3, 0, 0, 40), ('l', 'b', 'p', 6, '{}', 3, 0, 0, 50);",
         )
         .unwrap();
         migrate(&mut conn).unwrap();
@@ -262,6 +272,14 @@ mod tests {
             .query_row("SELECT job_id FROM jobs", [], |r| r.get(0))
             .unwrap();
         assert_eq!(job, "j");
+        let finished: Vec<Option<i64>> = conn
+            .prepare("SELECT finished_at_ms FROM actions ORDER BY action_id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(finished, [None, Some(50)]);
 
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();
