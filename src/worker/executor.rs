@@ -3,7 +3,10 @@
 //! Every task is a direct exec of its `command` (resolved through the
 //! worker's [`ToolSet`], never a shell) in its own process group. Its stdin
 //! is the full stdout of the task named by `input_from_task`, or empty
-//! (`/dev/null`). Stdout and stderr are captured up to a cap; the rest is
+//! (`/dev/null`). A stdout a later task reads is written, as it comes, to
+//! a temporary file (under `TMPDIR`, deleted once no later task needs it),
+//! so a pipeline's data is bounded by the disk, not the worker's memory.
+//! Stdout and stderr are captured up to a cap for the report; the rest is
 //! read and dropped so the process never blocks on a full pipe, and the
 //! truncation is flagged. A task that outlives its `timeout_secs`, or whose
 //! job is aborted (cancel, lost lease, drain timeout), gets its whole process
@@ -217,6 +220,9 @@ pub struct Executor {
     /// Environment variables tasks do not inherit (the worker's own
     /// `AGW_*` settings, among them its token).
     hidden_env: Arc<Vec<std::ffi::OsString>>,
+    /// Directory of the files holding stdouts that later tasks read;
+    /// `None`: the system's temporary directory (`TMPDIR`).
+    spill_dir: Option<PathBuf>,
 }
 
 /// Names of this process's environment variables that start with `AGW_`.
@@ -235,23 +241,28 @@ enum TaskEnd {
     TimedOut(Duration),
     Aborted(AbortReason),
     SpawnFailed(io::Error),
+    /// It exited 0, but its stdout, which a later task reads, could not be
+    /// written whole to its spill file (disk full, ...).
+    OutputLost(io::Error),
 }
 
 /// Output of one stream, as read.
 #[derive(Debug, Default)]
 struct Captured {
-    /// Every byte when the full output was asked for, else the first `cap`.
+    /// The first `cap` bytes.
     data: Vec<u8>,
     /// Bytes the stream produced in all.
     total: u64,
+    /// Writing the full output to its spill file failed.
+    spill_error: Option<io::Error>,
 }
 
 /// One finished task.
 struct TaskRun {
     result: TaskResult,
     end: TaskEnd,
-    /// Full stdout, when it was asked for (a later task reads it).
-    full_stdout: Option<Vec<u8>>,
+    /// The file holding its full stdout, when a later task reads it.
+    full_stdout: Option<tempfile::NamedTempFile>,
 }
 
 impl Executor {
@@ -265,7 +276,15 @@ impl Executor {
             output_cap,
             groups: ProcessGroups::default(),
             hidden_env: Arc::new(agw_env_names()),
+            spill_dir: None,
         }
+    }
+
+    /// The same executor, keeping the stdouts that later tasks read in
+    /// files under `dir` instead of the system's temporary directory.
+    pub fn with_spill_dir(mut self, dir: PathBuf) -> Self {
+        self.spill_dir = Some(dir);
+        self
     }
 
     /// The advertised tools.
@@ -367,7 +386,7 @@ impl Executor {
                 last_use.insert(from, i);
             }
         }
-        let mut outputs: HashMap<u32, Arc<Vec<u8>>> = HashMap::new();
+        let mut outputs: HashMap<u32, Arc<tempfile::NamedTempFile>> = HashMap::new();
         let mut results = Vec::with_capacity(tasks.len());
         let total = tasks.len();
         for (i, task) in tasks.iter().enumerate() {
@@ -414,6 +433,10 @@ impl Executor {
                     "task {} ({}) could not be started: {e}",
                     task.task_number, task.command
                 )),
+                TaskEnd::OutputLost(e) => Some(format!(
+                    "task {} ({}): its stdout could not be kept for a later task: {e}",
+                    task.task_number, task.command
+                )),
             };
             let aborted = match &run.end {
                 TaskEnd::Aborted(r) => Some(r.clone()),
@@ -443,7 +466,7 @@ impl Executor {
     async fn run_task(
         &self,
         task: &Prepared,
-        stdin: Option<Arc<Vec<u8>>>,
+        stdin: Option<Arc<tempfile::NamedTempFile>>,
         keep_full: bool,
         abort: &mut AbortReceiver,
     ) -> TaskRun {
@@ -453,14 +476,38 @@ impl Executor {
             exit_code: -1,
             ..Default::default()
         };
+        // Stdin: the earlier task's output file, opened anew (its own
+        // offset); the spill file for this task's stdout when a later task
+        // reads it.
+        let files = (|| -> io::Result<_> {
+            let stdin = match &stdin {
+                Some(f) => Stdio::from(f.reopen()?),
+                None => Stdio::null(),
+            };
+            let spill = match (keep_full, &self.spill_dir) {
+                (false, _) => None,
+                (true, Some(dir)) => Some(tempfile::NamedTempFile::new_in(dir)?),
+                (true, None) => Some(tempfile::NamedTempFile::new()?),
+            };
+            Ok((stdin, spill))
+        })();
+        let (stdin, spill) = match files {
+            Ok(f) => f,
+            Err(e) => {
+                return TaskRun {
+                    result,
+                    end: TaskEnd::SpawnFailed(io::Error::new(
+                        e.kind(),
+                        format!("cannot open its input or output file: {e}"),
+                    )),
+                    full_stdout: None,
+                };
+            }
+        };
         let mut cmd = Command::new(&task.path);
         cmd.arg0(&task.command)
             .args(&task.args)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -498,19 +545,15 @@ impl Executor {
             .unwrap_or(0);
         let group = GroupGuard::new(pgid, self.groups.clone());
 
-        let stdin_task: Option<JoinHandle<()>> = match (stdin, child.stdin.take()) {
-            (Some(data), Some(mut pipe)) => Some(tokio::spawn(async move {
-                // A task that stops reading early (head) closes the pipe:
-                // EPIPE here is normal.
-                let _ = pipe.write_all(&data).await;
-                let _ = pipe.shutdown().await;
-            })),
-            _ => None,
-        };
         let (stop_tx, stop_rx) = watch::channel(false);
         let cap = self.output_cap;
-        let mut out_task = spawn_reader(child.stdout.take(), cap, keep_full, stop_rx.clone());
-        let mut err_task = spawn_reader(child.stderr.take(), cap, false, stop_rx);
+        let spill_to = match spill.as_ref().map(|f| f.reopen()) {
+            Some(Ok(f)) => Some(Ok(tokio::fs::File::from_std(f))),
+            Some(Err(e)) => Some(Err(e)),
+            None => None,
+        };
+        let mut out_task = spawn_reader(child.stdout.take(), cap, spill_to, stop_rx.clone());
+        let mut err_task = spawn_reader(child.stderr.take(), cap, None, stop_rx);
 
         let deadline = tokio::time::Instant::from_std(started + task.timeout);
         let end = tokio::select! {
@@ -549,9 +592,6 @@ impl Executor {
             }
         }
         drop(group);
-        if let Some(t) = stdin_task {
-            t.abort();
-        }
         result.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         // Anything but a normal exit (signal, timeout, abort) reports -1.
         result.exit_code = match end {
@@ -566,10 +606,16 @@ impl Executor {
         result.stdout_truncated = stdout_truncated;
         result.stderr = stderr;
         result.stderr_truncated = stderr_truncated;
+        // A task whose output a later task needs, but that could not be
+        // kept whole, fails.
+        let end = match (end, out.spill_error) {
+            (TaskEnd::Exited(0), Some(e)) => TaskEnd::OutputLost(e),
+            (end, _) => end,
+        };
         TaskRun {
             result,
             end,
-            full_stdout: keep_full.then_some(out.data),
+            full_stdout: spill,
         }
     }
 }
@@ -587,11 +633,15 @@ async fn aborted(abort: &mut AbortReceiver) -> AbortReason {
     }
 }
 
+/// Where a reader writes the full output: the opened spill file, or the
+/// error opening it.
+type SpillTo = Option<io::Result<tokio::fs::File>>;
+
 /// Reads `pipe` to its end (or until `stop` turns true) on its own task.
 fn spawn_reader<R>(
     pipe: Option<R>,
     cap: usize,
-    keep_full: bool,
+    spill: SpillTo,
     stop: watch::Receiver<bool>,
 ) -> JoinHandle<Captured>
 where
@@ -599,22 +649,31 @@ where
 {
     tokio::spawn(async move {
         match pipe {
-            Some(p) => read_capped(p, cap, keep_full, stop).await,
+            Some(p) => read_capped(p, cap, spill, stop).await,
             None => Captured::default(),
         }
     })
 }
 
-/// Reads everything from `r`, keeping all of it when `keep_full`, else only
-/// the first `cap` bytes (the rest is read and dropped). Read errors end the
+/// Reads everything from `r`, keeping the first `cap` bytes and, with a
+/// `spill` file, writing every byte to it (the first write error is kept
+/// and the rest still read, so the task never blocks). Read errors end the
 /// stream.
 async fn read_capped<R: AsyncRead + Unpin>(
     mut r: R,
     cap: usize,
-    keep_full: bool,
+    spill: SpillTo,
     mut stop: watch::Receiver<bool>,
 ) -> Captured {
     let mut c = Captured::default();
+    let mut file = match spill {
+        Some(Ok(f)) => Some(f),
+        Some(Err(e)) => {
+            c.spill_error = Some(e);
+            None
+        }
+        None => None,
+    };
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = tokio::select! {
@@ -625,12 +684,19 @@ async fn read_capped<R: AsyncRead + Unpin>(
             _ = stop.wait_for(|s| *s) => break,
         };
         c.total += n as u64;
-        let keep = if keep_full {
-            n
-        } else {
-            n.min(cap.saturating_sub(c.data.len()))
-        };
+        let keep = n.min(cap.saturating_sub(c.data.len()));
         c.data.extend_from_slice(&buf[..keep]);
+        if let Some(f) = file.as_mut() {
+            if let Err(e) = f.write_all(&buf[..n]).await {
+                c.spill_error = Some(e);
+                file = None;
+            }
+        }
+    }
+    if let Some(mut f) = file {
+        if let Err(e) = f.flush().await {
+            c.spill_error = Some(e);
+        }
     }
     c
 }

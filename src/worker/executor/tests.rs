@@ -391,3 +391,45 @@ fn fit_to_budget_cuts_the_largest_first() {
     assert_eq!(small[0].stdout.len(), 3);
     assert!(!small[0].stdout_truncated);
 }
+
+/// A stdout that later tasks read goes to a file in the spill directory,
+/// not the worker's memory: two later tasks each read all of it (each from
+/// the start), and the file is gone once the job ended.
+#[tokio::test]
+async fn a_piped_output_is_spilled_to_a_file_and_removed_after_the_job() {
+    let spill = tempfile::tempdir().unwrap();
+    let ex = executor(100).with_spill_dir(spill.path().to_path_buf());
+    let p = plan(vec![
+        task(1, "head", &["-c", "50000000", "/dev/zero"], 30, None),
+        task(2, "wc", &["-c"], 30, Some(1)),
+        task(3, "wc", &["-c"], 30, Some(1)),
+    ]);
+    let out = run(&ex, &p, &input(&[])).await;
+    assert!(out.success, "{}", out.error);
+    assert_eq!(out.task_results[1].stdout.trim(), "50000000");
+    assert_eq!(out.task_results[2].stdout.trim(), "50000000");
+    assert!(out.task_results[0].stdout_truncated);
+    let left: Vec<_> = std::fs::read_dir(spill.path()).unwrap().collect();
+    assert!(left.is_empty(), "spill files left behind: {left:?}");
+}
+
+/// A spill file that cannot be created fails the task that needed it,
+/// with the reason, before it runs.
+#[tokio::test]
+async fn a_spill_file_that_cannot_be_created_fails_the_job() {
+    let spill = tempfile::tempdir().unwrap();
+    let ex = executor(100).with_spill_dir(spill.path().join("missing"));
+    let p = plan(vec![
+        task(1, "seq", &["1", "3"], 10, None),
+        task(2, "wc", &["-l"], 10, Some(1)),
+    ]);
+    let out = run(&ex, &p, &input(&[])).await;
+    assert!(!out.success);
+    assert!(
+        out.error
+            .starts_with("task 1 (seq) could not be started: cannot open its input or output file"),
+        "{}",
+        out.error
+    );
+    assert_eq!(out.task_results.len(), 1);
+}
