@@ -173,6 +173,8 @@ impl Harness {
                 sync,
                 "--max-inputs-per-action",
                 &cfg.max_inputs_per_action.to_string(),
+                "--job-retention-secs",
+                &cfg.job_retention.map_or(0, |r| r.as_secs()).to_string(),
             ])
             .env("RUST_LOG", "error")
             .stdin(std::process::Stdio::null())

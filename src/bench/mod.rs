@@ -135,6 +135,11 @@ pub struct BenchArgs {
     /// Seconds between two samples of the soak.
     #[arg(long, env = "AGQ_BENCH_SOAK_SAMPLE_SECS", default_value_t = 30)]
     pub soak_sample_secs: u64,
+    /// The server's job retention in seconds (`agq serve
+    /// --job-retention-secs`; 0 keeps everything); with a short one the
+    /// soak shows the database size level off.
+    #[arg(long, env = "AGQ_BENCH_JOB_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
+    pub job_retention_secs: u64,
     /// Simulated AGQ workers report each completion with its own UpdateJob
     /// call instead of batching the reports that queue up while one call
     /// is in flight into a BatchUpdateJobs (as agw does).
@@ -173,6 +178,8 @@ impl BenchArgs {
             heartbeat_interval: Duration::from_millis(self.heartbeat_ms.max(10)),
             synchronous: self.synchronous,
             max_inputs_per_action: 10_000,
+            job_retention: (self.job_retention_secs > 0)
+                .then(|| Duration::from_secs(self.job_retention_secs)),
             ..EngineConfig::default()
         }
     }
