@@ -664,7 +664,7 @@ impl Engine {
 
 /// Most jobs one retention operation deletes: it holds the single writer
 /// for a few milliseconds; the sweeper queues the next one after it.
-const EXPIRE_CHUNK: usize = 500;
+const EXPIRE_CHUNK: usize = 100;
 
 /// The retention loop: every tenth of `retention` (between 100 ms and
 /// 1 minute) deletes the actions finished longer than `retention` ago, in
