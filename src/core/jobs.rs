@@ -375,7 +375,7 @@ impl State {
                 break;
             };
             let d = retention::delete_some(conn, &action_id, limit - removed)?;
-            self.metrics.expired_jobs.inc_by(d.jobs as u64);
+            self.expired_in_batch += d.jobs as u64;
             removed += d.jobs;
             if !d.action {
                 break;

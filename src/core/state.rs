@@ -247,6 +247,9 @@ pub struct State {
     pub interned_actions: HashMap<String, std::sync::Weak<str>>,
     /// Size of [`State::interned`] after the last sweep.
     pub interned_after_sweep: usize,
+    /// Jobs deleted by retention in the current batch, counted in the
+    /// metrics once the batch commits.
+    pub expired_in_batch: u64,
 }
 
 impl State {
@@ -273,6 +276,7 @@ impl State {
             interned: HashMap::new(),
             interned_actions: HashMap::new(),
             interned_after_sweep: 0,
+            expired_in_batch: 0,
         }
     }
 
@@ -532,6 +536,11 @@ impl BatchState for State {
 
     fn after_commit(&mut self, ops: usize) {
         self.metrics.batch_size.observe(ops as f64);
+        if self.expired_in_batch > 0 {
+            self.metrics
+                .expired_jobs
+                .inc_by(std::mem::take(&mut self.expired_in_batch));
+        }
         for effect in self.outbox.drain(..) {
             match effect {
                 Effect::Lease(tx, lease) => {
@@ -548,6 +557,7 @@ impl BatchState for State {
 
     fn after_rollback(&mut self, conn: &Connection) {
         self.outbox.clear();
+        self.expired_in_batch = 0;
         self.changed_actions.clear();
         if let Err(e) = self.load(conn) {
             tracing::error!(error = %e, "reloading the state after a rollback failed");
