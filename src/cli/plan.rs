@@ -1,7 +1,7 @@
-//! `agq plan submit|get|list|delete`, and [`PlanFile`]: the JSON form of a
-//! Plan that `plan submit` reads (proto3 JSON: snake_case or lowerCamel
-//! field names, numbers or numeric strings for integers, optionally
-//! wrapped as a `SubmitPlanRequest` `{"plan": {...}}`).
+//! `agq plan submit|get|list|delete`. `plan submit` reads the JSON form of
+//! a Plan that `plan get -o json` prints ([`PlanView`]; proto3 JSON:
+//! snake_case or lowerCamel field names, numbers or numeric strings for
+//! integers, optionally wrapped as a `SubmitPlanRequest` `{"plan": {...}}`).
 
 use std::{io::Read, path::Path};
 
@@ -47,43 +47,8 @@ pub struct PlanListArgs {
     pub page: PageArgs,
 }
 
-/// A Task as read from JSON.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct TaskFile {
-    /// 1-based position.
-    #[serde(alias = "taskNumber", deserialize_with = "lenient_u32")]
-    pub task_number: u32,
-    /// Executable name.
-    pub command: String,
-    /// Arguments.
-    #[serde(default)]
-    pub args: Vec<String>,
-    /// Time limit in seconds (the server requires 1..=86400).
-    #[serde(default, alias = "timeoutSecs", deserialize_with = "lenient_u32")]
-    pub timeout_secs: u32,
-    /// Task whose stdout feeds this task's stdin.
-    #[serde(default, alias = "inputFromTask", deserialize_with = "lenient_opt_u32")]
-    pub input_from_task: Option<u32>,
-}
-
-/// A Plan as read from JSON.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PlanFile {
-    /// Id.
-    #[serde(alias = "planId")]
-    pub plan_id: String,
-    /// Description.
-    #[serde(default, alias = "planDescription")]
-    pub plan_description: String,
-    /// Tasks.
-    #[serde(default)]
-    pub tasks: Vec<TaskFile>,
-}
-
-impl From<PlanFile> for pb::Plan {
-    fn from(p: PlanFile) -> Self {
+impl From<PlanView> for pb::Plan {
+    fn from(p: PlanView) -> Self {
         pb::Plan {
             plan_id: p.plan_id,
             plan_description: p.plan_description,
@@ -122,11 +87,13 @@ impl JsonU32 {
     }
 }
 
-fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+/// A proto3 JSON `uint32`: a number or a numeric string.
+pub(super) fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     JsonU32::deserialize(d)?.get()
 }
 
-fn lenient_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+/// An optional proto3 JSON `uint32` (see [`lenient_u32`]).
+pub(super) fn lenient_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     match Option::<JsonU32>::deserialize(d)? {
         None => Ok(None),
         Some(v) => v.get().map(Some),
@@ -142,7 +109,7 @@ fn lenient_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Er
 pub fn parse_plan(text: &str, source: &str) -> Result<pb::Plan, CliError> {
     let bad = |e: serde_json::Error| CliError::Input(format!("{source}: not a valid Plan: {e}"));
     let value: serde_json::Value = serde_json::from_str(text).map_err(bad)?;
-    let plan: PlanFile = match value {
+    let plan: PlanView = match value {
         serde_json::Value::Object(mut m) if m.len() == 1 && m.contains_key("plan") => {
             let inner = m.remove("plan").unwrap_or_default();
             serde_json::from_value(inner).map_err(bad)?
@@ -344,6 +311,21 @@ mod tests {
         assert_eq!(a.tasks[1].input_from_task, Some(1));
         assert_eq!(a.tasks[0].input_from_task, None);
         assert_eq!(a.tasks[1].timeout_secs, 60);
+    }
+
+    /// What `plan get -o json` prints, `plan submit` reads back as the
+    /// same Plan (one type serves both).
+    #[test]
+    fn a_printed_plan_reads_back_as_the_same_plan() {
+        let p = parse_plan(
+            r#"{"plan_id":"p","plan_description":"d","tasks":[
+                {"task_number":1,"command":"cat","args":["{{file}}"],"timeout_secs":60},
+                {"task_number":2,"command":"sort","timeout_secs":5,"input_from_task":1}]}"#,
+            "a",
+        )
+        .unwrap();
+        let printed = serde_json::to_string(&PlanView::from(p.clone())).unwrap();
+        assert_eq!(parse_plan(&printed, "printed").unwrap(), p);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{
     table::{key_values, Table},
@@ -94,31 +94,50 @@ impl From<StateArg> for WorkerState {
     }
 }
 
-/// One task of a Plan. The same shape `agq plan submit` reads, so
-/// `agq plan get X -o json` can be edited and submitted again.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+/// One task of a Plan: what `agq plan get` prints and `agq plan submit`
+/// reads, so `agq plan get X -o json` can be edited and submitted again.
+/// Reading accepts lowerCamel names and integers as numeric strings
+/// (proto3 JSON) and refuses unknown fields.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct TaskView {
     /// 1-based position.
+    #[serde(alias = "taskNumber", deserialize_with = "super::plan::lenient_u32")]
     pub task_number: u32,
     /// Executable name.
     pub command: String,
     /// Arguments.
+    #[serde(default)]
     pub args: Vec<String>,
-    /// Time limit in seconds.
+    /// Time limit in seconds (the server requires 1..=86400).
+    #[serde(
+        default,
+        alias = "timeoutSecs",
+        deserialize_with = "super::plan::lenient_u32"
+    )]
     pub timeout_secs: u32,
     /// Task whose stdout is this task's stdin.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        alias = "inputFromTask",
+        deserialize_with = "super::plan::lenient_opt_u32",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub input_from_task: Option<u32>,
 }
 
-/// A Plan.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+/// A Plan, printed by `agq plan get` and read by `agq plan submit`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct PlanView {
     /// Id.
+    #[serde(alias = "planId")]
     pub plan_id: String,
     /// Description.
+    #[serde(default, alias = "planDescription")]
     pub plan_description: String,
     /// Tasks in order.
+    #[serde(default)]
     pub tasks: Vec<TaskView>,
 }
 
