@@ -359,6 +359,18 @@ fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Ta
 }
 
 /// A text file with repeated words, some non-ASCII.
+/// Task `n`: writes its pid to the file `{{pidfile}}` of the job input,
+/// then sleeps 30 s (time limit 60 s) as that same process.
+fn writes_pid_then_sleeps(n: u32) -> Task {
+    task(
+        n,
+        "sh",
+        &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+        60,
+        None,
+    )
+}
+
 fn words_file(dir: &Path) -> String {
     let mut text = String::new();
     for i in 0..500 {
@@ -631,13 +643,7 @@ async fn cancel_job_stops_a_running_job() {
     c.plan(
         "long",
         vec![
-            task(
-                1,
-                "sh",
-                &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
-                60,
-                None,
-            ),
+            writes_pid_then_sleeps(1),
             task(2, "echo", &["never"], 60, None),
         ],
     )
@@ -838,22 +844,31 @@ async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    c.plan("nap", vec![task(1, "sleep", &["1"], 30, None)])
+    c.plan("nap", vec![task(1, "sleep", &["30"], 60, None)])
         .await;
     let _agw = Agw::start(&server, "w-conc", &["--max-concurrent-jobs", "3"]).await;
-    let start = Instant::now();
     let mut ids = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         ids.push(c.submit("nap", &[], 1).await);
     }
-    for id in &ids {
-        c.wait_status(id, JobStatus::Completed).await;
-    }
-    let elapsed = start.elapsed();
-    assert!(
-        elapsed < Duration::from_millis(2500),
-        "3 one-second jobs on 3 slots took {elapsed:?}"
-    );
+    // Three 30-second jobs run at the same time on three slots...
+    let deadline = Instant::now() + WAIT;
+    let running = loop {
+        let mut running = Vec::new();
+        for id in &ids {
+            if c.job(id).await.status == JobStatus::Running as i32 {
+                running.push(id.clone());
+            }
+        }
+        if running.len() >= 3 || Instant::now() > deadline {
+            break running;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(running.len(), 3, "running at once: {running:?}");
+    // ...and the fourth waits for a free slot.
+    let fourth = ids.iter().find(|id| !running.contains(id)).unwrap();
+    assert_eq!(c.job(fourth).await.status, JobStatus::Pending as i32);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -862,17 +877,7 @@ async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let pidfile = dir.path().join("task.pid");
-    c.plan(
-        "stuck",
-        vec![task(
-            1,
-            "sh",
-            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
-            60,
-            None,
-        )],
-    )
-    .await;
+    c.plan("stuck", vec![writes_pid_then_sleeps(1)]).await;
     let mut agw = Agw::start(&server, "w-drain", &["--drain-timeout-secs", "1"]).await;
     let job_id = c
         .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 1)
@@ -902,17 +907,7 @@ async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let pidfile = dir.path().join("task.pid");
-    c.plan(
-        "stuck",
-        vec![task(
-            1,
-            "sh",
-            &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
-            60,
-            None,
-        )],
-    )
-    .await;
+    c.plan("stuck", vec![writes_pid_then_sleeps(1)]).await;
     let mut agw = Agw::start(&server, "w-twice", &[]).await;
     let job_id = c
         .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 2)
