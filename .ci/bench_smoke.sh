@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke run of agq-bench (issue 7): tiny sizes, every mode's code path of the
+# Smoke run of the bench (issue 7): tiny sizes, every mode's code path of the
 # default mode, exits non-zero unless every job completed. The Redis peer
 # runs when redis-server can be had (this script tries Debian's package, as
 # root, and goes on without it when that fails: the bench then skips the
@@ -16,9 +16,17 @@ fi
 
 target="${CARGO_TARGET_DIR:-target}"
 cargo build --locked --bin agq-bench --bin agq
-"$target/debug/agq-bench" --smoke
-# The same bench as `agq bench` (what `cargo run --release -- bench` runs).
-"$target/debug/agq" bench --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
+# The default mode through `agq bench`, what `cargo run --release -- bench`
+# runs (issue 7, Done means 1): with redis-server present, the report must
+# carry both systems' figures and the AGQ/Redis ratios.
+out="$(mktemp)"
+"$target/debug/agq" bench --smoke | tee "$out"
+if command -v redis-server >/dev/null; then
+  grep -Eq 'end-to-end throughput \(jobs/s\) +[0-9]+ +[0-9]+ +[0-9.]+x' "$out" \
+    || { echo "bench smoke: no AGQ vs Redis end-to-end figures and ratio in the report" >&2; exit 1; }
+fi
+rm -f "$out"
+"$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
 "$target/debug/agq-bench" --smoke --backlog 2000 --backlog-sample 200 --workers 4
 "$target/debug/agq-bench" --smoke --soak-secs 2 --soak-rate 400 --soak-sample-secs 1
 echo "bench smoke: ok"
