@@ -272,6 +272,7 @@ impl Clients {
                     plan_id: plan_id.to_owned(),
                     plan_description: format!("test plan {plan_id}"),
                     tasks,
+                    ..Default::default()
                 }),
             })
             .await
@@ -355,6 +356,7 @@ fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Ta
         args: args.iter().map(|a| (*a).to_owned()).collect(),
         timeout_secs: timeout,
         input_from_task: from,
+        ..Default::default()
     }
 }
 
@@ -595,6 +597,7 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
             }),
             max_concurrent_jobs: 1,
             tags: HashMap::new(),
+            ..Default::default()
         })
         .await
         .expect("RegisterWorker");
@@ -1017,6 +1020,7 @@ worker_id = "w-auth"
                 plan_id: "env".into(),
                 plan_description: "print the task environment".into(),
                 tasks: vec![task(1, "sh", &["-c", "env"], 30, None)],
+                ..Default::default()
             }),
         })
         .await

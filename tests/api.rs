@@ -20,6 +20,7 @@ fn task(n: u32, cmd: &str) -> Task {
         args: vec![],
         timeout_secs: 10,
         input_from_task: None,
+        ..Default::default()
     }
 }
 

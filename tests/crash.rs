@@ -248,7 +248,9 @@ async fn start_with_plan(db: &std::path::Path) -> (Child, u16, String) {
             args: vec![],
             timeout_secs: 10,
             input_from_task: None,
+            ..Default::default()
         }],
+        ..Default::default()
     };
     plan_service_client::PlanServiceClient::new(ch)
         .submit_plan(SubmitPlanRequest { plan: Some(plan) })

@@ -69,8 +69,10 @@ async fn malformed_requests_get_their_codes_and_change_nothing() {
                 args: vec![],
                 timeout_secs: 1,
                 input_from_task: None,
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     };
     expect(
         "10,000 tasks",

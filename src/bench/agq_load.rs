@@ -49,7 +49,9 @@ pub fn bench_plan(plan_id: &str) -> pb::Plan {
             args: vec!["{{i}}".into()],
             timeout_secs: 60,
             input_from_task: None,
+            ..Default::default()
         }],
+        ..Default::default()
     }
 }
 
@@ -130,6 +132,7 @@ pub fn register_request(id: &str, slots: u32) -> pb::RegisterWorkerRequest {
         }),
         max_concurrent_jobs: slots,
         tags: Default::default(),
+        ..Default::default()
     }
 }
 

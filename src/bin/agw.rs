@@ -12,6 +12,12 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // Before anything reads a secret: tasks running as this user must not
+    // read /proc/<agw pid>/environ or mem (the token lives there).
+    if let Err(e) = worker::sandbox::make_undumpable() {
+        eprintln!("agw: cannot mark the process non-dumpable: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = AgwArgs::parse();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeMap,
+    ffi::OsStr,
     path::{Path, PathBuf},
     process::Stdio,
     time::{Duration, Instant},
@@ -86,8 +87,10 @@ pub fn word_frequency_plan() -> pb::Plan {
                 args: args.iter().map(|a| (*a).to_owned()).collect(),
                 timeout_secs: 60,
                 input_from_task: (n > 1).then(|| n - 1),
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     }
 }
 
@@ -190,6 +193,7 @@ async fn start_worker(
     server: &str,
     n: u32,
     scratch: &Path,
+    read_paths: &[PathBuf],
 ) -> Result<Worker, CliError> {
     let id = format!("demo-{n}");
     let log = scratch.join(format!("{id}.log"));
@@ -204,6 +208,12 @@ async fn start_worker(
             "--max-concurrent-jobs",
             "2",
         ])
+        // The tasks' sandbox lets them read the files the demo was given.
+        .args(
+            read_paths
+                .iter()
+                .flat_map(|p| [OsStr::new("--read-path"), p.as_os_str()]),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(log_file))
@@ -349,6 +359,12 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
                 .join(", ")
         )));
     }
+    // What the workers' sandbox lets tasks read: the files and directories
+    // named (the default directory is under /usr, readable anyway).
+    let read_paths: Vec<PathBuf> = paths
+        .iter()
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .collect();
     let agw = agw_path().await?;
     let scratch = tempfile::Builder::new()
         .prefix("agq-demo-")
@@ -400,6 +416,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         args.workers,
         scratch.path(),
         &files,
+        &read_paths,
         &mut workers,
     );
     let outcome = tokio::select! {
@@ -469,11 +486,12 @@ async fn demo_flow(
     n_workers: u32,
     scratch: &Path,
     files: &[String],
+    read_paths: &[PathBuf],
     workers: &mut Vec<Worker>,
 ) -> Result<Outcome, CliError> {
     let clients = Clients::connect(&ClientOptions::plain(url)).await?;
     for n in 1..=n_workers {
-        let w = start_worker(agw, url, n, scratch).await?;
+        let w = start_worker(agw, url, n, scratch, read_paths).await?;
         emit_line(&format!(
             "worker {} registered (pid {})",
             w.id,

@@ -124,6 +124,13 @@ pub struct TaskView {
         skip_serializing_if = "Option::is_none"
     )]
     pub input_from_task: Option<u32>,
+    /// Input values starting with `-` may begin an argument.
+    #[serde(
+        default,
+        alias = "allowOptionValues",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub allow_option_values: bool,
 }
 
 /// A Plan, printed by `agq plan get` and read by `agq plan submit`.
@@ -139,6 +146,13 @@ pub struct PlanView {
     /// Tasks in order.
     #[serde(default)]
     pub tasks: Vec<TaskView>,
+    /// Only sandboxed workers get this plan's jobs.
+    #[serde(
+        default,
+        alias = "requireSandbox",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub require_sandbox: bool,
 }
 
 impl From<pb::Plan> for PlanView {
@@ -155,8 +169,10 @@ impl From<pb::Plan> for PlanView {
                     args: t.args,
                     timeout_secs: t.timeout_secs,
                     input_from_task: t.input_from_task,
+                    allow_option_values: t.allow_option_values,
                 })
                 .collect(),
+            require_sandbox: p.require_sandbox,
         }
     }
 }
@@ -169,6 +185,14 @@ impl PlanView {
             ("plan", self.plan_id.clone()),
             ("description", self.plan_description.clone()),
             ("tasks", self.tasks.len().to_string()),
+            (
+                "sandbox",
+                if self.require_sandbox {
+                    "required".into()
+                } else {
+                    "not required".into()
+                },
+            ),
         ]);
         out.push('\n');
         let mut t = Table::new(["TASK", "COMMAND", "ARGS", "STDIN", "TIMEOUT"]);

@@ -73,7 +73,7 @@ impl State {
                     w.state == WorkerState::Active
                         && self.is_fresh(w, now)
                         && (w.leases.len() as u32) < w.max
-                        && plan.tools.iter().all(|t| w.tools.contains(t))
+                        && plan.runs_on(w)
                 })
             })
             .map(|(_, _, id)| id.clone())
@@ -427,12 +427,17 @@ impl State {
                 w.state == WorkerState::Active
                     && self.is_fresh(w, now)
                     && w.lease_stream.is_some()
-                    && plan.tools.iter().all(|t| w.tools.contains(t))
+                    && plan.runs_on(w)
             })
             .collect();
         if capable.is_empty() {
+            let sandbox = if plan.plan.require_sandbox {
+                " and runs tasks in the kernel sandbox (the plan sets require_sandbox)"
+            } else {
+                ""
+            };
             return format!(
-                "no fresh worker has tools [{}]; start or repair a worker that advertises them",
+                "no fresh worker has tools [{}]{sandbox}; start or repair a worker that advertises them",
                 plan.tools.join(", ")
             );
         }

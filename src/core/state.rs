@@ -29,6 +29,16 @@ pub struct PlanEntry {
     pub tools: Vec<String>,
 }
 
+impl PlanEntry {
+    /// True when worker `w` can run this plan: it advertises every tool, and
+    /// runs tasks in the kernel sandbox if the plan requires it. Freshness,
+    /// state and free slots are the scheduler's to check.
+    pub fn runs_on(&self, w: &WorkerEntry) -> bool {
+        (!self.plan.require_sandbox || w.info.sandboxed)
+            && self.tools.iter().all(|t| w.tools.contains(t))
+    }
+}
+
 /// Sender half of a server stream to one worker.
 pub type StreamTx<T> = mpsc::UnboundedSender<Result<T, Status>>;
 

@@ -257,6 +257,7 @@ mod tests {
             args: vec![],
             timeout_secs: 10,
             input_from_task: None,
+            ..Default::default()
         }
     }
 
@@ -278,6 +279,7 @@ mod tests {
             plan_id: "p".into(),
             plan_description: String::new(),
             tasks: vec![task(1, "cat"), task(2, "sort")],
+            ..Default::default()
         };
         p.tasks[1].input_from_task = Some(1);
         assert!(plan(&p).is_ok());
@@ -319,6 +321,7 @@ mod tests {
                         args,
                         timeout_secs,
                         input_from_task,
+                        ..Default::default()
                     }
                 })
         }
@@ -332,7 +335,7 @@ mod tests {
                 plan_id in any_text(),
                 tasks in prop::collection::vec(any_task(), 0..6),
             ) {
-                let p = pb::Plan { plan_id, plan_description: String::new(), tasks };
+                let p = pb::Plan { plan_id, plan_description: String::new(), tasks, ..Default::default() };
                 if plan(&p).is_ok() {
                     prop_assert!(!p.tasks.is_empty() && p.tasks.len() <= MAX_TASKS);
                     for (i, t) in p.tasks.iter().enumerate() {

@@ -65,6 +65,7 @@ impl State {
             max_concurrent_jobs: req.max_concurrent_jobs,
             tags: req.tags,
             state: WorkerState::Active as i32,
+            sandboxed: req.sandboxed,
             ..Default::default()
         };
         wstore::upsert(conn, &info, now_ms)?;

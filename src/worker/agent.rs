@@ -158,7 +158,8 @@ impl Shared {
     pub async fn new(cfg: WorkerConfig) -> Result<Arc<Self>, WorkerError> {
         let channel = client::channel(&cfg.server, &cfg.tls).await?;
         let client = client::worker_client(channel, cfg.token.as_deref())?;
-        let executor = Executor::new(Arc::clone(&cfg.tools), cfg.output_cap_bytes);
+        let executor = Executor::new(Arc::clone(&cfg.tools), cfg.output_cap_bytes)
+            .with_sandbox(Arc::clone(&cfg.sandbox));
         let cwd = std::env::current_dir().unwrap_or_else(|_| "/".into());
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
         let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
@@ -550,6 +551,8 @@ async fn session(
         }),
         max_concurrent_jobs: cfg.max_concurrent_jobs,
         tags: cfg.tags.clone(),
+        sandboxed: cfg.sandbox.enabled(),
+        ..Default::default()
     };
     match timeout(CALL_TIMEOUT, client.register_worker(req)).await {
         Err(_) => return Err(SessionEnd::Lost("RegisterWorker timed out".into())),

@@ -9,6 +9,7 @@ use super::{
     client::TlsOptions,
     error::WorkerError,
     executor::DEFAULT_OUTPUT_CAP_BYTES,
+    sandbox::{self, ResourceLimits, RunAs, Sandbox, SandboxConfig, DEFAULT_READ_PATHS},
     tools::{ToolSet, DEFAULT_TOOLS},
 };
 
@@ -33,9 +34,16 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_SERVER", default_value = "http://127.0.0.1:6380")]
     pub server: String,
 
-    /// Token sent as `authorization: Bearer <token>` on every call.
-    #[arg(long, env = "AGW_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
+    /// Refused: a command line is readable by every local user. Pass the
+    /// token in a file (`--token-file`) or in `AGW_TOKEN`.
+    #[arg(long = "token", hide = true)]
+    pub token_on_command_line: Option<String>,
+
+    /// File holding the token sent as `authorization: Bearer <token>` on
+    /// every call (surrounding whitespace ignored). The `AGW_TOKEN`
+    /// environment variable is the alternative.
+    #[arg(long, env = "AGW_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 
     /// Worker id, [A-Za-z0-9_-]{1,64} [default: worker-<hostname>-<pid>].
     #[arg(long, env = "AGW_WORKER_ID")]
@@ -81,6 +89,54 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_TLS_DOMAIN")]
     pub tls_domain: Option<String>,
 
+    /// A path tasks may read (directory or file), added to the defaults the
+    /// tools need (/usr, /bin, /lib*, the loader cache, locale and time-zone
+    /// data); repeat, or comma-separate, for more. This is how input data is
+    /// exposed, e.g. `--read-path /data`.
+    #[arg(long = "read-path", env = "AGW_READ_PATHS", value_delimiter = ',')]
+    pub read_paths: Vec<PathBuf>,
+
+    /// Let tasks use the network (by default TCP, UDP and every socket but
+    /// UNIX ones are refused to them).
+    #[arg(long, env = "AGW_ALLOW_NETWORK")]
+    pub allow_network: bool,
+
+    /// Run tasks without the kernel sandbox (Landlock and seccomp). Needed on
+    /// kernels without Landlock ABI 3 (Linux < 6.2); logged at start and
+    /// shown on the worker as `sandboxed: false`. Not for production.
+    #[arg(long, env = "AGW_INSECURE_NO_SANDBOX")]
+    pub insecure_no_sandbox: bool,
+
+    /// User tasks run as when agw runs as root (never root itself)
+    /// [default: nobody]. Ignored, with a warning, when agw is not root:
+    /// tasks then run as agw's own user.
+    #[arg(long, env = "AGW_RUN_AS")]
+    pub run_as: Option<String>,
+
+    /// Directory holding each job's scratch directory (the tasks' working
+    /// directory, HOME and TMPDIR; the only place they may write)
+    /// [default: $TMPDIR/agw-scratch-<worker id>].
+    #[arg(long, env = "AGW_SCRATCH_DIR")]
+    pub scratch_dir: Option<PathBuf>,
+
+    /// Address space of each task process, MiB (RLIMIT_AS); 0: unlimited.
+    #[arg(long, env = "AGW_MAX_ADDRESS_SPACE_MB", default_value_t = 4096)]
+    pub max_address_space_mb: u64,
+
+    /// Largest file a task may write, MiB (RLIMIT_FSIZE); 0: unlimited.
+    #[arg(long, env = "AGW_MAX_FILE_SIZE_MB", default_value_t = 1024)]
+    pub max_file_size_mb: u64,
+
+    /// Processes and threads of the task user at once (RLIMIT_NPROC); 0:
+    /// unlimited. Counts every process of that uid, so size it for
+    /// --max-concurrent-jobs pipelines.
+    #[arg(long, env = "AGW_MAX_PROCESSES", default_value_t = 256)]
+    pub max_processes: u64,
+
+    /// CPU time of each task process, seconds (RLIMIT_CPU); 0: unlimited.
+    #[arg(long, env = "AGW_MAX_CPU_SECS", default_value_t = 86_400)]
+    pub max_cpu_secs: u64,
+
     /// Log format (logs go to stderr; RUST_LOG sets the filter).
     #[arg(long, env = "AGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -109,6 +165,8 @@ pub struct WorkerConfig {
     pub max_concurrent_jobs: u32,
     /// The advertised tools.
     pub tools: Arc<ToolSet>,
+    /// The sandbox every task runs in.
+    pub sandbox: Arc<Sandbox>,
     /// Labels sent at registration.
     pub tags: HashMap<String, String>,
     /// Time running jobs get after SIGTERM/SIGINT.
@@ -125,8 +183,33 @@ impl AgwArgs {
     ///
     /// # Errors
     ///
-    /// [`WorkerError::Config`] for an invalid worker id or an empty tool set.
+    /// [`WorkerError::Config`] for a token on the command line, an
+    /// unreadable token file, an invalid worker id, an empty tool set, a
+    /// kernel without Landlock (unless `--insecure-no-sandbox`), an unknown
+    /// or root `--run-as` user, or an unusable read path or scratch
+    /// directory.
     pub fn into_config(self) -> Result<WorkerConfig, WorkerError> {
+        if self.token_on_command_line.is_some() {
+            return Err(WorkerError::Config(
+                "--token is refused: a command line is readable by every local user; \
+                 put the token in a file and pass --token-file FILE, or set AGW_TOKEN"
+                    .into(),
+            ));
+        }
+        let token = match &self.token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| {
+                        WorkerError::Config(format!(
+                            "cannot read --token-file {}: {e}",
+                            path.display()
+                        ))
+                    })?
+                    .trim()
+                    .to_owned(),
+            ),
+            None => std::env::var("AGW_TOKEN").ok(),
+        };
         let hostname = hostname();
         let worker_id = match self.worker_id {
             Some(id) => {
@@ -153,13 +236,63 @@ impl AgwArgs {
                 "none of the --tools is an executable on $PATH".into(),
             ));
         }
+        let enabled = if self.insecure_no_sandbox {
+            tracing::warn!(
+                "--insecure-no-sandbox: tasks run WITHOUT the kernel sandbox; any plan can \
+                 run code, read and write files and use the network as the task user"
+            );
+            false
+        } else {
+            sandbox::probe().map_err(|e| {
+                WorkerError::Config(format!(
+                    "{e}; agw refuses to run tasks unconfined. Run it on a kernel with \
+                     Landlock, or pass --insecure-no-sandbox to run without the sandbox"
+                ))
+            })?;
+            true
+        };
+        let run_as = resolve_run_as(self.run_as.as_deref())?;
+        let mut read_paths: Vec<PathBuf> = DEFAULT_READ_PATHS.iter().map(PathBuf::from).collect();
+        read_paths.extend(self.read_paths);
+        let scratch_root = self
+            .scratch_dir
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("agw-scratch-{worker_id}")));
+        let mib = |n: u64| n.saturating_mul(1 << 20);
+        let sandbox_config = SandboxConfig {
+            enabled,
+            read_paths,
+            allow_network: self.allow_network,
+            limits: ResourceLimits {
+                address_space_bytes: mib(self.max_address_space_mb),
+                file_size_bytes: mib(self.max_file_size_mb),
+                processes: self.max_processes,
+                cpu_secs: self.max_cpu_secs,
+            },
+            run_as,
+            scratch_root,
+        };
+        let (sandbox, tools, dropped) =
+            Sandbox::new(sandbox_config, &tools).map_err(|e| WorkerError::Config(e.to_string()))?;
+        if !dropped.is_empty() {
+            tracing::warn!(
+                tools = %dropped.join(","),
+                "not advertised: script tools whose interpreter is not an advertised tool \
+                 cannot start in the sandbox"
+            );
+        }
+        if tools.is_empty() {
+            return Err(WorkerError::Config(
+                "none of the --tools can run in the sandbox".into(),
+            ));
+        }
         Ok(WorkerConfig {
             server: self.server,
-            token: self.token.filter(|t| !t.is_empty()),
+            token: token.filter(|t| !t.is_empty()),
             worker_id,
             hostname,
             max_concurrent_jobs,
             tools: Arc::new(tools),
+            sandbox: Arc::new(sandbox),
             tags: self.tags.into_iter().collect(),
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             output_cap_bytes: self.output_cap_bytes,
@@ -171,6 +304,42 @@ impl AgwArgs {
             },
         })
     }
+}
+
+/// The identity tasks run as. When agw is root: `name` (default `nobody`),
+/// which must not be root. Otherwise `None` (tasks keep agw's user, which
+/// is not root), with a warning when a different user was asked for.
+///
+/// # Errors
+///
+/// [`WorkerError::Config`] for an unknown user or a root one.
+fn resolve_run_as(name: Option<&str>) -> Result<Option<RunAs>, WorkerError> {
+    use nix::unistd::{Uid, User};
+    if !Uid::effective().is_root() {
+        if let Some(n) = name {
+            let me = User::from_uid(Uid::effective()).ok().flatten();
+            if me.is_none_or(|u| u.name != n) {
+                tracing::warn!(
+                    run_as = n,
+                    "--run-as is ignored: agw is not root, so tasks run as agw's own user"
+                );
+            }
+        }
+        return Ok(None);
+    }
+    let name = name.unwrap_or("nobody");
+    let user = User::from_name(name)
+        .map_err(|e| WorkerError::Config(format!("--run-as {name}: {e}")))?
+        .ok_or_else(|| WorkerError::Config(format!("--run-as {name}: no such user")))?;
+    if user.uid.is_root() || user.gid.as_raw() == 0 {
+        return Err(WorkerError::Config(format!(
+            "--run-as {name}: tasks never run as root (uid or gid 0)"
+        )));
+    }
+    Ok(Some(RunAs {
+        uid: user.uid.as_raw(),
+        gid: user.gid.as_raw(),
+    }))
 }
 
 /// True for `[A-Za-z0-9_-]{1,64}`.

@@ -40,7 +40,11 @@ use tokio::{
     task::JoinHandle,
 };
 
-use super::{template, tools::ToolSet};
+use super::{
+    sandbox::{Confinement, Sandbox},
+    template,
+    tools::ToolSet,
+};
 use crate::pb::{Plan, TaskResult};
 
 /// Default cap on the captured stdout and on the captured stderr of one task,
@@ -57,6 +61,10 @@ pub const UNSET_TIMEOUT_SECS: u32 = 86_400;
 /// How long the pipes of a killed task may stay open (held by a process that
 /// left the group) before capture stops anyway.
 const PIPE_GRACE: Duration = Duration::from_secs(2);
+
+/// `PATH` of a sandboxed task: the system's binary directories (only the
+/// advertised tools can run anyway).
+const TASK_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
 /// How long to wait for a killed process to be reaped.
 const REAP_GRACE: Duration = Duration::from_secs(5);
@@ -223,6 +231,20 @@ pub struct Executor {
     /// Directory of the files holding stdouts that later tasks read;
     /// `None`: the system's temporary directory (`TMPDIR`).
     spill_dir: Option<PathBuf>,
+    /// The task sandbox: scratch directory, minimal environment, identity,
+    /// limits, Landlock and seccomp. `None` (tests of the executor alone):
+    /// tasks inherit the worker's environment (less `AGW_*`) and directory.
+    sandbox: Option<Arc<Sandbox>>,
+}
+
+/// What a task of a sandboxed job runs with.
+struct TaskJail<'a> {
+    /// The job's scratch directory: working directory, `HOME`, `TMPDIR`.
+    scratch: &'a std::path::Path,
+    /// What the child applies before `exec`.
+    confinement: Confinement,
+    /// The sandbox it comes from.
+    sandbox: &'a Sandbox,
 }
 
 /// Names of this process's environment variables that start with `AGW_`.
@@ -277,7 +299,17 @@ impl Executor {
             groups: ProcessGroups::default(),
             hidden_env: Arc::new(agw_env_names()),
             spill_dir: None,
+            sandbox: None,
         }
+    }
+
+    /// The same executor, running every job in its own scratch directory
+    /// under `sandbox`: a minimal environment (`PATH`, `HOME` and `TMPDIR`
+    /// set to the scratch directory, `LANG`), the sandbox's identity and
+    /// limits, and (when enabled) Landlock and seccomp.
+    pub fn with_sandbox(mut self, sandbox: Arc<Sandbox>) -> Self {
+        self.sandbox = Some(sandbox);
+        self
     }
 
     /// The same executor, keeping the stdouts that later tasks read in
@@ -332,7 +364,7 @@ impl Executor {
                     ));
                 }
             }
-            let args = template::render_all(&t.args, input)
+            let args = template::render_args(&t.args, input, t.allow_option_values)
                 .map_err(|e| format!("task {} ({}): {e}", t.task_number, t.command))?;
             let path = self
                 .tools
@@ -386,6 +418,20 @@ impl Executor {
                 last_use.insert(from, i);
             }
         }
+        // The job's scratch directory, removed when the job ends.
+        let scratch = match &self.sandbox {
+            Some(sb) => match sb.scratch() {
+                Ok(dir) => Some(dir),
+                Err(e) => {
+                    return JobOutcome::failed(
+                        format!("cannot create the job's scratch directory: {e}"),
+                        Vec::new(),
+                        start,
+                    )
+                }
+            },
+            None => None,
+        };
         let mut outputs: HashMap<u32, Arc<tempfile::NamedTempFile>> = HashMap::new();
         let mut results = Vec::with_capacity(tasks.len());
         let total = tasks.len();
@@ -401,7 +447,29 @@ impl Executor {
             });
             let stdin = task.input_from.and_then(|from| outputs.get(&from).cloned());
             let keep_full = last_use.contains_key(&task.task_number);
-            let run = self.run_task(task, stdin, keep_full, &mut abort).await;
+            let jail = match (&self.sandbox, &scratch) {
+                (Some(sb), Some(dir)) => match sb.confinement(dir.path()) {
+                    Ok(confinement) => Some(TaskJail {
+                        scratch: dir.path(),
+                        confinement,
+                        sandbox: sb,
+                    }),
+                    Err(e) => {
+                        return JobOutcome::failed(
+                            format!(
+                                "task {} ({}): cannot build its sandbox: {e}",
+                                task.task_number, task.command
+                            ),
+                            results,
+                            start,
+                        )
+                    }
+                },
+                _ => None,
+            };
+            let run = self
+                .run_task(task, stdin, keep_full, jail, &mut abort)
+                .await;
             // Free outputs no later task needs.
             outputs.retain(|from, _| last_use.get(from).is_some_and(|&last| last > i));
             let error = match &run.end {
@@ -468,6 +536,7 @@ impl Executor {
         task: &Prepared,
         stdin: Option<Arc<tempfile::NamedTempFile>>,
         keep_full: bool,
+        jail: Option<TaskJail<'_>>,
         abort: &mut AbortReceiver,
     ) -> TaskRun {
         let mut result = TaskResult {
@@ -512,18 +581,44 @@ impl Executor {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        for name in self.hidden_env.iter() {
-            cmd.env_remove(name);
+        let mut confinement = None;
+        match jail {
+            Some(jail) => {
+                let cfg = jail.sandbox.config();
+                cmd.env_clear()
+                    .env("PATH", TASK_PATH)
+                    .env("HOME", jail.scratch)
+                    .env("TMPDIR", jail.scratch)
+                    .env(
+                        "LANG",
+                        std::env::var_os("LANG").unwrap_or_else(|| "C.UTF-8".into()),
+                    )
+                    .current_dir(jail.scratch);
+                if let Some(r) = cfg.run_as {
+                    cmd.uid(r.uid).gid(r.gid);
+                }
+                confinement = Some(jail.confinement);
+            }
+            None => {
+                for name in self.hidden_env.iter() {
+                    cmd.env_remove(name);
+                }
+            }
         }
-        #[cfg(target_os = "linux")]
-        // SAFETY: prctl is async-signal-safe and touches no memory of the
-        // parent; it only asks the kernel to SIGKILL the child when the
-        // thread that spawned it (an agw runtime thread) goes away, so a
-        // `kill -9` of agw does not leave task leaders running.
+        // SAFETY: the closure runs in the child between fork and exec. It
+        // only issues system calls (prctl, setrlimit, landlock, seccomp) on
+        // data built before the fork; it allocates nothing and touches no
+        // lock. PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when
+        // the thread that spawned it (an agw runtime thread) goes away, so a
+        // `kill -9` of agw does not leave task leaders running; it is set
+        // after the identity switch, which would clear it.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
                     return Err(io::Error::last_os_error());
+                }
+                if let Some(c) = confinement.as_mut() {
+                    c.apply()?;
                 }
                 Ok(())
             });

@@ -9,6 +9,9 @@
 //!   process groups, capped capture).
 //! - [`agent`]: registration, heartbeat and lease streams, reconnects, job
 //!   reports, drain; [`run`] is the entry point.
+//! - [`sandbox`]: the kernel sandbox around every task (Landlock,
+//!   seccomp, resource limits, an unprivileged identity, a scratch
+//!   directory per job).
 //! - [`reporter`]: final reports, batched into `BatchUpdateJobs` calls.
 //! - [`client`], [`backoff`], [`stats`], [`error`]: the channel and auth,
 //!   retry delays, heartbeat figures, fatal errors.
@@ -22,6 +25,7 @@ pub mod config;
 pub mod error;
 pub mod executor;
 pub mod reporter;
+pub mod sandbox;
 pub mod stats;
 pub mod template;
 pub mod tools;

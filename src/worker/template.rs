@@ -6,6 +6,14 @@
 //! that itself contains `{{…}}` is inserted verbatim. A `{{` without a closing
 //! `}}`, and an empty `{{}}`, are left literal. A name the input does not
 //! have is an error that names it, so the job fails before anything runs.
+//!
+//! Input values are data, not options: a value that would begin an
+//! argument with `-` (the placeholder starts the argument and the value
+//! starts with `-`) is refused, so `sort {{file}}` with `file=-o/etc/x`
+//! fails before anything runs instead of writing a file. A task allows it
+//! with `allow_option_values`, and an argument after a literal `--`
+//! argument (the end of options for most tools) is never an option, so
+//! values there are not checked.
 
 use std::collections::HashMap;
 
@@ -62,6 +70,70 @@ pub fn render_all(
     args.iter().map(|a| render(a, input)).collect()
 }
 
+/// Why a task's arguments cannot be rendered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// A placeholder without a value.
+    #[error(transparent)]
+    Missing(#[from] MissingVariable),
+    /// A value that would be read as an option.
+    #[error(
+        "input value for \"{{{{{name}}}}}\" starts with '-' and would be read as an option \
+         (argument {position}); input values are data: the task must set allow_option_values \
+         or put the placeholder after a \"--\" argument"
+    )]
+    OptionValue {
+        /// The variable name.
+        name: String,
+        /// 1-based argument position.
+        position: usize,
+    },
+}
+
+/// Renders a task's arguments like [`render_all`], and refuses an input
+/// value that would begin an argument with `-` unless `allow_option_values`
+/// is set or a literal `--` argument came before it.
+///
+/// # Errors
+///
+/// [`TemplateError::Missing`] for a placeholder without a value,
+/// [`TemplateError::OptionValue`] for a value read as an option.
+pub fn render_args(
+    args: &[String],
+    input: &HashMap<String, String>,
+    allow_option_values: bool,
+) -> Result<Vec<String>, TemplateError> {
+    let mut after_double_dash = false;
+    let mut out = Vec::with_capacity(args.len());
+    for (i, arg) in args.iter().enumerate() {
+        let rendered = render(arg, input)?;
+        if !allow_option_values && !after_double_dash && rendered.starts_with('-') {
+            if let Some(name) = leading_placeholder(arg) {
+                return Err(TemplateError::OptionValue {
+                    name: name.to_owned(),
+                    position: i + 1,
+                });
+            }
+        }
+        if arg == "--" {
+            after_double_dash = true;
+        }
+        out.push(rendered);
+    }
+    Ok(out)
+}
+
+/// The name of the placeholder that starts `arg` (`{{name}}…`), if any.
+/// When an argument starts with a placeholder and renders to `-…`, the
+/// dash came from an input value (this one's, or a later one's when this
+/// value is empty), never from the plan.
+fn leading_placeholder(arg: &str) -> Option<&str> {
+    let rest = arg.strip_prefix("{{")?;
+    let close = rest.find("}}")?;
+    let name = rest[..close].trim();
+    (!name.is_empty()).then_some(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +185,36 @@ mod tests {
         let args = vec!["{{a}}".to_owned(), "{{zz}}".to_owned()];
         assert_eq!(render_all(&args, &i).unwrap_err().name, "zz");
         assert_eq!(render_all(&args[..1], &i).unwrap(), vec!["A".to_owned()]);
+    }
+
+    #[test]
+    fn values_are_not_options() {
+        let i = input(&[("file", "-o/etc/x"), ("dash", "-"), ("ok", "a.txt")]);
+        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let err = render_args(&args(&["-r", "{{file}}"]), &i, false).unwrap_err();
+        assert_eq!(
+            err,
+            TemplateError::OptionValue {
+                name: "file".into(),
+                position: 2
+            }
+        );
+        assert!(err.to_string().contains("allow_option_values"));
+        // Allowed by the task, after `--`, or not at the start of an argument.
+        assert!(render_args(&args(&["{{file}}"]), &i, true).is_ok());
+        assert_eq!(
+            render_args(&args(&["-r", "--", "{{file}}"]), &i, false).unwrap(),
+            args(&["-r", "--", "-o/etc/x"])
+        );
+        assert!(render_args(&args(&["--in={{file}}"]), &i, false).is_ok());
+        assert!(render_args(&args(&["{{ok}}", "-n"]), &i, false).is_ok());
+        // A lone "-" (stdin for many tools) is an option-like value too.
+        assert!(render_args(&args(&["{{dash}}"]), &i, false).is_err());
+        // Missing values are still reported as such.
+        assert!(matches!(
+            render_args(&args(&["{{nope}}"]), &i, false),
+            Err(TemplateError::Missing(_))
+        ));
     }
 
     mod fuzz {

@@ -8,7 +8,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-/// Default allowlist of `--tools`: common text tools plus a few helpers.
+/// Default allowlist of `--tools`: text tools that neither start other
+/// programs nor write files by design. Tools that do (`awk`, `sed`,
+/// `xargs`, `tee`, `find`, `env`, `timeout`, `nice`, `tar`, interpreters)
+/// must be named in `--tools`; the sandbox is what contains them.
 pub const DEFAULT_TOOLS: &[&str] = &[
     "sort",
     "uniq",
@@ -18,8 +21,6 @@ pub const DEFAULT_TOOLS: &[&str] = &[
     "wc",
     "head",
     "tail",
-    "sed",
-    "awk",
     "cat",
     "jq",
     "paste",
@@ -36,13 +37,11 @@ pub const DEFAULT_TOOLS: &[&str] = &[
     "true",
     "false",
     "printf",
-    "xargs",
     "basename",
     "dirname",
     "date",
     "seq",
     "expand",
-    "tee",
 ];
 
 /// The advertised tools: bare names, each resolved to the executable that
@@ -94,6 +93,20 @@ impl ToolSet {
         S: AsRef<str>,
     {
         Self::resolve(allowlist, std::env::var_os("PATH").as_deref())
+    }
+
+    /// The tools of this set named in `keep`, in this set's order.
+    pub fn subset(&self, keep: &[String]) -> Self {
+        let mut set = Self::default();
+        for name in &self.names {
+            if keep.contains(name) {
+                if let Some(p) = self.paths.get(name) {
+                    set.names.push(name.clone());
+                    set.paths.insert(name.clone(), p.clone());
+                }
+            }
+        }
+        set
     }
 
     /// The advertised names, in allowlist order.

@@ -195,8 +195,10 @@ pub fn plan(id: &str, cmds: &[&str]) -> pb::Plan {
                 args: vec![],
                 timeout_secs: 30,
                 input_from_task: None,
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     }
 }
 
@@ -306,6 +308,7 @@ impl SimWorker {
                 }),
                 max_concurrent_jobs: max,
                 tags: Default::default(),
+                ..Default::default()
             })
             .await
             .expect("register")

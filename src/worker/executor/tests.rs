@@ -24,6 +24,7 @@ fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Ta
         args: args.iter().map(|a| (*a).to_owned()).collect(),
         timeout_secs: timeout,
         input_from_task: from,
+        ..Default::default()
     }
 }
 
@@ -32,6 +33,7 @@ fn plan(tasks: Vec<Task>) -> Plan {
         plan_id: "p".to_owned(),
         plan_description: String::new(),
         tasks,
+        ..Default::default()
     }
 }
 

@@ -1,0 +1,618 @@
+//! The kernel sandbox around every task `agw` runs.
+//!
+//! A client token may submit any Plan with any input, so a task is
+//! untrusted code running through a trusted tool. Between `fork` and `exec`
+//! the child is confined, in this order:
+//!
+//! 1. **user**: when `agw` runs as root, the child switches to an
+//!    unprivileged uid/gid (`--run-as`, default `nobody`) and drops every
+//!    supplementary group; a task never runs as root;
+//! 2. **resource limits** (`setrlimit`): address space, file size, number of
+//!    processes of the task's uid, CPU seconds;
+//! 3. **Landlock** (Linux ≥ 6.2, ABI ≥ 3 required; newer rights are used
+//!    when the kernel has them):
+//!    - *execute* only the resolved executables of the advertised tools and
+//!      the dynamic loaders they name (`PT_INTERP`), so `awk system()`,
+//!      `sed e`, `sort --compress-program` and `xargs sh` fail at `exec`;
+//!    - *write* only beneath the job's scratch directory and to the
+//!      harmless devices (`/dev/null`, `/dev/zero`, `/dev/full`);
+//!    - *read* only the operator's read paths (`--read-path`, defaulting to
+//!      what the tools themselves need) and the scratch directory;
+//!    - no TCP bind or connect (ABI ≥ 4), no abstract UNIX socket or signal
+//!      outside the sandbox (ABI ≥ 6);
+//! 4. **seccomp**: `socket(2)` of any family but `AF_UNIX` and `io_uring`
+//!    fail with `EACCES`, so UDP, raw sockets and io_uring's own socket
+//!    path are closed too (unless `--allow-network`).
+//!
+//! The whole set is applied by async-signal-safe calls only (no allocation
+//! after `fork`): everything is built in the parent per job, the child only
+//! issues the system calls. A kernel without Landlock ABI 3 makes
+//! [`probe`] fail, and `agw` refuses to start unless the operator passes
+//! `--insecure-no-sandbox` (see [`crate::worker::config`]).
+
+use std::{
+    collections::BTreeMap,
+    io,
+    os::unix::{ffi::OsStrExt, fs::PermissionsExt},
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use landlock::{
+    Access, AccessFs, AccessNet, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset,
+    RulesetAttr, RulesetCreated, RulesetCreatedAttr, Scope, ABI,
+};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
+
+use super::tools::ToolSet;
+
+/// Paths a task may read by default: what the tools themselves need (their
+/// binaries and libraries, the loader's cache, locale and time-zone data).
+pub const DEFAULT_READ_PATHS: &[&str] = &[
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/locale.alias",
+    "/etc/localtime",
+];
+
+/// Devices a task may open for reading and writing.
+const DEVICES_RW: &[&str] = &["/dev/null", "/dev/zero", "/dev/full"];
+
+/// Devices a task may open for reading.
+const DEVICES_RO: &[&str] = &["/dev/urandom", "/dev/random"];
+
+/// Environment variable that makes [`probe`] report Landlock as missing,
+/// so the fail-closed start-up can be tested on any kernel. Only ever
+/// lowers protection checks to a refusal; it cannot weaken a sandbox.
+pub const PROBE_OVERRIDE_ENV: &str = "AGW_SANDBOX_PROBE";
+
+/// Per-task resource limits (`setrlimit`), applied to every task whether or
+/// not Landlock is on. `0` leaves a limit as inherited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResourceLimits {
+    /// `RLIMIT_AS`: address space, bytes.
+    pub address_space_bytes: u64,
+    /// `RLIMIT_FSIZE`: largest file a task may write, bytes.
+    pub file_size_bytes: u64,
+    /// `RLIMIT_NPROC`: processes (and threads) of the task's uid.
+    pub processes: u64,
+    /// `RLIMIT_CPU`: CPU time, seconds.
+    pub cpu_secs: u64,
+}
+
+impl Default for ResourceLimits {
+    fn default() -> Self {
+        ResourceLimits {
+            address_space_bytes: 4 << 30,
+            file_size_bytes: 1 << 30,
+            processes: 256,
+            cpu_secs: 86_400,
+        }
+    }
+}
+
+/// The unprivileged identity tasks run as when `agw` is root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAs {
+    /// User id (never 0).
+    pub uid: u32,
+    /// Group id (never 0).
+    pub gid: u32,
+}
+
+/// What the operator configured for the sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// Confine tasks with Landlock and seccomp (false only with
+    /// `--insecure-no-sandbox`).
+    pub enabled: bool,
+    /// Paths (directories or files) tasks may read.
+    pub read_paths: Vec<PathBuf>,
+    /// Let tasks use the network.
+    pub allow_network: bool,
+    /// Per-task resource limits.
+    pub limits: ResourceLimits,
+    /// The identity tasks run as (set when `agw` is root).
+    pub run_as: Option<RunAs>,
+    /// Directory under which each job gets its scratch directory.
+    pub scratch_root: PathBuf,
+}
+
+/// Why the sandbox cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The kernel lacks what the sandbox needs.
+    #[error("the kernel cannot sandbox tasks: {0}")]
+    Unsupported(String),
+    /// A setting is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// A file system or system call error while building it.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: io::Error,
+    },
+}
+
+/// The minimum Landlock ABI: execute, read, write, make, remove, refer and
+/// truncate rights (Linux 6.2).
+const REQUIRED_ABI: ABI = ABI::V3;
+
+/// The newest ABI whose rights are used when the kernel has them.
+const WANTED_ABI: ABI = ABI::V7;
+
+/// Checks that the kernel can enforce the sandbox (Landlock ABI ≥ 3).
+///
+/// Honors [`PROBE_OVERRIDE_ENV`]` = unsupported` (for tests of the
+/// fail-closed start-up).
+///
+/// # Errors
+///
+/// [`SandboxError::Unsupported`] saying what is missing.
+pub fn probe() -> Result<(), SandboxError> {
+    if std::env::var_os(PROBE_OVERRIDE_ENV).is_some_and(|v| v == "unsupported") {
+        return Err(SandboxError::Unsupported(format!(
+            "Landlock reported unsupported ({PROBE_OVERRIDE_ENV}=unsupported)"
+        )));
+    }
+    Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .handle_access(AccessFs::from_all(REQUIRED_ABI))
+        .and_then(|r| r.create())
+        .map(|_| ())
+        .map_err(|e| {
+            SandboxError::Unsupported(format!(
+                "Landlock ABI {} or newer is required (Linux 6.2+, enabled at boot): {e}",
+                REQUIRED_ABI as i32
+            ))
+        })
+}
+
+/// Marks this process non-dumpable (`PR_SET_DUMPABLE` 0): its
+/// `/proc/<pid>/environ`, `mem`, `fd` and the like become root-owned and
+/// `ptrace` is refused, so a task running as the same user cannot read the
+/// worker's token from them. Tasks start dumpable again at `exec`.
+///
+/// # Errors
+///
+/// The OS error of `prctl`.
+pub fn make_undumpable() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The sandbox of one worker: the executables tasks may run and the
+/// settings above, resolved once at start-up.
+#[derive(Debug)]
+pub struct Sandbox {
+    config: SandboxConfig,
+    /// Resolved tool executables plus the loaders they need.
+    exec_paths: Vec<PathBuf>,
+    /// Read paths that exist (missing defaults are skipped).
+    read_paths: Vec<PathBuf>,
+    /// The compiled seccomp filter (None with `--allow-network` or the
+    /// sandbox off).
+    seccomp: Option<Arc<BpfProgram>>,
+}
+
+impl Sandbox {
+    /// Resolves the sandbox for `tools`: every tool's real executable and
+    /// its dynamic loader. A script tool (`#!`) is kept only when its
+    /// interpreter is itself an advertised tool; it is dropped from `tools`
+    /// otherwise (returned in the second value, for a warning), since the
+    /// sandbox would not let it start.
+    ///
+    /// # Errors
+    ///
+    /// [`SandboxError::Config`] for a read path that is not absolute or
+    /// does not exist (a missing default is skipped), a scratch root that
+    /// cannot be created; [`SandboxError::Io`] for file system errors.
+    pub fn new(
+        config: SandboxConfig,
+        tools: &ToolSet,
+    ) -> Result<(Self, ToolSet, Vec<String>), SandboxError> {
+        let mut read_paths = Vec::new();
+        for p in &config.read_paths {
+            if !p.is_absolute() {
+                return Err(SandboxError::Config(format!(
+                    "--read-path {} must be an absolute path",
+                    p.display()
+                )));
+            }
+            if p.exists() {
+                read_paths.push(p.clone());
+            } else if !DEFAULT_READ_PATHS.iter().any(|d| Path::new(d) == p) {
+                return Err(SandboxError::Config(format!(
+                    "--read-path {} does not exist",
+                    p.display()
+                )));
+            }
+        }
+        let (kept, dropped, exec_paths) = executables(tools);
+        create_scratch_root(&config)?;
+        let seccomp = if config.enabled && !config.allow_network {
+            Some(Arc::new(network_filter()?))
+        } else {
+            None
+        };
+        Ok((
+            Sandbox {
+                config,
+                exec_paths,
+                read_paths,
+                seccomp,
+            },
+            kept,
+            dropped,
+        ))
+    }
+
+    /// True when tasks are confined by Landlock and seccomp.
+    pub fn enabled(&self) -> bool {
+        self.config.enabled
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SandboxConfig {
+        &self.config
+    }
+
+    /// Creates a job's scratch directory under the scratch root, owned by
+    /// the task identity, mode 0700. It is removed when the returned value
+    /// is dropped.
+    ///
+    /// # Errors
+    ///
+    /// The file system error.
+    pub fn scratch(&self) -> io::Result<tempfile::TempDir> {
+        let dir = tempfile::Builder::new()
+            .prefix("job-")
+            .tempdir_in(&self.config.scratch_root)?;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+        if let Some(r) = self.config.run_as {
+            std::os::unix::fs::chown(dir.path(), Some(r.uid), Some(r.gid))?;
+        }
+        Ok(dir)
+    }
+
+    /// Builds what a task of a job with scratch directory `scratch` applies
+    /// after `fork`: the Landlock ruleset (opened here, in the parent), the
+    /// seccomp filter, the limits and the identity.
+    ///
+    /// # Errors
+    ///
+    /// [`SandboxError`] when the ruleset cannot be built (it is not
+    /// applied half: the task is not started).
+    pub fn confinement(&self, scratch: &Path) -> Result<Confinement, SandboxError> {
+        let ruleset = if self.config.enabled {
+            Some(self.ruleset(scratch)?)
+        } else {
+            None
+        };
+        Ok(Confinement {
+            ruleset,
+            seccomp: self.seccomp.clone(),
+            limits: self.config.limits,
+        })
+    }
+
+    /// The Landlock ruleset for a job.
+    fn ruleset(&self, scratch: &Path) -> Result<RulesetCreated, SandboxError> {
+        let err = |e: landlock::RulesetError| {
+            SandboxError::Unsupported(format!("cannot build the Landlock ruleset: {e}"))
+        };
+        let mut ruleset = Ruleset::default()
+            .set_compatibility(CompatLevel::HardRequirement)
+            .handle_access(AccessFs::from_all(REQUIRED_ABI))
+            .map_err(err)?
+            .set_compatibility(CompatLevel::BestEffort)
+            .handle_access(AccessFs::from_all(WANTED_ABI))
+            .map_err(err)?;
+        if !self.config.allow_network {
+            ruleset = ruleset
+                .handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp)
+                .map_err(err)?;
+        }
+        ruleset = ruleset
+            .scope(Scope::AbstractUnixSocket | Scope::Signal)
+            .map_err(err)?;
+        let mut created = ruleset.create().map_err(err)?;
+        let read_dir = AccessFs::ReadFile | AccessFs::ReadDir;
+        let all_but_exec = AccessFs::from_all(WANTED_ABI) & !AccessFs::Execute;
+        let rw_file = AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::Truncate;
+        let mut rules: Vec<(PathBuf, landlock::BitFlags<AccessFs>)> = Vec::new();
+        for p in &self.read_paths {
+            let access = if p.is_dir() {
+                read_dir
+            } else {
+                AccessFs::ReadFile.into()
+            };
+            rules.push((p.clone(), access));
+        }
+        for p in &self.exec_paths {
+            rules.push((p.clone(), AccessFs::Execute | AccessFs::ReadFile));
+        }
+        for d in DEVICES_RW {
+            rules.push((PathBuf::from(d), rw_file));
+        }
+        for d in DEVICES_RO {
+            rules.push((PathBuf::from(d), AccessFs::ReadFile.into()));
+        }
+        rules.push((scratch.to_path_buf(), all_but_exec));
+        for (path, access) in rules {
+            let fd = match PathFd::new(&path) {
+                Ok(fd) => fd,
+                // A device or default that this system lacks: nothing to allow.
+                Err(_) if !path.starts_with(scratch) && !path.exists() => continue,
+                Err(e) => {
+                    return Err(SandboxError::Config(format!(
+                        "cannot open {} for the sandbox: {e}",
+                        path.display()
+                    )))
+                }
+            };
+            created = created
+                .set_compatibility(CompatLevel::BestEffort)
+                .add_rule(PathBeneath::new(fd, access))
+                .map_err(err)?;
+        }
+        Ok(created)
+    }
+}
+
+/// What one task applies between `fork` and `exec`.
+#[derive(Debug)]
+pub struct Confinement {
+    ruleset: Option<RulesetCreated>,
+    seccomp: Option<Arc<BpfProgram>>,
+    limits: ResourceLimits,
+}
+
+impl Confinement {
+    /// Applies limits, Landlock and seccomp to the calling process. Meant
+    /// for the child between `fork` and `exec`: it allocates nothing and
+    /// only issues system calls. Callable once (the ruleset is consumed).
+    ///
+    /// # Errors
+    ///
+    /// The OS error of the first call that failed; the child must then not
+    /// `exec` (the task fails to start: fail closed).
+    pub fn apply(&mut self) -> io::Result<()> {
+        let l = self.limits;
+        set_limit(libc::RLIMIT_AS, l.address_space_bytes)?;
+        set_limit(libc::RLIMIT_FSIZE, l.file_size_bytes)?;
+        set_limit(libc::RLIMIT_NPROC, l.processes)?;
+        set_limit(libc::RLIMIT_CPU, l.cpu_secs)?;
+        if let Some(ruleset) = self.ruleset.take() {
+            match ruleset.restrict_self() {
+                Ok(status) if status.ruleset != landlock::RulesetStatus::NotEnforced => {}
+                Ok(_) => return Err(io::Error::from_raw_os_error(libc::ENOSYS)),
+                Err(_) => return Err(io::Error::last_os_error()),
+            }
+        }
+        if let Some(bpf) = &self.seccomp {
+            seccompiler::apply_filter(bpf).map_err(|_| io::Error::last_os_error())?;
+        }
+        Ok(())
+    }
+}
+
+/// `setrlimit(resource, value)` for both the soft and the hard limit; `0`
+/// leaves it alone.
+fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
+    if value == 0 {
+        return Ok(());
+    }
+    let mut cur = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only the struct we pass.
+    if unsafe { libc::getrlimit(resource, &mut cur) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // Never above the inherited hard limit (an unprivileged agw cannot
+    // raise it, and a lower one is stricter anyway).
+    let value = value.min(cur.rlim_max);
+    let lim = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: setrlimit reads the struct we pass and nothing else.
+    if unsafe { libc::setrlimit(resource, &lim) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The seccomp filter that closes the network: `socket(2)` with any family
+/// but `AF_UNIX`, and `io_uring_setup(2)`, fail with `EACCES`.
+fn network_filter() -> Result<BpfProgram, SandboxError> {
+    fn err(e: impl std::fmt::Display) -> SandboxError {
+        SandboxError::Config(format!("seccomp filter: {e}"))
+    }
+    let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)
+        .map_err(|e| SandboxError::Unsupported(format!("seccomp on this architecture: {e}")))?;
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    rules.insert(
+        libc::SYS_socket,
+        vec![SeccompRule::new(vec![SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Ne,
+            libc::AF_UNIX as u64,
+        )
+        .map_err(err)?])
+        .map_err(err)?],
+    );
+    rules.insert(libc::SYS_io_uring_setup, vec![]);
+    let filter = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EACCES as u32),
+        arch,
+    )
+    .map_err(err)?;
+    filter.try_into().map_err(err)
+}
+
+/// Creates the scratch root (mode 0711 so the task identity can reach its
+/// own directory in it, but cannot list the others).
+fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
+    let root = &config.scratch_root;
+    std::fs::create_dir_all(root).map_err(|source| SandboxError::Io {
+        what: format!("cannot create the scratch root {}", root.display()),
+        source,
+    })?;
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(|source| {
+        SandboxError::Io {
+            what: format!("cannot set the mode of {}", root.display()),
+            source,
+        }
+    })
+}
+
+/// Splits `tools` into those the sandbox can start (with the executables to
+/// allow) and the names of script tools whose interpreter is not a tool.
+fn executables(tools: &ToolSet) -> (ToolSet, Vec<String>, Vec<PathBuf>) {
+    let mut exec = Vec::new();
+    let mut keep = Vec::new();
+    let mut dropped = Vec::new();
+    let tool_paths: Vec<PathBuf> = tools
+        .names()
+        .iter()
+        .filter_map(|n| tools.path(n))
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .collect();
+    for name in tools.names() {
+        let Some(path) = tools.path(name) else {
+            continue;
+        };
+        let Ok(real) = std::fs::canonicalize(path) else {
+            dropped.push(name.clone());
+            continue;
+        };
+        match interpreter(&real) {
+            Interp::Elf(loader) => {
+                exec.push(real);
+                if let Some(l) = loader.and_then(|l| std::fs::canonicalize(l).ok()) {
+                    exec.push(l);
+                }
+                keep.push(name.clone());
+            }
+            Interp::Script(interp) => {
+                let ok = std::fs::canonicalize(&interp)
+                    .map(|i| tool_paths.contains(&i))
+                    .unwrap_or(false);
+                if ok {
+                    exec.push(real);
+                    keep.push(name.clone());
+                } else {
+                    dropped.push(name.clone());
+                }
+            }
+            Interp::Unknown => dropped.push(name.clone()),
+        }
+    }
+    exec.sort();
+    exec.dedup();
+    (tools.subset(&keep), dropped, exec)
+}
+
+/// How the kernel starts an executable.
+#[derive(Debug, PartialEq, Eq)]
+enum Interp {
+    /// An ELF file, with its dynamic loader when it has one.
+    Elf(Option<PathBuf>),
+    /// A `#!` script and its interpreter.
+    Script(PathBuf),
+    /// Neither (or unreadable).
+    Unknown,
+}
+
+/// Reads how `path` is started: its ELF `PT_INTERP` or its `#!` line.
+fn interpreter(path: &Path) -> Interp {
+    use object::read::elf::{FileHeader, ProgramHeader};
+    let Ok(data) = std::fs::read(path) else {
+        return Interp::Unknown;
+    };
+    if let Some(rest) = data.strip_prefix(b"#!") {
+        let line = rest.split(|&b| b == b'\n').next().unwrap_or_default();
+        let line = String::from_utf8_lossy(line);
+        return match line.split_whitespace().next() {
+            Some(i) => Interp::Script(PathBuf::from(i)),
+            None => Interp::Unknown,
+        };
+    }
+    fn elf<H: FileHeader<Endian = object::Endianness>>(data: &[u8]) -> Option<Interp> {
+        let hdr = H::parse(data).ok()?;
+        let endian = hdr.endian().ok()?;
+        let mut loader = None;
+        for ph in hdr.program_headers(endian, data).ok()? {
+            if let Ok(Some(i)) = ph.interpreter(endian, data) {
+                let i = i.split(|&b| b == 0).next().unwrap_or_default();
+                loader = Some(PathBuf::from(std::ffi::OsStr::from_bytes(i)));
+            }
+        }
+        Some(Interp::Elf(loader))
+    }
+    elf::<object::elf::FileHeader64<object::Endianness>>(&data)
+        .or_else(|| elf::<object::elf::FileHeader32<object::Endianness>>(&data))
+        .unwrap_or(Interp::Unknown)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_loader_of_a_dynamic_tool() {
+        let sort = ToolSet::from_env(["sort"]);
+        let real = std::fs::canonicalize(sort.path("sort").unwrap()).unwrap();
+        match interpreter(&real) {
+            Interp::Elf(Some(loader)) => assert!(loader.exists(), "{loader:?}"),
+            other => panic!("sort should be a dynamic ELF file, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn script_tools_need_their_interpreter_advertised() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("myscript");
+        std::fs::write(&script, "#!/bin/sh\necho hi\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path =
+            std::env::join_paths([dir.path(), Path::new("/usr/bin"), Path::new("/bin")]).unwrap();
+        let alone = ToolSet::resolve(["myscript", "cat"], Some(&path));
+        let (kept, dropped, _) = executables(&alone);
+        assert_eq!(kept.names(), ["cat".to_owned()]);
+        assert_eq!(dropped, ["myscript".to_owned()]);
+        let with_sh = ToolSet::resolve(["myscript", "sh"], Some(&path));
+        let (kept, dropped, exec) = executables(&with_sh);
+        assert_eq!(kept.names(), ["myscript".to_owned(), "sh".to_owned()]);
+        assert!(dropped.is_empty());
+        assert!(exec.contains(&std::fs::canonicalize(&script).unwrap()));
+    }
+
+    #[test]
+    fn the_network_filter_compiles() {
+        assert!(!network_filter().unwrap().is_empty());
+    }
+}

@@ -1,0 +1,895 @@
+//! The task sandbox, end to end: a real `agq serve` and a real `agw` (with
+//! the sandbox on, as by default) run a table of escape attempts as a
+//! client would submit them. Each attempt must end with its job failed or
+//! its side effect absent, checked on the file system, on a loopback
+//! listener or in the job's output, and the server and worker must stay
+//! healthy throughout. Ordinary pipelines must keep working in the sandbox.
+//!
+//! The files the attempts aim at are readable and writable by everyone
+//! (mode 0666 in 0777/0755 directories), so only the sandbox, not the file
+//! permissions, stands between a task and them.
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader, Read},
+    net::{TcpListener, UdpSocket},
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use agq::pb::{
+    action_service_client::ActionServiceClient, job_service_client::JobServiceClient,
+    plan_service_client::PlanServiceClient, worker_service_client::WorkerServiceClient,
+    ActionInput, GetJobRequest, GetWorkerRequest, Job, JobStatus, Plan, SubmitActionRequest,
+    SubmitPlanRequest, Task,
+};
+use tonic::transport::Channel;
+
+/// How long any wait in these tests may take.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The token agw holds; no task may ever see it.
+const TOKEN: &str = "agw-secret-token-0123456789abcdef";
+
+/// Tools of the test worker: the default safe set plus the dangerous ones
+/// the attempts go through. `sh` and `id` are deliberately not advertised.
+const TOOLS: &str = "cat,sort,uniq,tr,head,wc,echo,awk,sed,xargs,tee,date,perl,jq";
+
+// ---------------------------------------------------------------- helpers --
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `agq serve` on an ephemeral loopback port; returns it and its URL.
+fn start_server(dir: &Path) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--db")
+        .arg(dir.join("agq.db"))
+        // Generous: the fork bomb attempt loads the machine for seconds.
+        .args(["--heartbeat-interval-ms", "2000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start agq");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = lines.next().expect("agq printed nothing").expect("read");
+    let addr = first
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
+        .to_owned();
+    std::thread::spawn(move || for _ in lines {});
+    (Proc(child), format!("http://{addr}"))
+}
+
+/// Starts `agw` with `args` and `env`; waits for its `agw: registered`
+/// line, or returns its exit status and stderr when it exits first.
+fn start_agw(url: &str, id: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Proc, String> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
+        .args(["--server", url, "--worker-id", id])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start agw");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("agw: registered") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let err_text = Arc::new(std::sync::Mutex::new(String::new()));
+    let sink = Arc::clone(&err_text);
+    std::thread::spawn(move || {
+        let mut buf = String::new();
+        let _ = stderr.read_to_string(&mut buf);
+        sink.lock().unwrap().push_str(&buf);
+    });
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if rx.try_recv().is_ok() {
+            return Ok(Proc(child));
+        }
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            // Let the stderr reader finish.
+            std::thread::sleep(Duration::from_millis(200));
+            return Err(format!("{status}: {}", err_text.lock().unwrap()));
+        }
+        assert!(Instant::now() < deadline, "agw did not register in time");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The generated clients on one channel.
+#[derive(Clone)]
+struct Clients {
+    plans: PlanServiceClient<Channel>,
+    actions: ActionServiceClient<Channel>,
+    jobs: JobServiceClient<Channel>,
+    workers: WorkerServiceClient<Channel>,
+}
+
+impl Clients {
+    async fn connect(url: &str) -> Clients {
+        let ch = Channel::from_shared(url.to_owned())
+            .expect("url")
+            .connect()
+            .await
+            .expect("connect");
+        Clients {
+            plans: PlanServiceClient::new(ch.clone()),
+            actions: ActionServiceClient::new(ch.clone()),
+            jobs: JobServiceClient::new(ch.clone()),
+            workers: WorkerServiceClient::new(ch),
+        }
+    }
+
+    /// Stores `tasks` as plan `id`.
+    async fn plan(&mut self, id: &str, tasks: Vec<Task>, require_sandbox: bool) {
+        self.plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(Plan {
+                    plan_id: id.to_owned(),
+                    plan_description: String::new(),
+                    tasks,
+                    require_sandbox,
+                }),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("SubmitPlan {id}: {e}"));
+    }
+
+    /// Submits one job of `plan` with `input`, one attempt; returns its id.
+    async fn submit(&mut self, plan: &str, input: &[(&str, &str)]) -> String {
+        let values: HashMap<String, String> = input
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let r = self
+            .actions
+            .submit_action(SubmitActionRequest {
+                plan_id: plan.to_owned(),
+                inputs: vec![ActionInput { values }],
+                max_attempts: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("SubmitAction {plan}: {e}"))
+            .into_inner();
+        r.job_ids[0].clone()
+    }
+
+    async fn job(&mut self, id: &str) -> Job {
+        self.jobs
+            .get_job(GetJobRequest { job_id: id.into() })
+            .await
+            .expect("GetJob")
+            .into_inner()
+            .job
+            .expect("job")
+    }
+
+    /// Waits until the job is completed, failed for good or dead.
+    async fn finished(&mut self, id: &str) -> Job {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let job = self.job(id).await;
+            let s = JobStatus::try_from(job.status).unwrap_or(JobStatus::Unspecified);
+            if matches!(
+                s,
+                JobStatus::Completed | JobStatus::Dead | JobStatus::Cancelled
+            ) {
+                return job;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {id} did not finish: {job:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn sandboxed(&mut self, worker_id: &str) -> bool {
+        self.workers
+            .get_worker(GetWorkerRequest {
+                worker_id: worker_id.into(),
+            })
+            .await
+            .expect("GetWorker")
+            .into_inner()
+            .worker
+            .expect("worker")
+            .sandboxed
+    }
+}
+
+fn task(n: u32, cmd: &str, args: &[&str], from: Option<u32>) -> Task {
+    Task {
+        task_number: n,
+        command: cmd.to_owned(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        timeout_secs: 20,
+        input_from_task: from,
+        allow_option_values: false,
+    }
+}
+
+/// Everything a job printed, all tasks, stdout and stderr, plus its error.
+fn all_output(job: &Job) -> String {
+    let mut s = job.error.clone();
+    for r in &job.task_results {
+        s.push('\n');
+        s.push_str(&r.stdout);
+        s.push('\n');
+        s.push_str(&r.stderr);
+    }
+    s
+}
+
+fn status(job: &Job) -> JobStatus {
+    JobStatus::try_from(job.status).unwrap_or(JobStatus::Unspecified)
+}
+
+fn mode(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+/// The directories and files the attempts aim at.
+struct Fixture {
+    _dir: tempfile::TempDir,
+    /// Exposed with --read-path: input data (`words.txt`, `big.txt`,
+    /// `victim.txt`, world-writable).
+    data: PathBuf,
+    /// Not exposed: `secret.txt`, world-readable.
+    secret: PathBuf,
+    /// Not exposed, world-writable: where write attempts aim.
+    target: PathBuf,
+    /// The server's database directory.
+    db: PathBuf,
+    /// The workers' scratch root.
+    scratch: PathBuf,
+}
+
+const SECRET: &str = "top-secret-contents-7f3a";
+const VICTIM: &str = "victim stays as it is\n";
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mode(dir.path(), 0o755);
+    let data = dir.path().join("data");
+    let secret = dir.path().join("secret");
+    let target = dir.path().join("target");
+    let db = dir.path().join("db");
+    let scratch = dir.path().join("scratch");
+    for d in [&data, &secret, &target, &db] {
+        std::fs::create_dir(d).expect("mkdir");
+    }
+    mode(&data, 0o777);
+    mode(&secret, 0o755);
+    mode(&target, 0o777);
+    let mut words = String::new();
+    for i in 0..400 {
+        words.push_str(["the", "quick", "brown", "fox", "the", "lazy", "dog", "the"][i % 8]);
+        words.push(if i % 5 == 0 { '\n' } else { ' ' });
+    }
+    std::fs::write(data.join("words.txt"), &words).expect("write");
+    // Enough input for `sort -S 100K` to spill to temporary files.
+    let big: String = (0..60_000)
+        .map(|i| format!("line {}\n", 60_000 - i))
+        .collect();
+    std::fs::write(data.join("big.txt"), big).expect("write");
+    std::fs::write(data.join("victim.txt"), VICTIM).expect("write");
+    mode(&data.join("victim.txt"), 0o666);
+    std::fs::write(secret.join("secret.txt"), SECRET).expect("write");
+    mode(&secret.join("secret.txt"), 0o644);
+    Fixture {
+        _dir: dir,
+        data,
+        secret,
+        target,
+        db,
+        scratch,
+    }
+}
+
+/// What an attempt must show after its job finished.
+enum Expect {
+    /// The job must not complete (it failed or died).
+    Fails,
+    /// Whatever the job's status, this file must not exist.
+    NoFile(PathBuf),
+    /// Whatever the job's status, its output must not contain this text.
+    NotInOutput(String),
+    /// `victim.txt` must be unchanged.
+    VictimIntact,
+}
+
+/// One escape attempt: a plan, an input, and what must hold afterwards.
+struct Attempt {
+    name: &'static str,
+    tasks: Vec<Task>,
+    input: Vec<(&'static str, String)>,
+    expect: Vec<Expect>,
+}
+
+fn attempt(name: &'static str, tasks: Vec<Task>, expect: Vec<Expect>) -> Attempt {
+    Attempt {
+        name,
+        tasks,
+        input: Vec::new(),
+        expect,
+    }
+}
+
+/// A one-task plan `cmd args`.
+fn one(cmd: &str, args: &[&str]) -> Vec<Task> {
+    vec![task(1, cmd, args, None)]
+}
+
+/// `echo LINE` piped into `cmd args`.
+fn piped(line: &str, cmd: &str, args: &[&str]) -> Vec<Task> {
+    vec![task(1, "echo", &[line], None), task(2, cmd, args, Some(1))]
+}
+
+// ------------------------------------------------------------------ tests --
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn escape_attempts_fail_and_ordinary_pipelines_work() {
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let data = f.data.to_str().expect("utf-8").to_owned();
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let agw = start_agw(
+        &url,
+        "sandboxed-1",
+        &[
+            "--tools",
+            TOOLS,
+            "--read-path",
+            &data,
+            "--scratch-dir",
+            &scratch,
+            "--max-concurrent-jobs",
+            "2",
+            "--max-processes",
+            "32",
+            "--max-file-size-mb",
+            "1",
+        ],
+        &[("AGW_TOKEN", TOKEN)],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let agw_pid = agw.0.id().to_string();
+    let mut c = Clients::connect(&url).await;
+    assert!(
+        c.sandboxed("sandboxed-1").await,
+        "GetWorker shows sandboxed"
+    );
+
+    // Loopback listeners the network attempts aim at; nothing may arrive.
+    let tcp = TcpListener::bind("127.0.0.1:0").expect("tcp listener");
+    tcp.set_nonblocking(true).expect("nonblocking");
+    let tcp_port = tcp.local_addr().expect("addr").port().to_string();
+    let udp = UdpSocket::bind("127.0.0.1:0").expect("udp socket");
+    udp.set_nonblocking(true).expect("nonblocking");
+    let udp_port = udp.local_addr().expect("addr").port().to_string();
+
+    let t = |name: &str| f.target.join(name);
+    let t_str = |name: &str| t(name).to_str().expect("utf-8").to_owned();
+    let words = format!("{data}/words.txt");
+    let big = format!("{data}/big.txt");
+    let victim = format!("{data}/victim.txt");
+    let secret = f
+        .secret
+        .join("secret.txt")
+        .to_str()
+        .expect("utf-8")
+        .to_owned();
+    let environ = format!("/proc/{agw_pid}/environ");
+    let uid_marker = || Expect::NotInOutput("uid=".into());
+
+    let attempts: Vec<Attempt> =
+        vec![
+        // --- execute: only the advertised tools may start -----------------
+        attempt(
+            "awk system()",
+            one("awk", &["BEGIN{system(\"id\")}"]),
+            vec![uid_marker()],
+        ),
+        attempt(
+            "awk command | getline",
+            one("awk", &["BEGIN{\"id\" | getline x; print x}"]),
+            vec![uid_marker()],
+        ),
+        attempt(
+            "awk print | command",
+            one("awk", &["BEGIN{print \"id\" | \"sh\"}"]),
+            vec![uid_marker()],
+        ),
+        attempt(
+            "sed 1e",
+            one("sed", &["-n", "1e id", &words]),
+            vec![uid_marker()],
+        ),
+        attempt(
+            "sed s///e",
+            one("sed", &["s/.*/id/e", &words]),
+            vec![uid_marker()],
+        ),
+        attempt(
+            "xargs sh -c id",
+            piped("x", "xargs", &["sh", "-c", "id"]),
+            vec![uid_marker(), Expect::Fails],
+        ),
+        attempt(
+            "xargs /usr/bin/id",
+            // A blank line: xargs runs the command once, without arguments.
+            piped("", "xargs", &["/usr/bin/id"]),
+            vec![uid_marker(), Expect::Fails],
+        ),
+        attempt(
+            // gzip would work as a compressor: only the sandbox stops it.
+            "sort --compress-program=gzip",
+            one(
+                "sort",
+                &["--compress-program=gzip", "-S", "100K", "-T", ".", &big],
+            ),
+            vec![Expect::Fails],
+        ),
+        attempt(
+            "sort --compress-program",
+            one(
+                "sort",
+                &["--compress-program=sh", "-S", "100K", "-T", ".", &big],
+            ),
+            vec![Expect::Fails],
+        ),
+        attempt(
+            "perl exec /bin/sh",
+            one("perl", &["-e", "exec '/bin/sh', '-c', 'id'; exit 7"]),
+            vec![uid_marker(), Expect::Fails],
+        ),
+        attempt(
+            "a binary copied into scratch",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "open my $i, '<', '/usr/bin/id' or die; binmode $i; local $/; my $b = <$i>; \
+                     open my $o, '>', 'myid' or die; binmode $o; print $o $b; close $o; \
+                     chmod 0755, 'myid'; exec './myid'; exit 7",
+                ],
+            ),
+            vec![uid_marker(), Expect::Fails],
+        ),
+        // --- write: only the job's scratch directory ------------------------
+        attempt(
+            "tee FILE",
+            piped("pwned", "tee", &[&t_str("tee")]),
+            vec![Expect::NoFile(t("tee"))],
+        ),
+        attempt(
+            "sed -i",
+            one("sed", &["-i", "s/victim/PWNED/", &victim]),
+            vec![Expect::VictimIntact],
+        ),
+        attempt(
+            "sed w FILE",
+            one("sed", &["-n", &format!("w {}", t_str("sed-w")), &words]),
+            vec![Expect::NoFile(t("sed-w"))],
+        ),
+        attempt(
+            "sort -o",
+            one("sort", &["-o", &t_str("sort-o"), &words]),
+            vec![Expect::NoFile(t("sort-o"))],
+        ),
+        attempt(
+            "uniq IN OUT",
+            one("uniq", &[&words, &t_str("uniq-out")]),
+            vec![Expect::NoFile(t("uniq-out"))],
+        ),
+        attempt(
+            "awk print > FILE",
+            one(
+                "awk",
+                &[&format!("{{print > \"{}\"}}", t_str("awk-out")), &words],
+            ),
+            vec![Expect::NoFile(t("awk-out"))],
+        ),
+        attempt(
+            "perl open > FILE",
+            one(
+                "perl",
+                &["-e", &format!("open F, '>', '{}' or die $!", t_str("perl-out"))],
+            ),
+            vec![Expect::NoFile(t("perl-out")), Expect::Fails],
+        ),
+        attempt(
+            "perl truncate a readable file",
+            one(
+                "perl",
+                &["-e", &format!("truncate '{victim}', 0 or die $!")],
+            ),
+            vec![Expect::VictimIntact, Expect::Fails],
+        ),
+        attempt(
+            "perl unlink a readable file",
+            one("perl", &["-e", &format!("unlink '{victim}' or die $!")]),
+            vec![Expect::VictimIntact, Expect::Fails],
+        ),
+        attempt(
+            "perl mkdir",
+            one(
+                "perl",
+                &["-e", &format!("mkdir '{}' or die $!", t_str("dir"))],
+            ),
+            vec![Expect::NoFile(t("dir")), Expect::Fails],
+        ),
+        attempt(
+            "perl symlink",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    &format!("symlink '/etc/passwd', '{}' or die $!", t_str("link")),
+                ],
+            ),
+            vec![Expect::NoFile(t("link")), Expect::Fails],
+        ),
+        attempt(
+            "tee into /tmp",
+            piped("pwned", "tee", &["/tmp/agq-sandbox-test-escape"]),
+            vec![Expect::NoFile(PathBuf::from("/tmp/agq-sandbox-test-escape"))],
+        ),
+        // --- read: only the read paths and the scratch directory ----------
+        attempt(
+            "cat a file outside the read paths",
+            one("cat", &[&secret]),
+            vec![Expect::NotInOutput(SECRET.into()), Expect::Fails],
+        ),
+        attempt(
+            "date -f FILE",
+            one("date", &["-f", &secret]),
+            vec![Expect::NotInOutput(SECRET.into())],
+        ),
+        attempt(
+            "sort a file outside the read paths",
+            one("sort", &[&secret]),
+            vec![Expect::NotInOutput(SECRET.into()), Expect::Fails],
+        ),
+        attempt(
+            "cat /etc/shadow",
+            one("cat", &["/etc/shadow"]),
+            vec![Expect::NotInOutput("root:".into()), Expect::Fails],
+        ),
+        attempt(
+            "cat /proc/<agw pid>/environ",
+            one("cat", &[&environ]),
+            vec![Expect::NotInOutput(TOKEN.into()), Expect::Fails],
+        ),
+        attempt(
+            "perl reads its parent's environ",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "open F, '<', '/proc/' . getppid() . '/environ' or die $!; print <F>",
+                ],
+            ),
+            vec![Expect::NotInOutput(TOKEN.into()), Expect::Fails],
+        ),
+        attempt(
+            "jq $ENV",
+            one("jq", &["-n", "$ENV"]),
+            vec![
+                Expect::NotInOutput(TOKEN.into()),
+                Expect::NotInOutput("AGW_".into()),
+            ],
+        ),
+        attempt(
+            "perl %ENV",
+            one("perl", &["-e", "print join qq(\\n), %ENV"]),
+            vec![
+                Expect::NotInOutput(TOKEN.into()),
+                Expect::NotInOutput("AGW_".into()),
+            ],
+        ),
+        // --- network: none ------------------------------------------------
+        attempt(
+            "perl TCP connect to a loopback listener",
+            one(
+                "perl",
+                &[
+                    "-MIO::Socket::INET",
+                    "-e",
+                    &format!(
+                        "IO::Socket::INET->new(PeerAddr => '127.0.0.1:{tcp_port}', \
+                         Proto => 'tcp') or die $!; print 'connected'"
+                    ),
+                ],
+            ),
+            vec![Expect::Fails, Expect::NotInOutput("connected".into())],
+        ),
+        attempt(
+            "perl UDP send to a loopback socket",
+            one(
+                "perl",
+                &[
+                    "-MIO::Socket::INET",
+                    "-e",
+                    &format!(
+                        "my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1:{udp_port}', \
+                         Proto => 'udp') or die $!; $s->send('leak') or die $!; print 'sent'"
+                    ),
+                ],
+            ),
+            vec![Expect::Fails, Expect::NotInOutput("sent".into())],
+        ),
+        attempt(
+            "perl TCP listen",
+            one(
+                "perl",
+                &[
+                    "-MIO::Socket::INET",
+                    "-e",
+                    "IO::Socket::INET->new(LocalAddr => '127.0.0.1:0', Listen => 1) \
+                     or die $!; print 'listening'",
+                ],
+            ),
+            vec![Expect::Fails, Expect::NotInOutput("listening".into())],
+        ),
+        // --- signals and resources ----------------------------------------
+        attempt(
+            "perl kills agw",
+            one("perl", &["-e", "kill 'KILL', getppid() or die $!"]),
+            vec![Expect::Fails],
+        ),
+        attempt(
+            "fork bomb",
+            vec![Task {
+                timeout_secs: 3,
+                ..task(1, "perl", &["-e", "fork while 1"], None)
+            }],
+            vec![Expect::Fails],
+        ),
+        attempt(
+            "a file over the size limit",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "open F, '>', 'big' or die; print F 'x' x 2_000_000 or die $!; \
+                     close F or die $!",
+                ],
+            ),
+            vec![Expect::Fails],
+        ),
+    ];
+    // Input values are data, not options.
+    let mut attempts = attempts;
+    attempts.push(Attempt {
+        name: "input value -o/FILE given to a vetted `sort {{file}}`",
+        tasks: one("sort", &["{{file}}"]),
+        input: vec![("file", format!("-o{}", t_str("opt-out")))],
+        expect: vec![Expect::NoFile(t("opt-out")), Expect::Fails],
+    });
+    attempts.push(Attempt {
+        name: "input value --compress-program=sh",
+        tasks: one("sort", &["-S", "100K", "{{opt}}", &big]),
+        input: vec![("opt", "--compress-program=sh".into())],
+        expect: vec![Expect::Fails],
+    });
+    assert!(attempts.len() >= 30, "{} attempts", attempts.len());
+
+    let mut failures = Vec::new();
+    for (i, a) in attempts.iter().enumerate() {
+        let plan_id = format!("escape-{i}");
+        c.plan(&plan_id, a.tasks.clone(), false).await;
+        let input: Vec<(&str, &str)> = a.input.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let job_id = c.submit(&plan_id, &input).await;
+        let job = c.finished(&job_id).await;
+        let out = all_output(&job);
+        for e in &a.expect {
+            let broken = match e {
+                Expect::Fails => {
+                    (status(&job) == JobStatus::Completed).then(|| "the job completed".to_owned())
+                }
+                Expect::NoFile(p) => p
+                    .symlink_metadata()
+                    .is_ok()
+                    .then(|| format!("{} exists", p.display())),
+                Expect::NotInOutput(s) => out
+                    .contains(s.as_str())
+                    .then(|| format!("its output holds {s:?}")),
+                Expect::VictimIntact => (std::fs::read_to_string(&victim).ok().as_deref()
+                    != Some(VICTIM))
+                .then(|| "victim.txt changed".to_owned()),
+            };
+            if let Some(why) = broken {
+                failures.push(format!("{}: {why}\n{out}", a.name));
+            }
+        }
+    }
+    let _ = std::fs::remove_file("/tmp/agq-sandbox-test-escape");
+    let mut buf = [0u8; 16];
+    if tcp.accept().is_ok() {
+        failures.push("a task connected to the loopback TCP listener".into());
+    }
+    if udp.recv_from(&mut buf).is_ok() {
+        failures.push("a task sent a datagram to the loopback UDP socket".into());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} escape attempts got through:\n{}",
+        failures.len(),
+        attempts.len(),
+        failures.join("\n---\n")
+    );
+
+    // The worker is still alive, registered and sandboxed; the escape
+    // attempts left no scratch directory behind.
+    let mut agw = agw;
+    assert!(agw.0.try_wait().expect("try_wait").is_none(), "agw died");
+    assert!(c.sandboxed("sandboxed-1").await);
+
+    // Ordinary pipelines still work under the sandbox.
+    // 1. The word-frequency plan on a file under --read-path.
+    let wf = [
+        task(1, "cat", &["{{file}}"], None),
+        task(2, "tr", &["-cs", "A-Za-z", "\n"], Some(1)),
+        task(3, "tr", &["A-Z", "a-z"], Some(2)),
+        task(4, "sort", &[], Some(3)),
+        task(5, "uniq", &["-c"], Some(4)),
+        task(6, "sort", &["-rn"], Some(5)),
+        task(7, "head", &["-n", "3"], Some(6)),
+    ];
+    c.plan("word-frequency", wf.to_vec(), true).await;
+    let job = c.submit("word-frequency", &[("file", &words)]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    let expected = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "cat {words} | tr -cs A-Za-z '\\n' | tr A-Z a-z | sort | uniq -c | sort -rn | head -n 3"
+        ))
+        .output()
+        .expect("sh");
+    assert_eq!(
+        job.task_results[6].stdout,
+        String::from_utf8(expected.stdout).expect("utf-8")
+    );
+
+    // 2. input_from_task reaching back past the previous task, and 3. a
+    // task that writes its scratch directory and a later one that reads it.
+    c.plan(
+        "scratch",
+        vec![
+            task(1, "echo", &["hello sandbox"], None),
+            task(2, "tee", &["note.txt"], Some(1)),
+            task(3, "sort", &["-o", "sorted.txt", "note.txt"], None),
+            task(4, "cat", &["sorted.txt", "note.txt"], None),
+            task(5, "wc", &["-w"], Some(1)),
+        ],
+        true,
+    )
+    .await;
+    let job = c.submit("scratch", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    assert_eq!(job.task_results[3].stdout, "hello sandbox\nhello sandbox\n");
+    assert_eq!(job.task_results[4].stdout.trim(), "2");
+
+    // A value starting with '-' is accepted where the task allows it.
+    c.plan(
+        "options-allowed",
+        vec![Task {
+            allow_option_values: true,
+            ..task(1, "head", &["{{n}}", &words], None)
+        }],
+        false,
+    )
+    .await;
+    let job = c.submit("options-allowed", &[("n", "-n1")]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    assert_eq!(job.task_results[0].stdout.lines().count(), 1);
+
+    // Every job's scratch directory is gone once it ended.
+    let left: Vec<_> = std::fs::read_dir(&f.scratch)
+        .expect("scratch root")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert!(left.is_empty(), "scratch directories left: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_landlock_agw_refuses_to_start_unless_told_to_run_unsandboxed() {
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let unsupported = [("AGW_SANDBOX_PROBE", "unsupported")];
+    let err = start_agw(&url, "no-landlock", &["--tools", "cat"], &unsupported)
+        .err()
+        .expect("agw must refuse to start without Landlock");
+    assert!(!err.starts_with("exit status: 0"), "{err}");
+    assert!(err.contains("--insecure-no-sandbox"), "{err}");
+
+    let _insecure = start_agw(
+        &url,
+        "no-landlock",
+        &["--tools", "echo", "--insecure-no-sandbox"],
+        &unsupported,
+    )
+    .expect("agw starts with --insecure-no-sandbox");
+    let mut c = Clients::connect(&url).await;
+    assert!(
+        !c.sandboxed("no-landlock").await,
+        "GetWorker shows sandboxed: false"
+    );
+
+    // A plan that requires the sandbox waits, and says why.
+    c.plan("needs-sandbox", one("echo", &["hello"]), true).await;
+    let job_id = c.submit("needs-sandbox", &[]).await;
+    let deadline = Instant::now() + WAIT;
+    let job = loop {
+        let job = c.job(&job_id).await;
+        if job.waiting_reason.contains("sandbox") {
+            break job;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no sandbox waiting reason: {job:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status(&job), JobStatus::Pending);
+
+    // A sandboxed worker takes it.
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _sandboxed = start_agw(
+        &url,
+        "with-landlock",
+        &["--tools", "echo", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("sandboxed agw");
+    let job = c.finished(&job_id).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    assert_eq!(job.worker_id, "with-landlock");
+}
+
+#[test]
+fn the_token_on_the_command_line_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_agw"))
+        .args(["--token", "a-token-on-the-command-line", "--tools", "cat"])
+        .output()
+        .expect("run agw");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--token-file") && err.contains("AGW_TOKEN"),
+        "{err}"
+    );
+}
