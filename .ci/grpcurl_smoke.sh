@@ -23,7 +23,7 @@ cleanup() {
 }
 trap cleanup EXIT
 for _ in $(seq 100); do grep -q "listening on" "$tmp/agq.out" && break; sleep 0.1; done
-./target/debug/agw --server "http://$addr" --tools cat,sort --worker-id smoke-agw >"$tmp/agw.out" 2>"$tmp/agw.err" &
+./target/debug/agw --server "http://$addr" --tools cat,sort --read-path /etc/passwd --worker-id smoke-agw >"$tmp/agw.out" 2>"$tmp/agw.err" &
 agw_pid=$!
 for _ in $(seq 100); do grep -q "registered" "$tmp/agw.out" && break; sleep 0.1; done
 

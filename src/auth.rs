@@ -1,5 +1,6 @@
 //! Authentication: bearer tokens from a TOML file, each with a role
-//! (client, admin, or worker bound to one `worker_id`), checked by a tonic
+//! (client, admin, or worker bound to one `worker_id` or to a pool of ids
+//! sharing a `worker_id_prefix`), checked by a tonic
 //! interceptor in constant time (`subtle`). Replaces the seed's `AUTH <key>`.
 //! Tokens are never logged.
 
@@ -20,6 +21,9 @@ pub enum Identity {
     Admin,
     /// The worker RPCs of this one worker_id.
     Worker(String),
+    /// The worker RPCs of every worker_id that starts with this prefix (a
+    /// pool, e.g. the replicas of one Deployment named `agw-<pod>`).
+    WorkerPool(String),
 }
 
 /// Role names of the auth file.
@@ -30,7 +34,8 @@ pub enum Role {
     Client,
     /// See [`Identity::Admin`].
     Admin,
-    /// See [`Identity::Worker`]; needs `worker_id`.
+    /// See [`Identity::Worker`] and [`Identity::WorkerPool`]; needs
+    /// `worker_id` or `worker_id_prefix`.
     Worker,
 }
 
@@ -45,6 +50,10 @@ pub struct TokenEntry {
     /// The worker a worker token is bound to.
     #[serde(default)]
     pub worker_id: Option<String>,
+    /// The pool a worker token is bound to: every worker id starting with
+    /// this prefix (`[A-Za-z0-9_-]{1,63}`).
+    #[serde(default)]
+    pub worker_id_prefix: Option<String>,
 }
 
 /// The auth file: `[[tokens]]` entries.
@@ -112,7 +121,8 @@ impl Authenticator {
     /// Builds the table from parsed entries.
     ///
     /// Errors: [`AuthError::Entry`] for a short token, a worker token
-    /// without a valid `worker_id`, or a `worker_id` on another role.
+    /// without exactly one valid `worker_id` or `worker_id_prefix`, or
+    /// either on another role.
     pub fn from_file(path: &str, file: AuthFile) -> Result<Self, AuthError> {
         let mut entries = Vec::new();
         for (i, e) in file.tokens.into_iter().enumerate() {
@@ -126,14 +136,28 @@ impl Authenticator {
                     "token must be at least 16 characters without whitespace",
                 ));
             }
-            let identity = match (e.role, e.worker_id) {
-                (Role::Client, None) => Identity::Client,
-                (Role::Admin, None) => Identity::Admin,
-                (Role::Worker, Some(w)) if crate::core::validate::worker_id(&w).is_ok() => {
+            let identity = match (e.role, e.worker_id, e.worker_id_prefix) {
+                (Role::Client, None, None) => Identity::Client,
+                (Role::Admin, None, None) => Identity::Admin,
+                (Role::Worker, Some(w), None) if crate::core::validate::worker_id(&w).is_ok() => {
                     Identity::Worker(w)
                 }
-                (Role::Worker, _) => return Err(err("a worker token needs a valid worker_id")),
-                (_, Some(_)) => return Err(err("only worker tokens take a worker_id")),
+                (Role::Worker, None, Some(p))
+                    if p.len() < 64 && crate::core::validate::worker_id(&p).is_ok() =>
+                {
+                    Identity::WorkerPool(p)
+                }
+                (Role::Worker, _, _) => {
+                    return Err(err(
+                        "a worker token needs exactly one of a valid worker_id or \
+                         worker_id_prefix ([A-Za-z0-9_-], at most 63 bytes)",
+                    ))
+                }
+                (_, _, _) => {
+                    return Err(err(
+                        "only worker tokens take a worker_id or worker_id_prefix",
+                    ))
+                }
             };
             entries.push((e.token.into_bytes(), identity));
         }
@@ -199,20 +223,22 @@ pub fn identity<T>(req: &Request<T>) -> Identity {
 
 /// Allows clients, admins and anonymous callers.
 ///
-/// Errors: `PERMISSION_DENIED` for worker tokens.
+/// Errors: `PERMISSION_DENIED` for worker and worker-pool tokens.
 #[allow(clippy::result_large_err)]
 pub fn require_client(id: &Identity) -> Result<(), Status> {
     match id {
-        Identity::Worker(_) => Err(Status::permission_denied(
+        Identity::Worker(_) | Identity::WorkerPool(_) => Err(Status::permission_denied(
             "a worker token cannot make client calls",
         )),
         _ => Ok(()),
     }
 }
 
-/// Allows the worker `worker_id` itself, admins and anonymous callers.
+/// Allows the worker `worker_id` itself, a pool token whose prefix
+/// `worker_id` starts with, admins and anonymous callers.
 ///
-/// Errors: `PERMISSION_DENIED` for clients and for other workers' tokens.
+/// Errors: `PERMISSION_DENIED` for clients, other workers' tokens and
+/// other pools' tokens.
 #[allow(clippy::result_large_err)]
 pub fn require_worker(id: &Identity, worker_id: &str) -> Result<(), Status> {
     match id {
@@ -220,6 +246,10 @@ pub fn require_worker(id: &Identity, worker_id: &str) -> Result<(), Status> {
         Identity::Worker(w) if w == worker_id => Ok(()),
         Identity::Worker(_) => Err(Status::permission_denied(format!(
             "this worker token is bound to another worker, not {worker_id}"
+        ))),
+        Identity::WorkerPool(p) if worker_id.starts_with(p.as_str()) => Ok(()),
+        Identity::WorkerPool(p) => Err(Status::permission_denied(format!(
+            "this worker token acts for worker ids starting with {p:?}, not {worker_id}"
         ))),
         Identity::Client => Err(Status::permission_denied(
             "worker calls need a worker or admin token",

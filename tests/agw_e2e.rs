@@ -8,6 +8,7 @@
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -150,11 +151,23 @@ impl Drop for Server {
     }
 }
 
-/// A running `agw`.
+/// A temporary directory the task user can enter (agw runs tasks as
+/// `nobody` when it is root): tests keep their input files in it.
+fn test_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
+/// A running `agw`. It runs tasks in the sandbox, may read the system's
+/// temporary directory (where the tests' input files are) and keeps its
+/// jobs' scratch directories under its own root, where tests find files
+/// that tasks write there.
 struct Agw {
     child: Child,
     id: String,
     lines: mpsc::UnboundedReceiver<String>,
+    scratch: tempfile::TempDir,
 }
 
 impl Agw {
@@ -175,6 +188,13 @@ impl Agw {
         }
         if !extra.contains(&"--tools") {
             cmd.args(["--tools", TOOLS]);
+        }
+        let scratch = test_dir();
+        if !extra.contains(&"--scratch-dir") {
+            cmd.arg("--scratch-dir").arg(scratch.path().join("jobs"));
+        }
+        if !extra.contains(&"--read-path") {
+            cmd.arg("--read-path").arg(std::env::temp_dir());
         }
         let mut child = cmd
             .args(["--worker-id", id])
@@ -199,6 +219,30 @@ impl Agw {
             child,
             id: id.to_owned(),
             lines: rx,
+            scratch,
+        }
+    }
+
+    /// Waits for a file `name` that a running task wrote in its job's
+    /// scratch directory; returns its path.
+    async fn task_file(&self, name: &str) -> PathBuf {
+        let root = self.scratch.path().join("jobs");
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let found = std::fs::read_dir(&root).ok().and_then(|dirs| {
+                dirs.filter_map(Result::ok)
+                    .map(|d| d.path().join(name))
+                    .find(|p| p.is_file())
+            });
+            if let Some(p) = found {
+                return p;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no task wrote {name} under {}",
+                root.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -361,13 +405,14 @@ fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Ta
 }
 
 /// A text file with repeated words, some non-ASCII.
-/// Task `n`: writes its pid to the file `{{pidfile}}` of the job input,
-/// then sleeps 30 s (time limit 60 s) as that same process.
+/// Task `n`: writes its pid to `task.pid` in its scratch directory (see
+/// [`Agw::task_file`]), then sleeps 30 s (time limit 60 s) as that same
+/// process.
 fn writes_pid_then_sleeps(n: u32) -> Task {
     task(
         n,
         "sh",
-        &["-c", "echo $$ > {{pidfile}}; exec sleep 30"],
+        &["-c", "echo $$ > task.pid; exec sleep 30"],
         60,
         None,
     )
@@ -442,7 +487,7 @@ async fn read_pid(path: &Path) -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipeline_matches_the_shell_pipeline() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let _agw = Agw::start(&server, "w-pipe", &[]).await;
@@ -468,7 +513,7 @@ async fn pipeline_matches_the_shell_pipeline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn templating_fills_args_from_the_job_input() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let _agw = Agw::start(&server, "w-tpl", &[]).await;
@@ -513,7 +558,7 @@ async fn templating_fills_args_from_the_job_input() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn input_from_a_task_other_than_the_previous_one() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let _agw = Agw::start(&server, "w-fanout", &[]).await;
@@ -541,11 +586,10 @@ async fn input_from_a_task_other_than_the_previous_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_timeout_kills_the_sleep_and_its_children() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    let _agw = Agw::start(&server, "w-timeout", &[]).await;
-    let pidfile = dir.path().join("child.pid");
+    let agw = Agw::start(&server, "w-timeout", &[]).await;
     // The shell starts a background sleep (a child in the task's process
     // group), records its pid and waits for it.
     c.plan(
@@ -553,26 +597,26 @@ async fn a_task_timeout_kills_the_sleep_and_its_children() {
         vec![task(
             1,
             "sh",
-            &["-c", "sleep 30 & echo $! > {{pidfile}}; wait"],
-            1,
+            &["-c", "sleep 30 & echo $! > child.pid; wait"],
+            2,
             None,
         )],
     )
     .await;
     let start = Instant::now();
-    let job_id = c
-        .submit("slow", &[("pidfile", pidfile.to_str().unwrap())], 1)
-        .await;
+    let job_id = c.submit("slow", &[], 1).await;
+    // Read while the job runs: its scratch directory goes when it ends.
+    let child = read_pid(&agw.task_file("child.pid").await).await;
     let job = c.wait_status(&job_id, JobStatus::Dead).await;
     assert!(start.elapsed() < Duration::from_secs(10));
     // The server may prefix the attempt ("attempt 1 of 1: …").
     assert!(
-        job.error.ends_with("task 1 (sh) timed out after 1 s"),
+        job.error.ends_with("task 1 (sh) timed out after 2 s"),
         "{}",
         job.error
     );
     assert_eq!(job.task_results[0].exit_code, -1);
-    wait_dead(read_pid(&pidfile).await).await;
+    wait_dead(child).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -582,7 +626,7 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // registered (here by the test) with `rm`, and an agw with fewer tools
     // resumes it (ALREADY_EXISTS). A 2 s interval keeps that registration
     // fresh while agw starts.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 500);
     let mut c = Clients::new(&server).await;
     c.workers
@@ -638,11 +682,10 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_job_stops_a_running_job() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    let _agw = Agw::start(&server, "w-cancel", &[]).await;
-    let pidfile = dir.path().join("task.pid");
+    let agw = Agw::start(&server, "w-cancel", &[]).await;
     c.plan(
         "long",
         vec![
@@ -651,14 +694,12 @@ async fn cancel_job_stops_a_running_job() {
         ],
     )
     .await;
-    let job_id = c
-        .submit("long", &[("pidfile", pidfile.to_str().unwrap())], 1)
-        .await;
+    let job_id = c.submit("long", &[], 1).await;
     c.wait_job(&job_id, "running task 1", |j| {
         j.status == JobStatus::Running as i32 && j.current_task == 1
     })
     .await;
-    let pid = read_pid(&pidfile).await;
+    let pid = read_pid(&agw.task_file("task.pid").await).await;
     let start = Instant::now();
     let job = c
         .jobs
@@ -680,12 +721,18 @@ async fn cancel_job_stops_a_running_job() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     let log = dir.path().join("runs.log");
     // Task 3 appends one line per completed run: the side effect must
-    // happen exactly once.
+    // happen exactly once. It is a write outside the job's scratch
+    // directory, which the sandbox forbids (tests/sandbox.rs), so these two
+    // workers run without it; their tasks still run as the unprivileged
+    // task user, hence the world-writable log.
+    std::fs::write(&log, "").unwrap();
+    std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let unsandboxed = ["--max-concurrent-jobs", "1", "--insecure-no-sandbox"];
     c.plan(
         "once",
         vec![
@@ -695,7 +742,7 @@ async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
         ],
     )
     .await;
-    let mut a = Agw::start(&server, "w-a", &["--max-concurrent-jobs", "1"]).await;
+    let mut a = Agw::start(&server, "w-a", &unsandboxed).await;
     let job_id = c
         .submit("once", &[("tag", "x"), ("log", log.to_str().unwrap())], 3)
         .await;
@@ -703,7 +750,7 @@ async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
         j.status == JobStatus::Running as i32 && j.worker_id == "w-a"
     })
     .await;
-    let _b = Agw::start(&server, "w-b", &["--max-concurrent-jobs", "1"]).await;
+    let _b = Agw::start(&server, "w-b", &unsandboxed).await;
     a.signal(nix::sys::signal::Signal::SIGKILL);
     a.wait_exit().await;
     let job = c.wait_status(&job_id, JobStatus::Completed).await;
@@ -728,7 +775,7 @@ async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_then_sigcont_the_late_completion_is_rejected_by_fencing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     c.plan(
@@ -786,7 +833,7 @@ async fn sigstop_then_sigcont_the_late_completion_is_rejected_by_fencing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_job_finishes_the_job_unregisters_and_exits_0() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     c.plan(
@@ -820,7 +867,7 @@ async fn sigterm_mid_job_finishes_the_job_unregisters_and_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agw_reconnects_after_a_server_restart_and_takes_new_work() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let mut server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     c.plan("hello", vec![task(1, "echo", &["hello {{who}}"], 30, None)])
@@ -844,7 +891,7 @@ async fn agw_reconnects_after_a_server_restart_and_takes_new_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
     c.plan("nap", vec![task(1, "sleep", &["30"], 60, None)])
@@ -876,20 +923,17 @@ async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    let pidfile = dir.path().join("task.pid");
     c.plan("stuck", vec![writes_pid_then_sleeps(1)]).await;
     let mut agw = Agw::start(&server, "w-drain", &["--drain-timeout-secs", "1"]).await;
-    let job_id = c
-        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 1)
-        .await;
+    let job_id = c.submit("stuck", &[], 1).await;
     c.wait_job(&job_id, "running", |j| {
         j.status == JobStatus::Running as i32
     })
     .await;
-    let pid = read_pid(&pidfile).await;
+    let pid = read_pid(&agw.task_file("task.pid").await).await;
     let start = Instant::now();
     agw.signal(nix::sys::signal::Signal::SIGTERM);
     assert_eq!(agw.wait_exit().await, Some(0));
@@ -906,16 +950,13 @@ async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    let pidfile = dir.path().join("task.pid");
     c.plan("stuck", vec![writes_pid_then_sleeps(1)]).await;
     let mut agw = Agw::start(&server, "w-twice", &[]).await;
-    let job_id = c
-        .submit("stuck", &[("pidfile", pidfile.to_str().unwrap())], 2)
-        .await;
-    let pid = read_pid(&pidfile).await;
+    let job_id = c.submit("stuck", &[], 2).await;
+    let pid = read_pid(&agw.task_file("task.pid").await).await;
     agw.signal(nix::sys::signal::Signal::SIGINT);
     tokio::time::sleep(Duration::from_millis(300)).await;
     agw.signal(nix::sys::signal::Signal::SIGTERM);
@@ -933,7 +974,7 @@ async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
 async fn a_running_job_survives_a_server_restart() {
     // A 2 s heartbeat interval and a 5 s grace: the worker is back long
     // before the server could give up on it, so it keeps its lease.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let mut server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 5000);
     let mut c = Clients::new(&server).await;
     c.plan(
@@ -963,7 +1004,7 @@ async fn a_running_job_survives_a_server_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_authenticates_every_call_and_stays_out_of_task_env() {
     use tonic::{metadata::MetadataValue, Request};
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let auth = dir.path().join("auth.toml");
     std::fs::write(
         &auth,
@@ -1019,7 +1060,7 @@ worker_id = "w-auth"
             plan: Some(Plan {
                 plan_id: "env".into(),
                 plan_description: "print the task environment".into(),
-                tasks: vec![task(1, "sh", &["-c", "env"], 30, None)],
+                tasks: vec![task(1, "sh", &["-c", "export -p"], 30, None)],
                 ..Default::default()
             }),
         })
@@ -1140,7 +1181,7 @@ fn make_certs(dir: &Path) -> Option<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agw_talks_tls_to_the_server() {
     use tonic::transport::{Certificate, ClientTlsConfig};
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     if make_certs(dir.path()).is_none() {
         eprintln!("openssl not installed: skipping the TLS test");
         return;

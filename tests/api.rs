@@ -722,6 +722,7 @@ fn tokens() -> Authenticator {
         token: token.into(),
         role,
         worker_id: worker_id.map(Into::into),
+        worker_id_prefix: None,
     };
     Authenticator::from_file(
         "test",

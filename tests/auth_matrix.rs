@@ -1,5 +1,6 @@
-//! The auth matrix for every RPC: no token, wrong token, client, admin, and
-//! a worker token for its own and for another worker_id.
+//! The auth matrix for every RPC: no token, wrong token, client, admin, a
+//! worker token for its own and for another worker_id, and a worker-pool
+//! token for ids inside and outside its pool.
 
 mod common;
 
@@ -21,6 +22,11 @@ enum Kind {
 }
 
 async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
+    call_for(ch, rpc, "w1").await
+}
+
+/// Calls `rpc`; worker RPCs (and GetWorker) name `worker`.
+async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
     let mut p = plan_service_client::PlanServiceClient::new(ch.clone());
     let mut a = action_service_client::ActionServiceClient::new(ch.clone());
     let mut j = job_service_client::JobServiceClient::new(ch.clone());
@@ -79,7 +85,7 @@ async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
             .map(|_| ()),
         "GetWorker" => w
             .get_worker(GetWorkerRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
             })
             .await
             .map(|_| ()),
@@ -91,28 +97,28 @@ async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
             .map(|_| ()),
         "RegisterWorker" => w
             .register_worker(RegisterWorkerRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
                 ..Default::default()
             })
             .await
             .map(|_| ()),
         "Heartbeat" => {
             let req = HeartbeatRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
                 ..Default::default()
             };
             w.heartbeat(tokio_stream::iter(vec![req])).await.map(|_| ())
         }
         "LeaseJobs" => w
             .lease_jobs(LeaseJobsRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
             })
             .await
             .map(|_| ()),
         "UpdateJob" => w
             .update_job(UpdateJobRequest {
                 job_id: id(),
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
                 lease_id: id(),
                 ..Default::default()
             })
@@ -120,7 +126,7 @@ async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
             .map(|_| ()),
         "BatchUpdateJobs" => w
             .batch_update_jobs(BatchUpdateJobsRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
                 requests: vec![UpdateJobRequest {
                     job_id: id(),
                     lease_id: id(),
@@ -131,13 +137,13 @@ async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
             .map(|_| ()),
         "UnregisterWorker" => w
             .unregister_worker(UnregisterWorkerRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
             })
             .await
             .map(|_| ()),
         "DrainWorker" => w
             .drain_worker(DrainWorkerRequest {
-                worker_id: "w1".into(),
+                worker_id: worker.into(),
             })
             .await
             .map(|_| ()),
@@ -178,6 +184,7 @@ async fn every_rpc_under_every_identity() {
         token: token.into(),
         role,
         worker_id: worker_id.map(Into::into),
+        worker_id_prefix: None,
     };
     let auth = Authenticator::from_file(
         "test",
@@ -247,5 +254,85 @@ async fn every_rpc_under_every_identity() {
         checked += 1;
     }
     assert_eq!(checked, 24);
+    s.stop().await;
+}
+
+/// A worker-pool token (what the Helm chart gives its worker Deployment):
+/// every worker RPC for ids of its pool, nothing for other ids, no client
+/// RPC.
+#[tokio::test]
+async fn a_worker_pool_token_acts_for_its_pool_only() {
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![TokenEntry {
+                token: "pool-agw-token-0123456789".into(),
+                role: Role::Worker,
+                worker_id: None,
+                worker_id_prefix: Some("agw-".into()),
+            }],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
+    let ch = s.channel().await;
+    let pool = InterceptedService::new(ch, Bearer(Some("pool-agw-token-0123456789".into())));
+    let code = |r: &Result<(), Status>| r.as_ref().err().map(|e| e.code());
+    let mut checked = 0;
+    for (rpc, kind) in RPCS {
+        let inside = call_for(pool.clone(), rpc, "agw-pod-7f9c").await;
+        let outside = call_for(pool.clone(), rpc, "gpu-pod-1").await;
+        let prefix_only = call_for(pool.clone(), rpc, "agw").await;
+        match kind {
+            Kind::Client => {
+                assert_eq!(
+                    code(&inside),
+                    Some(Code::PermissionDenied),
+                    "pool token on {rpc}"
+                );
+            }
+            Kind::Worker => {
+                assert!(
+                    !matches!(
+                        code(&inside),
+                        Some(Code::Unauthenticated | Code::PermissionDenied)
+                    ),
+                    "the pool token may call {rpc} for agw-pod-7f9c: {inside:?}"
+                );
+                assert_eq!(
+                    code(&outside),
+                    Some(Code::PermissionDenied),
+                    "pool token on {rpc} for gpu-pod-1"
+                );
+                assert_eq!(
+                    code(&prefix_only),
+                    Some(Code::PermissionDenied),
+                    "pool token on {rpc} for agw"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 24);
+    // A pool token needs exactly one binding and a valid prefix.
+    let bad = |worker_id: Option<&str>, prefix: Option<&str>| {
+        Authenticator::from_file(
+            "test",
+            AuthFile {
+                tokens: vec![TokenEntry {
+                    token: "pool-agw-token-0123456789".into(),
+                    role: Role::Worker,
+                    worker_id: worker_id.map(Into::into),
+                    worker_id_prefix: prefix.map(Into::into),
+                }],
+            },
+        )
+        .is_err()
+    };
+    assert!(bad(Some("w1"), Some("agw-")));
+    assert!(bad(None, None));
+    assert!(bad(None, Some("agw pods")));
+    assert!(bad(None, Some("")));
     s.stop().await;
 }

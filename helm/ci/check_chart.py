@@ -359,15 +359,39 @@ def check_auth(objs: list[dict], extra_tokens: list[dict], worker_token: str | N
     data = secret.get("stringData") or {}
     toml = tomllib.loads(data[key])
     tokens = toml["tokens"]
-    # The worker Deployment's token, from the same Secret, is an admin token.
+    # The worker Deployment holds exactly one token: the worker-pool token
+    # of its own pods, mounted as a file from the same Secret. No admin
+    # token, no auth file, nothing in its environment.
     dep = find(objs, "Deployment", f"{FULLNAME}-worker")
-    ref = env_of(container(dep, "agw"))["AGW_TOKEN"]["valueFrom"]["secretKeyRef"]
-    expect(ref["name"] == secret["metadata"]["name"], "AGW_TOKEN from another Secret")
-    token = data[ref["key"]]
+    agw = container(dep, "agw")
+    agw_env = env_of(agw)
+    expect("AGW_TOKEN" not in agw_env, "AGW_TOKEN in the worker environment")
+    expect(not any("token" in str(a).lower() for a in agw.get("args", [])),
+           "a token on the worker command line")
+    dep_vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    agw_mounts = {m["name"]: m for m in agw["volumeMounts"]}
+    secret_vols = [v for v in dep_vols.values() if "secret" in v]
+    expect(len(secret_vols) == 1, f"{len(secret_vols)} Secret volumes in the worker pod")
+    tok_vol = secret_vols[0]["secret"]
+    expect(tok_vol["secretName"] == secret["metadata"]["name"], "worker token from another Secret")
+    items = tok_vol.get("items") or []
+    expect(len(items) == 1, "the worker pod mounts more than its token from the Secret")
+    mount = agw_mounts[secret_vols[0]["name"]]
+    expect(mount.get("readOnly") is True, "worker token mount not read-only")
+    expect(agw_env["AGW_TOKEN_FILE"]["value"] == f"{mount['mountPath']}/{items[0]['path']}",
+           "AGW_TOKEN_FILE is not the mounted token")
+    token = data[items[0]["key"]]
     expect(len(token) >= 32, "worker token too short")
     if worker_token is not None:
         expect(token == worker_token, "worker token is not auth.workerToken")
-    expect({"token": token, "role": "admin"} in tokens, "worker token is not an admin token")
+    entries = [t for t in tokens if t["token"] == token]
+    expect(len(entries) == 1, "the worker token is not exactly one auth-file entry")
+    expect(entries[0] == {"token": token, "role": "worker",
+                          "worker_id_prefix": f"{FULLNAME}-worker-"},
+           f"worker token entry is {dict(entries[0], token='…')}, not a pool token "
+           "for this Deployment's pods")
+    expect(all(t["role"] != "admin" for t in tokens if t["token"] == token),
+           "the worker token is an admin token")
     for t in extra_tokens:
         expect(t in tokens, f"token for role {t['role']} missing from auth file")
     expect(len(tokens) == 1 + len(extra_tokens), f"{len(tokens)} tokens in auth file")
@@ -382,7 +406,8 @@ def check_insecure(objs: list[dict]) -> None:
     expect("AGQ_AUTH_FILE" not in env, "AGQ_AUTH_FILE set with auth off")
     expect(not [o for o in objs if o["kind"] == "Secret"], "a Secret rendered with auth off")
     dep = find(objs, "Deployment", f"{FULLNAME}-worker")
-    expect("AGW_TOKEN" not in env_of(container(dep, "agw")), "AGW_TOKEN set with auth off")
+    env = env_of(container(dep, "agw"))
+    expect("AGW_TOKEN" not in env and "AGW_TOKEN_FILE" not in env, "a worker token with auth off")
 
 
 def check_optional(objs: list[dict], enabled: bool) -> None:
@@ -486,6 +511,10 @@ def check_schema_rejects(helm: Helm) -> None:
     for bad in ({"worker": {"replicas": "three"}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "root"}]}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "worker"}]}},
+                {"auth": {"tokens": [{"token": "x" * 20, "role": "worker", "worker_id": "w1",
+                                      "worker_id_prefix": "w-"}]}},
+                {"auth": {"tokens": [{"token": "x" * 20, "role": "admin",
+                                      "worker_id_prefix": "w-"}]}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "client", "worker_id": "w1"}]}},
                 {"server": {"logFormat": "xml"}}):
         try:
@@ -565,7 +594,7 @@ def main() -> int:
                on("default", lambda o: check_grace(o, 300)))
     checks.run("default: worker Deployment env (server, worker id, jobs)",
                on("default", lambda o: check_worker(o, 2, None, "4")))
-    checks.run("default: auth Secret mounted as AGQ_AUTH_FILE, AGW_TOKEN admin token",
+    checks.run("default: auth Secret mounted as AGQ_AUTH_FILE; workers hold only a pool token file",
                on("default", lambda o: check_auth(o, [], None)))
     checks.run("default: no ServiceMonitor, no PodDisruptionBudget",
                on("default", lambda o: check_optional(o, False)))
@@ -579,12 +608,12 @@ def main() -> int:
                                                  str(auth_worker["maxConcurrentJobs"]))))
     checks.run(f"auth: worker grace period > drain timeout ({auth_worker['drainTimeoutSecs']})",
                on("auth", lambda o: check_grace(o, auth_worker["drainTimeoutSecs"])))
-    checks.run("auth: Secret holds every token, wired to AGQ_AUTH_FILE and AGW_TOKEN",
+    checks.run("auth: Secret holds every token; workers hold only their pool token (no admin)",
                on("auth", lambda o: check_auth(o, auth_values["auth"]["tokens"],
                                                auth_values["auth"]["workerToken"])))
     checks.run("auth: ServiceMonitor on metrics port, worker PodDisruptionBudget",
                on("auth", lambda o: check_optional(o, True)))
-    checks.run("auth.enabled=false: AGQ_INSECURE=true, no Secret, no AGW_TOKEN",
+    checks.run("auth.enabled=false: AGQ_INSECURE=true, no Secret, no worker token",
                on("insecure", check_insecure))
     checks.run("existingSecret, persistence off, workers off, server PDB",
                on("edge", check_edge))

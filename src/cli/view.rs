@@ -671,6 +671,8 @@ pub struct WorkerView {
     pub fresh: bool,
     /// Heartbeat and lease streams open.
     pub connected: bool,
+    /// Runs tasks in the kernel sandbox.
+    pub sandboxed: bool,
     /// Host.
     pub hostname: String,
     /// Platform.
@@ -722,6 +724,7 @@ impl From<pb::Worker> for WorkerView {
             worker_id: w.worker_id,
             fresh: w.fresh,
             connected: w.connected,
+            sandboxed: w.sandboxed,
             hostname: w.hostname,
             platform: w.platform,
             agw_version: w.agw_version,
@@ -744,6 +747,7 @@ impl WorkerView {
             ("state", self.state.to_owned()),
             ("fresh", yes_no(self.fresh)),
             ("connected", yes_no(self.connected)),
+            ("sandboxed", yes_no(self.sandboxed)),
             ("host", self.hostname.clone()),
             ("platform", self.platform.clone()),
             ("agw version", self.agw_version.clone()),

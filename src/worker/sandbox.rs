@@ -474,9 +474,17 @@ fn network_filter() -> Result<BpfProgram, SandboxError> {
 }
 
 /// Creates the scratch root (mode 0711 so the task identity can reach its
-/// own directory in it, but cannot list the others).
+/// own directory in it, but cannot list the others), and checks that the
+/// task identity can reach it through every directory above.
 fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
+    use std::os::unix::fs::MetadataExt;
     let root = &config.scratch_root;
+    if !root.is_absolute() {
+        return Err(SandboxError::Config(format!(
+            "--scratch-dir {} must be an absolute path",
+            root.display()
+        )));
+    }
     std::fs::create_dir_all(root).map_err(|source| SandboxError::Io {
         what: format!("cannot create the scratch root {}", root.display()),
         source,
@@ -486,7 +494,30 @@ fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
             what: format!("cannot set the mode of {}", root.display()),
             source,
         }
-    })
+    })?;
+    let Some(who) = config.run_as else {
+        return Ok(());
+    };
+    for dir in root.ancestors().skip(1) {
+        let meta = std::fs::metadata(dir).map_err(|source| SandboxError::Io {
+            what: format!("cannot inspect {}", dir.display()),
+            source,
+        })?;
+        let mode = meta.mode();
+        let reachable = mode & 0o001 != 0
+            || (meta.uid() == who.uid && mode & 0o100 != 0)
+            || (meta.gid() == who.gid && mode & 0o010 != 0);
+        if !reachable {
+            return Err(SandboxError::Config(format!(
+                "--scratch-dir {}: tasks run as uid {} cannot reach it, {} has mode {:o}",
+                root.display(),
+                who.uid,
+                dir.display(),
+                mode & 0o7777
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Splits `tools` into those the sandbox can start (with the executables to
