@@ -837,13 +837,14 @@ fn tokens_and_input_values_stay_out_of_the_logs() {
              [[tokens]]\ntoken = \"{WORKER}\"\nrole = \"worker\"\nworker_id = \"lw1\"\n"
         ),
     );
-    let input = write_file(dir.path(), &format!("input-{MARK}.txt"), "b a b\n");
     let mut s = Server::start_at_default_log_level(&["--auth-file", &auth]);
+    // In the session's directory, which the worker's tasks may read.
+    let input = write_file(s.dir.path(), &format!("input-{MARK}.txt"), "b a b\n");
     s.agq(&["--token", WRONG, "plan", "list"])
         .assert_err(1, "UNAUTHENTICATED");
     s.agq(&["--token", CLIENT, "plan", "submit", &example_plan()])
         .assert_ok();
-    s.start_worker_with("lw1", &["--token", WORKER]);
+    s.start_worker_env("lw1", &[], &[("AGW_TOKEN", WORKER)]);
     let submitted = s.json(&[
         "--token",
         CLIENT,

@@ -62,11 +62,9 @@ impl From<PlanView> for pb::Plan {
                     timeout_secs: t.timeout_secs,
                     input_from_task: t.input_from_task,
                     allow_option_values: t.allow_option_values,
-                    ..Default::default()
                 })
                 .collect(),
             require_sandbox: p.require_sandbox,
-            ..Default::default()
         }
     }
 }

@@ -552,7 +552,6 @@ async fn session(
         max_concurrent_jobs: cfg.max_concurrent_jobs,
         tags: cfg.tags.clone(),
         sandboxed: cfg.sandbox.enabled(),
-        ..Default::default()
     };
     match timeout(CALL_TIMEOUT, client.register_worker(req)).await {
         Err(_) => return Err(SessionEnd::Lost("RegisterWorker timed out".into())),

@@ -58,6 +58,13 @@ impl Server {
 
     fn start_logging(extra: &[&str], default_level: bool) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
+        // The workers' tasks run as an unprivileged user when the tests
+        // run as root: they must be able to enter it to read input files.
+        std::fs::set_permissions(
+            dir.path(),
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+        )
+        .expect("chmod");
         let db = dir.path().join("agq.db");
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
         let mut child = clean_command(AGQ);
@@ -145,8 +152,20 @@ impl Server {
     /// default log level) and waits until it registered; its log is
     /// `<dir>/<id>.log`.
     pub fn start_worker_with(&mut self, id: &str, extra: &[&str]) {
+        self.start_worker_env(id, extra, &[]);
+    }
+
+    /// Like [`Self::start_worker_with`], with extra environment variables
+    /// (`AGW_TOKEN`). Tasks may read this session's directory; their
+    /// scratch directories are under it too.
+    pub fn start_worker_env(&mut self, id: &str, extra: &[&str], env: &[(&str, &str)]) {
         let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
         let mut child = clean_command(AGW)
+            .arg("--read-path")
+            .arg(self.dir.path())
+            .arg("--scratch-dir")
+            .arg(self.dir.path().join(format!("scratch-{id}")))
+            .envs(env.iter().copied())
             .args([
                 "--server",
                 &self.url(),

@@ -13,7 +13,10 @@ use crate::{
 };
 
 fn executor(cap: usize) -> Executor {
-    let tools = DEFAULT_TOOLS.iter().copied().chain(["sh", "yes"]);
+    let tools = DEFAULT_TOOLS
+        .iter()
+        .copied()
+        .chain(["sh", "yes", "tee", "awk", "sed", "xargs"]);
     Executor::new(Arc::new(ToolSet::from_env(tools)), cap)
 }
 
