@@ -313,6 +313,17 @@ def check_worker(objs: list[dict], replicas: int, tools: str | None, jobs: str) 
            "AGW_WORKER_ID is not the pod name")
     expect(env["AGW_MAX_CONCURRENT_JOBS"]["value"] == jobs, "AGW_MAX_CONCURRENT_JOBS")
     expect(env.get("AGW_TOOLS", {}).get("value") == tools, f"AGW_TOOLS {env.get('AGW_TOOLS')}")
+    # The task sandbox is on (agw fails closed without Landlock), tasks get
+    # no network, and the worker pod is non-root, so tasks are too.
+    for var in ("AGW_INSECURE_NO_SANDBOX", "AGW_ALLOW_NETWORK"):
+        expect(var not in env, f"{var} set by default")
+    expect(not any("--insecure-no-sandbox" in str(a) or "--allow-network" in str(a)
+                   for a in agw["args"]), "sandbox turned off on the command line")
+    pod_sc = dep["spec"]["template"]["spec"]["securityContext"]
+    expect(pod_sc.get("runAsNonRoot") is True and pod_sc.get("runAsUser", 0) != 0,
+           "worker pod may run as root")
+    expect(pod_sc.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+           "worker pod without the RuntimeDefault seccomp profile")
 
 
 def check_default_storage(objs: list[dict]) -> None:
@@ -468,7 +479,7 @@ def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
     want_all = [f"helm -n {NAMESPACE} test {RELEASE}", "agq job status",
                 f"svc/{FULLNAME} 6380:6380"]
     cases = [
-        (None, ["get secret agq-ci-auth", "data-agq-ci-0"], ["WARNING"]),
+        (None, ["worker-pool token", "data-agq-ci-0"], ["WARNING"]),
         (auth_values, ["on claim agq-data", "3 replicas"], ["WARNING"]),
         ({"auth": {"enabled": False}}, ["WARNING", "AGQ_INSECURE=true"], ["get secret"]),
         (EDGE_VALUES, ["my-agq-tokens", "LOST"], ["Workers:"]),
@@ -592,7 +603,7 @@ def main() -> int:
                on("default", check_default_storage))
     checks.run("default: worker grace period > drain timeout (300)",
                on("default", lambda o: check_grace(o, 300)))
-    checks.run("default: worker Deployment env (server, worker id, jobs)",
+    checks.run("default: worker Deployment env (server, worker id, jobs), sandbox on, non-root",
                on("default", lambda o: check_worker(o, 2, None, "4")))
     checks.run("default: auth Secret mounted as AGQ_AUTH_FILE; workers hold only a pool token file",
                on("default", lambda o: check_auth(o, [], None)))
@@ -603,7 +614,7 @@ def main() -> int:
                         check_test_hook(rendered["default"][1])))
     checks.run("auth: existingClaim used, no volumeClaimTemplates",
                on("auth", check_existing_claim))
-    checks.run("auth: 3 worker replicas, tools, max concurrent jobs",
+    checks.run("auth: 3 worker replicas, tools, max concurrent jobs, sandbox on, non-root",
                on("auth", lambda o: check_worker(o, 3, ",".join(auth_worker["tools"]),
                                                  str(auth_worker["maxConcurrentJobs"]))))
     checks.run(f"auth: worker grace period > drain timeout ({auth_worker['drainTimeoutSecs']})",
