@@ -3,7 +3,7 @@
 # with the Unix tools the default worker advertises.
 #
 #   docker build -t agq:0.1.0 .
-#   docker run -p 6380:6380 -p 9090:9090 -v agq-data:/data \
+#   docker run -p 6380:6380 -p 6381:6381 -v agq-data:/data \
 #     -v "$PWD/auth.toml:/etc/agq/auth.toml:ro" -e AGQ_AUTH_FILE=/etc/agq/auth.toml agq:0.1.0
 #
 # Secure by default: the default command listens on 0.0.0.0, which agq
@@ -34,8 +34,8 @@ COPY --from=build /usr/local/bin/agq /usr/local/bin/agw /usr/local/bin/
 USER 10001:10001
 WORKDIR /data
 VOLUME ["/data"]
-EXPOSE 6380 9090
+EXPOSE 6380 6381
 # tini reaps the worker's child processes and forwards SIGTERM, so agq
 # and agw can shut down (and drain) cleanly.
 ENTRYPOINT ["tini", "--"]
-CMD ["agq", "serve", "--listen", "0.0.0.0:6380", "--metrics-listen", "0.0.0.0:9090", "--db", "/data/agq.db"]
+CMD ["agq", "serve", "--listen", "0.0.0.0:6380", "--metrics-listen", "0.0.0.0:6381", "--db", "/data/agq.db"]

@@ -71,8 +71,9 @@ pub struct ServeArgs {
     /// Allow a non-loopback --listen without --auth-file.
     #[arg(long, env = "AGQ_INSECURE", default_value_t = false)]
     pub insecure: bool,
-    /// HTTP listen address of `GET /metrics` (Prometheus text format).
-    #[arg(long, env = "AGQ_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    /// HTTP listen address of `GET /metrics` (OpenMetrics or Prometheus text
+    /// 0.0.4, by the `Accept` header). Port 6381: 9090 is Prometheus's own.
+    #[arg(long, env = "AGQ_METRICS_LISTEN", default_value = "127.0.0.1:6381")]
     pub metrics_listen: SocketAddr,
     /// Server TLS certificate (PEM); enables TLS together with --tls-key.
     #[arg(long, env = "AGQ_TLS_CERT", requires = "tls_key")]

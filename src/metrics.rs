@@ -1,13 +1,28 @@
 //! Prometheus metrics (prometheus-client) and the HTTP `GET /metrics`
 //! endpoint. The same text is returned by `QueueService.GetMetrics`.
+//!
+//! `GET /metrics` negotiates its format by the `Accept` header: a scraper
+//! that accepts `application/openmetrics-text` (Prometheus does) gets
+//! OpenMetrics 1.0.0 with that content type; anything else gets the
+//! classic text format 0.0.4 (`text/plain; version=0.0.4`), whose counter
+//! families are named with their `_total` suffix and which has no `# EOF`.
+//! Besides the `agq_*` metrics the registry carries the standard
+//! `process_*` metrics of the server process and `agq_build_info`.
 
 use std::{convert::Infallible, sync::Arc};
 
 use http_body_util::Full;
 use hyper::{body::Bytes, Request, Response};
 use prometheus_client::{
-    encoding::{text::encode, EncodeLabelSet},
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    collector::Collector,
+    encoding::{text::encode, DescriptorEncoder, EncodeLabelSet, EncodeMetric},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::Histogram,
+        info::Info,
+    },
     registry::Registry,
 };
 use tokio::net::TcpListener;
@@ -73,6 +88,9 @@ pub struct Metrics {
     pub workers: Family<WorkerLabel, Gauge>,
     /// RPCs by method and status code.
     pub rpcs: Family<RpcLabel, Counter>,
+    /// Seconds an RPC took to answer (streams: to their first message
+    /// stream set-up), by method and status code.
+    pub rpc_duration: Family<RpcLabel, Histogram, fn() -> Histogram>,
     /// Operations committed per SQLite transaction (group commit size).
     pub batch_size: Histogram,
     /// Finished jobs deleted by the retention sweep (counter).
@@ -88,7 +106,14 @@ impl Default for Metrics {
 impl Metrics {
     /// A fresh registry with every AGQ metric registered under the `agq_` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("agq");
+        let mut root = Registry::default();
+        root.register_collector(Box::new(ProcessCollector));
+        let registry = root.sub_registry_with_prefix("agq");
+        registry.register(
+            "build",
+            "Version of the running agq",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
         let job_transitions = Family::<StatusLabel, Counter>::default();
         registry.register(
             "job_transitions",
@@ -141,6 +166,18 @@ impl Metrics {
             "gRPC requests by method and status code",
             rpcs.clone(),
         );
+        let rpc_duration: Family<RpcLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(|| {
+                Histogram::new([
+                    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    0.5, 1.0, 2.5, 5.0, 10.0,
+                ])
+            });
+        registry.register(
+            "rpc_duration_seconds",
+            "Seconds to answer a gRPC request, by method and status code",
+            rpc_duration.clone(),
+        );
         let batch_size = Histogram::new([
             1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ]);
@@ -156,7 +193,7 @@ impl Metrics {
             expired_jobs.clone(),
         );
         Metrics {
-            registry,
+            registry: root,
             job_transitions,
             jobs,
             queue_depth,
@@ -166,6 +203,7 @@ impl Metrics {
             fencing_rejections,
             workers,
             rpcs,
+            rpc_duration,
             batch_size,
             expired_jobs,
         }
@@ -189,17 +227,19 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a finished RPC.
-    pub fn rpc(&self, method: &str, code: tonic::Code) {
-        self.rpcs
-            .get_or_create(&RpcLabel {
-                method: method.into(),
-                code: format!("{code:?}"),
-            })
-            .inc();
+    /// Counts a finished RPC and records how long it took (`elapsed`).
+    pub fn rpc(&self, method: &str, code: tonic::Code, elapsed: std::time::Duration) {
+        let label = RpcLabel {
+            method: method.into(),
+            code: format!("{code:?}"),
+        };
+        self.rpcs.get_or_create(&label).inc();
+        self.rpc_duration
+            .get_or_create(&label)
+            .observe(elapsed.as_secs_f64());
     }
 
-    /// The registry in Prometheus text format.
+    /// The registry in OpenMetrics 1.0.0 text (ends with `# EOF`).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if encode(&mut out, &self.registry).is_err() {
@@ -207,6 +247,135 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The standard `process_*` metrics of this process, read from `/proc` at
+/// each scrape (Linux; nothing elsewhere): CPU seconds, resident and
+/// virtual memory, open and maximum file descriptors, threads, start time.
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(me) = procfs::process::Process::myself() else {
+            return Ok(());
+        };
+        let Ok(stat) = me.stat() else {
+            return Ok(());
+        };
+        let ticks = procfs::ticks_per_second() as f64;
+        let page = procfs::page_size();
+        let cpu = ConstCounter::new((stat.utime + stat.stime) as f64 / ticks);
+        cpu.encode(encoder.encode_descriptor(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            None,
+            cpu.metric_type(),
+        )?)?;
+        let mut gauge = |name: &str, help: &str, v: i64| -> Result<(), std::fmt::Error> {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+        };
+        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        gauge(
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
+            int(stat.rss.saturating_mul(page)),
+        )?;
+        gauge(
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes",
+            int(stat.vsize),
+        )?;
+        gauge(
+            "process_threads",
+            "Number of OS threads in the process",
+            stat.num_threads,
+        )?;
+        if let Ok(n) = me.fd_count() {
+            gauge(
+                "process_open_fds",
+                "Number of open file descriptors",
+                int(n as u64),
+            )?;
+        }
+        if let Ok(limits) = me.limits() {
+            if let procfs::process::LimitValue::Value(v) = limits.max_open_files.soft_limit {
+                gauge(
+                    "process_max_fds",
+                    "Maximum number of open file descriptors",
+                    int(v),
+                )?;
+            }
+        }
+        if let Ok(boot) = procfs::boot_time_secs() {
+            gauge(
+                "process_start_time_seconds",
+                "Start time of the process since the Unix epoch in seconds",
+                int(boot + stat.starttime / ticks as u64),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The OpenMetrics content type of `GET /metrics`.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The classic Prometheus text content type of `GET /metrics`.
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Rewrites an OpenMetrics exposition (as [`Metrics::encode`] makes it)
+/// into the classic text format 0.0.4: counter and info families take
+/// their sample names (`x_total`, `x_info`) in `# HELP` and `# TYPE`, info
+/// families become gauges, and `# UNIT`, `# EOF` and `_created` samples
+/// are dropped. Histogram and gauge families are the same in both.
+pub fn openmetrics_to_text(om: &str) -> String {
+    let mut out = String::with_capacity(om.len());
+    let mut help: Option<&str> = None;
+    let mut created: Option<String> = None;
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest);
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (name, kind) = match kind {
+                "counter" => (format!("{name}_total"), "counter"),
+                "info" => (format!("{name}_info"), "gauge"),
+                "gaugehistogram" | "stateset" | "unknown" => (name.to_owned(), "untyped"),
+                k => (name.to_owned(), k),
+            };
+            created = (kind == "counter").then(|| format!("{}_created", &name[..name.len() - 6]));
+            if let Some(h) = help.take() {
+                let text = h.split_once(' ').map_or("", |(_, t)| t);
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+            continue;
+        }
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        if created.as_deref().is_some_and(|c| line.starts_with(c)) {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// True when an `Accept` header value lets the server answer OpenMetrics.
+fn accepts_openmetrics(accept: &str) -> bool {
+    accept.split(',').any(|part| {
+        let mut fields = part.split(';').map(str::trim);
+        let media = fields.next().unwrap_or_default();
+        let refused = fields.any(|f| f.replace(' ', "") == "q=0");
+        media.eq_ignore_ascii_case("application/openmetrics-text") && !refused
+    })
 }
 
 /// Lower-case name of a job status, as used in labels and text.
@@ -251,9 +420,20 @@ pub async fn serve_http<F, Fut>(
                 let render = render.clone();
                 async move {
                     let resp = if req.uri().path() == "/metrics" {
+                        let om = req
+                            .headers()
+                            .get(hyper::header::ACCEPT)
+                            .and_then(|v| v.to_str().ok())
+                            .is_some_and(accepts_openmetrics);
+                        let body = render().await;
+                        let (body, content_type) = if om {
+                            (body, OPENMETRICS_CONTENT_TYPE)
+                        } else {
+                            (openmetrics_to_text(&body), TEXT_CONTENT_TYPE)
+                        };
                         Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                            .body(Full::new(Bytes::from(render().await)))
+                            .header("content-type", content_type)
+                            .body(Full::new(Bytes::from(body)))
                     } else {
                         Response::builder()
                             .status(404)
@@ -274,3 +454,57 @@ pub async fn serve_http<F, Fut>(
 
 /// Shared handle to the metrics.
 pub type SharedMetrics = Arc<Metrics>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_counters_with_total_and_has_no_eof() {
+        let m = Metrics::new();
+        m.transition(crate::pb::JobStatus::Completed);
+        m.rpc(
+            "PlanService/GetPlan",
+            tonic::Code::Ok,
+            std::time::Duration::from_millis(3),
+        );
+        let om = m.encode();
+        assert!(om.contains("# TYPE agq_job_transitions counter"), "{om}");
+        assert!(om.ends_with("# EOF\n"));
+        let text = openmetrics_to_text(&om);
+        assert!(
+            text.contains("# TYPE agq_job_transitions_total counter"),
+            "{text}"
+        );
+        assert!(text.contains("# HELP agq_job_transitions_total Jobs entering each status"));
+        assert!(text.contains("agq_job_transitions_total{status=\"completed\"} 1"));
+        assert!(text.contains("# TYPE agq_build_info gauge"), "{text}");
+        assert!(text.contains("agq_build_info{version=\""), "{text}");
+        assert!(
+            text.contains("# TYPE process_cpu_seconds_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE process_resident_memory_bytes gauge"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "agq_rpc_duration_seconds_count{method=\"PlanService/GetPlan\",code=\"Ok\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"));
+        assert!(!text.contains("# TYPE agq_job_transitions counter"));
+    }
+
+    #[test]
+    fn accept_header_negotiation() {
+        assert!(accepts_openmetrics(
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        ));
+        assert!(!accepts_openmetrics("text/plain"));
+        assert!(!accepts_openmetrics("*/*"));
+        assert!(!accepts_openmetrics("application/openmetrics-text; q=0"));
+    }
+}

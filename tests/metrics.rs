@@ -1,5 +1,6 @@
 //! Scrapes `GET /metrics` from a live server after a small workload and
-//! checks that every metric family is there with sane values.
+//! checks that every metric family is there with sane values, in both
+//! formats the endpoint negotiates (classic text 0.0.4 and OpenMetrics).
 
 mod common;
 
@@ -8,8 +9,15 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn scrape(addr: std::net::SocketAddr, path: &str) -> String {
+    scrape_accepting(addr, path, None).await
+}
+
+async fn scrape_accepting(addr: std::net::SocketAddr, path: &str, accept: Option<&str>) -> String {
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+    let accept = accept
+        .map(|a| format!("Accept: {a}\r\n"))
+        .unwrap_or_default();
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n{accept}\r\n").as_bytes())
         .await
         .unwrap();
     let mut out = String::new();
@@ -58,8 +66,46 @@ async fn metrics_endpoint_after_a_workload() {
         resp.starts_with("HTTP/1.0 200") || resp.starts_with("HTTP/1.1 200"),
         "{resp}"
     );
-    assert!(resp.contains("text/plain"));
+    assert!(
+        resp.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4; charset=utf-8"),
+        "{resp}"
+    );
     let body = resp.split("\r\n\r\n").nth(1).unwrap();
+    // Classic text: counters named with _total in TYPE, no EOF marker.
+    assert!(
+        body.contains("# TYPE agq_job_transitions_total counter"),
+        "{body}"
+    );
+    assert!(!body.contains("# EOF"));
+    assert!(body.contains("# TYPE agq_build_info gauge"));
+    assert!(value(body, "process_resident_memory_bytes") > 0.0);
+    assert!(value(body, "process_open_fds") > 0.0);
+    assert!(
+        value(
+            body,
+            "agq_rpc_duration_seconds_count{method=\"ActionService/SubmitAction\",code=\"Ok\"}"
+        ) >= 1.0
+    );
+    // OpenMetrics when the scraper asks for it, as Prometheus does.
+    let om = scrape_accepting(
+        addr,
+        "/metrics",
+        Some("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"),
+    )
+    .await;
+    assert!(
+        om.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        "{om}"
+    );
+    let om_body = om.split("\r\n\r\n").nth(1).unwrap();
+    assert!(om_body.contains("# TYPE agq_job_transitions counter"));
+    assert!(om_body.trim_end().ends_with("# EOF"));
+    assert_eq!(
+        value(om_body, "agq_job_transitions_total{status=\"pending\"}"),
+        4.0
+    );
     assert_eq!(
         value(body, "agq_job_transitions_total{status=\"pending\"}"),
         4.0

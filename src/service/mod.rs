@@ -24,13 +24,14 @@ async fn rpc<T>(
     body: impl Future<Output = Result<T, Status>>,
 ) -> Result<Response<T>, Status> {
     let span = tracing::info_span!("rpc", method, code = tracing::field::Empty);
+    let started = std::time::Instant::now();
     let result = body.instrument(span.clone()).await;
     let code = match &result {
         Ok(_) => Code::Ok,
         Err(s) => s.code(),
     };
     span.record("code", tracing::field::debug(code));
-    engine.metrics().rpc(method, code);
+    engine.metrics().rpc(method, code, started.elapsed());
     match &result {
         Ok(_) => tracing::debug!(parent: &span, "ok"),
         Err(s) if matches!(code, Code::Internal | Code::Unavailable) => {
