@@ -628,6 +628,24 @@ ALL_ON_HPA = {
 }
 
 
+def check_readme() -> None:
+    sys.path.insert(0, str(HERE))
+    import gen_readme  # noqa: PLC0415 - a sibling script
+
+    missing = gen_readme.undocumented()
+    expect(not missing, f"values without a `# --` comment: {missing}")
+    docs = gen_readme.documented((CHART / "values.yaml").read_text())
+    expect(all(d for _, d in docs), f"empty descriptions: {[k for k, d in docs if not d]}")
+    readme = (CHART / "README.md").read_text()
+    expect(readme == gen_readme.render(readme),
+           "helm/agq/README.md is stale: run python3 helm/ci/gen_readme.py")
+    for key, _ in docs:
+        expect(f"\n| {key} |" in readme, f"{key} not in the README table")
+    for key in ("auth.workerToken", "autoscaling.keda.query", "grafanaDashboard.labels",
+                "prometheusRule.enqueueToLeaseP99.thresholdSeconds", "worker.extraVolumes"):
+        expect(key in dict(docs), f"{key} undocumented")
+
+
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -1182,6 +1200,8 @@ def main() -> int:
 
     checks.run("dashboard, PrometheusRule, KEDA and HPA queries name metrics and labels "
                "a live agq serve exposes", live)
+    checks.run("helm/agq/README.md lists every value, generated from values.yaml comments",
+               check_readme)
     checks.run("NOTES.txt renders for every values set",
                lambda: check_notes(helm, auth_values))
     checks.run("values.schema.json rejects bad values", lambda: check_schema_rejects(helm))
