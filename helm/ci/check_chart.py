@@ -538,6 +538,8 @@ def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
         (auth_values, ["on claim agq-data", "3 replicas"], ["WARNING"]),
         ({"auth": {"enabled": False}}, ["WARNING", "AGQ_INSECURE=true"], ["get secret"]),
         (EDGE_VALUES, ["my-agq-tokens", "LOST"], ["Workers:"]),
+        (ALL_ON_KEDA, ["0-20 replicas by KEDA on the ready depth", "6381:6381"], ["WARNING"]),
+        (ALL_ON_HPA, ["2-30 replicas by the HPA on the ready depth"], ["WARNING"]),
     ]
     for values, want, unwanted in cases:
         notes = render_notes(helm, values)
