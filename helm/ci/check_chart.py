@@ -321,6 +321,8 @@ def check_ports(objs: list[dict]) -> None:
     headless = find(objs, "Service", f"{FULLNAME}-headless")
     expect(sts["spec"]["serviceName"] == headless["metadata"]["name"]
            and headless["spec"]["clusterIP"] == "None", "StatefulSet serviceName/headless")
+    hports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    expect(hports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"headless ports {hports}")
 
 
 def check_security(objs: list[dict]) -> None:
