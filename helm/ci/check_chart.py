@@ -16,6 +16,13 @@ Each check prints one line; the last line reads
 `helm-chart: N passed, M failed`, and the exit status is non-zero on any
 failure. Needs Python >= 3.11 (tomllib), helm-sdkpy and PyYAML. With
 AGQ_CHART_DUMP=<dir> set, the rendered objects are written there as YAML.
+
+The live-metrics check runs the debug build's `agq serve` and `agw`
+(AGQ_BIN / AGW_BIN override the paths) on 127.0.0.1, drives one job to
+dead so every labelled family has samples, and checks that each metric and
+label named by the dashboard, the PrometheusRule, the ScaledObject and the
+HPA is on /metrics. COMING_METRICS lists the few names tolerated while the
+server does not serve them yet.
 """
 
 from __future__ import annotations
@@ -586,7 +593,14 @@ def check_schema_rejects(helm: Helm) -> None:
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "admin",
                                       "worker_id_prefix": "w-"}]}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "client", "worker_id": "w1"}]}},
-                {"server": {"logFormat": "xml"}}):
+                {"server": {"logFormat": "xml"}},
+                {"autoscaling": {"keda": {"prometheusAddress": "prometheus:9090"}}},
+                {"autoscaling": {"hpa": {"enabeld": True}}},
+                {"autoscaling": {"maxReplicas": 0}},
+                {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}},
+                {"prometheusRule": {"deadJobs": {"for": "5 minutes"}}},
+                {"prometheusRule": {"enqueueToLeaseP99": {"thresholdSeconds": 0}}},
+                {"monitoring": {"selector": '{job="agq"}'}}):
         try:
             helm.template(bad)
         except Exception as exc:  # noqa: BLE001
