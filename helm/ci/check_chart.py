@@ -719,6 +719,24 @@ def check_keda(objs: list[dict], values: dict[str, Any]) -> None:
            "an HPA rendered beside the ScaledObject")
 
 
+KEDA_OVERRIDE = {
+    "monitoring": {"selector": 'job="agq"'},
+    "autoscaling": {"targetReadyJobsPerWorker": 10,
+                    "keda": {"enabled": True, "prometheusAddress": PROMETHEUS,
+                             "query": 'sum(agq_queue_depth{queue=~"ready|running",job="agq"})'}},
+}
+
+
+def check_keda_override(objs: list[dict]) -> None:
+    so = find(objs, "ScaledObject", f"{FULLNAME}-worker")
+    md = so["spec"]["triggers"][0]["metadata"]
+    expect(md["query"] == KEDA_OVERRIDE["autoscaling"]["keda"]["query"], f"query {md['query']}")
+    expect(md["threshold"] == "10", f"threshold {md['threshold']}, want targetReadyJobsPerWorker")
+    expect("authenticationRef" not in so["spec"]["triggers"][0], "authenticationRef by default")
+    expect((so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 10),
+           "default min/max")
+
+
 def check_hpa(objs: list[dict], values: dict[str, Any]) -> None:
     a = values["autoscaling"]
     dep = find(objs, "Deployment", f"{FULLNAME}-worker")
@@ -1183,6 +1201,10 @@ def main() -> int:
                on("all-on-keda", check_extra_volumes))
     checks.run("all-on-keda: ScaledObject on the ready depth, Deployment without replicas",
                on("all-on-keda", lambda o: check_keda(o, ALL_ON_KEDA)))
+    checks.run("render KEDA with autoscaling.keda.query and targetReadyJobsPerWorker",
+               render("keda-override", KEDA_OVERRIDE))
+    checks.run("keda-override: the ScaledObject uses the query and target given",
+               on("keda-override", check_keda_override))
     checks.run("all-on-hpa: autoscaling/v2 HPA on the External ready depth metric",
                on("all-on-hpa", lambda o: check_hpa(o, ALL_ON_HPA)))
     checks.run("KEDA and HPA are exclusive; KEDA needs a Prometheus; HPA min >= 1",
@@ -1209,6 +1231,8 @@ def main() -> int:
                     for v in dash["templating"]["list"] if v["type"] == "query"}
         queries |= rendered_queries(rendered["all-on-keda"][0])
         queries |= {f"{k} (hpa)": v for k, v in rendered_queries(rendered["all-on-hpa"][0]).items()}
+        queries["ScaledObject query (autoscaling.keda.query)"] = \
+            KEDA_OVERRIDE["autoscaling"]["keda"]["query"]
         expect(sum(k.startswith("PrometheusRule") for k in queries) == 2 * len(ALERTS)
                and "ScaledObject query" in queries and "HPA external metric (hpa)" in queries,
                f"queries checked: {sorted(queries)}")
