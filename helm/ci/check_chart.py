@@ -16,18 +16,30 @@ Each check prints one line; the last line reads
 `helm-chart: N passed, M failed`, and the exit status is non-zero on any
 failure. Needs Python >= 3.11 (tomllib), helm-sdkpy and PyYAML. With
 AGQ_CHART_DUMP=<dir> set, the rendered objects are written there as YAML.
+
+The live-metrics check runs the debug build's `agq serve` and `agw`
+(AGQ_BIN / AGW_BIN override the paths) on 127.0.0.1, drives one job to
+dead so every labelled family has samples, and checks that each metric and
+label named by the dashboard, the PrometheusRule, the ScaledObject and the
+HPA is on /metrics. COMING_METRICS lists the few names tolerated while the
+server does not serve them yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 import tomllib
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -41,8 +53,24 @@ RELEASE = "agq-ci"
 NAMESPACE = "agq-ci"
 FULLNAME = "agq-ci"  # the release name contains the chart name
 GRPC_PORT = 6380
-METRICS_PORT = 9090
+METRICS_PORT = 6381
 WATCHDOG_SECS = 300
+REPO = HERE.parent.parent
+DASHBOARD = CHART / "dashboards" / "agq.json"
+
+# Metrics another change is adding to the server right now. A query may name
+# one of these while the live /metrics lacks it; once it is there, it is
+# checked like every other name. DELETE this set (and its use in
+# check_live_metrics) once the server serves all three.
+COMING_METRICS = {
+    "agq_store_write_errors_total",
+    "agq_rpc_duration_seconds_bucket",
+    "agq_build_info",
+}
+
+# Labels Prometheus attaches at scrape time (target labels of a
+# ServiceMonitor scrape), not served on /metrics.
+TARGET_LABELS = {"namespace", "service", "job", "instance", "pod", "endpoint", "container"}
 
 # ---------------------------------------------------------------- fake API
 
@@ -59,8 +87,36 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
     ],
     "apps/v1": [("statefulsets", "StatefulSet", True), ("deployments", "Deployment", True)],
     "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True)],
-    "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True)],
+    "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True),
+                                 ("prometheusrules", "PrometheusRule", True)],
+    "autoscaling/v2": [("horizontalpodautoscalers", "HorizontalPodAutoscaler", True)],
+    "keda.sh/v1alpha1": [("scaledobjects", "ScaledObject", True)],
 }
+
+# Objects the fake cluster holds, by API path; `lookup` finds these. The
+# default is a live cluster with an existing namespace (Kubernetes publishes
+# kube-root-ca.crt into every namespace); set_cluster() swaps it.
+ROOT_CA_PATH = f"/api/v1/namespaces/{NAMESPACE}/configmaps/kube-root-ca.crt"
+LIVE_CLUSTER = {ROOT_CA_PATH: {"kind": "ConfigMap", "apiVersion": "v1",
+                               "metadata": {"name": "kube-root-ca.crt", "namespace": NAMESPACE},
+                               "data": {"ca.crt": "-----BEGIN CERTIFICATE-----"}}}
+CLUSTER: dict[str, dict[str, Any]] = dict(LIVE_CLUSTER)
+
+
+def set_cluster(objects: dict[str, dict[str, Any]]) -> None:
+    CLUSTER.clear()
+    CLUSTER.update(objects)
+
+
+def stored_secret(name: str, data: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """A Secret as the API returns it (base64 data), keyed by its path."""
+    return {f"/api/v1/namespaces/{NAMESPACE}/secrets/{name}": {
+        "kind": "Secret", "apiVersion": "v1", "type": "Opaque",
+        "metadata": {"name": name, "namespace": NAMESPACE,
+                     "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                     "annotations": {"meta.helm.sh/release-name": RELEASE,
+                                     "meta.helm.sh/release-namespace": NAMESPACE}},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}}
 
 
 def _resource_list(group_version: str) -> dict[str, Any]:
@@ -124,8 +180,10 @@ class FakeKube(BaseHTTPRequestHandler):
             gv = path[len("/apis/"):]
             if gv in RESOURCES:
                 return self._reply(200, _resource_list(gv))
-        # A collection (.../namespaces/<ns>/<resource>) is empty; any single
-        # object does not exist yet.
+        if path in CLUSTER:
+            return self._reply(200, CLUSTER[path])
+        # A collection (.../namespaces/<ns>/<resource>) is empty; any other
+        # single object does not exist yet.
         parts = path.strip("/").split("/")
         if "namespaces" in parts and len(parts) - parts.index("namespaces") == 3:
             return self._reply(200, {"kind": "List", "apiVersion": "v1",
@@ -147,6 +205,10 @@ class FakeKube(BaseHTTPRequestHandler):
         self._echo(200)
 
     def do_PATCH(self) -> None:  # noqa: N802
+        path = self.path.split("?")[0].rstrip("/")
+        if path in CLUSTER:  # an adopted object: answer with what is stored
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return self._reply(200, CLUSTER[path])
         self._echo(200)
 
     def do_DELETE(self) -> None:  # noqa: N802
@@ -266,6 +328,8 @@ def check_ports(objs: list[dict]) -> None:
     headless = find(objs, "Service", f"{FULLNAME}-headless")
     expect(sts["spec"]["serviceName"] == headless["metadata"]["name"]
            and headless["spec"]["clusterIP"] == "None", "StatefulSet serviceName/headless")
+    hports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    expect(hports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"headless ports {hports}")
 
 
 def check_security(objs: list[dict]) -> None:
@@ -483,6 +547,8 @@ def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
         (auth_values, ["on claim agq-data", "3 replicas"], ["WARNING"]),
         ({"auth": {"enabled": False}}, ["WARNING", "AGQ_INSECURE=true"], ["get secret"]),
         (EDGE_VALUES, ["my-agq-tokens", "LOST"], ["Workers:"]),
+        (ALL_ON_KEDA, ["0-20 replicas by KEDA on the ready depth", "6381:6381"], ["WARNING"]),
+        (ALL_ON_HPA, ["2-30 replicas by the HPA on the ready depth"], ["WARNING"]),
     ]
     for values, want, unwanted in cases:
         notes = render_notes(helm, values)
@@ -527,7 +593,14 @@ def check_schema_rejects(helm: Helm) -> None:
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "admin",
                                       "worker_id_prefix": "w-"}]}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "client", "worker_id": "w1"}]}},
-                {"server": {"logFormat": "xml"}}):
+                {"server": {"logFormat": "xml"}},
+                {"autoscaling": {"keda": {"prometheusAddress": "prometheus:9090"}}},
+                {"autoscaling": {"hpa": {"enabeld": True}}},
+                {"autoscaling": {"maxReplicas": 0}},
+                {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}},
+                {"prometheusRule": {"deadJobs": {"for": "5 minutes"}}},
+                {"prometheusRule": {"enqueueToLeaseP99": {"thresholdSeconds": 0}}},
+                {"monitoring": {"selector": '{job="agq"}'}}):
         try:
             helm.template(bad)
         except Exception as exc:  # noqa: BLE001
@@ -535,6 +608,479 @@ def check_schema_rejects(helm: Helm) -> None:
                    f"{bad} failed for another reason: {exc}")
         else:
             raise AssertionError(f"values {bad} were accepted")
+
+
+# ---------------------------------------------------------------- new objects
+
+EXTRA_VOLUME_VALUES = {
+    "worker": {
+        "readPaths": ["/inputs"],
+        "extraVolumes": [{"name": "inputs",
+                          "persistentVolumeClaim": {"claimName": "agq-inputs", "readOnly": True}}],
+        "extraVolumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True}],
+    },
+}
+
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+# Every optional object on, with KEDA (HPA is the alternative below).
+ALL_ON_KEDA = {
+    "auth": {"workerToken": "ci-all-on-worker-token-0123456789"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "server": {"podDisruptionBudget": {"enabled": True}},
+    "worker": dict(EXTRA_VOLUME_VALUES["worker"], podDisruptionBudget={"enabled": True}),
+    "autoscaling": {"minReplicas": 0, "maxReplicas": 20,
+                    "keda": {"enabled": True, "prometheusAddress": PROMETHEUS,
+                             "authenticationRef": "prom-auth",
+                             "extraTriggerMetadata": {"ignoreNullValues": "false"}}},
+    "grafanaDashboard": {"enabled": True, "labels": {"grafana_dashboard": "1", "team": "infra"},
+                         "annotations": {"grafana_folder": "AGQ"}, "namespace": "monitoring"},
+    "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"},
+                       "alertLabels": {"team": "infra"}},
+}
+ALL_ON_HPA = {
+    **{k: v for k, v in ALL_ON_KEDA.items() if k != "autoscaling"},
+    "worker": {"maxConcurrentJobs": 6},
+    "autoscaling": {"minReplicas": 2, "maxReplicas": 30, "hpa": {"enabled": True}},
+    "monitoring": {"selector": 'job="agq-ci"'},
+}
+
+
+def check_readme() -> None:
+    sys.path.insert(0, str(HERE))
+    import gen_readme  # noqa: PLC0415 - a sibling script
+
+    missing = gen_readme.undocumented()
+    expect(not missing, f"values without a `# --` comment: {missing}")
+    docs = gen_readme.documented((CHART / "values.yaml").read_text())
+    expect(all(d for _, d in docs), f"empty descriptions: {[k for k, d in docs if not d]}")
+    readme = (CHART / "README.md").read_text()
+    expect(readme == gen_readme.render(readme),
+           "helm/agq/README.md is stale: run python3 helm/ci/gen_readme.py")
+    for key, _ in docs:
+        expect(f"\n| {key} |" in readme, f"{key} not in the README table")
+    for key in ("auth.workerToken", "autoscaling.keda.query", "grafanaDashboard.labels",
+                "prometheusRule.enqueueToLeaseP99.thresholdSeconds", "worker.extraVolumes"):
+        expect(key in dict(docs), f"{key} undocumented")
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def check_extra_volumes(objs: list[dict]) -> None:
+    dep = find(objs, "Deployment", f"{FULLNAME}-worker")
+    spec = dep["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    expect(vols.get("inputs") == EXTRA_VOLUME_VALUES["worker"]["extraVolumes"][0],
+           f"extra volume {vols.get('inputs')}")
+    expect({"tmp", "worker-token", "inputs"} <= set(vols), f"worker volumes {sorted(vols)}")
+    agw = container(dep, "agw")
+    mounts = {m["name"]: m for m in agw["volumeMounts"]}
+    expect(mounts.get("inputs") == {"name": "inputs", "mountPath": "/inputs", "readOnly": True},
+           f"extra mount {mounts.get('inputs')}")
+    expect(env_of(agw)["AGW_READ_PATHS"]["value"] == "/inputs", "AGW_READ_PATHS")
+    expect(all(m["name"] in vols for m in agw["volumeMounts"]), "a mount without its volume")
+    expect(len(vols) == len(spec["volumes"]), "duplicate volume names")
+
+
+def check_keda(objs: list[dict], values: dict[str, Any]) -> None:
+    a = values["autoscaling"]
+    dep = find(objs, "Deployment", f"{FULLNAME}-worker")
+    expect("replicas" not in dep["spec"], "worker replicas rendered while KEDA owns them")
+    so = find(objs, "ScaledObject", f"{FULLNAME}-worker")
+    expect(so["apiVersion"] == "keda.sh/v1alpha1", so["apiVersion"])
+    spec = so["spec"]
+    expect(spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                      "name": dep["metadata"]["name"]},
+           f"scaleTargetRef {spec['scaleTargetRef']}")
+    expect((spec["minReplicaCount"], spec["maxReplicaCount"]) == (a["minReplicas"], a["maxReplicas"]),
+           "min/max replica count")
+    expect(spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+           ["stabilizationWindowSeconds"] == 600, "scale-down behavior not passed on")
+    [trig] = spec["triggers"]
+    md = trig["metadata"]
+    expect(trig["type"] == "prometheus" and trig.get("metricType") == "AverageValue",
+           f"trigger {trig['type']}/{trig.get('metricType')}")
+    expect(md["serverAddress"] == a["keda"]["prometheusAddress"], "serverAddress")
+    want = f'sum(agq_queue_depth{{queue="ready",namespace="{NAMESPACE}",service="{FULLNAME}"}})'
+    expect(md["query"] == want, f"query {md['query']!r}, want {want!r}")
+    jobs = values.get("worker", {}).get("maxConcurrentJobs", 4)
+    expect(md["threshold"] == str(jobs), f"threshold {md['threshold']} != maxConcurrentJobs")
+    expect(all(isinstance(v, str) for v in md.values()), f"non-string trigger metadata {md}")
+    for k, v in a["keda"].get("extraTriggerMetadata", {}).items():
+        expect(md.get(k) == v, f"extra trigger metadata {k}")
+    if ref := a["keda"].get("authenticationRef"):
+        expect(trig["authenticationRef"] == {"name": ref}, "authenticationRef")
+    expect(not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"],
+           "an HPA rendered beside the ScaledObject")
+
+
+KEDA_OVERRIDE = {
+    "monitoring": {"selector": 'job="agq"'},
+    "autoscaling": {"targetReadyJobsPerWorker": 10,
+                    "keda": {"enabled": True, "prometheusAddress": PROMETHEUS,
+                             "query": 'sum(agq_queue_depth{queue=~"ready|running",job="agq"})'}},
+}
+
+
+def check_keda_override(objs: list[dict]) -> None:
+    so = find(objs, "ScaledObject", f"{FULLNAME}-worker")
+    md = so["spec"]["triggers"][0]["metadata"]
+    expect(md["query"] == KEDA_OVERRIDE["autoscaling"]["keda"]["query"], f"query {md['query']}")
+    expect(md["threshold"] == "10", f"threshold {md['threshold']}, want targetReadyJobsPerWorker")
+    expect("authenticationRef" not in so["spec"]["triggers"][0], "authenticationRef by default")
+    expect((so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 10),
+           "default min/max")
+
+
+def check_hpa(objs: list[dict], values: dict[str, Any]) -> None:
+    a = values["autoscaling"]
+    dep = find(objs, "Deployment", f"{FULLNAME}-worker")
+    expect("replicas" not in dep["spec"], "worker replicas rendered while the HPA owns them")
+    hpa = find(objs, "HorizontalPodAutoscaler", f"{FULLNAME}-worker")
+    expect(hpa["apiVersion"] == "autoscaling/v2", hpa["apiVersion"])
+    spec = hpa["spec"]
+    expect(spec["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+           and spec["scaleTargetRef"]["kind"] == "Deployment", "scaleTargetRef")
+    expect((spec["minReplicas"], spec["maxReplicas"]) == (a["minReplicas"], a["maxReplicas"]),
+           "min/max replicas")
+    [m] = spec["metrics"]
+    expect(m["type"] == "External", f"metric type {m['type']}")
+    ext = m["external"]
+    expect(ext["metric"]["name"] == "agq_queue_depth", f"metric {ext['metric']['name']}")
+    expect(ext["metric"]["selector"]["matchLabels"] == {"queue": "ready", "service": FULLNAME},
+           f"selector {ext['metric']['selector']}")
+    jobs = values.get("worker", {}).get("maxConcurrentJobs", 4)
+    expect(ext["target"] == {"type": "AverageValue", "averageValue": str(jobs)},
+           f"target {ext['target']}")
+    expect(spec["behavior"]["scaleDown"]["policies"][0]["type"] == "Pods", "behavior")
+    expect(not [o for o in objs if o["kind"] == "ScaledObject"], "a ScaledObject beside the HPA")
+
+
+def check_dashboard_file() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    expect(dash.get("uid") and dash.get("title") and dash.get("schemaVersion"), "uid/title/schema")
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    expect(len(ids) == len(set(ids)), f"duplicate panel ids {ids}")
+    tvars = {v["name"]: v for v in dash["templating"]["list"]}
+    expect(tvars["datasource"]["type"] == "datasource"
+           and tvars["datasource"]["query"] == "prometheus", "no Prometheus datasource variable")
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        expect(0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, f"panel {p['id']} gridPos {g}")
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        expect(not mine & cells, f"panel {p['title']!r} overlaps another")
+        cells |= mine
+        expect(p["datasource"]["uid"] == "${datasource}", f"panel {p['title']!r} datasource")
+        expect(p.get("targets"), f"panel {p['title']!r} has no queries")
+        refs = [t["refId"] for t in p["targets"]]
+        expect(len(refs) == len(set(refs)), f"panel {p['title']!r} refIds {refs}")
+        for t in p["targets"]:
+            balanced(t["expr"])
+            expect('job=~"$job"' in t["expr"], f"{t['expr']!r} ignores the job variable")
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    for needle in ('sum by (queue) (agq_queue_depth', 'sum by (status) (rate(agq_job_transitions_total',
+                   'histogram_quantile(0.5, sum by (le) (rate(agq_enqueue_to_lease_seconds_bucket',
+                   'histogram_quantile(0.99, sum by (le) (rate(agq_enqueue_to_lease_seconds_bucket',
+                   'agq_job_duration_seconds_bucket', 'sum by (state, fresh) (agq_workers',
+                   'sum by (reason) (rate(agq_requeues_total', 'agq_fencing_rejections_total',
+                   'sum by (method, code) (rate(agq_rpc_requests_total',
+                   'agq_commit_batch_ops', 'agq_store_write_errors_total'):
+        expect(needle in exprs, f"no dashboard query with {needle!r}")
+
+
+def balanced(expr: str) -> None:
+    stack = []
+    for ch in re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr):
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in ")]}":
+            expect(stack and "([{"[")]}".index(ch)] == stack.pop(), f"unbalanced {expr!r}")
+    expect(not stack, f"unbalanced {expr!r}")
+
+
+def check_dashboard_configmap(objs: list[dict], values: dict[str, Any]) -> None:
+    g = values["grafanaDashboard"]
+    cm = find(objs, "ConfigMap", f"{FULLNAME}-dashboard")
+    for k, v in g["labels"].items():
+        expect(cm["metadata"]["labels"].get(k) == v, f"dashboard label {k}")
+    expect(cm["metadata"]["labels"].get("grafana_dashboard") == "1", "no sidecar label")
+    expect(cm["metadata"].get("annotations", {}) == g.get("annotations", {}), "annotations")
+    expect(cm["metadata"].get("namespace") == (g.get("namespace") or None), "namespace")
+    expect(list(cm["data"]) == ["agq.json"], f"data keys {list(cm['data'])}")
+    expect(json.loads(cm["data"]["agq.json"]) == json.loads(DASHBOARD.read_text()),
+           "ConfigMap JSON differs from dashboards/agq.json")
+
+
+ALERTS = {"AgqNoFreshWorkers", "AgqDeadJobsRising", "AgqEnqueueToLeaseP99High",
+          "AgqStoreWriteErrors"}
+
+
+def check_prometheus_rule(objs: list[dict], selector: str) -> None:
+    pr = find(objs, "PrometheusRule", FULLNAME)
+    expect(pr["apiVersion"] == "monitoring.coreos.com/v1", pr["apiVersion"])
+    expect(pr["metadata"]["labels"].get("release") == "prometheus", "rule labels")
+    rules = [r for g in pr["spec"]["groups"] for r in g["rules"]]
+    by = {r["alert"]: r for r in rules}
+    expect(set(by) == ALERTS and len(rules) == len(ALERTS), f"alerts {sorted(by)}")
+    for name, r in by.items():
+        expr = r["expr"]
+        balanced(expr)
+        expect(r["labels"]["severity"] in ("warning", "critical"), f"{name} severity")
+        expect(r["labels"].get("team") == "infra", f"{name} lacks alertLabels")
+        expect(re.fullmatch(r"\d+[smh]", r["for"]), f"{name} for {r['for']!r}")
+        expect("{{ $value" in r["annotations"]["description"], f"{name}: $value not escaped")
+        for sel in re.findall(r"agq_\w+\{([^}]*)\}", expr):
+            expect(selector in sel, f"{name}: selector {sel!r} lacks {selector!r}")
+    nf = by["AgqNoFreshWorkers"]["expr"]
+    expect('agq_queue_depth{queue="ready"' in nf and 'state="active",fresh="true"' in nf
+           and "unless" in nf, f"AgqNoFreshWorkers {nf!r}")
+    expect('status="dead"' in by["AgqDeadJobsRising"]["expr"], "dead jobs alert")
+    p99 = by["AgqEnqueueToLeaseP99High"]["expr"]
+    expect(p99.startswith("histogram_quantile(0.99, sum by (le) (rate(agq_enqueue_to_lease_seconds_bucket")
+           and p99.endswith("> 30"), f"p99 alert {p99!r}")
+    expect("agq_store_write_errors_total" in by["AgqStoreWriteErrors"]["expr"], "store alert")
+
+
+def check_mutually_exclusive(helm: Helm) -> None:
+    both = {"autoscaling": {"keda": {"enabled": True, "prometheusAddress": PROMETHEUS},
+                            "hpa": {"enabled": True}}}
+    try:
+        helm.template(both)
+    except Exception as exc:  # noqa: BLE001
+        expect("alternatives" in str(exc), f"failed for another reason: {exc}")
+    else:
+        raise AssertionError("KEDA and HPA together rendered")
+    for bad, why in (({"autoscaling": {"keda": {"enabled": True}}}, "prometheusAddress is required"),
+                     ({"autoscaling": {"minReplicas": 0, "hpa": {"enabled": True}}},
+                      "at least 1")):
+        try:
+            helm.template(bad)
+        except Exception as exc:  # noqa: BLE001
+            expect(why in str(exc), f"{bad} failed for another reason: {exc}")
+        else:
+            raise AssertionError(f"{bad} rendered")
+
+
+def check_defaults_off(objs: list[dict]) -> None:
+    kinds = {o["kind"] for o in objs}
+    for kind in ("ScaledObject", "HorizontalPodAutoscaler", "PrometheusRule"):
+        expect(kind not in kinds, f"{kind} rendered by default")
+    expect(not any(o["kind"] == "ConfigMap" for o in objs), "dashboard ConfigMap by default")
+
+
+# ---------------------------------------------------------------- the token
+
+
+def worker_token_of(objs: list[dict]) -> str:
+    return find(objs, "Secret", f"{FULLNAME}-auth")["stringData"]["worker-token"]
+
+
+def check_token_stability(helm: Helm) -> None:
+    """The worker token never changes between renders of the same inputs."""
+    try:
+        # No cluster behind `lookup` (helm template, Argo CD): no token set
+        # must fail with a message naming the values to set...
+        set_cluster({})
+        try:
+            helm.template(None)
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc)
+            expect("auth.workerToken" in msg and "auth.existingSecret" in msg
+                   and "openssl rand" in msg, f"unhelpful failure: {msg}")
+        else:
+            raise AssertionError("rendered a random worker token without a cluster")
+        # ...while a set token, or existingSecret, renders identically twice.
+        values = {"auth": {"workerToken": "gitops-worker-token-0123456789"}}
+        a, b = helm.template(values)[0], helm.template(values)[0]
+        expect(a == b, "two renders with auth.workerToken differ")
+        expect(worker_token_of(a) == "gitops-worker-token-0123456789", "workerToken not used")
+        a = helm.template({"auth": {"existingSecret": "mine"}})[0]
+        expect(a == helm.template({"auth": {"existingSecret": "mine"}})[0],
+               "two renders with existingSecret differ")
+        # An upgrade keeps the token stored in the release's Secret.
+        set_cluster({**LIVE_CLUSTER, **stored_secret(f"{FULLNAME}-auth",
+                                                     {"worker-token": "stored-token-" + "x" * 40})})
+        a, b = helm.template(None)[0], helm.template(None)[0]
+        expect(worker_token_of(a) == worker_token_of(b) == "stored-token-" + "x" * 40,
+               "an upgrade does not keep the stored worker token")
+        # A first install against a live cluster generates one.
+        set_cluster(dict(LIVE_CLUSTER))
+        tok = worker_token_of(helm.template(None)[0])
+        expect(len(tok) == 48 and tok.isalnum(), "no generated token on a first install")
+    finally:
+        set_cluster(dict(LIVE_CLUSTER))
+
+
+# ---------------------------------------------------------------- live metrics
+
+
+def agq_binary() -> Path:
+    if env := os.environ.get("AGQ_BIN"):
+        return Path(env)
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
+    return target / "debug" / "agq"
+
+
+def parse_metrics(text: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """Series names (with their family type) and each one's label names."""
+    types: dict[str, str] = {}
+    labels: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            if kind == "counter":
+                series = [name if name.endswith("_total") else name + "_total"]
+            elif kind == "histogram":
+                series = [name + s for s in ("_bucket", "_sum", "_count")]
+            elif kind == "summary":
+                series = [name, name + "_sum", name + "_count"]
+            elif kind == "info":
+                series = [name + "_info", name]
+            else:
+                series = [name]
+            for s in series:
+                types[s] = kind
+        elif line and not line.startswith("#"):
+            m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s", line)
+            expect(m, f"unparsable sample line {line!r}")
+            types.setdefault(m.group(1), "untyped")
+            labels.setdefault(m.group(1), set()).update(
+                re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', m.group(2) or ""))
+    return types, labels
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
+        return resp.read().decode()
+
+
+def live_metrics() -> str:
+    """Start `agq serve` on loopback, drive one job to dead through a real
+    agw (so every labelled family has samples), return /metrics."""
+    agq = agq_binary()
+    agw = Path(os.environ.get("AGW_BIN") or agq.with_name("agw"))
+    expect(agq.is_file() and agw.is_file(),
+           f"{agq} or {agw} missing: `cargo build` first, or set AGQ_BIN/AGW_BIN")
+    tmp = tempfile.mkdtemp(prefix="agq-metrics-")
+    procs: list[subprocess.Popen] = []
+    try:
+        log = open(Path(tmp, "serve.log"), "w+")  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [str(agq), "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+             "--db", str(Path(tmp, "agq.db"))],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}))
+        grpc = metrics = None
+        for _ in range(300):
+            out = Path(tmp, "serve.log").read_text()
+            grpc = grpc or (m.group(1) if (m := re.search(r"listening on (\S+)", out)) else None)
+            metrics = metrics or (m.group(1) if (m := re.search(r"metrics on (\S+)", out)) else None)
+            if grpc and metrics or procs[0].poll() is not None:
+                break
+            time.sleep(0.1)
+        expect(grpc and metrics, f"agq serve printed no addresses: {out[-2000:]}")
+        url = metrics if metrics.startswith("http") else f"http://{metrics}/metrics"
+        server = f"http://{grpc}"
+        plan = Path(tmp, "plan.json")
+        plan.write_text(json.dumps({"plan_id": "ci-metrics", "tasks": [
+            {"task_number": 1, "command": "false", "args": [], "timeout_secs": 10}]}))
+        cli = [str(agq), "--server", server]
+        for args in (["plan", "submit", str(plan)],
+                     ["action", "submit", "--plan", "ci-metrics", "--input", "x=1",
+                      "--max-attempts", "1"]):
+            subprocess.run(cli + args, check=True, capture_output=True, timeout=30)
+        procs.append(subprocess.Popen(
+            [str(agw), "--server", server, "--worker-id", "ci-metrics", "--tools", "false",
+             "--insecure-no-sandbox"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 60
+        while True:
+            text = scrape(url)
+            if ('agq_job_transitions_total{status="dead"}' in text
+                    and "agq_requeues_total{" in text):
+                return text
+            expect(time.time() < deadline, "the job did not go dead within 60s")
+            time.sleep(0.2)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
+                "and", "or", "unless", "offset"}
+
+
+def promql_uses(expr: str) -> tuple[set[str], list[tuple[str, set[str]]], set[str]]:
+    """Metric names, (metric, matcher label names) pairs and grouping labels
+    in a PromQL expression (or a Grafana label_values() query)."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    lv = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", bare)
+    groups: set[str] = set()
+    if lv:
+        bare, groups = lv.group(1), {lv.group(2)}
+    names = set(re.findall(r"\b(agq_\w+)", bare))
+    names |= {n for n in re.findall(r"\b([a-zA-Z_:][\w:]*)\s*(?=[{\[])", bare)
+              if n not in PROMQL_WORDS}
+    sels = [(n, set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", body)))
+            for n, body in re.findall(r"\b([a-zA-Z_:][\w:]*)\{([^}]*)\}", bare)]
+    for g in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", bare):
+        groups |= {x.strip() for x in g.split(",") if x.strip()}
+    return names, sels, groups
+
+
+def rendered_queries(objs: list[dict]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for o in objs:
+        if o["kind"] == "PrometheusRule":
+            for g in o["spec"]["groups"]:
+                for r in g["rules"]:
+                    out[f"PrometheusRule {r['alert']}"] = r["expr"]
+        elif o["kind"] == "ScaledObject":
+            for t in o["spec"]["triggers"]:
+                out["ScaledObject query"] = t["metadata"]["query"]
+        elif o["kind"] == "HorizontalPodAutoscaler":
+            for m in o["spec"]["metrics"]:
+                metric = m["external"]["metric"]
+                labels = ",".join(f'{k}=""' for k in metric["selector"]["matchLabels"])
+                out["HPA external metric"] = f"{metric['name']}{{{labels}}}"
+    return out
+
+
+def check_live_metrics(queries: dict[str, str]) -> list[str]:
+    types, labels = parse_metrics(live_metrics())
+    expect("agq_queue_depth" in types and "agq_requeues_total" in labels, "scrape looks empty")
+    tolerated: set[str] = set()
+    problems = []
+    for where, expr in queries.items():
+        names, sels, groups = promql_uses(expr)
+        expect(names, f"{where}: no metric in {expr!r}")
+        for n in names:
+            if n not in types:
+                if n in COMING_METRICS:
+                    tolerated.add(n)
+                    continue
+                problems.append(f"{where}: {n} is not on /metrics")
+        for n, used in sels:
+            if n in labels:
+                extra = used - labels[n] - TARGET_LABELS
+                if extra:
+                    problems.append(f"{where}: {n} has no label(s) {sorted(extra)}")
+        known = set().union(*(labels.get(n, set()) for n in names)) | TARGET_LABELS
+        if all(n in labels for n in names) and groups - known:
+            problems.append(f"{where}: grouping by {sorted(groups - known)}, not a label of "
+                            f"{sorted(names)}")
+    expect(not problems, "; ".join(problems))
+    return sorted(tolerated)
 
 
 def main() -> int:
@@ -580,6 +1126,19 @@ def main() -> int:
         return go
 
     checks.run("helm lint helm/agq", lint)
+
+    def lint_with(values: dict[str, Any]) -> None:
+        """`helm lint` of a scratch copy whose values.yaml has `values` merged in."""
+        with tempfile.TemporaryDirectory() as tmp:
+            chart = Path(tmp, "agq")
+            shutil.copytree(CHART, chart)
+            merged = deep_merge(yaml.safe_load((CHART / "values.yaml").read_text()), values)
+            (chart / "values.yaml").write_text(yaml.safe_dump(merged))
+            result = asyncio.run(helm.sdk.Lint(helm.config).run(str(chart)))
+        msgs = result.get("Messages") or []
+        worst = {m.get("Path"): m.get("Severity") for m in msgs if m.get("Severity", 0) >= 2}
+        expect(not result.get("Errors") and not worst,
+               f"lint warnings/errors (severity by path) {worst}, {result.get('Errors')}")
     checks.run("render default values", render("default", None))
     checks.run("render values-auth.yaml", render("auth", auth_values))
     checks.run("render auth.enabled=false", render("insecure", {"auth": {"enabled": False}}))
@@ -595,7 +1154,7 @@ def main() -> int:
     for label in ("default", "auth"):
         checks.run(f"{label}: StatefulSet probes are grpc on port {GRPC_PORT}",
                    on(label, check_probes))
-        checks.run(f"{label}: container ports 6380/9090, Service ports grpc/metrics",
+        checks.run(f"{label}: container ports 6380/6381, Service ports grpc/metrics",
                    on(label, check_ports))
         checks.run(f"{label}: securityContext non-root, read-only root, drop ALL",
                    on(label, check_security))
@@ -628,6 +1187,63 @@ def main() -> int:
                on("insecure", check_insecure))
     checks.run("existingSecret, persistence off, workers off, server PDB",
                on("edge", check_edge))
+    checks.run("default: no ScaledObject, HPA, PrometheusRule or dashboard ConfigMap",
+               on("default", check_defaults_off))
+    for label, values in (("all-on-keda", ALL_ON_KEDA), ("all-on-hpa", ALL_ON_HPA)):
+        checks.run(f"helm lint helm/agq with every option on ({label})",
+                   lambda values=values: lint_with(values))
+        checks.run(f"render {label}", render(label, values))
+    checks.run("render worker extraVolumes/extraVolumeMounts",
+               render("extra-volumes", EXTRA_VOLUME_VALUES))
+    checks.run("extra-volumes: the volume, its read-only mount, AGW_READ_PATHS",
+               on("extra-volumes", check_extra_volumes))
+    checks.run("all-on-keda: extraVolumes render beside every other option",
+               on("all-on-keda", check_extra_volumes))
+    checks.run("all-on-keda: ScaledObject on the ready depth, Deployment without replicas",
+               on("all-on-keda", lambda o: check_keda(o, ALL_ON_KEDA)))
+    checks.run("render KEDA with autoscaling.keda.query and targetReadyJobsPerWorker",
+               render("keda-override", KEDA_OVERRIDE))
+    checks.run("keda-override: the ScaledObject uses the query and target given",
+               on("keda-override", check_keda_override))
+    checks.run("all-on-hpa: autoscaling/v2 HPA on the External ready depth metric",
+               on("all-on-hpa", lambda o: check_hpa(o, ALL_ON_HPA)))
+    checks.run("KEDA and HPA are exclusive; KEDA needs a Prometheus; HPA min >= 1",
+               lambda: check_mutually_exclusive(helm))
+    checks.run("dashboards/agq.json: valid JSON, panels, queries for every topic",
+               check_dashboard_file)
+    checks.run("all-on-keda: dashboard ConfigMap with the sidecar label holds agq.json",
+               on("all-on-keda", lambda o: check_dashboard_configmap(o, ALL_ON_KEDA)))
+    checks.run("all-on-keda: PrometheusRule alerts on this release's series",
+               on("all-on-keda", lambda o: check_prometheus_rule(
+                   o, f'namespace="{NAMESPACE}",service="{FULLNAME}"')))
+    checks.run("all-on-hpa: PrometheusRule alerts use monitoring.selector",
+               on("all-on-hpa", lambda o: check_prometheus_rule(
+                   o, ALL_ON_HPA["monitoring"]["selector"])))
+    checks.run("worker token is stable under helm template (set, stored, or fail)",
+               lambda: check_token_stability(helm))
+
+    def live() -> None:
+        expect("all-on-keda" in rendered and "all-on-hpa" in rendered, "all-on did not render")
+        dash = json.loads(DASHBOARD.read_text())
+        queries = {f"dashboard {p['title']!r}": t["expr"]
+                   for p in dash["panels"] for t in p["targets"]}
+        queries |= {f"dashboard variable {v['name']}": v["query"]["query"]
+                    for v in dash["templating"]["list"] if v["type"] == "query"}
+        queries |= rendered_queries(rendered["all-on-keda"][0])
+        queries |= {f"{k} (hpa)": v for k, v in rendered_queries(rendered["all-on-hpa"][0]).items()}
+        queries["ScaledObject query (autoscaling.keda.query)"] = \
+            KEDA_OVERRIDE["autoscaling"]["keda"]["query"]
+        expect(sum(k.startswith("PrometheusRule") for k in queries) == 2 * len(ALERTS)
+               and "ScaledObject query" in queries and "HPA external metric (hpa)" in queries,
+               f"queries checked: {sorted(queries)}")
+        tolerated = check_live_metrics(queries)
+        if tolerated:
+            print(f"     (not on /metrics yet, tolerated as coming: {', '.join(tolerated)})")
+
+    checks.run("dashboard, PrometheusRule, KEDA and HPA queries name metrics and labels "
+               "a live agq serve exposes", live)
+    checks.run("helm/agq/README.md lists every value, generated from values.yaml comments",
+               check_readme)
     checks.run("NOTES.txt renders for every values set",
                lambda: check_notes(helm, auth_values))
     checks.run("values.schema.json rejects bad values", lambda: check_schema_rejects(helm))

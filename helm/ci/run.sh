@@ -10,8 +10,14 @@
 #
 #   bash helm/ci/run.sh            # prints one line per check, then
 #                                  # "helm-chart: N passed, M failed"
+# One check starts the debug build's `agq serve` and `agw` on loopback and
+# compares the metrics the dashboard, alerts and autoscalers query with the
+# live /metrics: build them first (`cargo build`; .ci/run's `cargo test`
+# does).
 # Env: PYTHON (default python3), AGQ_HELM_CI_DEPS (package directory),
-#      AGQ_CHART_DUMP=<dir> (write the rendered objects there).
+#      AGQ_CHART_DUMP=<dir> (write the rendered objects there),
+#      AGQ_BIN / AGW_BIN (the binaries; default $CARGO_TARGET_DIR or
+#      target/, then debug/agq and debug/agw).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

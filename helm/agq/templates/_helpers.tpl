@@ -97,8 +97,15 @@ Name of the Secret holding the auth file and the workers' token.
 {{- end }}
 
 {{/*
-The workers' token: auth.workerToken when set, else the one already stored in
-the release's Secret (so upgrades keep it), else a new random one.
+The workers' token, stable on every render:
+1. auth.workerToken when set;
+2. else the one already stored in the release's Secret (upgrades keep it);
+3. else, when `lookup` reaches a live cluster (the namespace's
+   kube-root-ca.crt ConfigMap, which Kubernetes >= 1.21 publishes into
+   every namespace, is visible), a new random one: a first `helm install`;
+4. else fail: a render without a cluster (`helm template`, Argo CD, Flux,
+   --dry-run) would otherwise produce a different random token every time,
+   rotating the Secret and restarting the pods on every sync.
 */}}
 {{- define "agq.workerToken" -}}
 {{- if .Values.auth.workerToken }}
@@ -107,9 +114,45 @@ the release's Secret (so upgrades keep it), else a new random one.
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (include "agq.secretName" .) }}
 {{- if and $existing $existing.data (hasKey $existing.data .Values.worker.tokenKey) }}
 {{- index $existing.data .Values.worker.tokenKey | b64dec }}
-{{- else }}
+{{- else if lookup "v1" "ConfigMap" .Release.Namespace "kube-root-ca.crt" }}
 {{- randAlphaNum 48 }}
+{{- else }}
+{{- fail (printf "auth.workerToken is empty and no Secret %s holding it was found: this render has no cluster to look it up in (helm template, Argo CD, Flux, --dry-run) or the namespace %s does not exist yet (--create-namespace). A random token would change on every render, so set one: --set auth.workerToken=$(openssl rand -hex 24) (keep it, e.g. in your secret store), or point auth.existingSecret at a Secret you manage." (include "agq.secretName" .) .Release.Namespace) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+PromQL label matchers (no braces) selecting this release's server series.
+*/}}
+{{- define "agq.promSelector" -}}
+{{- if .Values.monitoring.selector }}
+{{- .Values.monitoring.selector }}
+{{- else }}
+{{- printf "namespace=%q,service=%q" .Release.Namespace (include "agq.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+True (non-empty) when an autoscaler owns the worker replica count; fails
+when both KEDA and the HPA are on.
+*/}}
+{{- define "agq.workerAutoscaled" -}}
+{{- $a := .Values.autoscaling }}
+{{- if and $a.keda.enabled $a.hpa.enabled }}
+{{- fail "autoscaling.keda.enabled and autoscaling.hpa.enabled are alternatives: turn on at most one (KEDA manages its own HPA for the Deployment)." }}
+{{- end }}
+{{- if and .Values.worker.enabled (or $a.keda.enabled $a.hpa.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
+Ready jobs per worker the autoscalers aim at.
+*/}}
+{{- define "agq.targetReadyJobsPerWorker" -}}
+{{- if .Values.autoscaling.targetReadyJobsPerWorker }}
+{{- .Values.autoscaling.targetReadyJobsPerWorker }}
+{{- else }}
+{{- .Values.worker.maxConcurrentJobs }}
 {{- end }}
 {{- end }}
 
