@@ -6,7 +6,7 @@
 # suite against live `agq serve` processes on loopback (client and worker
 # SDK), and `mypy --strict` on the package, its tests and the quickstart
 # example. The agq binary: $AGQ_BIN, else target/debug/agq (built here with
-# cargo when missing or stale; a no-op after the rest of CI built it).
+# cargo only when missing: CI's `cargo test` has built it by then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
@@ -15,8 +15,10 @@ start=$(date +%s)
 t() { echo "[$(( $(date +%s) - start )) s]"; }
 
 if [ -z "${AGQ_BIN:-}" ]; then
-    cargo build --locked --bins --quiet
     AGQ_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/agq"
+    if [ ! -x "$AGQ_BIN" ]; then
+        cargo build --locked --bin agq
+    fi
 fi
 export AGQ_BIN
 echo "python.sh: agq binary $AGQ_BIN"
@@ -24,13 +26,16 @@ echo "python.sh: agq binary $AGQ_BIN"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 PYTHON="${PYTHON:-python3}"
+echo "$(t) == fresh virtualenv, pip install ./clients/python[test]"
 "$PYTHON" -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$py" -m pip install --quiet --disable-pip-version-check "$root/clients/python[test]"
+# The package with its test extra, and the pinned generators for regen.sh --check.
+"$py" -m pip install --quiet --disable-pip-version-check "$root/clients/python[test]" \
+    -r "$root/clients/python/requirements-regen.txt"
 "$py" -c 'import agq, sys; print(f"python.sh: agq-client {agq.__version__} installed on Python {sys.version.split()[0]}")'
 
 echo "$(t) == generated code is up to date with proto/"
-bash clients/python/regen.sh --check
+REGEN_VENV="$work/venv" bash clients/python/regen.sh --check
 
 echo "$(t) == pytest against live agq serve (client and worker SDK)"
 # Run from a scratch directory so that `import agq` is the installed package.

@@ -6,11 +6,12 @@
 # protobuf and grpcio at least as new as the generator (see pyproject.toml).
 # Run it after changing proto/agq/v1/*.proto and commit the result;
 # `regen.sh --check` fails when the committed code is out of date (CI runs it).
-# Needs only PyPI: a private virtualenv is made in .venv-regen.
+# Needs only PyPI: a private virtualenv is made in .venv-regen ($REGEN_VENV
+# names another virtualenv that already has requirements-regen.txt).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-venv="$here/.venv-regen"
+venv="${REGEN_VENV:-$here/.venv-regen}"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/protoc-gen-mypy" ]; then
     "$PYTHON" -m venv "$venv"

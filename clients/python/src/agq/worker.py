@@ -477,6 +477,8 @@ class Worker:
             log.info("server set %s DRAINING", self.worker_id)
         except AgqError as e:
             log.warning("DrainWorker failed (a reconnect repeats it): %s", e)
+        except ValueError:
+            pass  # the channel is closed: the worker has left
 
     def _unregister(self) -> None:
         deadline = time.monotonic() + UNREGISTER_TIMEOUT
@@ -504,7 +506,14 @@ class Worker:
         delays = _backoff(*self._reconnect_backoff)
         registered_once = False
         while not self._leaving.is_set():
-            established = self._session(registered_once)
+            try:
+                established = self._session(registered_once)
+            except ValueError:
+                # grpc raises ValueError for calls on a closed channel: the
+                # worker is leaving (run() closed it).
+                if self._leaving.is_set():
+                    return
+                raise
             self.connected.clear()
             if self._fatal is not None:
                 self._wake.set()
@@ -756,6 +765,8 @@ class Worker:
             )
         try:
             self._report_final(lease, req, aborted=running.cancel.is_set())
+        except ValueError:
+            log.warning("job %s: result not reported: the worker has stopped", job.job_id)
         finally:
             with self._lock:
                 if self._jobs.get(job.job_id) is running:
@@ -834,6 +845,8 @@ class Worker:
         req.progress_percent = percent
         try:
             self._stub.UpdateJob(req, timeout=self.call_timeout, metadata=self._metadata)
+        except ValueError:
+            running.stop("the worker has stopped")
         except grpc.RpcError as e:
             code, details = status_of(e)
             if code in _LEASE_GONE:
