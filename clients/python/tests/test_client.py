@@ -251,3 +251,26 @@ def test_unavailable_is_retried_until_the_server_is_up(tmp_path: Path) -> None:
     finally:
         patient.close()
         server.stop()
+
+
+def test_task_timeout_fails_the_attempt_even_if_the_function_ignores_it(
+    server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    release = threading.Event()
+    w = agq.Worker(server.address, "py-slow-1")
+
+    @w.task("stubborn")
+    def stubborn(ctx: agq.TaskContext) -> str:
+        release.wait(WAIT)  # ignores ctx.cancelled on purpose
+        return "too late"
+
+    start_worker(w).wait_connected()
+    try:
+        client.submit_plan(agq.Plan("py-stubborn", [agq.Task("stubborn", timeout_secs=1)]))
+        sub = client.submit_action("py-stubborn", [{}], max_attempts=1)
+        assert client.wait_action(sub.action_id, timeout=WAIT).dead == 1
+        job = client.get_job(sub.job_ids[0])
+        assert "timed out after 1 s" in job.error
+        assert job.task_results[0].exit_code == -1
+    finally:
+        release.set()

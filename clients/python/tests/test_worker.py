@@ -127,3 +127,34 @@ def test_second_signal_exits_at_once(
         assert proc.wait(timeout=WAIT) == 130
     finally:
         stop_proc(proc)
+
+
+def test_worker_keeps_its_job_across_a_server_restart(
+    tmp_path: Path, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    first = Server(tmp_path / "server", ["--shutdown-grace-secs", "1"])
+    address = first.address
+    second: Server | None = None
+    try:
+        with agq.Client(address, timeout=10) as client:
+            w = start_worker(build(address, "py-steady", tmp_path, None, 30.0))
+            w.wait_connected()
+            client.submit_plan(BLOCK)
+            sub = client.submit_action("py-block", [{}])
+            job_id = sub.job_ids[0]
+            wait_until((tmp_path / f"started-{job_id}").exists, "the job to start")
+            first.stop()
+            wait_until(lambda: not w.worker.connected.is_set(), "the worker to notice")
+            # Same database, same port: the worker reconnects, lists its
+            # lease in held_leases and keeps the job.
+            second = Server(tmp_path / "server", ["--shutdown-grace-secs", "1"], listen=address)
+            w.wait_connected()
+            (tmp_path / "release").write_text("go")
+            assert client.wait_action(sub.action_id, timeout=WAIT).completed == 1
+            job = client.get_job(job_id)
+            assert job.attempt == 1, "the job was not re-leased"
+            assert job.result == "released by py-steady"
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
