@@ -14,7 +14,7 @@ import pytest
 import agq
 from agq.v1 import plan_service_pb2
 
-from conftest import WAIT, Server, WorkerThread
+from conftest import WAIT, Server, WorkerThread, wait_until
 
 
 def text_worker(address: str, worker_id: str) -> agq.Worker:
@@ -274,3 +274,21 @@ def test_task_timeout_fails_the_attempt_even_if_the_function_ignores_it(
         assert job.task_results[0].exit_code == -1
     finally:
         release.set()
+
+
+def test_idle_worker_keeps_heartbeating(
+    server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    start_worker(text_worker(server.address, "py-beat-1")).wait_connected()
+    beats: set[object] = set()
+
+    def new_beat() -> bool:
+        info = client.get_worker("py-beat-1")
+        assert info.fresh and info.connected and info.state is agq.WorkerState.ACTIVE
+        beats.add(info.last_heartbeat_at)
+        return len(beats) >= 4
+
+    # The server's interval is 500 ms: several heartbeats arrive, and the
+    # worker stays fresh (younger than 3 x the interval) throughout.
+    wait_until(new_beat, "three heartbeats after the first")
+    assert client.queue_stats().workers_idle == 1
