@@ -276,10 +276,14 @@ class Worker:
     ``drain_timeout`` (seconds) how long running jobs may take after SIGTERM
     or :meth:`stop`; ``call_timeout`` (seconds) the deadline of each unary
     call; ``output_cap_bytes`` the most bytes of a task's output and of its
-    stderr kept (the rest is dropped and flagged truncated).
+    stderr kept (the rest is dropped and flagged truncated);
+    ``reconnect_backoff`` the first and the largest delay in seconds between
+    reconnects (doubling, jittered); ``tags`` free-form labels (at most 64);
+    ``hostname`` defaults to this host's name.
 
     Register functions with :meth:`task` or :meth:`register`, then call
-    :meth:`run`.
+    :meth:`run` once (it closes the connection when it returns). The
+    ``connected`` event is set while both streams are open.
     """
 
     def __init__(
