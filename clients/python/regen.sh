@@ -40,7 +40,11 @@ if [ "${1:-}" = "--check" ]; then
     for f in "$dest"/*_pb2*; do
         [ -e "$out/agq/v1/$(basename "$f")" ] || { echo "regen.sh: src/agq/v1/$(basename "$f") has no .proto" >&2; stale=1; }
     done
-    [ "$stale" = 0 ] && echo "regen.sh: src/agq/v1 is up to date with proto/agq/v1"
+    if [ "$stale" = 0 ]; then
+        echo "regen.sh: src/agq/v1 is up to date with proto/agq/v1"
+    else
+        echo "regen.sh: the protos changed: run 'bash clients/python/regen.sh' and commit clients/python/src/agq/v1" >&2
+    fi
     exit "$stale"
 fi
 rm -f "$dest"/*_pb2*.py "$dest"/*_pb2*.pyi
