@@ -202,6 +202,11 @@ class _Running:
 
 
 class _Stats:
+    """Job counters and host figures for heartbeats. cpu_usage_percent is
+    the 1-minute load average per CPU (capped at 100); memory_mb is the
+    host's used memory (/proc/meminfo); disk_available_gb is the free space
+    where the worker runs."""
+
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.completed = 0
@@ -387,13 +392,9 @@ class Worker:
         self._wake.set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs on the main thread between two bytecodes, perhaps while it
+        # holds a lock: only count; the supervisor loop acts on the count.
         self._signals += 1
-        if self._signals == 1:
-            log.info("signal %d: draining (send another to exit at once)", signum)
-            self.stop()
-        else:
-            log.warning("second signal: exiting now")
-            self.kill()
 
     # -- the main loop -------------------------------------------------------
 
@@ -427,9 +428,19 @@ class Worker:
         session.start()
         drain_deadline: float | None = None
         report_deadline: float | None = None
+        signals_seen = 0
         while True:
             self._wake.wait(0.2)
             self._wake.clear()
+            signals = self._signals
+            if signals > signals_seen:
+                signals_seen = signals
+                if signals == 1:
+                    log.info("signal: draining (send another to exit at once)")
+                    self.stop()
+                else:
+                    log.warning("second signal: exiting now")
+                    self.kill()
             with self._lock:
                 killed, draining, by_signal = self._killed, self._draining, self._drain_by_signal
                 running = len(self._jobs)
