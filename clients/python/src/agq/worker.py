@@ -876,6 +876,8 @@ class Worker:
         *,
         aborted: bool,
     ) -> None:
+        if self._killed:
+            return  # left without reporting: the server re-queues the lease
         expires = timestamp(lease.expires_at).timestamp() if lease.HasField("expires_at") else None
         delays = _backoff(0.5, 30.0)
         stripped = False
