@@ -158,3 +158,23 @@ def test_worker_keeps_its_job_across_a_server_restart(
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_jobs_run_concurrently_up_to_max_concurrent_jobs(
+    server: Server, client: agq.Client, tmp_path: Path,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    # build() makes a worker with max_concurrent_jobs=2.
+    w = start_worker(build(server.address, "py-pair", tmp_path, None, 30.0))
+    w.wait_connected()
+    client.submit_plan(BLOCK)
+    sub = client.submit_action("py-block", [{}, {}, {}])
+
+    def started() -> list[str]:
+        return [j for j in sub.job_ids if (tmp_path / f"started-{j}").exists()]
+
+    wait_until(lambda: len(started()) == 2, "two jobs running at once")
+    assert client.get_worker("py-pair").active_leases == 2
+    assert client.get_action(sub.action_id).pending == 1
+    (tmp_path / "release").write_text("go")
+    assert client.wait_action(sub.action_id, timeout=WAIT).completed == 3
