@@ -1,0 +1,63 @@
+"""AGQ from Python: a typed client and a worker SDK for the AGQ job queue.
+
+- :class:`Client`: every RPC of the plan, action, job, worker and queue
+  services as a method, with deadlines, bearer tokens, TLS, retries on
+  UNAVAILABLE and an iterator over ``WatchAction``.
+- :class:`Worker`: runs jobs as Python functions (register, heartbeat,
+  lease, report, cancel, drain on SIGTERM).
+- :mod:`agq.types`: the values they take and return (enums, dataclasses).
+- :mod:`agq.v1`: the generated protobuf messages and gRPC stubs, typed.
+"""
+
+__version__ = "0.1.0"
+
+from agq._rpc import AgqError, RetryPolicy, tls_credentials  # noqa: E402
+from agq.client import Client  # noqa: E402
+from agq.types import (  # noqa: E402
+    ActionStatus,
+    Job,
+    JobStatus,
+    Page,
+    Plan,
+    QueueStats,
+    SubmittedAction,
+    Task,
+    TaskResult,
+    WorkerInfo,
+    WorkerState,
+    WorkerStats,
+)
+from agq.worker import (  # noqa: E402
+    JobCancelled,
+    TaskContext,
+    TaskFunction,
+    Worker,
+    WorkerError,
+    WorkerExit,
+)
+
+__all__ = [
+    "ActionStatus",
+    "AgqError",
+    "Client",
+    "Job",
+    "JobCancelled",
+    "JobStatus",
+    "Page",
+    "Plan",
+    "QueueStats",
+    "RetryPolicy",
+    "SubmittedAction",
+    "Task",
+    "TaskContext",
+    "TaskFunction",
+    "TaskResult",
+    "Worker",
+    "WorkerError",
+    "WorkerExit",
+    "WorkerInfo",
+    "WorkerState",
+    "WorkerStats",
+    "tls_credentials",
+    "__version__",
+]

@@ -1,0 +1,463 @@
+"""The typed AGQ client: every RPC of the plan, action, job, worker and
+queue services as a method with a deadline, bearer token and retries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+
+import grpc
+
+from agq._rpc import AgqError, Metadata, RetryPolicy, bearer, call_unary, make_channel, status_of
+from agq.types import (
+    ActionStatus,
+    Job,
+    JobStatus,
+    Page,
+    Plan,
+    QueueStats,
+    SubmittedAction,
+    WorkerInfo,
+    WorkerState,
+    to_timestamp,
+)
+from agq.v1 import (
+    action_service_pb2,
+    action_service_pb2_grpc,
+    common_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    plan_service_pb2,
+    plan_service_pb2_grpc,
+    queue_service_pb2,
+    queue_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+
+#: Default deadline of one unary call, in seconds.
+DEFAULT_TIMEOUT = 30.0
+
+
+class Client:
+    """A connection to an AGQ server (``agq serve``).
+
+    ``address`` is ``host:port`` (``http://`` is stripped; ``https://``
+    turns TLS on). ``token`` is sent as ``authorization: Bearer <token>``
+    on every call (needed when the server has an auth file: a client or
+    admin token). ``tls``: None/False for plaintext, True for TLS with the
+    system roots, or ``grpc.ChannelCredentials`` (see
+    :func:`agq.tls_credentials`). ``timeout`` is the default deadline of
+    each unary call in seconds; every method takes ``timeout=`` to override
+    it. Calls failing with UNAVAILABLE are retried per ``retry``.
+
+    Every method raises :class:`agq.AgqError` when the call fails; its
+    ``code`` is the gRPC status. Common ones: UNAVAILABLE (server down, after
+    the retries), DEADLINE_EXCEEDED (the timeout passed), UNAUTHENTICATED
+    (missing or unknown token), PERMISSION_DENIED (the token's role may not
+    make the call), INVALID_ARGUMENT (the server's validation message names
+    the rule), NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION.
+
+    Use as a context manager, or call :meth:`close`. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls: bool | grpc.ChannelCredentials | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata: Metadata = bearer(token)
+        #: The underlying gRPC channel (for the raw stubs of :mod:`agq.v1`).
+        self.channel = make_channel(address, tls, tls_server_name)
+        self._plans = plan_service_pb2_grpc.PlanServiceStub(self.channel)
+        self._actions = action_service_pb2_grpc.ActionServiceStub(self.channel)
+        self._jobs = job_service_pb2_grpc.JobServiceStub(self.channel)
+        self._workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
+        self._queue = queue_service_pb2_grpc.QueueServiceStub(self.channel)
+
+    # -- lifecycle -------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _t(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    # -- plans -----------------------------------------------------------
+
+    def submit_plan(self, plan: Plan, *, timeout: float | None = None) -> str:
+        """Stores ``plan`` and returns its id.
+
+        Errors: INVALID_ARGUMENT (the plan breaks a rule; the message names
+        it), ALREADY_EXISTS (the id is taken by another plan; a retry after
+        UNAVAILABLE that finds the same plan stored counts as success).
+        """
+        req = plan_service_pb2.SubmitPlanRequest(plan=plan.to_pb())
+        tries = 0
+
+        def submit(
+            r: plan_service_pb2.SubmitPlanRequest, t: float, md: Metadata
+        ) -> plan_service_pb2.SubmitPlanResponse:
+            nonlocal tries
+            tries += 1
+            return self._plans.SubmitPlan(r, timeout=t, metadata=md)
+
+        try:
+            resp = call_unary(
+                "SubmitPlan", submit, req,
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+            return resp.plan_id
+        except AgqError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS and tries > 1:
+                if self.get_plan(plan.plan_id, timeout=timeout) == Plan.from_pb(req.plan):
+                    return plan.plan_id
+            raise
+
+    def get_plan(self, plan_id: str, *, timeout: float | None = None) -> Plan:
+        """The stored plan. Errors: INVALID_ARGUMENT (malformed id), NOT_FOUND."""
+        resp = call_unary(
+            "GetPlan", self._plans.GetPlan, plan_service_pb2.GetPlanRequest(plan_id=plan_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Plan.from_pb(resp.plan)
+
+    def list_plans(
+        self,
+        pattern: str = "",
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Page:
+        """One page of plan ids in ascending order matching the glob ``pattern``
+        ("" matches all); ``page_size`` 0 means 100. Errors: INVALID_ARGUMENT."""
+        resp = call_unary(
+            "ListPlans", self._plans.ListPlans,
+            plan_service_pb2.ListPlansRequest(
+                pattern=pattern, page_size=page_size, page_token=page_token
+            ),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Page(tuple(resp.plan_ids), resp.next_page_token)
+
+    def iter_plans(self, pattern: str = "", *, timeout: float | None = None) -> Iterator[str]:
+        """Every plan id matching ``pattern``, following the pages."""
+        token = ""
+        while True:
+            page = self.list_plans(pattern, page_size=1000, page_token=token, timeout=timeout)
+            yield from page.ids
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def delete_plan(self, plan_id: str, *, timeout: float | None = None) -> bool:
+        """Deletes a plan and its finished jobs' history; True when deleted.
+        Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it."""
+        resp = call_unary(
+            "DeletePlan", self._plans.DeletePlan,
+            plan_service_pb2.DeletePlanRequest(plan_id=plan_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return resp.deleted
+
+    # -- actions ---------------------------------------------------------
+
+    def submit_action(
+        self,
+        plan_id: str,
+        inputs: Sequence[Mapping[str, str]],
+        *,
+        action_id: str | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int = 0,
+        timeout: float | None = None,
+    ) -> SubmittedAction:
+        """Creates one job per input of plan ``plan_id``, all or nothing.
+
+        ``action_id`` defaults to a fresh ``py-<uuid>`` made here, so that a
+        retry after UNAVAILABLE cannot create the action twice (a retry that
+        finds it created returns its jobs). ``run_at`` (aware datetime)
+        schedules the jobs; ``max_attempts`` 0 means the server's 3.
+
+        Errors: INVALID_ARGUMENT (bad id, no or too many inputs, oversized
+        input, bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS
+        (the action id is taken).
+        """
+        aid = action_id or f"py-{uuid.uuid4().hex}"
+        req = action_service_pb2.SubmitActionRequest(
+            action_id=aid,
+            plan_id=plan_id,
+            inputs=[common_pb2.ActionInput(values=dict(i)) for i in inputs],
+            max_attempts=max_attempts,
+        )
+        if run_at is not None:
+            req.run_at.CopyFrom(to_timestamp(run_at))
+        tries = 0
+
+        def submit(
+            r: action_service_pb2.SubmitActionRequest, t: float, md: Metadata
+        ) -> action_service_pb2.SubmitActionResponse:
+            nonlocal tries
+            tries += 1
+            return self._actions.SubmitAction(r, timeout=t, metadata=md)
+
+        try:
+            resp = call_unary(
+                "SubmitAction", submit, req,
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS and tries > 1:
+                # An earlier try went through before the connection failed.
+                return SubmittedAction(aid, tuple(self.iter_jobs(aid, timeout=timeout)))
+            raise
+        return SubmittedAction(resp.action_id, tuple(resp.job_ids))
+
+    def get_action(self, action_id: str, *, timeout: float | None = None) -> ActionStatus:
+        """Aggregate job counts of an action. Errors: INVALID_ARGUMENT,
+        NOT_FOUND (unknown, or deleted by the server's job retention)."""
+        resp = call_unary(
+            "GetAction", self._actions.GetAction,
+            action_service_pb2.GetActionRequest(action_id=action_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return ActionStatus.from_pb(resp.action)
+
+    def watch_action(
+        self, action_id: str, *, timeout: float | None = None
+    ) -> Iterator[ActionStatus]:
+        """Yields the action's status now and after every job status change,
+        and stops after the first status in which every job is terminal.
+
+        ``timeout`` bounds the whole watch in seconds (None: no limit); when
+        it passes, AgqError DEADLINE_EXCEEDED is raised. A stream broken by
+        UNAVAILABLE is reopened per the retry policy (the server sends the
+        current status first, so nothing is missed). Errors: INVALID_ARGUMENT,
+        NOT_FOUND. Closing the iterator early cancels the stream.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        req = action_service_pb2.WatchActionRequest(action_id=action_id)
+        delays = self.retry.delays()
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AgqError(
+                    "WatchAction", grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"action {action_id} not done within {timeout} s",
+                )
+            call = self._actions.WatchAction(req, timeout=remaining, metadata=self._metadata)
+            try:
+                for msg in call:
+                    status = ActionStatus.from_pb(msg.action)
+                    delays = self.retry.delays()
+                    yield status
+                    if status.done:
+                        return
+                return
+            except grpc.RpcError as e:
+                code, _ = status_of(e)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    d = next(delays, None)
+                    if d is not None:
+                        time.sleep(d)
+                        continue
+                raise AgqError.from_rpc("WatchAction", e) from e
+            finally:
+                call.cancel()
+
+    def wait_action(self, action_id: str, *, timeout: float | None = None) -> ActionStatus:
+        """Watches the action until every job is terminal and returns that
+        status. ``timeout`` in seconds as in :meth:`watch_action`."""
+        last: ActionStatus | None = None
+        for last in self.watch_action(action_id, timeout=timeout):
+            pass
+        if last is None:  # pragma: no cover - the server always sends one
+            raise AgqError("WatchAction", grpc.StatusCode.UNKNOWN, "stream ended without a status")
+        return last
+
+    # -- jobs ------------------------------------------------------------
+
+    def get_job(self, job_id: str, *, timeout: float | None = None) -> Job:
+        """One job with its task results, attempts, times and worker.
+        Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "GetJob", self._jobs.GetJob, job_service_pb2.GetJobRequest(job_id=job_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Job.from_pb(resp.job)
+
+    def list_jobs(
+        self,
+        action_id: str,
+        status: JobStatus | None = None,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Page:
+        """One page of job ids of an action in creation order, optionally of
+        one status; ``page_size`` 0 means 100. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "ListJobs", self._jobs.ListJobs,
+            job_service_pb2.ListJobsRequest(
+                action_id=action_id,
+                status=common_pb2.JobStatus.ValueType(int(status or JobStatus.UNSPECIFIED)),
+                page_size=page_size,
+                page_token=page_token,
+            ),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Page(tuple(resp.job_ids), resp.next_page_token)
+
+    def iter_jobs(
+        self, action_id: str, status: JobStatus | None = None, *, timeout: float | None = None
+    ) -> Iterator[str]:
+        """Every job id of an action (optionally of one status), following the pages."""
+        token = ""
+        while True:
+            page = self.list_jobs(
+                action_id, status, page_size=1000, page_token=token, timeout=timeout
+            )
+            yield from page.ids
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def search_jobs(
+        self,
+        status: JobStatus | None = None,
+        plan_id: str = "",
+        *,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Page:
+        """One page of job ids across actions by status, plan and creation
+        time (aware datetimes), in creation order. Errors: INVALID_ARGUMENT."""
+        req = job_service_pb2.SearchJobsRequest(
+            status=common_pb2.JobStatus.ValueType(int(status or JobStatus.UNSPECIFIED)),
+            plan_id=plan_id,
+            page_size=page_size,
+            page_token=page_token,
+        )
+        if created_after is not None:
+            req.created_after.CopyFrom(to_timestamp(created_after))
+        if created_before is not None:
+            req.created_before.CopyFrom(to_timestamp(created_before))
+        resp = call_unary(
+            "SearchJobs", self._jobs.SearchJobs, req,
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Page(tuple(resp.job_ids), resp.next_page_token)
+
+    def retry_job(self, job_id: str, *, timeout: float | None = None) -> Job:
+        """Puts a failed or dead job back to pending with a fresh attempt budget.
+        Errors: NOT_FOUND; FAILED_PRECONDITION from any other status."""
+        resp = call_unary(
+            "RetryJob", self._jobs.RetryJob, job_service_pb2.RetryJobRequest(job_id=job_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Job.from_pb(resp.job)
+
+    def cancel_job(self, job_id: str, *, timeout: float | None = None) -> Job:
+        """Cancels a pending or running job (its worker is told to stop it).
+        Errors: NOT_FOUND; FAILED_PRECONDITION when it already ended."""
+        resp = call_unary(
+            "CancelJob", self._jobs.CancelJob, job_service_pb2.CancelJobRequest(job_id=job_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Job.from_pb(resp.job)
+
+    # -- workers ---------------------------------------------------------
+
+    def list_workers(
+        self, state: WorkerState | None = None, *, timeout: float | None = None
+    ) -> list[WorkerInfo]:
+        """Workers by id, optionally only those in ``state``."""
+        resp = call_unary(
+            "ListWorkers", self._workers.ListWorkers,
+            worker_service_pb2.ListWorkersRequest(
+                state=common_pb2.WorkerState.ValueType(int(state or WorkerState.UNSPECIFIED))
+            ),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return [WorkerInfo.from_pb(w) for w in resp.workers]
+
+    def get_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
+        """One worker with freshness, stats and load. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "GetWorker", self._workers.GetWorker,
+            worker_service_pb2.GetWorkerRequest(worker_id=worker_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return WorkerInfo.from_pb(resp.worker)
+
+    def drain_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
+        """Puts a worker in DRAINING (no new leases; it finishes its jobs).
+        Needs an admin token (or the worker's own) when auth is on.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD or UNREGISTERED), PERMISSION_DENIED."""
+        resp = call_unary(
+            "DrainWorker", self._workers.DrainWorker,
+            worker_service_pb2.DrainWorkerRequest(worker_id=worker_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return WorkerInfo.from_pb(resp.worker)
+
+    # -- queue -----------------------------------------------------------
+
+    def queue_stats(self, *, timeout: float | None = None) -> QueueStats:
+        """Queue depths, ages and worker counts."""
+        resp = call_unary(
+            "GetQueueStats", self._queue.GetQueueStats,
+            queue_service_pb2.GetQueueStatsRequest(),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return QueueStats.from_pb(resp)
+
+    def peek_queue(
+        self, queue: str = "ready", count: int = 10, *, timeout: float | None = None
+    ) -> list[str]:
+        """The next ``count`` (1..=1000) job ids of the "ready" or "scheduled"
+        queue in lease order. Errors: INVALID_ARGUMENT."""
+        resp = call_unary(
+            "PeekQueue", self._queue.PeekQueue,
+            queue_service_pb2.PeekQueueRequest(queue=queue, count=count),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return list(resp.job_ids)
+
+    def metrics(self, format: str = "prometheus", *, timeout: float | None = None) -> str:
+        """The server's metrics as text: "prometheus" or "json".
+        Errors: INVALID_ARGUMENT for an unknown format."""
+        resp = call_unary(
+            "GetMetrics", self._queue.GetMetrics,
+            queue_service_pb2.GetMetricsRequest(format=format),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return resp.body

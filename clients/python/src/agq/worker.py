@@ -1,0 +1,917 @@
+"""The Python worker SDK: run AGQ jobs as Python functions.
+
+A :class:`Worker` registers with the server advertising the names of its
+registered functions as its "tools"; a plan whose tasks name those
+functions in ``command`` runs on it. Per leased job it runs the plan's tasks
+in order, each by calling the named function with a :class:`TaskContext`
+(the job input, the task's rendered ``args``, the previous output as
+``stdin``); the return value is the task's output (``stdout`` of its
+TaskResult) and an exception fails the task and the job attempt.
+
+Protocol (as ``agw``): RegisterWorker; a Heartbeat stream whose first
+message lists the leases still running (``held_leases``) and that is fed at
+the interval the server returns; a LeaseJobs stream; UpdateJob reports fenced
+by the lease id (RUNNING as each task starts, then COMPLETED or FAILED with
+the task results); cancel and drain commands from the heartbeat stream;
+reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
+(or :meth:`Worker.stop`) a drain: DRAINING, no new leases, running jobs get
+``drain_timeout`` seconds, then UnregisterWorker.
+
+Python cannot kill a thread: a cancelled, timed-out or drain-killed task is
+told through :attr:`TaskContext.cancelled` and reported at once; a function
+that ignores it keeps running in the background until it returns, and its
+result is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import platform
+import queue
+import random
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TypeVar
+
+import grpc
+
+from agq import __version__
+from agq._rpc import AgqError, Metadata, bearer, make_channel, status_of
+from agq.types import TaskResult, timestamp
+from agq.v1 import common_pb2, worker_service_pb2, worker_service_pb2_grpc
+
+log = logging.getLogger("agq.worker")
+
+#: What a task function returns: its output (``None`` for none).
+TaskOutput = str | bytes | None
+#: A task function: called with the task's context, returns its output.
+TaskFunction = Callable[["TaskContext"], TaskOutput]
+_F = TypeVar("_F", bound=TaskFunction)
+
+_NAME = re.compile(r"^[A-Za-z0-9._+-]{1,128}$")
+
+#: Heartbeat interval assumed until the server gives one, in seconds.
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+#: How long killed jobs get to report at the drain timeout, in seconds.
+KILLED_REPORT_GRACE = 10.0
+#: How long the worker tries to unregister before leaving anyway, in seconds.
+UNREGISTER_TIMEOUT = 10.0
+#: Largest total of task output sent in one final report, in bytes.
+REPORT_BUDGET_BYTES = 3 * 1024 * 1024
+
+_LEASE_GONE = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+)
+_TRANSIENT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+)
+
+
+class JobCancelled(Exception):
+    """Raised by :meth:`TaskContext.check` once the task should stop."""
+
+
+class WorkerError(Exception):
+    """The worker cannot run: the server refused its first registration for
+    good (INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED; the
+    :class:`agq.AgqError` is the ``__cause__``)."""
+
+
+class WorkerExit(enum.Enum):
+    """How :meth:`Worker.run` ended."""
+
+    #: Drained: running jobs finished (or were stopped at the drain timeout)
+    #: and the worker unregistered (or tried to).
+    DRAINED = "drained"
+    #: Stopped at once (a second signal or :meth:`Worker.kill`) without
+    #: unregistering; the server re-queues its leases.
+    FORCED = "forced"
+
+
+class TaskContext:
+    """What a task function gets: the job, the task and a cancel flag."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        action_id: str,
+        plan_id: str,
+        attempt: int,
+        task_number: int,
+        command: str,
+        input: Mapping[str, str],
+        args: tuple[str, ...],
+        stdin: str,
+        timeout_secs: int,
+        cancelled: threading.Event,
+    ) -> None:
+        #: The job's id.
+        self.job_id = job_id
+        #: The action that created the job.
+        self.action_id = action_id
+        #: The plan being run.
+        self.plan_id = plan_id
+        #: Attempt number of this lease, 1-based.
+        self.attempt = attempt
+        #: 1-based number of the task in its plan.
+        self.task_number = task_number
+        #: The task's ``command``: the name this function is registered under.
+        self.command = command
+        #: The job input (the values of ``{{name}}`` placeholders).
+        self.input = input
+        #: The task's args with every ``{{name}}`` replaced from the input.
+        self.args = args
+        #: Output of the task named by ``input_from_task``; "" when none.
+        self.stdin = stdin
+        #: The task's wall-clock limit in seconds.
+        self.timeout_secs = timeout_secs
+        #: Set when the task must stop: the job was cancelled, its lease
+        #: was lost, the task timed out, or the worker's drain timed out.
+        self.cancelled = cancelled
+        self._log: list[str] = []
+        self._lock = threading.Lock()
+
+    def log(self, message: str) -> None:
+        """Appends a line to the task's captured stderr (shown in TaskResult.stderr)."""
+        with self._lock:
+            self._log.append(message if message.endswith("\n") else message + "\n")
+
+    def check(self) -> None:
+        """Raises :class:`JobCancelled` once the task should stop."""
+        if self.cancelled.is_set():
+            raise JobCancelled(f"job {self.job_id} stopped")
+
+    def stderr(self) -> str:
+        """The lines logged so far."""
+        with self._lock:
+            return "".join(self._log)
+
+
+def render(arg: str, values: Mapping[str, str]) -> str:
+    """Replaces each ``{{name}}`` in ``arg`` by ``values[name]`` once, left
+    to right (as agw): whitespace inside the braces is ignored, ``{{}}`` and
+    an unclosed ``{{`` stay literal. Raises KeyError naming a missing variable."""
+    out: list[str] = []
+    rest = arg
+    while True:
+        start = rest.find("{{")
+        if start < 0:
+            break
+        close = rest.find("}}", start + 2)
+        if close < 0:
+            break
+        name = rest[start + 2 : close].strip()
+        if not name:
+            out.append(rest[: close + 2])
+        else:
+            if name not in values:
+                raise KeyError(name)
+            out.append(rest[:start])
+            out.append(values[name])
+        rest = rest[close + 2 :]
+    out.append(rest)
+    return "".join(out)
+
+
+@dataclass
+class _Running:
+    lease_id: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+    reason: str = ""
+
+    def stop(self, reason: str) -> None:
+        if not self.cancel.is_set():
+            self.reason = reason
+            self.cancel.set()
+
+
+class _Stats:
+    """Job counters and host figures for heartbeats. cpu_usage_percent is
+    the 1-minute load average per CPU (capped at 100); memory_mb is the
+    host's used memory (/proc/meminfo); disk_available_gb is the free space
+    where the worker runs."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.completed = 0
+        self.failed = 0
+        self.total_ms = 0
+        self.lock = threading.Lock()
+
+    def record(self, success: bool, ms: int) -> None:
+        with self.lock:
+            if success:
+                self.completed += 1
+            else:
+                self.failed += 1
+            self.total_ms += ms
+
+    def message(self, active: int) -> common_pb2.WorkerStats:
+        with self.lock:
+            n = self.completed + self.failed
+            avg = self.total_ms // n if n else 0
+            completed, failed = self.completed, self.failed
+        cpu = 0.0
+        try:
+            cpu = min(100.0, os.getloadavg()[0] / (os.cpu_count() or 1) * 100.0)
+        except OSError:
+            pass
+        mem_mb = 0
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                info = {
+                    line.split(":")[0]: int(line.split()[1]) for line in f if line.count(":") == 1
+                }
+            mem_mb = max(0, info.get("MemTotal", 0) - info.get("MemAvailable", 0)) // 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            disk_gb = shutil.disk_usage(os.getcwd()).free // (1024**3)
+        except OSError:
+            disk_gb = 0
+        return common_pb2.WorkerStats(
+            active_jobs=active,
+            completed_jobs_total=completed,
+            failed_jobs_total=failed,
+            uptime_secs=int(time.monotonic() - self.started),
+            cpu_usage_percent=cpu,
+            memory_mb=mem_mb,
+            disk_available_gb=disk_gb,
+            avg_job_duration_ms=avg,
+        )
+
+
+def _backoff(first: float, cap: float) -> Iterator[float]:
+    d = first
+    while True:
+        yield min(d, cap) * random.uniform(0.8, 1.2)
+        d *= 2
+
+
+def _clip(text: str, cap: int) -> tuple[str, bool]:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= cap:
+        return text, False
+    return data[:cap].decode("utf-8", "ignore"), True
+
+
+class Worker:
+    """A worker that runs AGQ jobs as Python functions.
+
+    ``address``, ``token`` and ``tls`` as for :class:`agq.Client`; with
+    auth on, ``token`` must be a worker token bound to ``worker_id`` (or an
+    admin token). ``worker_id`` must match ``[A-Za-z0-9_-]{1,64}``.
+    ``max_concurrent_jobs`` (1..=1024) is how many leases it holds at once;
+    ``drain_timeout`` (seconds) how long running jobs may take after SIGTERM
+    or :meth:`stop`; ``call_timeout`` (seconds) the deadline of each unary
+    call; ``output_cap_bytes`` the most bytes of a task's output and of its
+    stderr kept (the rest is dropped and flagged truncated);
+    ``reconnect_backoff`` the first and the largest delay in seconds between
+    reconnects (doubling, jittered); ``tags`` free-form labels (at most 64);
+    ``hostname`` defaults to this host's name.
+
+    Register functions with :meth:`task` or :meth:`register`, then call
+    :meth:`run` once (it closes the connection when it returns). The
+    ``connected`` event is set while both streams are open.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker_id: str,
+        *,
+        token: str | None = None,
+        tls: bool | grpc.ChannelCredentials | None = None,
+        tls_server_name: str | None = None,
+        max_concurrent_jobs: int = 1,
+        tags: Mapping[str, str] | None = None,
+        hostname: str | None = None,
+        drain_timeout: float = 30.0,
+        call_timeout: float = 15.0,
+        output_cap_bytes: int = 1024 * 1024,
+        reconnect_backoff: tuple[float, float] = (0.5, 30.0),
+    ) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", worker_id):
+            raise ValueError(f"worker_id must match [A-Za-z0-9_-]{{1,64}}, got {worker_id!r}")
+        if not 1 <= max_concurrent_jobs <= 1024:
+            raise ValueError("max_concurrent_jobs must be in 1..=1024")
+        self.worker_id = worker_id
+        self.address = address
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.tags = dict(tags or {})
+        host = hostname or socket.gethostname() or "localhost"
+        self.hostname = "".join(c for c in host if " " <= c <= "~")[:255] or "localhost"
+        self.drain_timeout = drain_timeout
+        self.call_timeout = call_timeout
+        self.output_cap_bytes = output_cap_bytes
+        self._reconnect_backoff = reconnect_backoff
+        self._metadata: Metadata = bearer(token)
+        self._channel = make_channel(address, tls, tls_server_name)
+        self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)
+        self._functions: dict[str, TaskFunction] = {}
+        self._jobs: dict[str, _Running] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stats = _Stats()
+        self._interval: float | None = None
+        self._draining = False
+        self._drain_by_signal = False
+        self._killed = False
+        self._leaving = threading.Event()
+        self._fatal: WorkerError | None = None
+        self._signals = 0
+        self._ever_connected = False
+        #: Set once both streams are open (and again after each reconnect).
+        self.connected = threading.Event()
+
+    # -- registration of functions ---------------------------------------
+
+    def register(self, fn: TaskFunction, name: str | None = None) -> None:
+        """Registers ``fn`` as the task function ``name`` (default: the
+        function's ``__name__``). The name must be a valid plan command:
+        ``[A-Za-z0-9._+-]{1,128}``, not "." or "..", not starting with "-".
+        Raises ValueError for a bad or duplicate name."""
+        n: str = name or str(getattr(fn, "__name__", ""))
+        if not _NAME.match(n) or n in (".", "..") or n.startswith("-"):
+            raise ValueError(f"task name must match [A-Za-z0-9._+-]{{1,128}}, got {n!r}")
+        if n in self._functions:
+            raise ValueError(f"task {n!r} is already registered")
+        self._functions[n] = fn
+
+    def task(self, name: str | None = None) -> Callable[[_F], _F]:
+        """Decorator form of :meth:`register`: ``@worker.task()`` or
+        ``@worker.task("name")``."""
+
+        def deco(fn: _F) -> _F:
+            self.register(fn, name)
+            return fn
+
+        return deco
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        """The registered function names (advertised as the worker's tools)."""
+        return tuple(sorted(self._functions))
+
+    # -- control -----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Starts a drain (as SIGTERM): no new leases, running jobs get
+        ``drain_timeout`` seconds, then the worker unregisters and
+        :meth:`run` returns DRAINED. Thread-safe; may be called early."""
+        with self._lock:
+            first = not self._drain_by_signal
+            self._draining = True
+            self._drain_by_signal = True
+        if first:
+            threading.Thread(target=self._drain_self, name="agq-drain", daemon=True).start()
+        self._wake.set()
+
+    def kill(self) -> None:
+        """Stops at once (as a second SIGTERM): running tasks are told to
+        stop, nothing is reported, the worker does not unregister and
+        :meth:`run` returns FORCED. The server re-queues the leases."""
+        with self._lock:
+            self._killed = True
+        self._wake.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs on the main thread between two bytecodes, perhaps while it
+        # holds a lock: only count; the supervisor loop acts on the count.
+        self._signals += 1
+
+    # -- the main loop -------------------------------------------------------
+
+    def run(self, *, handle_signals: bool = True) -> WorkerExit:
+        """Runs the worker until it has drained or is killed; blocks.
+
+        With ``handle_signals`` (and on the main thread) SIGTERM and SIGINT
+        start a drain and a second one exits at once; the previous handlers
+        are restored on return. Raises :class:`WorkerError` when the server
+        refuses the first registration for good (the worker never ran);
+        connection losses are retried forever with backoff.
+        """
+        if not self._functions:
+            raise ValueError("register at least one task function before run()")
+        old: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                old[s] = signal.signal(s, self._on_signal)
+        try:
+            return self._supervise()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _supervise(self) -> WorkerExit:
+        log.info(
+            "worker %s starting: server %s, tools %s, max_concurrent_jobs %d",
+            self.worker_id, self.address, ",".join(self.tools), self.max_concurrent_jobs,
+        )
+        session = threading.Thread(target=self._session_loop, name="agq-session", daemon=True)
+        session.start()
+        drain_deadline: float | None = None
+        report_deadline: float | None = None
+        signals_seen = 0
+        while True:
+            self._wake.wait(0.2)
+            self._wake.clear()
+            signals = self._signals
+            if signals > signals_seen:
+                signals_seen = signals
+                if signals == 1:
+                    log.info("signal: draining (send another to exit at once)")
+                    self.stop()
+                else:
+                    log.warning("second signal: exiting now")
+                    self.kill()
+            with self._lock:
+                killed, draining, by_signal = self._killed, self._draining, self._drain_by_signal
+                running = len(self._jobs)
+            if killed:
+                self._abort_all("worker killed")
+                self._leaving.set()
+                self._channel.close()
+                return WorkerExit.FORCED
+            if self._fatal is not None:
+                self._abort_all("worker stopped")
+                self._leaving.set()
+                self._channel.close()
+                raise self._fatal
+            if draining and running == 0:
+                break
+            now = time.monotonic()
+            if by_signal and drain_deadline is None:
+                drain_deadline = now + self.drain_timeout
+            if drain_deadline is not None and report_deadline is None and now >= drain_deadline:
+                log.warning("drain timeout: stopping %d running jobs", running)
+                self._abort_all(f"drain timeout ({self.drain_timeout:g} s)")
+                report_deadline = now + KILLED_REPORT_GRACE
+            if report_deadline is not None and now >= report_deadline:
+                log.warning("stopped jobs did not report in time; unregistering anyway")
+                break
+        self._leaving.set()
+        if self._ever_connected:
+            self._unregister()
+        self._channel.close()
+        return WorkerExit.DRAINED
+
+    def _abort_all(self, reason: str) -> None:
+        with self._lock:
+            for r in self._jobs.values():
+                r.stop(reason)
+
+    def _call_unary(self, method: str, fn: Callable[..., object], req: object) -> object:
+        try:
+            return fn(req, timeout=self.call_timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AgqError.from_rpc(method, e) from e
+
+    def _drain_self(self) -> None:
+        try:
+            self._call_unary(
+                "DrainWorker", self._stub.DrainWorker,
+                worker_service_pb2.DrainWorkerRequest(worker_id=self.worker_id),
+            )
+            log.info("server set %s DRAINING", self.worker_id)
+        except AgqError as e:
+            log.warning("DrainWorker failed (a reconnect repeats it): %s", e)
+        except ValueError:
+            pass  # the channel is closed: the worker has left
+
+    def _unregister(self) -> None:
+        deadline = time.monotonic() + UNREGISTER_TIMEOUT
+        delays = _backoff(0.25, 2.0)
+        while True:
+            try:
+                resp = self._stub.UnregisterWorker(
+                    worker_service_pb2.UnregisterWorkerRequest(worker_id=self.worker_id),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                    metadata=self._metadata,
+                )
+                log.info("unregistered (%d jobs re-queued)", resp.requeued_jobs)
+                return
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+                if code in _TRANSIENT and time.monotonic() < deadline:
+                    time.sleep(min(next(delays), max(0.0, deadline - time.monotonic())))
+                    continue
+                log.warning("UnregisterWorker failed: %s: %s", code.name, details)
+                return
+
+    # -- sessions ------------------------------------------------------------
+
+    def _session_loop(self) -> None:
+        delays = _backoff(*self._reconnect_backoff)
+        registered_once = False
+        while not self._leaving.is_set():
+            try:
+                established = self._session(registered_once)
+            except ValueError:
+                # grpc raises ValueError for calls on a closed channel: the
+                # worker is leaving (run() closed it).
+                if self._leaving.is_set():
+                    return
+                raise
+            self.connected.clear()
+            if self._fatal is not None:
+                self._wake.set()
+                return
+            if established:
+                registered_once = True
+                delays = _backoff(*self._reconnect_backoff)
+            if self._leaving.is_set():
+                return
+            d = next(delays)
+            log.warning("connection lost; reconnecting in %.1f s", d)
+            self._leaving.wait(d)
+
+    def _heartbeat(self, first: bool) -> worker_service_pb2.HeartbeatRequest:
+        with self._lock:
+            active = len(self._jobs)
+            held = [r.lease_id for r in self._jobs.values()]
+        req = worker_service_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, stats=self._stats.message(active)
+        )
+        if first:
+            req.held_leases.CopyFrom(worker_service_pb2.HeldLeases(lease_ids=held))
+        return req
+
+    def _session(self, registered_once: bool) -> bool:
+        """One connection: register, both streams, serve. Returns True when
+        both streams were opened."""
+        caps = common_pb2.WorkerCapabilities(tools=list(self.tools))
+        req = worker_service_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id,
+            hostname=self.hostname,
+            platform=f"{platform.system().lower()}-{platform.machine()}"[:64],
+            agw_version=f"agq-python/{__version__}",
+            capabilities=caps,
+            max_concurrent_jobs=self.max_concurrent_jobs,
+            tags=self.tags,
+            sandboxed=False,
+        )
+        try:
+            resp = self._stub.RegisterWorker(
+                req, timeout=self.call_timeout, metadata=self._metadata
+            )
+            if resp.heartbeat_interval_ms > 0:
+                self._interval = resp.heartbeat_interval_ms / 1000.0
+            elif resp.heartbeat_interval_secs > 0:
+                self._interval = float(resp.heartbeat_interval_secs)
+        except grpc.RpcError as e:
+            code, details = status_of(e)
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                log.info("server still has %s registered: resuming", self.worker_id)
+            elif not registered_once and code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
+                err = WorkerError(f"RegisterWorker refused: {code.name}: {details}")
+                err.__cause__ = AgqError.from_rpc("RegisterWorker", e)
+                self._fatal = err
+                return False
+            else:
+                log.warning("RegisterWorker: %s: %s", code.name, details)
+                return False
+
+        with self._lock:
+            draining = self._draining
+        if draining:
+            self._drain_self()
+
+        events: queue.Queue[tuple[str, object]] = queue.Queue()
+        done = threading.Event()
+
+        def requests() -> Iterator[worker_service_pb2.HeartbeatRequest]:
+            yield self._heartbeat(first=True)
+            while not done.wait(self._interval or DEFAULT_HEARTBEAT_INTERVAL):
+                yield self._heartbeat(first=False)
+
+        hb_call = self._stub.Heartbeat(requests(), metadata=self._metadata)
+        calls: list[grpc.Call] = [hb_call]
+
+        def pump(kind: str, it: Iterator[object]) -> None:
+            try:
+                for m in it:
+                    events.put((kind, m))
+                events.put((kind + "-end", None))
+            except grpc.RpcError as e:
+                events.put((kind + "-end", e))
+
+        threading.Thread(target=pump, args=("hb", hb_call), daemon=True).start()
+        try:
+            try:
+                kind, m = events.get(timeout=self.call_timeout)
+            except queue.Empty:
+                log.warning("no answer to the first heartbeat")
+                return False
+            if kind != "hb":
+                log.warning("heartbeat stream: %s", self._describe(m))
+                return False
+            first = m
+            assert isinstance(first, worker_service_pb2.HeartbeatResponse)
+            if self._interval is None and first.HasField("next_deadline"):
+                left = timestamp(first.next_deadline).timestamp() - time.time()
+                self._interval = min(60.0, max(0.1, left / 2))
+            self._on_heartbeat(first)
+
+            lease_call = self._stub.LeaseJobs(
+                worker_service_pb2.LeaseJobsRequest(worker_id=self.worker_id),
+                metadata=self._metadata,
+            )
+            calls.append(lease_call)
+            threading.Thread(target=pump, args=("lease", lease_call), daemon=True).start()
+            self._ever_connected = True
+            self.connected.set()
+            log.info(
+                "registered %s with %d tools: %s (heartbeat every %.2f s)",
+                self.worker_id, len(self.tools), ",".join(self.tools),
+                self._interval or DEFAULT_HEARTBEAT_INTERVAL,
+            )
+            while not self._leaving.is_set():
+                try:
+                    kind, m = events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if kind == "hb":
+                    assert isinstance(m, worker_service_pb2.HeartbeatResponse)
+                    self._on_heartbeat(m)
+                elif kind == "lease":
+                    assert isinstance(m, worker_service_pb2.JobLease)
+                    self._start_job(m)
+                else:
+                    log.warning("%s stream ended: %s", kind[:-4], self._describe(m))
+                    return True
+            return True
+        finally:
+            done.set()
+            for c in calls:
+                c.cancel()
+
+    @staticmethod
+    def _describe(m: object) -> str:
+        if isinstance(m, grpc.RpcError):
+            code, details = status_of(m)
+            return f"{code.name}: {details}"
+        return "closed by the server"
+
+    def _on_heartbeat(self, r: worker_service_pb2.HeartbeatResponse) -> None:
+        which = r.WhichOneof("command")
+        if which == "drain":
+            with self._lock:
+                already = self._draining
+                self._draining = True
+            if not already:
+                log.info("server asked us to drain (%s): taking no new leases", r.drain.reason)
+            self._wake.set()
+        elif which == "cancel_job_id":
+            with self._lock:
+                running = self._jobs.get(r.cancel_job_id)
+            if running is not None:
+                log.info("job %s cancelled by the server: stopping it", r.cancel_job_id)
+                running.stop("cancelled")
+
+    # -- jobs ------------------------------------------------------------------
+
+    def _start_job(self, lease: worker_service_pb2.JobLease) -> None:
+        job_id = lease.job.job_id
+        with self._lock:
+            old = self._jobs.get(job_id)
+            if old is not None and old.lease_id == lease.lease_id:
+                return
+            if old is not None:
+                old.stop("superseded by a newer lease")
+            running = _Running(lease.lease_id)
+            self._jobs[job_id] = running
+        log.info("lease %s: job %s attempt %d", lease.lease_id, job_id, lease.attempt)
+        threading.Thread(
+            target=self._run_job, args=(lease, running), name=f"agq-job-{job_id}", daemon=True
+        ).start()
+
+    def _update(
+        self, lease: worker_service_pb2.JobLease, status: common_pb2.JobStatus.ValueType
+    ) -> worker_service_pb2.UpdateJobRequest:
+        return worker_service_pb2.UpdateJobRequest(
+            job_id=lease.job.job_id,
+            worker_id=self.worker_id,
+            lease_id=lease.lease_id,
+            status=status,
+        )
+
+    def _run_job(self, lease: worker_service_pb2.JobLease, running: _Running) -> None:
+        started = time.monotonic()
+        job = lease.job
+        results: list[TaskResult] = []
+        outputs: dict[int, str] = {}
+        error = ""
+        tasks = list(lease.plan.tasks)
+        if not tasks:
+            error = "the lease carries no plan"
+        for task in tasks:
+            n = task.task_number
+            if running.cancel.is_set():
+                error = f"stopped before task {n}: {running.reason}"
+                break
+            fn = self._functions.get(task.command)
+            if fn is None:
+                error = f"task {n}: no Python function named {task.command!r} on this worker"
+                results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
+                break
+            try:
+                args = tuple(render(a, job.input) for a in task.args)
+            except KeyError as e:
+                error = f"task {n}: job input has no value for template variable {{{{{e.args[0]}}}}}"
+                results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
+                break
+            self._report_progress(lease, running, n, (n - 1) * 100 // len(tasks))
+            stdin = outputs.get(task.input_from_task, "") if task.HasField("input_from_task") else ""
+            ctx = TaskContext(
+                job_id=job.job_id, action_id=job.action_id, plan_id=lease.plan.plan_id,
+                attempt=lease.attempt, task_number=n, command=task.command,
+                input=dict(job.input), args=args, stdin=stdin,
+                timeout_secs=task.timeout_secs, cancelled=running.cancel,
+            )
+            result, err = self._run_task(fn, ctx, task.timeout_secs, running)
+            results.append(result)
+            outputs[n] = result.stdout
+            if err:
+                error = err
+                break
+        success = not error
+        ms = int((time.monotonic() - started) * 1000)
+        self._stats.record(success, ms)
+        log.info("job %s %s in %d ms%s", job.job_id, "completed" if success else "failed",
+                 ms, "" if success else f": {error}")
+        req = self._update(
+            lease, common_pb2.JOB_STATUS_COMPLETED if success else common_pb2.JOB_STATUS_FAILED
+        )
+        req.current_task = results[-1].task_number if results else 0
+        req.progress_percent = 100 if success else 0
+        req.error = error
+        budget = REPORT_BUDGET_BYTES
+        for r in results:
+            out, out_cut = _clip(r.stdout, max(0, budget))
+            budget -= len(out.encode())
+            err_text, err_cut = _clip(r.stderr, max(0, budget))
+            budget -= len(err_text.encode())
+            req.task_results.append(
+                TaskResult(
+                    r.task_number, r.command, r.exit_code, out, err_text, r.duration_ms,
+                    r.stdout_truncated or out_cut, r.stderr_truncated or err_cut,
+                ).to_pb()
+            )
+        try:
+            self._report_final(lease, req, aborted=running.cancel.is_set())
+        except ValueError:
+            log.warning("job %s: result not reported: the worker has stopped", job.job_id)
+        finally:
+            with self._lock:
+                if self._jobs.get(job.job_id) is running:
+                    del self._jobs[job.job_id]
+            self._wake.set()
+
+    def _run_task(
+        self, fn: TaskFunction, ctx: TaskContext, timeout_secs: int, running: _Running
+    ) -> tuple[TaskResult, str]:
+        """Runs one task function on its own thread; returns its result and
+        the job error ("" on success)."""
+        box: dict[str, object] = {}
+        finished = threading.Event()
+
+        def call() -> None:
+            try:
+                box["value"] = fn(ctx)
+            except BaseException as e:  # noqa: BLE001 - reported as the task's failure
+                box["error"] = e
+                box["trace"] = traceback.format_exc()
+            finally:
+                finished.set()
+
+        t0 = time.monotonic()
+        threading.Thread(target=call, name=f"agq-task-{ctx.job_id}-{ctx.task_number}",
+                         daemon=True).start()
+        limit = t0 + (timeout_secs if timeout_secs > 0 else 86_400)
+        stopped = ""
+        while not finished.wait(0.05):
+            if running.cancel.is_set():
+                # Give a cooperative function a moment to notice.
+                finished.wait(1.0)
+                stopped = running.reason
+                break
+            if time.monotonic() >= limit:
+                running.stop(f"task {ctx.task_number} timed out after {timeout_secs} s")
+                finished.wait(1.0)
+                stopped = running.reason
+                break
+        if not stopped and running.cancel.is_set():
+            stopped = running.reason
+        ms = int((time.monotonic() - t0) * 1000)
+        cap = self.output_cap_bytes
+        n, cmd = ctx.task_number, ctx.command
+        if stopped and not finished.is_set():
+            stderr, cut = _clip(ctx.stderr() + f"stopped: {stopped}\n", cap)
+            return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
+                    f"task {n} ({cmd}) stopped: {stopped}")
+        if "error" in box:
+            exc = box["error"]
+            stderr, cut = _clip(ctx.stderr() + str(box.get("trace", "")), cap)
+            if stopped:
+                return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
+                        f"task {n} ({cmd}) stopped: {stopped}")
+            what = f"{type(exc).__name__}: {exc}"
+            return TaskResult(n, cmd, 1, "", stderr, ms, False, cut), f"task {n} ({cmd}) failed: {what}"
+        value = box.get("value")
+        if value is None:
+            text = ""
+        elif isinstance(value, bytes):
+            text = value.decode("utf-8", "replace")
+        else:
+            text = str(value)
+        stdout, out_cut = _clip(text, cap)
+        stderr, err_cut = _clip(ctx.stderr(), cap)
+        if stopped:
+            return (TaskResult(n, cmd, -1, stdout, stderr, ms, out_cut, err_cut),
+                    f"task {n} ({cmd}) stopped: {stopped}")
+        return TaskResult(n, cmd, 0, stdout, stderr, ms, out_cut, err_cut), ""
+
+    def _report_progress(
+        self, lease: worker_service_pb2.JobLease, running: _Running, task: int, percent: int
+    ) -> None:
+        req = self._update(lease, common_pb2.JOB_STATUS_RUNNING)
+        req.current_task = task
+        req.progress_percent = percent
+        try:
+            self._stub.UpdateJob(req, timeout=self.call_timeout, metadata=self._metadata)
+        except ValueError:
+            running.stop("the worker has stopped")
+        except grpc.RpcError as e:
+            code, details = status_of(e)
+            if code in _LEASE_GONE:
+                log.warning("job %s: lease no longer ours (%s): stopping it", lease.job.job_id,
+                            details)
+                running.stop(f"lease lost: {details}")
+
+    def _report_final(
+        self,
+        lease: worker_service_pb2.JobLease,
+        req: worker_service_pb2.UpdateJobRequest,
+        *,
+        aborted: bool,
+    ) -> None:
+        if self._killed:
+            return  # left without reporting: the server re-queues the lease
+        expires = timestamp(lease.expires_at).timestamp() if lease.HasField("expires_at") else None
+        delays = _backoff(0.5, 30.0)
+        stripped = False
+        while True:
+            try:
+                self._stub.UpdateJob(req, timeout=self.call_timeout, metadata=self._metadata)
+                return
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+            job_id = lease.job.job_id
+            if code in _TRANSIENT:
+                if self._killed or (expires is not None and time.time() > expires):
+                    log.warning("job %s: result dropped (%s: %s)", job_id, code.name, details)
+                    return
+                time.sleep(next(delays))
+                continue
+            if code in _LEASE_GONE:
+                (log.debug if aborted else log.warning)(
+                    "job %s: result refused, the lease is no longer ours: %s", job_id, details)
+                return
+            if not stripped and code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.OUT_OF_RANGE,
+            ):
+                log.warning("job %s: result refused (%s); sending it without outputs", job_id,
+                            details)
+                stripped = True
+                for r in req.task_results:
+                    r.stdout_truncated |= bool(r.stdout)
+                    r.stderr_truncated |= bool(r.stderr)
+                    r.stdout = ""
+                    r.stderr = ""
+                req.error = req.error[:4096]
+                continue
+            log.error("job %s: result refused: %s: %s", job_id, code.name, details)
+            return

@@ -1,0 +1,180 @@
+"""The Python worker SDK as separate processes: a SIGKILLed worker's job is
+re-leased to another worker and completes; SIGTERM drains."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import agq
+
+from conftest import WAIT, Server, WorkerThread, spawn_worker, wait_until
+from worker_proc import build
+
+BLOCK = agq.Plan("py-block", [agq.Task("block", timeout_secs=120)])
+
+
+def stop_proc(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait(timeout=WAIT)
+
+
+def test_killed_worker_job_is_released_to_another_worker(
+    server: Server, client: agq.Client, tmp_path: Path,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    proc = spawn_worker(server.address, "py-doomed", tmp_path)
+    try:
+        wait_until(lambda: any(w.worker_id == "py-doomed" and w.connected
+                               for w in client.list_workers()), "py-doomed to connect")
+        client.submit_plan(BLOCK)
+        sub = client.submit_action("py-block", [{}], max_attempts=3)
+        job_id = sub.job_ids[0]
+        marker = tmp_path / f"started-{job_id}"
+        wait_until(marker.exists, "the job to start on py-doomed")
+        running = client.get_job(job_id)
+        assert running.status is agq.JobStatus.RUNNING
+        assert running.worker_id == "py-doomed"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
+    finally:
+        stop_proc(proc)
+
+    (tmp_path / "release").write_text("go")
+    rescuer = start_worker(build(server.address, "py-rescuer", tmp_path, None, 30.0))
+    rescuer.wait_connected()
+    last = client.wait_action(sub.action_id, timeout=WAIT)
+    assert last.completed == 1
+    job = client.get_job(job_id)
+    assert job.status is agq.JobStatus.COMPLETED
+    assert job.worker_id == "py-rescuer"
+    assert job.attempt == 2
+    assert job.result == "released by py-rescuer"
+    doomed = client.get_worker("py-doomed")
+    assert not doomed.connected
+    wait_until(lambda: not client.get_worker("py-doomed").fresh, "py-doomed to go stale")
+
+
+def test_sigterm_drains_running_jobs_then_unregisters(
+    server: Server, client: agq.Client, tmp_path: Path
+) -> None:
+    proc = spawn_worker(server.address, "py-drain", tmp_path)
+    try:
+        wait_until(lambda: any(w.worker_id == "py-drain" and w.connected
+                               for w in client.list_workers()), "py-drain to connect")
+        client.submit_plan(BLOCK)
+        sub = client.submit_action("py-block", [{}])
+        job_id = sub.job_ids[0]
+        wait_until((tmp_path / f"started-{job_id}").exists, "the job to start")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.get_worker("py-drain").state is agq.WorkerState.DRAINING,
+                   "py-drain to be DRAINING")
+        # Draining: the job is still running and the process still there.
+        assert proc.poll() is None
+        assert client.get_job(job_id).status is agq.JobStatus.RUNNING
+        # A job submitted now is not given to the draining worker.
+        later = client.submit_action("py-block", [{}])
+        (tmp_path / "release").write_text("go")
+        assert proc.wait(timeout=WAIT) == 0
+        job = client.get_job(job_id)
+        assert job.status is agq.JobStatus.COMPLETED
+        assert job.result == "released by py-drain"
+        assert client.get_worker("py-drain").state is agq.WorkerState.UNREGISTERED
+        assert client.get_job(later.job_ids[0]).status is agq.JobStatus.PENDING
+        assert not (tmp_path / f"started-{later.job_ids[0]}").exists()
+    finally:
+        stop_proc(proc)
+
+
+def test_drain_timeout_stops_a_stuck_job(
+    server: Server, client: agq.Client, tmp_path: Path
+) -> None:
+    proc = spawn_worker(server.address, "py-stuck", tmp_path, "--drain-timeout", "0.5")
+    try:
+        wait_until(lambda: any(w.worker_id == "py-stuck" and w.connected
+                               for w in client.list_workers()), "py-stuck to connect")
+        client.submit_plan(BLOCK)
+        sub = client.submit_action("py-block", [{}], max_attempts=1)
+        job_id = sub.job_ids[0]
+        wait_until((tmp_path / f"started-{job_id}").exists, "the job to start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT) == 0
+        job = client.get_job(job_id)
+        assert job.status is agq.JobStatus.DEAD
+        assert "drain timeout" in job.error
+        assert client.get_worker("py-stuck").state is agq.WorkerState.UNREGISTERED
+    finally:
+        stop_proc(proc)
+
+
+def test_second_signal_exits_at_once(
+    server: Server, client: agq.Client, tmp_path: Path
+) -> None:
+    proc = spawn_worker(server.address, "py-hurry", tmp_path)
+    try:
+        wait_until(lambda: any(w.worker_id == "py-hurry" and w.connected
+                               for w in client.list_workers()), "py-hurry to connect")
+        client.submit_plan(BLOCK)
+        sub = client.submit_action("py-block", [{}])
+        wait_until((tmp_path / f"started-{sub.job_ids[0]}").exists, "the job to start")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.get_worker("py-hurry").state is agq.WorkerState.DRAINING,
+                   "py-hurry to be DRAINING")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT) == 130
+    finally:
+        stop_proc(proc)
+
+
+def test_worker_keeps_its_job_across_a_server_restart(
+    tmp_path: Path, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    first = Server(tmp_path / "server", ["--shutdown-grace-secs", "1"])
+    address = first.address
+    second: Server | None = None
+    try:
+        with agq.Client(address, timeout=10) as client:
+            w = start_worker(build(address, "py-steady", tmp_path, None, 30.0))
+            w.wait_connected()
+            client.submit_plan(BLOCK)
+            sub = client.submit_action("py-block", [{}])
+            job_id = sub.job_ids[0]
+            wait_until((tmp_path / f"started-{job_id}").exists, "the job to start")
+            first.stop()
+            wait_until(lambda: not w.worker.connected.is_set(), "the worker to notice")
+            # Same database, same port: the worker reconnects, lists its
+            # lease in held_leases and keeps the job.
+            second = Server(tmp_path / "server", ["--shutdown-grace-secs", "1"], listen=address)
+            w.wait_connected()
+            (tmp_path / "release").write_text("go")
+            assert client.wait_action(sub.action_id, timeout=WAIT).completed == 1
+            job = client.get_job(job_id)
+            assert job.attempt == 1, "the job was not re-leased"
+            assert job.result == "released by py-steady"
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_jobs_run_concurrently_up_to_max_concurrent_jobs(
+    server: Server, client: agq.Client, tmp_path: Path,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    # build() makes a worker with max_concurrent_jobs=2.
+    w = start_worker(build(server.address, "py-pair", tmp_path, None, 30.0))
+    w.wait_connected()
+    client.submit_plan(BLOCK)
+    sub = client.submit_action("py-block", [{}, {}, {}])
+
+    def started() -> list[str]:
+        return [j for j in sub.job_ids if (tmp_path / f"started-{j}").exists()]
+
+    wait_until(lambda: len(started()) == 2, "two jobs running at once")
+    assert client.get_worker("py-pair").active_leases == 2
+    assert client.get_action(sub.action_id).pending == 1
+    (tmp_path / "release").write_text("go")
+    assert client.wait_action(sub.action_id, timeout=WAIT).completed == 3
