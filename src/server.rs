@@ -133,24 +133,25 @@ pub async fn run(
         }
     );
 
-    health_reporter
-        .set_serving::<PlanServiceServer<PlanApi>>()
-        .await;
-    health_reporter
-        .set_serving::<ActionServiceServer<ActionApi>>()
-        .await;
-    health_reporter
-        .set_serving::<JobServiceServer<JobApi>>()
-        .await;
-    health_reporter
-        .set_serving::<WorkerServiceServer<WorkerApi>>()
-        .await;
-    health_reporter
-        .set_serving::<QueueServiceServer<QueueApi>>()
-        .await;
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+    set_health(&health_reporter, true).await;
+
+    // Health follows the store: NOT_SERVING while it cannot commit (disk
+    // full, I/O error), SERVING again once a commit succeeds.
+    let store_health_task = {
+        let reporter = health_reporter.clone();
+        let mut up = engine.store_health();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                let ok = *up.borrow_and_update();
+                set_health(&reporter, ok).await;
+                tokio::select! {
+                    r = up.changed() => if r.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        })
+    };
 
     let mut builder = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
@@ -192,26 +193,13 @@ pub async fn run(
 
     ready(&engine);
     let reporter = health_reporter.clone();
+    let health_task = store_health_task;
     let (began_tx, began_rx) = tokio::sync::oneshot::channel::<()>();
     let graceful = async move {
         shutdown.await;
         tracing::info!("shutting down: health NOT_SERVING, ending streams, finishing calls");
-        reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        reporter
-            .set_not_serving::<PlanServiceServer<PlanApi>>()
-            .await;
-        reporter
-            .set_not_serving::<ActionServiceServer<ActionApi>>()
-            .await;
-        reporter.set_not_serving::<JobServiceServer<JobApi>>().await;
-        reporter
-            .set_not_serving::<WorkerServiceServer<WorkerApi>>()
-            .await;
-        reporter
-            .set_not_serving::<QueueServiceServer<QueueApi>>()
-            .await;
+        health_task.abort();
+        set_health(&reporter, false).await;
         let _ = stop_tx.send(true);
         let _ = began_tx.send(());
     };
@@ -249,4 +237,23 @@ pub async fn run(
     engine.close().await;
     tracing::info!("database closed");
     served.map_err(|e| Error::Internal(format!("transport: {e}")))
+}
+
+/// Sets the health of the server ("") and of every `agq.v1` service.
+async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter.set_service_status("", status).await;
+    for name in [
+        <PlanServiceServer<PlanApi> as tonic::server::NamedService>::NAME,
+        <ActionServiceServer<ActionApi> as tonic::server::NamedService>::NAME,
+        <JobServiceServer<JobApi> as tonic::server::NamedService>::NAME,
+        <WorkerServiceServer<WorkerApi> as tonic::server::NamedService>::NAME,
+        <QueueServiceServer<QueueApi> as tonic::server::NamedService>::NAME,
+    ] {
+        reporter.set_service_status(name, status).await;
+    }
 }

@@ -22,7 +22,11 @@ use crate::{
     error::{Error, Result},
     metrics::{status_name, SharedMetrics, StatusLabel, WorkerLabel},
     pb::{self, JobStatus, WorkerState},
-    store::{self, jobs as jstore, plans as pstore, writer::Writer, ReadPool},
+    store::{
+        self, jobs as jstore, plans as pstore,
+        writer::{StoreHealth, Writer},
+        ReadPool,
+    },
     time::ms_of,
 };
 
@@ -40,6 +44,7 @@ pub struct Engine {
     writer_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: std::sync::Mutex<Option<store::Checkpointer>>,
     stop_reaper: watch::Sender<bool>,
+    health: StoreHealth,
 }
 
 fn page_size(n: u32) -> Result<usize> {
@@ -94,7 +99,9 @@ impl Engine {
         let checkpointer = store::Checkpointer::start(db, cfg.synchronous)?;
         let watchers = Arc::new(Watchers::default());
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
-        let (writer, thread) = Writer::start(conn, state, checkpointer.signal())?;
+        let health = StoreHealth::new(metrics.store_write_errors.clone());
+        let (writer, thread) =
+            Writer::start(conn, state, checkpointer.signal(), health.clone())?;
         writer.write(|s, c| s.load(c)).await?;
         let (stop_reaper, stop_rx) = watch::channel(false);
         let engine = Arc::new(Engine {
@@ -106,7 +113,22 @@ impl Engine {
             writer_thread: std::sync::Mutex::new(Some(thread)),
             checkpointer: std::sync::Mutex::new(Some(checkpointer)),
             stop_reaper,
+            health,
         });
+        {
+            let mut up = engine.health.subscribe();
+            let gauge = engine.metrics.store_up.clone();
+            let mut stop = stop_rx.clone();
+            tokio::spawn(async move {
+                loop {
+                    gauge.set(i64::from(*up.borrow_and_update()));
+                    tokio::select! {
+                        r = up.changed() => if r.is_err() { return },
+                        _ = stop.changed() => return,
+                    }
+                }
+            });
+        }
         if let Some(retention) = engine.cfg.job_retention {
             tokio::spawn(retention_sweeper(
                 engine.writer.clone(),
@@ -135,6 +157,14 @@ impl Engine {
     /// The settings the engine runs with.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// A receiver of whether the store can commit: false from a commit
+    /// that failed for a cause outside AGQ (disk full, I/O error) until a
+    /// commit succeeds again. The server turns gRPC health NOT_SERVING
+    /// while it is false.
+    pub fn store_health(&self) -> watch::Receiver<bool> {
+        self.health.subscribe()
     }
 
     /// The metrics.

@@ -535,7 +535,9 @@ impl BatchState for State {
     }
 
     fn after_commit(&mut self, ops: usize) {
-        self.metrics.batch_size.observe(ops as f64);
+        if ops > 0 {
+            self.metrics.batch_size.observe(ops as f64);
+        }
         if self.expired_in_batch > 0 {
             self.metrics
                 .expired_jobs
