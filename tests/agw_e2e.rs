@@ -595,6 +595,7 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
             }),
             max_concurrent_jobs: 1,
             tags: HashMap::new(),
+            instance_id: String::new(),
         })
         .await
         .expect("RegisterWorker");

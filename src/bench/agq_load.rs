@@ -130,6 +130,7 @@ pub fn register_request(id: &str, slots: u32) -> pb::RegisterWorkerRequest {
         }),
         max_concurrent_jobs: slots,
         tags: Default::default(),
+        instance_id: String::new(),
     }
 }
 

@@ -451,12 +451,15 @@ impl Engine {
 
     // ---- workers ----
 
-    /// Registers a worker (seed: WORKER.REGISTER); returns the heartbeat interval.
-    /// Errors: `InvalidArgument`, `AlreadyExists`.
-    pub async fn register_worker(&self, req: pb::RegisterWorkerRequest) -> Result<Duration> {
+    /// Registers a worker (seed: WORKER.REGISTER); returns the heartbeat
+    /// interval and whether the same instance resumed (see
+    /// [`State::register`]).
+    /// Errors: `InvalidArgument`, `AlreadyExists` (another live instance
+    /// holds the id), `Unavailable` (the store cannot commit).
+    pub async fn register_worker(&self, req: pb::RegisterWorkerRequest) -> Result<(Duration, bool)> {
         let req = validate::registration(&req)?;
-        self.writer.write(move |s, c| s.register(c, req)).await?;
-        Ok(self.cfg.heartbeat_interval)
+        let resumed = self.writer.write(move |s, c| s.register(c, req)).await?;
+        Ok((self.cfg.heartbeat_interval, resumed))
     }
 
     /// Attaches a heartbeat stream. Errors: `NotFound`, `FailedPrecondition`.

@@ -212,6 +212,12 @@ pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorke
     short_text("hostname", &req.hostname, 1, 255)?;
     short_text("platform", &req.platform, 0, 64)?;
     short_text("agw_version", &req.agw_version, 1, 64)?;
+    if req.instance_id.len() > 64 || !id_chars(&req.instance_id, &['_', '-']) {
+        return Err(Error::invalid(format!(
+            "instance_id must match [A-Za-z0-9_-]{{0,64}}, got {:?}",
+            truncate(&req.instance_id, 80)
+        )));
+    }
     let mut req = req.clone();
     if req.max_concurrent_jobs == 0 {
         req.max_concurrent_jobs = 1;

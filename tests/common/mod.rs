@@ -306,6 +306,7 @@ impl SimWorker {
                 }),
                 max_concurrent_jobs: max,
                 tags: Default::default(),
+                instance_id: String::new(),
             })
             .await
             .expect("register")
