@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use self::{
     jobs::{NewAction, NewJob},
-    state::{State, StreamTx, Watchers},
+    state::{State, StreamTx, WatchSubscription, Watchers},
     workers::StreamKind,
 };
 use crate::{
@@ -97,7 +97,11 @@ impl Engine {
     ) -> Result<Arc<Engine>> {
         let (conn, pool) = store::open(db, cfg.synchronous)?;
         let checkpointer = store::Checkpointer::start(db, cfg.synchronous)?;
-        let watchers = Arc::new(Watchers::default());
+        let watchers = Arc::new(Watchers::new(
+            cfg.max_watch_streams,
+            cfg.max_watch_streams_per_connection,
+            metrics.watch_streams.clone(),
+        ));
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
         let health = StoreHealth::new(metrics.store_write_errors.clone());
         let (writer, thread) =
@@ -238,14 +242,19 @@ impl Engine {
                 "pattern must be at most 256 bytes without NUL",
             ));
         }
-        if !req.pattern.is_empty() {
-            glob::Pattern::new(&req.pattern)
-                .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))?;
-        }
+        // One dialect: the pattern that validates here is the one that
+        // matches in the store.
+        let pattern = if req.pattern.is_empty() {
+            None
+        } else {
+            Some(
+                glob::Pattern::new(&req.pattern)
+                    .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))?,
+            )
+        };
         let after = decode_token("plan", &req.page_token)?.unwrap_or_default();
-        let pattern = (!req.pattern.is_empty()).then_some(req.pattern);
         let mut ids = self
-            .read(move |c| pstore::list(c, pattern.as_deref(), &after, limit + 1))
+            .read(move |c| pstore::list(c, pattern.as_ref(), &after, limit + 1))
             .await?;
         let next = if ids.len() > limit {
             ids.truncate(limit);
@@ -275,7 +284,8 @@ impl Engine {
     /// Validates and creates an action with one job per input, atomically
     /// (seed: ACTION.SUBMIT). Returns (action_id, job_ids).
     ///
-    /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at),
+    /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at
+    /// not a valid time or further ahead than `max_run_at_ahead`),
     /// `NotFound` (plan), `AlreadyExists` (action id).
     pub async fn submit_action(
         &self,
@@ -314,7 +324,15 @@ impl Engine {
         let run_at_ms = match &req.run_at {
             None => None,
             Some(t) => {
-                Some(ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?)
+                let ms = ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?;
+                let ahead = i64::try_from(self.cfg.max_run_at_ahead.as_millis()).unwrap_or(i64::MAX);
+                if ms > store::now_ms().saturating_add(ahead) {
+                    return Err(Error::invalid(format!(
+                        "run_at is more than {} s ahead (--max-run-at-ahead-secs); schedule it nearer",
+                        self.cfg.max_run_at_ahead.as_secs()
+                    )));
+                }
+                Some(ms)
             }
         };
         let a = NewAction {
@@ -346,9 +364,25 @@ impl Engine {
         .await
     }
 
-    /// A receiver that changes whenever a job of the action changes status.
-    pub fn watch_action(&self, action_id: &str) -> watch::Receiver<u64> {
-        self.watchers.subscribe(action_id)
+    /// A subscription that changes whenever a job of the action changes
+    /// status, for one WatchAction stream from `connection` (the client's
+    /// address). The id is checked before anything is registered; the
+    /// subscription gives its place back when dropped.
+    ///
+    /// Errors: `InvalidArgument` (bad id), `ResourceExhausted` (too many
+    /// streams open in all or on this connection).
+    pub fn watch_action(
+        &self,
+        action_id: &str,
+        connection: Option<std::net::SocketAddr>,
+    ) -> Result<WatchSubscription> {
+        validate::object_id("action_id", action_id)?;
+        self.watchers.subscribe(action_id, connection)
+    }
+
+    /// Open WatchAction subscriptions (the `agq_watch_streams` gauge).
+    pub fn watch_streams(&self) -> usize {
+        self.watchers.count()
     }
 
     // ---- jobs ----
@@ -546,7 +580,9 @@ impl Engine {
     }
 
     /// Applies a fenced job report (seed: JOB.UPDATE).
-    /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`, `FailedPrecondition`.
+    /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`,
+    /// `FailedPrecondition`, `ResourceExhausted` (task results and error
+    /// over `max_report_bytes`), `Unavailable` (the store cannot commit).
     pub async fn update_job(&self, req: pb::UpdateJobRequest) -> Result<JobStatus> {
         validate::object_id("job_id", &req.job_id)?;
         validate::worker_id(&req.worker_id)?;
@@ -559,6 +595,7 @@ impl Engine {
                 validate::MAX_TASKS
             )));
         }
+        validate::report_size(&req, self.cfg.max_report_bytes)?;
         // update_job checks the lease, fencing and request before it
         // writes: no savepoint needed (see `Writer::write_direct`).
         self.writer
