@@ -129,7 +129,9 @@ impl From<Error> for Status {
             tracing::debug!(error = %err, "refused: the store cannot commit");
             return Status::new(
                 code,
-                format!("the store cannot commit ({cause}); nothing was changed; retry with backoff"),
+                format!(
+                    "the store cannot commit ({cause}); nothing was changed; retry with backoff"
+                ),
             );
         }
         match err {

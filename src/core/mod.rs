@@ -104,8 +104,7 @@ impl Engine {
         ));
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
         let health = StoreHealth::new(metrics.store_write_errors.clone());
-        let (writer, thread) =
-            Writer::start(conn, state, checkpointer.signal(), health.clone())?;
+        let (writer, thread) = Writer::start(conn, state, checkpointer.signal(), health.clone())?;
         writer.write(|s, c| s.load(c)).await?;
         let (stop_reaper, stop_rx) = watch::channel(false);
         let engine = Arc::new(Engine {
@@ -324,8 +323,10 @@ impl Engine {
         let run_at_ms = match &req.run_at {
             None => None,
             Some(t) => {
-                let ms = ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?;
-                let ahead = i64::try_from(self.cfg.max_run_at_ahead.as_millis()).unwrap_or(i64::MAX);
+                let ms =
+                    ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?;
+                let ahead =
+                    i64::try_from(self.cfg.max_run_at_ahead.as_millis()).unwrap_or(i64::MAX);
                 if ms > store::now_ms().saturating_add(ahead) {
                     return Err(Error::invalid(format!(
                         "run_at is more than {} s ahead (--max-run-at-ahead-secs); schedule it nearer",
@@ -490,7 +491,10 @@ impl Engine {
     /// [`State::register`]).
     /// Errors: `InvalidArgument`, `AlreadyExists` (another live instance
     /// holds the id), `Unavailable` (the store cannot commit).
-    pub async fn register_worker(&self, req: pb::RegisterWorkerRequest) -> Result<(Duration, bool)> {
+    pub async fn register_worker(
+        &self,
+        req: pb::RegisterWorkerRequest,
+    ) -> Result<(Duration, bool)> {
         let req = validate::registration(&req)?;
         let resumed = self.writer.write(move |s, c| s.register(c, req)).await?;
         Ok((self.cfg.heartbeat_interval, resumed))

@@ -120,8 +120,20 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
     })?;
     let mut out = Vec::new();
     for row in rows {
-        let (id, hostname, platform, agw_version, units, tags, max, state, reg, hb, stats, instance) =
-            row?;
+        let (
+            id,
+            hostname,
+            platform,
+            agw_version,
+            units,
+            tags,
+            max,
+            state,
+            reg,
+            hb,
+            stats,
+            instance,
+        ) = row?;
         let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
         let worker = pb::Worker {
             capabilities: Some(pb::WorkerCapabilities {

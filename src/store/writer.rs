@@ -324,9 +324,40 @@ impl Fault {
     }
 }
 
-/// Tries one tiny commit (the schema version, rewritten unchanged): it
-/// succeeds only when the store can append to its log again.
-fn probe(conn: &Connection) -> Result<()> {
+/// Free space the database's file system must have before a store that
+/// could not commit is tried again: 256 KiB. Without it a store on a full
+/// disk would flap: a small commit fits in log space a failed one left
+/// behind, and the next real batch fails again.
+pub const RECOVERY_HEADROOM_BYTES: u64 = 256 * 1024;
+
+/// Bytes free (for unprivileged users) on the file system of `path`;
+/// `None` when unknown.
+fn free_bytes(path: &str) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(path).ok()?;
+    #[allow(clippy::useless_conversion)] // the field types differ by platform
+    let (avail, frag) = (
+        u64::from(st.blocks_available()),
+        u64::from(st.fragment_size()),
+    );
+    Some(avail.saturating_mul(frag))
+}
+
+/// Tries one tiny commit (the schema version, rewritten unchanged) once
+/// the file system has [`RECOVERY_HEADROOM_BYTES`] free: it succeeds only
+/// when the store can append to its log again.
+///
+/// Returns false, without trying, while the free space is short.
+///
+/// Errors: storage errors of the commit.
+fn probe(conn: &Connection) -> Result<bool> {
+    let room = conn
+        .path()
+        .filter(|p| !p.is_empty())
+        .and_then(free_bytes)
+        .is_none_or(|free| free >= RECOVERY_HEADROOM_BYTES);
+    if !room {
+        return Ok(false);
+    }
     let r = (|| -> Result<()> {
         exec(conn, "BEGIN IMMEDIATE")?;
         let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -337,7 +368,7 @@ fn probe(conn: &Connection) -> Result<()> {
     if r.is_err() {
         let _ = conn.execute_batch("ROLLBACK");
     }
-    r
+    r.map(|()| true)
 }
 
 fn run<S: BatchState>(
@@ -384,7 +415,12 @@ fn run<S: BatchState>(
         if let Some(f) = &mut fault {
             if Instant::now() >= f.next_probe {
                 match probe(&conn) {
-                    Ok(()) => {
+                    Ok(false) => {
+                        tracing::debug!("not enough free space to probe the store");
+                        f.backoff = (f.backoff * 2).min(PROBE_MAX);
+                        f.next_probe = Instant::now() + f.backoff;
+                    }
+                    Ok(true) => {
                         tracing::info!(
                             down_secs = f.since.elapsed().as_secs_f64(),
                             cause = f.cause,
@@ -395,6 +431,7 @@ fn run<S: BatchState>(
                         health.recovered();
                     }
                     Err(e) => {
+                        tracing::debug!(error = %e, "probe commit failed");
                         health.failed();
                         if let Some(cause) = e.store_fault() {
                             f.cause = cause;
@@ -463,14 +500,16 @@ fn run<S: BatchState>(
                             }
                             _ => PROBE_FIRST,
                         };
-                        if last_fault.is_none_or(|(ended, _)| ended.elapsed() >= FAULT_LOG_EVERY)
-                        {
+                        if last_fault.is_none_or(|(ended, _)| ended.elapsed() >= FAULT_LOG_EVERY) {
                             tracing::error!(
                                 cause,
                                 "the store cannot commit: batch rolled back; writes are refused with UNAVAILABLE and health is NOT_SERVING until a commit succeeds"
                             );
                         } else {
-                            tracing::warn!(cause, "the store cannot commit again: batch rolled back");
+                            tracing::warn!(
+                                cause,
+                                "the store cannot commit again: batch rolled back"
+                            );
                         }
                         fault = Some(Fault::new(cause, backoff));
                     }
@@ -537,9 +576,9 @@ fn run_batch<S: BatchState>(
                     carried.extend(ops);
                     return Err(match cause {
                         Some(cause) => Error::StoreUnavailable(cause),
-                        None => Error::Internal(
-                            "storage failed in the middle of an operation".into(),
-                        ),
+                        None => {
+                            Error::Internal("storage failed in the middle of an operation".into())
+                        }
                     });
                 }
             }
@@ -599,7 +638,13 @@ mod tests {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
             .unwrap();
-        let (w, thread) = Writer::start(conn, Log::default(), CheckpointSignal::default(), StoreHealth::default()).unwrap();
+        let (w, thread) = Writer::start(
+            conn,
+            Log::default(),
+            CheckpointSignal::default(),
+            StoreHealth::default(),
+        )
+        .unwrap();
         // Hold the writer so the next operations queue up into one batch.
         let hold = w.write(|_, _| {
             std::thread::sleep(Duration::from_millis(200));
