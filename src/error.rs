@@ -148,3 +148,36 @@ impl From<Error> for Status {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqlite(code: std::ffi::c_int) -> Error {
+        Error::Storage(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            None,
+        ))
+    }
+
+    /// A full disk or an I/O error is `UNAVAILABLE` with the cause named;
+    /// a constraint failure (a bug) stays `INTERNAL` with no detail.
+    #[test]
+    fn store_faults_are_unavailable_and_name_their_cause() {
+        for (code, cause) in [
+            (rusqlite::ffi::SQLITE_FULL, "database or disk is full"),
+            (rusqlite::ffi::SQLITE_IOERR, "disk I/O error"),
+            (rusqlite::ffi::SQLITE_READONLY, "read-only"),
+        ] {
+            let st = Status::from(sqlite(code));
+            assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+            assert!(st.message().contains(cause), "{st:?}");
+            assert!(st.message().contains("retry"), "{st:?}");
+        }
+        let st = Status::from(Error::StoreUnavailable("database or disk is full"));
+        assert_eq!(st.code(), Code::Unavailable);
+        let st = Status::from(sqlite(rusqlite::ffi::SQLITE_CONSTRAINT));
+        assert_eq!(st.code(), Code::Internal);
+        assert_eq!(st.message(), "internal error; see the server log");
+    }
+}

@@ -1354,3 +1354,62 @@ async fn a_second_agw_with_a_live_id_exits_and_a_restart_after_kill_9_takes_over
         "{text}"
     );
 }
+
+/// Issue 14: agw's warnings tell the truth. In a normal run of many short
+/// jobs on two slots (the server frees a slot when it commits a report and
+/// may send the next lease before agw has the reply), agw logs neither
+/// "more leases than slots" nor "result dropped".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_normal_run_logs_no_false_warnings() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 1000, 5000);
+    let mut c = Clients::new(&server).await;
+    c.plan("quick", vec![task(1, "echo", &["hi {{n}}"], 30, None)])
+        .await;
+    let errlog = dir.path().join("agw.stderr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
+        .args(["--server", &server.url(), "--tools", TOOLS])
+        .args(["--worker-id", "honest", "--max-concurrent-jobs", "2"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&errlog).expect("stderr file"))
+        .spawn()
+        .expect("start agw");
+    let inputs: Vec<ActionInput> = (0..80)
+        .map(|i| ActionInput {
+            values: HashMap::from([("n".to_owned(), i.to_string())]),
+        })
+        .collect();
+    let action = c
+        .actions
+        .submit_action(SubmitActionRequest {
+            action_id: String::new(),
+            plan_id: "quick".into(),
+            inputs,
+            run_at: None,
+            max_attempts: 3,
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner();
+    for id in &action.job_ids {
+        c.wait_status(id, JobStatus::Completed).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "agw did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+    let err = std::fs::read_to_string(&errlog).unwrap();
+    assert!(!err.contains("more leases than slots"), "{err}");
+    assert!(!err.contains("result dropped"), "{err}");
+}

@@ -691,4 +691,70 @@ mod tests {
         drop(w);
         thread.join().unwrap();
     }
+
+    /// A batch broken by a store fault (here a simulated "disk full")
+    /// rolls back, turns health false and counts one write error; writes
+    /// are refused with `StoreUnavailable` naming the cause (never
+    /// `Internal`) until a probe commit succeeds, then health is true and
+    /// writes commit again, with no restart.
+    #[tokio::test]
+    async fn a_store_fault_refuses_writes_until_a_probe_commits() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+            .unwrap();
+        let errors = Counter::default();
+        let health = StoreHealth::new(errors.clone());
+        let (w, thread) = Writer::start(
+            conn,
+            Log::default(),
+            CheckpointSignal::default(),
+            health.clone(),
+        )
+        .unwrap();
+        let full = || {
+            Error::Storage(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+                None,
+            ))
+        };
+        let broken = w
+            .write_direct(move |_, c| -> Result<()> {
+                insert(c, "lost")?;
+                Err(full())
+            })
+            .await;
+        assert!(matches!(broken, Err(Error::Storage(_))), "{broken:?}");
+        assert!(!health.is_ok());
+        assert_eq!(errors.get(), 1);
+        let mut committed = false;
+        for _ in 0..200 {
+            match w.write(|_, c| insert(c, "kept")).await {
+                Ok(()) => {
+                    committed = true;
+                    break;
+                }
+                Err(Error::StoreUnavailable(cause)) => {
+                    assert_eq!(cause, "database or disk is full");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        assert!(committed, "the store never recovered");
+        assert!(health.is_ok());
+        let rows: Vec<String> = w
+            .run(|_, c| {
+                let mut st = c.prepare("SELECT v FROM t")?;
+                let v = st
+                    .query_map([], |r| r.get(0))?
+                    .collect::<rusqlite::Result<Vec<String>>>()?;
+                Ok(v)
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, vec!["kept".to_string()]);
+        w.stop();
+        drop(w);
+        thread.join().unwrap();
+    }
 }
