@@ -23,6 +23,12 @@ use crate::{
     service::{ActionApi, JobApi, PlanApi, QueueApi, WorkerApi},
 };
 
+/// Health service name that is SERVING while the process runs, until
+/// shutdown begins: for liveness probes. The server ("") and the `agq.v1`
+/// services also turn NOT_SERVING while the store cannot commit (for
+/// readiness); restarting would not free the disk.
+pub const LIVENESS_SERVICE: &str = "liveness";
+
 /// Largest gRPC message the server accepts, in bytes (16 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
@@ -134,6 +140,9 @@ pub async fn run(
     );
 
     set_health(&health_reporter, true).await;
+    health_reporter
+        .set_service_status(LIVENESS_SERVICE, tonic_health::ServingStatus::Serving)
+        .await;
 
     // Health follows the store: NOT_SERVING while it cannot commit (disk
     // full, I/O error), SERVING again once a commit succeeds.
@@ -200,6 +209,9 @@ pub async fn run(
         tracing::info!("shutting down: health NOT_SERVING, ending streams, finishing calls");
         health_task.abort();
         set_health(&reporter, false).await;
+        reporter
+            .set_service_status(LIVENESS_SERVICE, tonic_health::ServingStatus::NotServing)
+            .await;
         let _ = stop_tx.send(true);
         let _ = began_tx.send(());
     };
