@@ -91,6 +91,29 @@ pub struct ServeArgs {
     /// SQLite synchronous mode.
     #[arg(long, env = "AGQ_SQLITE_SYNCHRONOUS", value_enum, default_value_t = SyncMode::Full)]
     pub sqlite_synchronous: SyncMode,
+    /// Most WatchAction streams open at once on the server; one more is
+    /// refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "AGQ_MAX_WATCH_STREAMS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_watch_streams: u64,
+    /// Most WatchAction streams open at once on one client connection; one
+    /// more is refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "AGQ_MAX_WATCH_STREAMS_PER_CONNECTION", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_watch_streams_per_connection: u64,
+    /// Largest worker report (one UpdateJob, or one report of
+    /// BatchUpdateJobs) the server stores, in bytes of its encoded task
+    /// results and error; a larger one is refused with RESOURCE_EXHAUSTED
+    /// (agw then sends it again without outputs). The default is what agw
+    /// sends at most (3 MiB of captured output) plus room for the fields.
+    #[arg(long, env = "AGQ_MAX_REPORT_BYTES", default_value_t = DEFAULT_MAX_REPORT_BYTES,
+          value_parser = clap::value_parser!(u64).range(1024..=16 * 1024 * 1024))]
+    pub max_report_bytes: u64,
+    /// Furthest ahead a SubmitAction's run_at may be, in seconds (default
+    /// 366 days); later is refused with INVALID_ARGUMENT.
+    #[arg(long, env = "AGQ_MAX_RUN_AT_AHEAD_SECS", default_value_t = DEFAULT_MAX_RUN_AT_AHEAD.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=100 * 366 * 86_400))]
+    pub max_run_at_ahead_secs: u64,
     /// Log format.
     #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -112,9 +135,25 @@ impl ServeArgs {
             job_retention: (self.job_retention_secs > 0)
                 .then(|| Duration::from_secs(self.job_retention_secs)),
             synchronous: self.sqlite_synchronous,
+            max_watch_streams: usize::try_from(self.max_watch_streams).unwrap_or(usize::MAX),
+            max_watch_streams_per_connection: usize::try_from(
+                self.max_watch_streams_per_connection,
+            )
+            .unwrap_or(usize::MAX),
+            max_report_bytes: usize::try_from(self.max_report_bytes).unwrap_or(usize::MAX),
+            max_run_at_ahead: Duration::from_secs(self.max_run_at_ahead_secs),
         }
     }
 }
+
+/// Default of [`EngineConfig::max_report_bytes`]: the 3 MiB of captured
+/// output agw puts in one report at most
+/// ([`crate::worker::agent::REPORT_BUDGET_BYTES`]) plus 64 KiB for the other
+/// fields (commands, error text, framing).
+pub const DEFAULT_MAX_REPORT_BYTES: u64 = 3 * 1024 * 1024 + 64 * 1024;
+
+/// Default of [`EngineConfig::max_run_at_ahead`]: 366 days.
+pub const DEFAULT_MAX_RUN_AT_AHEAD: Duration = Duration::from_secs(366 * 86_400);
 
 /// Settings of the core (scheduler, leases, reaper, store), free of clap.
 #[derive(Debug, Clone)]
@@ -136,6 +175,15 @@ pub struct EngineConfig {
     pub job_retention: Option<Duration>,
     /// SQLite synchronous mode.
     pub synchronous: SyncMode,
+    /// Most WatchAction streams open at once.
+    pub max_watch_streams: usize,
+    /// Most WatchAction streams open at once on one client connection.
+    pub max_watch_streams_per_connection: usize,
+    /// Largest worker report stored, in encoded bytes of its task results
+    /// and error.
+    pub max_report_bytes: usize,
+    /// Furthest ahead of now a SubmitAction's `run_at` may be.
+    pub max_run_at_ahead: Duration,
 }
 
 impl Default for EngineConfig {
@@ -149,6 +197,10 @@ impl Default for EngineConfig {
             max_inputs_per_action: 10_000,
             job_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             synchronous: SyncMode::Full,
+            max_watch_streams: 10_000,
+            max_watch_streams_per_connection: 100,
+            max_report_bytes: DEFAULT_MAX_REPORT_BYTES as usize,
+            max_run_at_ahead: DEFAULT_MAX_RUN_AT_AHEAD,
         }
     }
 }

@@ -95,6 +95,16 @@ pub struct Metrics {
     pub batch_size: Histogram,
     /// Finished jobs deleted by the retention sweep (counter).
     pub expired_jobs: Counter,
+    /// Writes the store could not commit for a cause outside AGQ (disk
+    /// full, I/O error): failed batch commits, failed probe commits and
+    /// operations broken by such an error (counter,
+    /// `agq_store_write_errors_total`).
+    pub store_write_errors: Counter,
+    /// 1 while the store commits, 0 while it cannot (gauge, `agq_store_up`).
+    pub store_up: Gauge,
+    /// Open WatchAction streams (gauge, `agq_watch_streams`): each holds one
+    /// subscription, released when its stream ends.
+    pub watch_streams: Gauge,
 }
 
 impl Default for Metrics {
@@ -192,8 +202,30 @@ impl Metrics {
             "Finished jobs deleted by the retention sweep",
             expired_jobs.clone(),
         );
+        let store_write_errors = Counter::default();
+        registry.register(
+            "store_write_errors",
+            "Writes the store could not commit for a cause outside AGQ (disk full, I/O error)",
+            store_write_errors.clone(),
+        );
+        let store_up = Gauge::default();
+        store_up.set(1);
+        registry.register(
+            "store_up",
+            "1 while the store commits, 0 while it cannot (health NOT_SERVING)",
+            store_up.clone(),
+        );
+        let watch_streams = Gauge::default();
+        registry.register(
+            "watch_streams",
+            "Open WatchAction streams",
+            watch_streams.clone(),
+        );
         Metrics {
             registry: root,
+            store_write_errors,
+            store_up,
+            watch_streams,
             job_transitions,
             jobs,
             queue_depth,

@@ -23,6 +23,12 @@ use crate::{
     service::{ActionApi, JobApi, PlanApi, QueueApi, WorkerApi},
 };
 
+/// Health service name that is SERVING while the process runs, until
+/// shutdown begins: for liveness probes. The server ("") and the `agq.v1`
+/// services also turn NOT_SERVING while the store cannot commit (for
+/// readiness); restarting would not free the disk.
+pub const LIVENESS_SERVICE: &str = "liveness";
+
 /// Largest gRPC message the server accepts, in bytes (16 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
@@ -133,24 +139,28 @@ pub async fn run(
         }
     );
 
+    set_health(&health_reporter, true).await;
     health_reporter
-        .set_serving::<PlanServiceServer<PlanApi>>()
+        .set_service_status(LIVENESS_SERVICE, tonic_health::ServingStatus::Serving)
         .await;
-    health_reporter
-        .set_serving::<ActionServiceServer<ActionApi>>()
-        .await;
-    health_reporter
-        .set_serving::<JobServiceServer<JobApi>>()
-        .await;
-    health_reporter
-        .set_serving::<WorkerServiceServer<WorkerApi>>()
-        .await;
-    health_reporter
-        .set_serving::<QueueServiceServer<QueueApi>>()
-        .await;
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+
+    // Health follows the store: NOT_SERVING while it cannot commit (disk
+    // full, I/O error), SERVING again once a commit succeeds.
+    let store_health_task = {
+        let reporter = health_reporter.clone();
+        let mut up = engine.store_health();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                let ok = *up.borrow_and_update();
+                set_health(&reporter, ok).await;
+                tokio::select! {
+                    r = up.changed() => if r.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        })
+    };
 
     let mut builder = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
@@ -192,25 +202,15 @@ pub async fn run(
 
     ready(&engine);
     let reporter = health_reporter.clone();
+    let health_task = store_health_task;
     let (began_tx, began_rx) = tokio::sync::oneshot::channel::<()>();
     let graceful = async move {
         shutdown.await;
         tracing::info!("shutting down: health NOT_SERVING, ending streams, finishing calls");
+        health_task.abort();
+        set_health(&reporter, false).await;
         reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        reporter
-            .set_not_serving::<PlanServiceServer<PlanApi>>()
-            .await;
-        reporter
-            .set_not_serving::<ActionServiceServer<ActionApi>>()
-            .await;
-        reporter.set_not_serving::<JobServiceServer<JobApi>>().await;
-        reporter
-            .set_not_serving::<WorkerServiceServer<WorkerApi>>()
-            .await;
-        reporter
-            .set_not_serving::<QueueServiceServer<QueueApi>>()
+            .set_service_status(LIVENESS_SERVICE, tonic_health::ServingStatus::NotServing)
             .await;
         let _ = stop_tx.send(true);
         let _ = began_tx.send(());
@@ -249,4 +249,23 @@ pub async fn run(
     engine.close().await;
     tracing::info!("database closed");
     served.map_err(|e| Error::Internal(format!("transport: {e}")))
+}
+
+/// Sets the health of the server ("") and of every `agq.v1` service.
+async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter.set_service_status("", status).await;
+    for name in [
+        <PlanServiceServer<PlanApi> as tonic::server::NamedService>::NAME,
+        <ActionServiceServer<ActionApi> as tonic::server::NamedService>::NAME,
+        <JobServiceServer<JobApi> as tonic::server::NamedService>::NAME,
+        <WorkerServiceServer<WorkerApi> as tonic::server::NamedService>::NAME,
+        <QueueServiceServer<QueueApi> as tonic::server::NamedService>::NAME,
+    ] {
+        reporter.set_service_status(name, status).await;
+    }
 }

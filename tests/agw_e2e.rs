@@ -1240,3 +1240,226 @@ async fn agw_talks_tls_to_the_server() {
     assert_eq!(job.task_results[0].stdout, "over tls\n");
     server.kill();
 }
+
+/// Runs `agw` with id `id` and waits (bounded) for it to exit; returns
+/// its exit code and what it wrote on stderr.
+async fn agw_exit(server: &Server, id: &str) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
+        .args([
+            "--server",
+            &server.url(),
+            "--tools",
+            TOOLS,
+            "--worker-id",
+            id,
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start agw");
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the second agw {id} did not exit");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    (status.code(), err)
+}
+
+/// Issue 14: one live process per worker id. A second `agw` with the id of
+/// a live one exits non-zero with a message saying so, and the first one's
+/// burst of 4-second jobs all complete exactly once (side effect counted on
+/// disk, every job on its first attempt). After the first dies (kill -9),
+/// a new `agw` with the same id takes over: the job it was running is run
+/// again by the new process and its side effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agw_with_a_live_id_exits_and_a_restart_after_kill_9_takes_over() {
+    let dir = test_dir();
+    // A 1 s heartbeat (stale after 3 s): a loaded machine must not make
+    // the first worker stale, which would re-run its jobs for another
+    // reason than the one under test.
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 1000, 5000);
+    let mut c = Clients::new(&server).await;
+    let log = dir.path().join("runs.log");
+    // The side effect counted is a write outside the job's scratch
+    // directory, which the sandbox forbids (tests/sandbox.rs): these
+    // workers run without it; tasks still run unprivileged.
+    std::fs::write(&log, "").unwrap();
+    std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let flags = ["--max-concurrent-jobs", "8", "--insecure-no-sandbox"];
+    c.plan(
+        "slow-once",
+        vec![
+            task(1, "sleep", &["4"], 60, None),
+            task(2, "echo", &["ran {{tag}}"], 60, None),
+            task(3, "tee", &["-a", "{{log}}"], 60, Some(2)),
+        ],
+    )
+    .await;
+    let mut first = Agw::start(&server, "dup", &flags).await;
+    let inputs: Vec<ActionInput> = (0..8)
+        .map(|i| ActionInput {
+            values: HashMap::from([
+                ("tag".to_owned(), format!("j{i}")),
+                ("log".to_owned(), log.to_str().unwrap().to_owned()),
+            ]),
+        })
+        .collect();
+    let burst = c
+        .actions
+        .submit_action(SubmitActionRequest {
+            action_id: String::new(),
+            plan_id: "slow-once".into(),
+            inputs,
+            run_at: None,
+            max_attempts: 3,
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner();
+    c.wait_job(&burst.job_ids[0], "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+
+    // A second process with the same id, while the first runs the burst.
+    let (code, err) = agw_exit(&server, "dup").await;
+    assert_eq!(code, Some(1), "stderr: {err}");
+    assert!(
+        err.contains("worker id dup is taken by another live agw process"),
+        "stderr: {err}"
+    );
+
+    for id in &burst.job_ids {
+        let j = c.wait_status(id, JobStatus::Completed).await;
+        assert_eq!(j.attempt, 1, "job {id} ran more than once: {j:?}");
+    }
+    let mut lines: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    lines.sort();
+    let want: Vec<String> = (0..8).map(|i| format!("ran j{i}")).collect();
+    assert_eq!(lines, want, "each side effect exactly once");
+
+    // The first process dies mid-job; a new one with the id takes over.
+    let job_id = c
+        .submit(
+            "slow-once",
+            &[("tag", "after"), ("log", log.to_str().unwrap())],
+            3,
+        )
+        .await;
+    c.wait_job(&job_id, "running on dup", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "dup"
+    })
+    .await;
+    first.signal(nix::sys::signal::Signal::SIGKILL);
+    first.wait_exit().await;
+    // The server notices the dead process's streams close.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let w = c
+            .workers
+            .get_worker(GetWorkerRequest {
+                worker_id: "dup".into(),
+            })
+            .await
+            .expect("GetWorker")
+            .into_inner()
+            .worker
+            .expect("worker");
+        if !w.connected {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the server never saw dup go");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _second = Agw::start(&server, "dup", &flags).await;
+    let j = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(j.attempt, 2, "{j:?}");
+    assert_eq!(c.worker_state("dup").await, WorkerState::Active);
+    // Give a zombie run every chance to show up, then count.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        text.lines().filter(|l| *l == "ran after").count(),
+        1,
+        "{text}"
+    );
+}
+
+/// Issue 14: agw's warnings tell the truth. In a normal run of many short
+/// jobs on two slots (the server frees a slot when it commits a report and
+/// may send the next lease before agw has the reply), agw logs neither
+/// "more leases than slots" nor "result dropped".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_normal_run_logs_no_false_warnings() {
+    let dir = test_dir();
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 1000, 5000);
+    let mut c = Clients::new(&server).await;
+    c.plan("quick", vec![task(1, "echo", &["hi {{n}}"], 30, None)])
+        .await;
+    let errlog = dir.path().join("agw.stderr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
+        .args(["--server", &server.url(), "--tools", TOOLS])
+        .args(["--worker-id", "honest", "--max-concurrent-jobs", "2"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&errlog).expect("stderr file"))
+        .spawn()
+        .expect("start agw");
+    let inputs: Vec<ActionInput> = (0..80)
+        .map(|i| ActionInput {
+            values: HashMap::from([("n".to_owned(), i.to_string())]),
+        })
+        .collect();
+    let action = c
+        .actions
+        .submit_action(SubmitActionRequest {
+            action_id: String::new(),
+            plan_id: "quick".into(),
+            inputs,
+            run_at: None,
+            max_attempts: 3,
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner();
+    for id in &action.job_ids {
+        c.wait_status(id, JobStatus::Completed).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "agw did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+    let err = std::fs::read_to_string(&errlog).unwrap();
+    assert!(!err.contains("more leases than slots"), "{err}");
+    assert!(!err.contains("result dropped"), "{err}");
+}

@@ -233,6 +233,8 @@ async fn actions_jobs_and_queue() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = EngineConfig {
         max_inputs_per_action: 50,
+        // run_at in 2096 below: past the default horizon of 366 days.
+        max_run_at_ahead: std::time::Duration::from_secs(100 * 366 * 86_400),
         ..fast_config()
     };
     let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;

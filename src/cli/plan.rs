@@ -40,7 +40,8 @@ pub enum PlanCommand {
 /// Flags of `agq plan list`.
 #[derive(Debug, clap::Args)]
 pub struct PlanListArgs {
-    /// Glob over plan ids (`*`, `?`, `[a-z]`); all plans when omitted.
+    /// Glob over plan ids (`*`, `?`, `[a-z]`, `[!a-z]` negation; see
+    /// docs/cli.md for the dialect); all plans when omitted.
     pub pattern: Option<String>,
     /// Paging.
     #[command(flatten)]

@@ -185,7 +185,9 @@ impl State {
     /// Applies a worker's report on a leased job (seed: JOB.UPDATE), fenced
     /// by the lease: only the holder, with the current lease id, may report.
     /// Every check comes before the first SQL write, so it runs without a
-    /// savepoint (`Writer::write_direct`): keep it that way.
+    /// savepoint (`Writer::write_direct`): keep it that way. A final report
+    /// repeated after its outcome was recorded (the first reply was lost)
+    /// is acknowledged again with the job's status, changing nothing.
     ///
     /// Errors: `NotFound` (job), `PermissionDenied` (another worker's lease),
     /// `FailedPrecondition` (stale lease id, job not running),
@@ -206,6 +208,21 @@ impl State {
             None => {
                 let key = jobs::key_by_job_id(conn, &req.job_id)?
                     .ok_or_else(|| Error::not_found(format!("job {} not found", req.job_id)))?;
+                // A repeat of the report that ended this attempt (its
+                // reply was lost): acknowledged again, nothing changes.
+                let same_lease = key.lease_id.as_deref() == Some(req.lease_id.as_str())
+                    && key.worker_id.as_deref() == Some(req.worker_id.as_str());
+                let repeated = match JobStatus::try_from(req.status) {
+                    Ok(JobStatus::Completed) => key.status == JobStatus::Completed,
+                    Ok(JobStatus::Failed) => matches!(
+                        key.status,
+                        JobStatus::Failed | JobStatus::Dead | JobStatus::Pending
+                    ),
+                    _ => false,
+                };
+                if same_lease && repeated {
+                    return Ok(key.status);
+                }
                 self.metrics.fencing_rejections.inc();
                 let msg = format!(
                     "job {} is {} and holds no lease of worker {}; the report is rejected",
@@ -273,7 +290,7 @@ impl State {
                 self.metrics
                     .job_duration
                     .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                let after = self.end_attempt(conn, row, &lease, &error)?;
+                let after = self.end_attempt(conn, row, &lease, &error, true)?;
                 self.metrics.requeue("job_failed");
                 after
             }

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use self::{
     jobs::{NewAction, NewJob},
-    state::{State, StreamTx, Watchers},
+    state::{State, StreamTx, WatchSubscription, Watchers},
     workers::StreamKind,
 };
 use crate::{
@@ -22,7 +22,11 @@ use crate::{
     error::{Error, Result},
     metrics::{status_name, SharedMetrics, StatusLabel, WorkerLabel},
     pb::{self, JobStatus, WorkerState},
-    store::{self, jobs as jstore, plans as pstore, writer::Writer, ReadPool},
+    store::{
+        self, jobs as jstore, plans as pstore,
+        writer::{StoreHealth, Writer},
+        ReadPool,
+    },
     time::ms_of,
 };
 
@@ -40,6 +44,7 @@ pub struct Engine {
     writer_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: std::sync::Mutex<Option<store::Checkpointer>>,
     stop_reaper: watch::Sender<bool>,
+    health: StoreHealth,
 }
 
 fn page_size(n: u32) -> Result<usize> {
@@ -92,9 +97,14 @@ impl Engine {
     ) -> Result<Arc<Engine>> {
         let (conn, pool) = store::open(db, cfg.synchronous)?;
         let checkpointer = store::Checkpointer::start(db, cfg.synchronous)?;
-        let watchers = Arc::new(Watchers::default());
+        let watchers = Arc::new(Watchers::new(
+            cfg.max_watch_streams,
+            cfg.max_watch_streams_per_connection,
+            metrics.watch_streams.clone(),
+        ));
         let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
-        let (writer, thread) = Writer::start(conn, state, checkpointer.signal())?;
+        let health = StoreHealth::new(metrics.store_write_errors.clone());
+        let (writer, thread) = Writer::start(conn, state, checkpointer.signal(), health.clone())?;
         writer.write(|s, c| s.load(c)).await?;
         let (stop_reaper, stop_rx) = watch::channel(false);
         let engine = Arc::new(Engine {
@@ -106,7 +116,22 @@ impl Engine {
             writer_thread: std::sync::Mutex::new(Some(thread)),
             checkpointer: std::sync::Mutex::new(Some(checkpointer)),
             stop_reaper,
+            health,
         });
+        {
+            let mut up = engine.health.subscribe();
+            let gauge = engine.metrics.store_up.clone();
+            let mut stop = stop_rx.clone();
+            tokio::spawn(async move {
+                loop {
+                    gauge.set(i64::from(*up.borrow_and_update()));
+                    tokio::select! {
+                        r = up.changed() => if r.is_err() { return },
+                        _ = stop.changed() => return,
+                    }
+                }
+            });
+        }
         if let Some(retention) = engine.cfg.job_retention {
             tokio::spawn(retention_sweeper(
                 engine.writer.clone(),
@@ -135,6 +160,14 @@ impl Engine {
     /// The settings the engine runs with.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// A receiver of whether the store can commit: false from a commit
+    /// that failed for a cause outside AGQ (disk full, I/O error) until a
+    /// commit succeeds again. The server turns gRPC health NOT_SERVING
+    /// while it is false.
+    pub fn store_health(&self) -> watch::Receiver<bool> {
+        self.health.subscribe()
     }
 
     /// The metrics.
@@ -208,14 +241,19 @@ impl Engine {
                 "pattern must be at most 256 bytes without NUL",
             ));
         }
-        if !req.pattern.is_empty() {
-            glob::Pattern::new(&req.pattern)
-                .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))?;
-        }
+        // One dialect: the pattern that validates here is the one that
+        // matches in the store.
+        let pattern = if req.pattern.is_empty() {
+            None
+        } else {
+            Some(
+                glob::Pattern::new(&req.pattern)
+                    .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))?,
+            )
+        };
         let after = decode_token("plan", &req.page_token)?.unwrap_or_default();
-        let pattern = (!req.pattern.is_empty()).then_some(req.pattern);
         let mut ids = self
-            .read(move |c| pstore::list(c, pattern.as_deref(), &after, limit + 1))
+            .read(move |c| pstore::list(c, pattern.as_ref(), &after, limit + 1))
             .await?;
         let next = if ids.len() > limit {
             ids.truncate(limit);
@@ -245,7 +283,8 @@ impl Engine {
     /// Validates and creates an action with one job per input, atomically
     /// (seed: ACTION.SUBMIT). Returns (action_id, job_ids).
     ///
-    /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at),
+    /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at
+    /// not a valid time or further ahead than `max_run_at_ahead`),
     /// `NotFound` (plan), `AlreadyExists` (action id).
     pub async fn submit_action(
         &self,
@@ -284,7 +323,17 @@ impl Engine {
         let run_at_ms = match &req.run_at {
             None => None,
             Some(t) => {
-                Some(ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?)
+                let ms =
+                    ms_of(t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp"))?;
+                let ahead =
+                    i64::try_from(self.cfg.max_run_at_ahead.as_millis()).unwrap_or(i64::MAX);
+                if ms > store::now_ms().saturating_add(ahead) {
+                    return Err(Error::invalid(format!(
+                        "run_at is more than {} s ahead (--max-run-at-ahead-secs); schedule it nearer",
+                        self.cfg.max_run_at_ahead.as_secs()
+                    )));
+                }
+                Some(ms)
             }
         };
         let a = NewAction {
@@ -316,9 +365,25 @@ impl Engine {
         .await
     }
 
-    /// A receiver that changes whenever a job of the action changes status.
-    pub fn watch_action(&self, action_id: &str) -> watch::Receiver<u64> {
-        self.watchers.subscribe(action_id)
+    /// A subscription that changes whenever a job of the action changes
+    /// status, for one WatchAction stream from `connection` (the client's
+    /// address). The id is checked before anything is registered; the
+    /// subscription gives its place back when dropped.
+    ///
+    /// Errors: `InvalidArgument` (bad id), `ResourceExhausted` (too many
+    /// streams open in all or on this connection).
+    pub fn watch_action(
+        &self,
+        action_id: &str,
+        connection: Option<std::net::SocketAddr>,
+    ) -> Result<WatchSubscription> {
+        validate::object_id("action_id", action_id)?;
+        self.watchers.subscribe(action_id, connection)
+    }
+
+    /// Open WatchAction subscriptions (the `agq_watch_streams` gauge).
+    pub fn watch_streams(&self) -> usize {
+        self.watchers.count()
     }
 
     // ---- jobs ----
@@ -421,12 +486,18 @@ impl Engine {
 
     // ---- workers ----
 
-    /// Registers a worker (seed: WORKER.REGISTER); returns the heartbeat interval.
-    /// Errors: `InvalidArgument`, `AlreadyExists`.
-    pub async fn register_worker(&self, req: pb::RegisterWorkerRequest) -> Result<Duration> {
+    /// Registers a worker (seed: WORKER.REGISTER); returns the heartbeat
+    /// interval and whether the same instance resumed (see
+    /// [`State::register`]).
+    /// Errors: `InvalidArgument`, `AlreadyExists` (another live instance
+    /// holds the id), `Unavailable` (the store cannot commit).
+    pub async fn register_worker(
+        &self,
+        req: pb::RegisterWorkerRequest,
+    ) -> Result<(Duration, bool)> {
         let req = validate::registration(&req)?;
-        self.writer.write(move |s, c| s.register(c, req)).await?;
-        Ok(self.cfg.heartbeat_interval)
+        let resumed = self.writer.write(move |s, c| s.register(c, req)).await?;
+        Ok((self.cfg.heartbeat_interval, resumed))
     }
 
     /// Attaches a heartbeat stream. Errors: `NotFound`, `FailedPrecondition`.
@@ -513,7 +584,9 @@ impl Engine {
     }
 
     /// Applies a fenced job report (seed: JOB.UPDATE).
-    /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`, `FailedPrecondition`.
+    /// Errors: `InvalidArgument`, `NotFound`, `PermissionDenied`,
+    /// `FailedPrecondition`, `ResourceExhausted` (task results and error
+    /// over `max_report_bytes`), `Unavailable` (the store cannot commit).
     pub async fn update_job(&self, req: pb::UpdateJobRequest) -> Result<JobStatus> {
         validate::object_id("job_id", &req.job_id)?;
         validate::worker_id(&req.worker_id)?;
@@ -526,6 +599,7 @@ impl Engine {
                 validate::MAX_TASKS
             )));
         }
+        validate::report_size(&req, self.cfg.max_report_bytes)?;
         // update_job checks the lease, fencing and request before it
         // writes: no savepoint needed (see `Writer::write_direct`).
         self.writer

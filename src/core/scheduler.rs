@@ -301,7 +301,7 @@ impl State {
         let Some(lease) = self.leases.get(&row).cloned() else {
             return Ok(());
         };
-        self.end_attempt(conn, row, &lease, reason)?;
+        self.end_attempt(conn, row, &lease, reason, false)?;
         self.metrics.requeue(label);
         if label != "job_failed" {
             self.command(
@@ -316,12 +316,15 @@ impl State {
     /// Records a failed attempt of the leased job (reported or lost) and
     /// re-queues it with backoff or sends it to dead. Returns the job's
     /// status now: Failed (backing off), Pending (no backoff) or Dead.
+    /// `reported`: the worker reported the failure (its lease id is kept
+    /// to recognise a repeat of the report).
     pub(super) fn end_attempt(
         &mut self,
         conn: &Connection,
         row: i64,
         lease: &Lease,
         error: &str,
+        reported: bool,
     ) -> Result<JobStatus> {
         let now_ms = store::now_ms();
         let dead = lease.attempt >= lease.max_attempts;
@@ -335,7 +338,7 @@ impl State {
             "attempt {} of {}: {error}",
             lease.attempt, lease.max_attempts
         );
-        jobs::fail_attempt(conn, row, dead, &error, ready_at, now_ms)?;
+        jobs::fail_attempt(conn, row, dead, &error, ready_at, now_ms, reported)?;
         let mut status = if dead {
             JobStatus::Dead
         } else {

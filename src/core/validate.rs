@@ -37,13 +37,40 @@ fn id_chars(s: &str, extra: &[char]) -> bool {
         .all(|c| c.is_ascii_alphanumeric() || extra.contains(&c))
 }
 
-/// Checks an id of plans, actions and jobs: `[A-Za-z0-9._-]{1,128}`.
-/// `what` names the field in the message.
+/// Checks an id of plans, actions and jobs: `[A-Za-z0-9._-]{1,128}`, not
+/// "." or ".." (path-like ids are refused). `what` names the field in the
+/// message.
 pub fn object_id(what: &str, id: &str) -> Result<()> {
     if id.is_empty() || id.len() > 128 || !id_chars(id, &['.', '_', '-']) {
         return Err(Error::invalid(format!(
             "{what} must match [A-Za-z0-9._-]{{1,128}}, got {:?}",
             truncate(id, 64)
+        )));
+    }
+    if id == "." || id == ".." {
+        return Err(Error::invalid(format!(
+            "{what} must not be \".\" or \"..\" (path-like ids are refused)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the size of a worker report: the encoded task results and the
+/// error text together at most `max` bytes.
+///
+/// Errors: [`Error::ResourceExhausted`] naming the size and the limit.
+pub fn report_size(req: &pb::UpdateJobRequest, max: usize) -> Result<()> {
+    use prost::Message;
+    let size: usize = req
+        .task_results
+        .iter()
+        .map(|r| r.encoded_len())
+        .sum::<usize>()
+        + req.error.len();
+    if size > max {
+        return Err(Error::ResourceExhausted(format!(
+            "the report of job {} holds {size} bytes of task results and error; this server stores at most {max} (--max-report-bytes): send it again with outputs truncated",
+            truncate(&req.job_id, 64)
         )));
     }
     Ok(())
@@ -212,6 +239,12 @@ pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorke
     short_text("hostname", &req.hostname, 1, 255)?;
     short_text("platform", &req.platform, 0, 64)?;
     short_text("agw_version", &req.agw_version, 1, 64)?;
+    if req.instance_id.len() > 64 || !id_chars(&req.instance_id, &['_', '-']) {
+        return Err(Error::invalid(format!(
+            "instance_id must match [A-Za-z0-9_-]{{0,64}}, got {:?}",
+            truncate(&req.instance_id, 80)
+        )));
+    }
     let mut req = req.clone();
     if req.max_concurrent_jobs == 0 {
         req.max_concurrent_jobs = 1;

@@ -42,17 +42,66 @@ impl State {
         }
     }
 
-    /// Registers a validated worker (seed: WORKER.REGISTER).
+    /// Registers a validated worker (seed: WORKER.REGISTER). One live
+    /// process per worker id, told apart by `instance_id`:
+    /// - the id is new, DEAD or UNREGISTERED: registered;
+    /// - the same instance registers again while ACTIVE or DRAINING: it
+    ///   resumes, nothing changes (its leases and streams are kept);
+    /// - another instance while the current one is fresh and its heartbeat
+    ///   stream open: refused;
+    /// - another instance while the current one is stale or its heartbeat
+    ///   stream gone: it takes over; the leases of the old instance (a
+    ///   process that is gone) are re-queued and its streams ended.
     ///
-    /// Errors: `AlreadyExists` while the id is ACTIVE or DRAINING.
-    pub fn register(&mut self, conn: &Connection, req: pb::RegisterWorkerRequest) -> Result<()> {
+    /// Returns true when it resumed.
+    ///
+    /// Errors: `AlreadyExists` while another live instance holds the id
+    /// (or, for a request without `instance_id`, while the id is ACTIVE or
+    /// DRAINING); storage errors.
+    pub fn register(&mut self, conn: &Connection, req: pb::RegisterWorkerRequest) -> Result<bool> {
         if let Some(w) = self.workers.get(&req.worker_id) {
             if matches!(w.state, WorkerState::Active | WorkerState::Draining) {
-                return Err(Error::AlreadyExists(format!(
-                    "worker {} is already registered and {}",
-                    req.worker_id,
-                    state_name(w.state)
-                )));
+                let current = w.info.instance_id.clone();
+                if req.instance_id.is_empty() || current.is_empty() {
+                    return Err(Error::AlreadyExists(format!(
+                        "worker {} is already registered and {}",
+                        req.worker_id,
+                        state_name(w.state)
+                    )));
+                }
+                if current == req.instance_id {
+                    return Ok(true);
+                }
+                let now = Instant::now();
+                let connected = w.heartbeat.as_ref().is_some_and(|h| !h.tx.is_closed());
+                if self.is_fresh(w, now) && connected {
+                    let ago = now.saturating_duration_since(w.last_heartbeat);
+                    return Err(Error::AlreadyExists(format!(
+                        "worker {} is already run by another live agw process (instance {current}, \
+                         hostname {:?}, last heartbeat {:.1} s ago); stop that process or give \
+                         this one another worker id",
+                        req.worker_id,
+                        w.info.hostname,
+                        ago.as_secs_f64()
+                    )));
+                }
+                let n = self.lose_all(
+                    conn,
+                    &req.worker_id,
+                    "its worker process was replaced by a new instance",
+                    "takeover",
+                )?;
+                self.hang_up(
+                    &req.worker_id,
+                    "another instance of this worker id took over; this process must stop",
+                );
+                tracing::info!(
+                    worker_id = %req.worker_id,
+                    old_instance = %current,
+                    new_instance = %req.instance_id,
+                    requeued = n,
+                    "a new instance took over a worker whose process is gone"
+                );
             }
         }
         let now_ms = store::now_ms();
@@ -66,6 +115,7 @@ impl State {
             tags: req.tags,
             state: WorkerState::Active as i32,
             sandboxed: req.sandboxed,
+            instance_id: req.instance_id,
             ..Default::default()
         };
         wstore::upsert(conn, &info, now_ms)?;
@@ -98,7 +148,7 @@ impl State {
         }
         self.refresh_available(&req.worker_id);
         tracing::info!(worker_id = %req.worker_id, "worker registered");
-        Ok(())
+        Ok(false)
     }
 
     /// Attaches a newly opened stream to the worker, replacing an older one

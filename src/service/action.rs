@@ -65,10 +65,14 @@ impl ActionService for ActionApi {
     ) -> Result<Response<Self::WatchActionStream>, Status> {
         rpc(&self.engine, "ActionService/WatchAction", async {
             require_client(&identity(&req))?;
+            let connection = req.remote_addr();
             let action_id = req.into_inner().action_id;
-            let mut changes = self.engine.watch_action(&action_id);
-            changes.borrow_and_update();
-            // Fails with INVALID_ARGUMENT / NOT_FOUND before the stream starts.
+            // Fails with INVALID_ARGUMENT / RESOURCE_EXHAUSTED before
+            // anything is registered; the subscription is given back when
+            // this call fails or its stream ends (dropped with the task).
+            let mut changes = self.engine.watch_action(&action_id, connection)?;
+            changes.mark_seen();
+            // Fails with NOT_FOUND before the stream starts.
             let first = self.engine.get_action(action_id.clone()).await?;
             let engine = self.engine.clone();
             let mut shutdown = self.shutdown.clone();
@@ -82,6 +86,8 @@ impl ActionService for ActionApi {
                     let stopping = tokio::select! {
                         changed = changes.changed() => if changed.is_err() { return } else { false },
                         r = shutdown.wait_for(|s| *s) => r.is_ok(),
+                        // The client went away: end now, not at the next change.
+                        () = tx.closed() => return,
                     };
                     if stopping {
                         let _ = tx.send(Err(Status::unavailable("the server is shutting down"))).await;

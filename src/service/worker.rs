@@ -74,9 +74,10 @@ impl WorkerService for WorkerApi {
             require_worker(&identity(&req), &r.worker_id)?;
             let r = req.into_inner();
             let worker_id = r.worker_id.clone();
-            let interval = self.engine.register_worker(r).await?;
+            let (interval, resumed) = self.engine.register_worker(r).await?;
             Ok(pb::RegisterWorkerResponse {
                 worker_id,
+                resumed,
                 heartbeat_interval_secs: interval.as_secs_f64().ceil() as u32,
                 heartbeat_interval_ms: interval.as_millis().min(u32::MAX as u128) as u32,
             })

@@ -31,6 +31,10 @@ pub struct JobKey {
     pub status: JobStatus,
     /// Current or last lease holder.
     pub worker_id: Option<String>,
+    /// The current lease while running; after the worker's own report
+    /// ended the attempt, the lease that report carried (so a repeat of
+    /// the report, its first reply lost, is recognised); else `None`.
+    pub lease_id: Option<String>,
 }
 
 fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
@@ -40,6 +44,7 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
         plan_id: r.get(2)?,
         status: JobStatus::try_from(r.get::<_, i32>(3)?).unwrap_or(JobStatus::Unspecified),
         worker_id: r.get(4)?,
+        lease_id: r.get(5)?,
     })
 }
 
@@ -49,7 +54,7 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
 pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> {
     Ok(conn
         .prepare_cached(
-            "SELECT id, action_id, plan_id, status, worker_id FROM jobs WHERE job_id = ?1",
+            "SELECT id, action_id, plan_id, status, worker_id, lease_id FROM jobs WHERE job_id = ?1",
         )?
         .query_row([job_id], key_from_row)
         .optional()?)
@@ -203,12 +208,13 @@ pub fn replace_task_results(
     Ok(())
 }
 
-/// Marks the running job completed and clears its lease.
+/// Marks the running job completed (its worker reported it). The lease id
+/// stays as the one that recorded the outcome (see [`JobKey::lease_id`]).
 ///
 /// Errors: [`Error::Storage`].
 pub fn complete(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
     conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_id = NULL, lease_expires_at_ms = NULL,
+        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_expires_at_ms = NULL,
                 error = '', progress_percent = 100 WHERE id = ?1",
     )?
     .execute(params![row, COMPLETED, now_ms])?;
@@ -216,7 +222,9 @@ pub fn complete(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 }
 
 /// Ends the current attempt as failed: `Failed` with the next attempt due at
-/// `ready_at_ms`, or `Dead` when no attempt is left. Clears the lease.
+/// `ready_at_ms`, or `Dead` when no attempt is left. The lease id stays
+/// when the worker reported the failure (`reported`, see
+/// [`JobKey::lease_id`]); it is cleared when the server ended the attempt.
 ///
 /// Errors: [`Error::Storage`].
 pub fn fail_attempt(
@@ -226,14 +234,15 @@ pub fn fail_attempt(
     error: &str,
     ready_at_ms: i64,
     now_ms: i64,
+    reported: bool,
 ) -> Result<()> {
     let status = if dead { DEAD } else { FAILED };
     let completed = if dead { Some(now_ms) } else { None };
     conn.prepare_cached(
         "UPDATE jobs SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
-                lease_id = NULL, lease_expires_at_ms = NULL WHERE id = ?1",
+                lease_id = CASE WHEN ?6 THEN lease_id END, lease_expires_at_ms = NULL WHERE id = ?1",
     )?
-    .execute(params![row, status, error, ready_at_ms, completed])?;
+    .execute(params![row, status, error, ready_at_ms, completed, reported])?;
     Ok(())
 }
 
@@ -255,7 +264,7 @@ pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 pub fn retry(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
     conn.prepare_cached(
         "UPDATE jobs SET status = ?2, attempt = 0, ready_at_ms = ?3, completed_at_ms = NULL,
-                error = '', current_task = 0, progress_percent = 0 WHERE id = ?1",
+                lease_id = NULL, error = '', current_task = 0, progress_percent = 0 WHERE id = ?1",
     )?
     .execute(params![row, PENDING, now_ms])?;
     Ok(())

@@ -27,6 +27,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0002_status_free_indexes.sql"),
     include_str!("migrations/0003_drop_unused_job_indexes.sql"),
     include_str!("migrations/0004_action_retention.sql"),
+    include_str!("migrations/0005_worker_instance.sql"),
     include_str!("migrations/0006_worker_sandboxed.sql"),
 ];
 

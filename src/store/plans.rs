@@ -46,22 +46,50 @@ pub fn load_all(conn: &Connection) -> Result<Vec<pb::Plan>> {
     Ok(out)
 }
 
-/// Up to `limit` plan ids after `after` (exclusive) in ascending order,
-/// matching the SQLite GLOB `pattern` when given.
+/// Plan ids after `after` (exclusive) in id order, at most `limit`,
+/// matching `pattern` when given. The pattern is matched by the `glob`
+/// crate, the same engine that validated it, so there is one dialect (see
+/// `ListPlansRequest.pattern`). Rows are read in id order from the literal
+/// prefix of the pattern (the text before its first `*`, `?` or `[`) and
+/// stop once past it.
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn list(
     conn: &Connection,
-    pattern: Option<&str>,
+    pattern: Option<&glob::Pattern>,
     after: &str,
     limit: usize,
 ) -> Result<Vec<String>> {
+    let prefix: String = pattern
+        .map(|p| {
+            p.as_str()
+                .chars()
+                .take_while(|c| !matches!(c, '*' | '?' | '['))
+                .collect()
+        })
+        .unwrap_or_default();
+    let start = if prefix.as_str() > after {
+        prefix.as_str()
+    } else {
+        after
+    };
+    let inclusive = prefix.as_str() > after;
     let mut stmt = conn.prepare_cached(
-        "SELECT plan_id FROM plans WHERE plan_id > ?1 AND (?2 IS NULL OR plan_id GLOB ?2)
-         ORDER BY plan_id LIMIT ?3",
+        "SELECT plan_id FROM plans WHERE plan_id > ?1 OR (?2 AND plan_id = ?1) ORDER BY plan_id",
     )?;
-    let rows = stmt.query_map(params![after, pattern, limit as i64], |r| r.get(0))?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
+    let mut rows = stmt.query(params![start, inclusive])?;
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let Some(row) = rows.next()? else { break };
+        let id: String = row.get(0)?;
+        if !id.starts_with(&prefix) {
+            break;
+        }
+        if pattern.is_none_or(|p| p.matches(&id)) {
+            out.push(id);
+        }
+    }
+    Ok(out)
 }
 
 /// Deletes the plan with its actions, jobs and task results. Returns false

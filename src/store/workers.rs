@@ -31,11 +31,13 @@ pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
     let tags = serde_json::to_string(&w.tags).map_err(|e| Error::Internal(e.to_string()))?;
     conn.prepare_cached(
         "INSERT INTO workers (worker_id, hostname, platform, agw_version, agentic_units, tags,
-            max_concurrent_jobs, state, registered_at_ms, last_heartbeat_at_ms, stats, sandboxed)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, NULL, ?10)
+            max_concurrent_jobs, state, registered_at_ms, last_heartbeat_at_ms, stats, instance_id,
+            sandboxed)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, NULL, ?10, ?11)
          ON CONFLICT(worker_id) DO UPDATE SET hostname = ?2, platform = ?3, agw_version = ?4,
             agentic_units = ?5, tags = ?6, max_concurrent_jobs = ?7, state = ?8,
-            registered_at_ms = ?9, last_heartbeat_at_ms = ?9, stats = NULL, sandboxed = ?10",
+            registered_at_ms = ?9, last_heartbeat_at_ms = ?9, stats = NULL, instance_id = ?10,
+            sandboxed = ?11",
     )?
     .execute(params![
         w.worker_id,
@@ -47,6 +49,7 @@ pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
         w.max_concurrent_jobs,
         w.state,
         now_ms,
+        w.instance_id,
         w.sandboxed
     ])?;
     conn.prepare_cached("DELETE FROM worker_tools WHERE worker_id = ?1")?
@@ -100,7 +103,8 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
     }
     let mut stmt = conn.prepare(
         "SELECT worker_id, hostname, platform, agw_version, agentic_units, tags, max_concurrent_jobs, state,
-                registered_at_ms, last_heartbeat_at_ms, stats, sandboxed FROM workers ORDER BY worker_id",
+                registered_at_ms, last_heartbeat_at_ms, stats, instance_id, sandboxed
+         FROM workers ORDER BY worker_id",
     )?;
     let rows = stmt.query_map([], |r| {
         Ok((
@@ -115,7 +119,8 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             r.get::<_, i64>(8)?,
             r.get::<_, Option<i64>>(9)?,
             r.get::<_, Option<Vec<u8>>>(10)?,
-            r.get::<_, bool>(11)?,
+            r.get::<_, String>(11)?,
+            r.get::<_, bool>(12)?,
         ))
     })?;
     let mut out = Vec::new();
@@ -132,6 +137,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             reg,
             hb,
             stats,
+            instance,
             sandboxed,
         ) = row?;
         let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
@@ -148,6 +154,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             state,
             stats: stats.and_then(|b| pb::WorkerStats::decode(b.as_slice()).ok()),
             worker_id: id,
+            instance_id: instance,
             sandboxed,
             ..Default::default()
         };

@@ -5,8 +5,14 @@
 //! Replies and side effects (lease pushes, stream commands) are released
 //! only after the commit succeeded.
 
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use prometheus_client::metrics::counter::Counter;
 use rusqlite::Connection;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::CheckpointSignal;
 use crate::error::{Error, Result};
@@ -22,7 +28,8 @@ pub trait BatchState: Send + 'static {
     /// Errors: a storage error rolls the whole batch back.
     fn before_commit(&mut self, conn: &Connection) -> Result<()>;
     /// Runs once the commit is durable: releases buffered side effects.
-    /// `ops` is the number of operations the commit carried.
+    /// `ops` is the number of operations the commit carried; 0 after a
+    /// batch of reads run while the store cannot commit (no commit).
     fn after_commit(&mut self, ops: usize);
     /// Runs when the batch was rolled back: drops buffered side effects and
     /// rebuilds the in-memory state from the database.
@@ -32,26 +39,83 @@ pub trait BatchState: Send + 'static {
 }
 
 type Reply = Box<dyn FnOnce(Result<()>) + Send>;
-type TxFn<S> = Box<dyn FnOnce(&mut S, &Connection) -> (Outcome, Reply) + Send>;
+type TxFn<S> = Box<dyn for<'a> FnOnce(Ctx<'a, S>) -> (Outcome, Reply) + Send>;
+
+/// What a queued operation gets: the state and connection to run on, or,
+/// while the store cannot commit, the cause to refuse with (it does not run).
+enum Ctx<'a, S> {
+    /// Run on this state and connection.
+    Run(&'a mut S, &'a Connection),
+    /// Do not run: the store cannot commit (the cause, in words).
+    Refuse(&'static str),
+}
 
 /// How an operation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
     /// It succeeded.
     Done,
-    /// It refused (bad input, wrong state, ...).
+    /// It refused (bad input, wrong state, ...), or was refused.
     Refused,
-    /// Storage failed under it.
-    Broken,
+    /// Storage failed under it; with the cause when the environment (disk
+    /// full, I/O error) is to blame (see [`crate::error::store_fault`]).
+    Broken(Option<&'static str>),
 }
 
 impl Outcome {
     fn of<R>(r: &Result<R>) -> Outcome {
         match r {
             Ok(_) => Outcome::Done,
-            Err(Error::Storage(_) | Error::Pool(_)) => Outcome::Broken,
+            Err(e @ (Error::Storage(_) | Error::Pool(_))) => Outcome::Broken(e.store_fault()),
             Err(_) => Outcome::Refused,
         }
+    }
+}
+
+/// Whether the store can commit, shared by the writer (which sets it) and
+/// the server (which turns gRPC health `NOT_SERVING` while it cannot).
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct StoreHealth {
+    ok: Arc<watch::Sender<bool>>,
+    errors: Counter,
+}
+
+impl StoreHealth {
+    /// A healthy store whose failed writes count in `errors`
+    /// (`agq_store_write_errors_total`).
+    pub fn new(errors: Counter) -> StoreHealth {
+        StoreHealth {
+            ok: Arc::new(watch::channel(true).0),
+            errors,
+        }
+    }
+
+    /// A receiver of the current state: true while the store commits,
+    /// false from a commit that failed for a cause outside AGQ (disk full,
+    /// I/O error) until one succeeds again.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.ok.subscribe()
+    }
+
+    /// True while the store commits.
+    pub fn is_ok(&self) -> bool {
+        *self.ok.borrow()
+    }
+
+    fn failed(&self) {
+        self.errors.inc();
+        self.ok.send_if_modified(|ok| std::mem::replace(ok, false));
+    }
+
+    fn recovered(&self) {
+        self.ok.send_if_modified(|ok| !std::mem::replace(ok, true));
+    }
+}
+
+impl Default for StoreHealth {
+    fn default() -> Self {
+        StoreHealth::new(Counter::default())
     }
 }
 
@@ -86,19 +150,21 @@ impl<S> Clone for Writer<S> {
 
 impl<S: BatchState> Writer<S> {
     /// Starts the writer thread on `conn` with `state`; `checkpoint` is
-    /// woken after every commit that wrote. The returned join handle
-    /// finishes after every handle is dropped and the queue drained.
+    /// woken after every commit that wrote; `health` follows whether the
+    /// store can commit. The returned join handle finishes after every
+    /// handle is dropped and the queue drained.
     ///
     /// Errors: [`Error::Internal`] when the thread cannot be spawned.
     pub fn start(
         conn: Connection,
         state: S,
         checkpoint: CheckpointSignal,
+        health: StoreHealth,
     ) -> Result<(Self, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::unbounded_channel();
         let handle = std::thread::Builder::new()
             .name("agq-writer".into())
-            .spawn(move || run(conn, state, rx, checkpoint))
+            .spawn(move || run(conn, state, rx, checkpoint, health))
             .map_err(|e| Error::Internal(format!("cannot start the writer thread: {e}")))?;
         Ok((Writer { tx }, handle))
     }
@@ -106,8 +172,10 @@ impl<S: BatchState> Writer<S> {
     /// Runs `f` as a state change and returns its result once committed.
     ///
     /// Errors: whatever `f` returns (its writes are rolled back);
-    /// [`Error::Storage`] when the commit fails; [`Error::Unavailable`] when
-    /// the writer has stopped.
+    /// [`Error::StoreUnavailable`] when the store cannot commit (disk full,
+    /// I/O error: `f` did not run or was rolled back); [`Error::Internal`]
+    /// when the commit failed otherwise; [`Error::Unavailable`] when the
+    /// writer has stopped.
     pub async fn write<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
@@ -132,11 +200,14 @@ impl<S: BatchState> Writer<S> {
         self.call(f, Kind::Direct).await
     }
 
-    /// Runs `f` on the writer thread without a savepoint, for operations that write no SQL (reads of the
-    /// in-memory state, heartbeats); the reply follows the batch's commit like any other.
+    /// Runs `f` on the writer thread without a savepoint, for operations
+    /// that write no SQL (reads of the in-memory state, heartbeats); the
+    /// reply follows the batch's commit like any other. While the store
+    /// cannot commit, these still run (outside any transaction).
     ///
-    /// Errors: whatever `f` returns; [`Error::Unavailable`] when the writer
-    /// has stopped.
+    /// Errors: whatever `f` returns; [`Error::StoreUnavailable`] or
+    /// [`Error::Internal`] when the batch it ran in failed to commit;
+    /// [`Error::Unavailable`] when the writer has stopped.
     pub async fn run<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
@@ -146,15 +217,24 @@ impl<S: BatchState> Writer<S> {
     }
 
     /// Queues a state change whose result nobody waits for (stream-closed
-    /// events, reaper ticks). Returns false when the writer has stopped.
+    /// events, reaper ticks). While the store cannot commit it is dropped
+    /// without running (a reaper tick comes again; see [`StoreHealth`]).
+    /// Returns false when the writer has stopped.
     pub fn submit<F>(&self, f: F) -> bool
     where
         F: FnOnce(&mut S, &Connection) -> Result<()> + Send + 'static,
     {
-        let op: TxFn<S> = Box::new(move |s, c| {
+        let op: TxFn<S> = Box::new(move |ctx| {
+            let Ctx::Run(s, c) = ctx else {
+                return (Outcome::Refused, Box::new(|_| {}));
+            };
             let r = f(s, c);
-            if let Err(e) = &r {
-                tracing::warn!(error = %e, "background operation failed");
+            match &r {
+                Err(e) if e.store_fault().is_some() => {
+                    tracing::debug!(error = %e, "background operation failed")
+                }
+                Err(e) => tracing::warn!(error = %e, "background operation failed"),
+                Ok(()) => {}
             }
             (Outcome::of(&r), Box::new(|_| {}))
         });
@@ -173,8 +253,11 @@ impl<S: BatchState> Writer<S> {
         F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
     {
         let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
-        let op: TxFn<S> = Box::new(move |s, c| {
-            let r = f(s, c);
+        let op: TxFn<S> = Box::new(move |ctx| {
+            let r = match ctx {
+                Ctx::Run(s, c) => f(s, c),
+                Ctx::Refuse(cause) => Err(Error::StoreUnavailable(cause)),
+            };
             let outcome = Outcome::of(&r);
             let reply: Reply = Box::new(move |commit: Result<()>| {
                 let out = match (commit, r) {
@@ -204,17 +287,110 @@ enum Kind {
     Read,
 }
 
+/// First wait before probing a store that could not commit.
+const PROBE_FIRST: Duration = Duration::from_millis(25);
+/// Longest wait between two probes of a store that cannot commit.
+const PROBE_MAX: Duration = Duration::from_secs(2);
+/// Least time between two log lines about a store that still cannot commit.
+const FAULT_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The writer's record of a store that cannot commit.
+struct Fault {
+    /// The cause, in words.
+    cause: &'static str,
+    /// When it began.
+    since: Instant,
+    /// Wait before the next probe after this one fails.
+    backoff: Duration,
+    /// When the next probe is due.
+    next_probe: Instant,
+    /// When the last "still cannot commit" line was logged.
+    logged: Instant,
+    /// Operations refused since the last log line.
+    refused: u64,
+}
+
+impl Fault {
+    fn new(cause: &'static str, backoff: Duration) -> Fault {
+        let now = Instant::now();
+        Fault {
+            cause,
+            since: now,
+            backoff,
+            next_probe: now + backoff,
+            logged: now,
+            refused: 0,
+        }
+    }
+}
+
+/// Free space the database's file system must have before a store that
+/// could not commit is tried again: 256 KiB. Without it a store on a full
+/// disk would flap: a small commit fits in log space a failed one left
+/// behind, and the next real batch fails again.
+pub const RECOVERY_HEADROOM_BYTES: u64 = 256 * 1024;
+
+/// Bytes free (for unprivileged users) on the file system of `path`;
+/// `None` when unknown.
+fn free_bytes(path: &str) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(path).ok()?;
+    #[allow(clippy::useless_conversion)] // the field types differ by platform
+    let (avail, frag) = (
+        u64::from(st.blocks_available()),
+        u64::from(st.fragment_size()),
+    );
+    Some(avail.saturating_mul(frag))
+}
+
+/// Tries one tiny commit (the schema version, rewritten unchanged) once
+/// the file system has [`RECOVERY_HEADROOM_BYTES`] free: it succeeds only
+/// when the store can append to its log again.
+///
+/// Returns false, without trying, while the free space is short.
+///
+/// Errors: storage errors of the commit.
+fn probe(conn: &Connection) -> Result<bool> {
+    let room = conn
+        .path()
+        .filter(|p| !p.is_empty())
+        .and_then(free_bytes)
+        .is_none_or(|free| free >= RECOVERY_HEADROOM_BYTES);
+    if !room {
+        return Ok(false);
+    }
+    let r = (|| -> Result<()> {
+        exec(conn, "BEGIN IMMEDIATE")?;
+        let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        conn.pragma_update(None, "user_version", v)?;
+        exec(conn, "COMMIT")?;
+        Ok(())
+    })();
+    if r.is_err() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    r.map(|()| true)
+}
+
 fn run<S: BatchState>(
     conn: Connection,
     mut state: S,
     mut rx: mpsc::UnboundedReceiver<Op<S>>,
     checkpoint: CheckpointSignal,
+    health: StoreHealth,
 ) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut replies: Vec<Reply> = Vec::with_capacity(MAX_BATCH);
     // Operations not run because a storage error ended their batch.
     let mut carried: Vec<Op<S>> = Vec::new();
     let mut stopping = false;
+    // Set while the store cannot commit: writes are refused without
+    // running, and a probe commit is tried with backoff.
+    let mut fault: Option<Fault> = None;
+    // When the last fault ended and the backoff it had reached, so a store
+    // that keeps failing right after recovering is probed less often.
+    let mut last_fault: Option<(Instant, Duration)> = None;
+    // Consecutive batches that failed for a cause that is not the store's.
+    let mut internal_failures = 0u32;
     while !stopping || !carried.is_empty() {
         if carried.is_empty() {
             let Some(first) = rx.blocking_recv() else {
@@ -236,10 +412,72 @@ fn run<S: BatchState>(
             rx.close();
         }
         let ops = batch.len();
+        if let Some(f) = &mut fault {
+            if Instant::now() >= f.next_probe {
+                match probe(&conn) {
+                    Ok(false) => {
+                        tracing::debug!("not enough free space to probe the store");
+                        f.backoff = (f.backoff * 2).min(PROBE_MAX);
+                        f.next_probe = Instant::now() + f.backoff;
+                    }
+                    Ok(true) => {
+                        tracing::info!(
+                            down_secs = f.since.elapsed().as_secs_f64(),
+                            cause = f.cause,
+                            "the store commits again: writes accepted, health SERVING"
+                        );
+                        last_fault = Some((Instant::now(), f.backoff));
+                        fault = None;
+                        health.recovered();
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "probe commit failed");
+                        health.failed();
+                        if let Some(cause) = e.store_fault() {
+                            f.cause = cause;
+                        }
+                        f.backoff = (f.backoff * 2).min(PROBE_MAX);
+                        f.next_probe = Instant::now() + f.backoff;
+                    }
+                }
+            }
+        }
+        if let Some(f) = &mut fault {
+            // Refuse the writes without running them; run the reads.
+            for op in batch.drain(..) {
+                match op {
+                    Op::Write(g) | Op::Direct(g) => {
+                        f.refused += 1;
+                        replies.push(g(Ctx::Refuse(f.cause)).1);
+                    }
+                    Op::Read(g) => replies.push(g(Ctx::Run(&mut state, &conn)).1),
+                    Op::Stop => {}
+                }
+            }
+            state.after_commit(0);
+            for reply in replies.drain(..) {
+                reply(Ok(()));
+            }
+            if f.logged.elapsed() >= FAULT_LOG_EVERY {
+                tracing::warn!(
+                    cause = f.cause,
+                    down_secs = f.since.elapsed().as_secs_f64(),
+                    refused_writes = f.refused,
+                    "the store still cannot commit; writes are refused with UNAVAILABLE"
+                );
+                f.logged = Instant::now();
+                f.refused = 0;
+            }
+            continue;
+        }
         let changes_before = conn.total_changes();
         let result = run_batch(&conn, &mut state, &mut batch, &mut replies, &mut carried);
         match result {
-            Ok(()) => {
+            Ok(op_faults) => {
+                internal_failures = 0;
+                for _ in 0..op_faults {
+                    health.errors.inc();
+                }
                 if conn.total_changes() != changes_before {
                     checkpoint.committed();
                 }
@@ -249,11 +487,48 @@ fn run<S: BatchState>(
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, "batch rolled back");
                 let _ = conn.execute_batch("ROLLBACK");
                 state.after_rollback(&conn);
+                let cause = e.store_fault();
+                match cause {
+                    Some(cause) => {
+                        health.failed();
+                        // Probe sooner the first time; later as it repeats.
+                        let backoff = match last_fault {
+                            Some((ended, b)) if ended.elapsed() < FAULT_LOG_EVERY => {
+                                (b * 2).min(PROBE_MAX)
+                            }
+                            _ => PROBE_FIRST,
+                        };
+                        if last_fault.is_none_or(|(ended, _)| ended.elapsed() >= FAULT_LOG_EVERY) {
+                            tracing::error!(
+                                cause,
+                                "the store cannot commit: batch rolled back; writes are refused with UNAVAILABLE and health is NOT_SERVING until a commit succeeds"
+                            );
+                        } else {
+                            tracing::warn!(
+                                cause,
+                                "the store cannot commit again: batch rolled back"
+                            );
+                        }
+                        fault = Some(Fault::new(cause, backoff));
+                    }
+                    None => {
+                        tracing::error!(error = %e, "batch rolled back");
+                        internal_failures += 1;
+                    }
+                }
                 for reply in replies.drain(..) {
-                    reply(Err(Error::Internal(format!("commit failed: {e}"))));
+                    reply(Err(match cause {
+                        Some(cause) => Error::StoreUnavailable(cause),
+                        None => Error::Internal(format!("commit failed: {e}")),
+                    }));
+                }
+                if internal_failures > 1 {
+                    // A failure that repeats is a bug, not load: do not
+                    // spin on it.
+                    let n = internal_failures.min(7);
+                    std::thread::sleep(PROBE_FIRST * (1 << n));
                 }
             }
         }
@@ -267,38 +542,48 @@ fn run<S: BatchState>(
     }
 }
 
+/// Runs one batch in one transaction. Returns how many of its operations
+/// storage broke for a cause outside AGQ (each rolled back to its
+/// savepoint while the rest committed).
 fn run_batch<S: BatchState>(
     conn: &Connection,
     state: &mut S,
     batch: &mut Vec<Op<S>>,
     replies: &mut Vec<Reply>,
     carried: &mut Vec<Op<S>>,
-) -> Result<()> {
+) -> Result<u32> {
     exec(conn, "BEGIN")?;
+    let mut op_faults = 0;
     let mut ops = batch.drain(..);
     while let Some(op) = ops.next() {
         match op {
             Op::Write(f) => {
                 exec(conn, "SAVEPOINT op")?;
-                let (outcome, reply) = f(state, conn);
+                let (outcome, reply) = f(Ctx::Run(state, conn));
                 if outcome != Outcome::Done {
                     exec(conn, "ROLLBACK TO op")?;
+                }
+                if let Outcome::Broken(Some(_)) = outcome {
+                    op_faults += 1;
                 }
                 exec(conn, "RELEASE op")?;
                 replies.push(reply);
             }
             Op::Direct(f) => {
-                let (outcome, reply) = f(state, conn);
+                let (outcome, reply) = f(Ctx::Run(state, conn));
                 replies.push(reply);
-                if outcome == Outcome::Broken {
+                if let Outcome::Broken(cause) = outcome {
                     carried.extend(ops);
-                    return Err(Error::Internal(
-                        "storage failed in the middle of an operation".into(),
-                    ));
+                    return Err(match cause {
+                        Some(cause) => Error::StoreUnavailable(cause),
+                        None => {
+                            Error::Internal("storage failed in the middle of an operation".into())
+                        }
+                    });
                 }
             }
             Op::Read(f) => {
-                let (_, reply) = f(state, conn);
+                let (_, reply) = f(Ctx::Run(state, conn));
                 replies.push(reply);
             }
             Op::Stop => {}
@@ -306,7 +591,7 @@ fn run_batch<S: BatchState>(
     }
     state.before_commit(conn)?;
     exec(conn, "COMMIT")?;
-    Ok(())
+    Ok(op_faults)
 }
 
 /// Runs a transaction-control statement through the statement cache
@@ -353,7 +638,13 @@ mod tests {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
             .unwrap();
-        let (w, thread) = Writer::start(conn, Log::default(), CheckpointSignal::default()).unwrap();
+        let (w, thread) = Writer::start(
+            conn,
+            Log::default(),
+            CheckpointSignal::default(),
+            StoreHealth::default(),
+        )
+        .unwrap();
         // Hold the writer so the next operations queue up into one batch.
         let hold = w.write(|_, _| {
             std::thread::sleep(Duration::from_millis(200));
@@ -388,6 +679,72 @@ mod tests {
             .run(|s, c| {
                 assert_eq!(s.rollbacks, 1);
                 let mut st = c.prepare("SELECT v FROM t ORDER BY v")?;
+                let v = st
+                    .query_map([], |r| r.get(0))?
+                    .collect::<rusqlite::Result<Vec<String>>>()?;
+                Ok(v)
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, vec!["kept".to_string()]);
+        w.stop();
+        drop(w);
+        thread.join().unwrap();
+    }
+
+    /// A batch broken by a store fault (here a simulated "disk full")
+    /// rolls back, turns health false and counts one write error; writes
+    /// are refused with `StoreUnavailable` naming the cause (never
+    /// `Internal`) until a probe commit succeeds, then health is true and
+    /// writes commit again, with no restart.
+    #[tokio::test]
+    async fn a_store_fault_refuses_writes_until_a_probe_commits() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+            .unwrap();
+        let errors = Counter::default();
+        let health = StoreHealth::new(errors.clone());
+        let (w, thread) = Writer::start(
+            conn,
+            Log::default(),
+            CheckpointSignal::default(),
+            health.clone(),
+        )
+        .unwrap();
+        let full = || {
+            Error::Storage(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+                None,
+            ))
+        };
+        let broken = w
+            .write_direct(move |_, c| -> Result<()> {
+                insert(c, "lost")?;
+                Err(full())
+            })
+            .await;
+        assert!(matches!(broken, Err(Error::Storage(_))), "{broken:?}");
+        assert!(!health.is_ok());
+        assert_eq!(errors.get(), 1);
+        let mut committed = false;
+        for _ in 0..200 {
+            match w.write(|_, c| insert(c, "kept")).await {
+                Ok(()) => {
+                    committed = true;
+                    break;
+                }
+                Err(Error::StoreUnavailable(cause)) => {
+                    assert_eq!(cause, "database or disk is full");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        assert!(committed, "the store never recovered");
+        assert!(health.is_ok());
+        let rows: Vec<String> = w
+            .run(|_, c| {
+                let mut st = c.prepare("SELECT v FROM t")?;
                 let v = st
                     .query_map([], |r| r.get(0))?
                     .collect::<rusqlite::Result<Vec<String>>>()?;

@@ -3,8 +3,9 @@
 //! loss, and drain on a signal or a server command.
 //!
 //! Three kinds of tasks cooperate through [`Shared`]:
-//! - the **session loop** ([`session_loop`]) registers (`ALREADY_EXISTS`
-//!   means "resume"), opens the heartbeat stream (its first message lists
+//! - the **session loop** ([`session_loop`]) registers with this process's
+//!   random instance id (the same instance resumes; `ALREADY_EXISTS` means
+//!   another live process runs this worker id: agw stops), opens the heartbeat stream (its first message lists
 //!   the leases still running), waits for the first acknowledgement, opens
 //!   the lease stream, then heartbeats every interval and starts a job task
 //!   per lease. When either stream ends or fails it reconnects with
@@ -12,8 +13,10 @@
 //! - one **job task** per lease ([`run_job`]) runs the plan through the
 //!   [`Executor`], reports `RUNNING` as each task starts and the final
 //!   result (through the [`Reporter`], which batches the reports that
-//!   queue up into `BatchUpdateJobs`), retried while the server is
-//!   unreachable (until the lease expires). Jobs outlive reconnects;
+//!   queue up into `BatchUpdateJobs`), retried with backoff while the
+//!   server is unreachable or its store cannot commit, until the server
+//!   acknowledges it or fences it (the job is held until then, so
+//!   reconnects list it in `held_leases`). Jobs outlive reconnects;
 //! - the **supervisor** ([`run`]) handles signals and drain: first signal →
 //!   DRAINING (no new leases), wait for the jobs up to the drain timeout,
 //!   kill the rest, unregister, exit; second signal → kill every task's
@@ -91,15 +94,20 @@ enum Drain {
     Signal,
 }
 
-/// A job running now.
+/// A job running now, or whose final report is not yet acknowledged.
 struct RunningJob {
     lease_id: String,
     abort: AbortSender,
+    /// Its final report is being sent: the server may already have freed
+    /// its slot (and sent a new lease before our reply arrived).
+    reporting: bool,
 }
 
 /// State shared by the supervisor, the session loop and the job tasks.
 struct Shared {
     cfg: WorkerConfig,
+    /// Random identity of this process, sent with every registration.
+    instance_id: String,
     client: WorkerClient,
     /// Sends final reports, batching those that queue up.
     reporter: Reporter,
@@ -136,7 +144,7 @@ fn lease_gone(code: Code) -> bool {
 }
 
 /// True for codes worth retrying an update for: the server (or the path to
-/// it) is down, not refusing.
+/// it) is down, or its store cannot commit now, not refusing.
 fn transient(code: Code) -> bool {
     matches!(
         code,
@@ -164,6 +172,7 @@ impl Shared {
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
         let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
         Ok(Arc::new(Shared {
+            instance_id: uuid::Uuid::new_v4().simple().to_string(),
             cfg,
             client,
             reporter,
@@ -304,21 +313,34 @@ impl Shared {
                 RunningJob {
                     lease_id: lease.lease_id.clone(),
                     abort: abort_tx,
+                    reporting: false,
                 },
             );
-            let n = jobs.len();
-            self.job_count.send_replace(n);
-            if n > self.cfg.max_concurrent_jobs as usize {
+            self.job_count.send_replace(jobs.len());
+            // Jobs whose final report is in flight do not count: the
+            // server frees a slot when it commits a report, and the next
+            // lease may arrive before the reply does.
+            let running = jobs.values().filter(|j| !j.reporting).count();
+            if running > self.cfg.max_concurrent_jobs as usize {
                 warn!(
-                    running = n,
+                    running,
                     max = self.cfg.max_concurrent_jobs,
-                    "more leases than slots"
+                    "more leases than slots: the server sent a lease while every slot runs a job"
                 );
             }
         }
         info!(%job_id, lease_id = %lease.lease_id, attempt = lease.attempt, "lease received");
         let shared = Arc::clone(self);
         tokio::spawn(async move { run_job(shared, lease, abort_rx).await });
+    }
+
+    /// Marks the job's final report as being sent (see [`RunningJob::reporting`]).
+    fn reporting(&self, job_id: &str, lease_id: &str) {
+        if let Some(j) = self.jobs().get_mut(job_id) {
+            if j.lease_id == lease_id {
+                j.reporting = true;
+            }
+        }
     }
 
     /// Forgets a finished job (unless a newer lease replaced it).
@@ -420,6 +442,7 @@ async fn run_job(
     req.error = outcome.error;
     req.task_results = outcome.task_results;
     fit_to_budget(&mut req.task_results, REPORT_BUDGET_BYTES);
+    shared.reporting(&ids.job_id, &ids.lease_id);
     report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some()).await;
     shared.finish_job(&ids.job_id, &ids.lease_id);
 }
@@ -459,10 +482,14 @@ async fn report_progress(
     }
 }
 
-/// Sends the final result, retrying with backoff while the server is
-/// unreachable, until it is accepted, refused, or the lease has expired
-/// (the server has failed the attempt by then). `aborted` jobs (cancelled,
-/// lease lost) are expected to be refused: logged at debug.
+/// Sends the final result until the server acknowledges it (stored, or
+/// already stored by an earlier try whose reply was lost) or fences it
+/// (the lease is no longer ours). While the server is unreachable or its
+/// store cannot commit (`UNAVAILABLE`, and `RESOURCE_EXHAUSTED` once the
+/// outputs are stripped), it retries with backoff, past the lease's expiry
+/// too: only the server can say the attempt is over, and the job stays
+/// held (listed in `held_leases`) meanwhile. `aborted` jobs (cancelled,
+/// lease lost) are expected to be fenced: logged at debug.
 async fn report_final(
     shared: &Shared,
     ids: &LeaseIds,
@@ -472,6 +499,7 @@ async fn report_final(
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
     let mut stripped = false;
+    let mut told_expired = false;
     loop {
         let st = match shared.reporter.send(req.clone()).await {
             Ok(()) => {
@@ -480,13 +508,13 @@ async fn report_final(
             }
             Err(st) => st,
         };
-        if transient(st.code()) {
-            if expires_at.is_some_and(|t| SystemTime::now() > t) {
-                warn!(job_id = %ids.job_id, status = %describe(&st), "result dropped: the lease expired while the server was unreachable");
-                return;
+        if transient(st.code()) || (stripped && st.code() == Code::ResourceExhausted) {
+            if !told_expired && expires_at.is_some_and(|t| SystemTime::now() > t) {
+                told_expired = true;
+                info!(job_id = %ids.job_id, "the lease expired before the server acknowledged the result; reporting until it acknowledges or fences it");
             }
             let d = backoff.next_delay();
-            warn!(job_id = %ids.job_id, status = %describe(&st), retry_in_ms = d.as_millis() as u64, "result not reported yet");
+            warn!(job_id = %ids.job_id, status = %describe(&st), retry_in_ms = d.as_millis() as u64, "result not acknowledged yet; retrying");
             tokio::time::sleep(d).await;
             continue;
         }
@@ -539,8 +567,10 @@ async fn session(
     let cfg = &shared.cfg;
     let mut client = shared.client.clone();
 
-    // 1. Register; ALREADY_EXISTS: the server still has us ACTIVE/DRAINING.
+    // 1. Register with our instance id: the same instance resumes;
+    //    ALREADY_EXISTS means another live process runs this worker id.
     let req = RegisterWorkerRequest {
+        instance_id: shared.instance_id.clone(),
         worker_id: cfg.worker_id.clone(),
         hostname: cfg.hostname.clone(),
         platform: platform(),
@@ -567,10 +597,18 @@ async fn session(
             if interval.is_some() {
                 *shared.interval.lock().unwrap_or_else(|e| e.into_inner()) = interval;
             }
+            if r.resumed {
+                info!("server still has this worker registered: resuming");
+            } else if registered_once {
+                info!("registered again (the server had let this worker go)");
+            }
             debug!(?interval, "registered");
         }
         Ok(Err(st)) if st.code() == Code::AlreadyExists => {
-            info!("server still has this worker registered: resuming");
+            return Err(SessionEnd::Fatal(WorkerError::Duplicate {
+                worker_id: cfg.worker_id.clone(),
+                detail: st.message().to_owned(),
+            }));
         }
         Ok(Err(st))
             if !registered_once

@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
@@ -312,6 +313,9 @@ class Worker:
         if not 1 <= max_concurrent_jobs <= 1024:
             raise ValueError("max_concurrent_jobs must be in 1..=1024")
         self.worker_id = worker_id
+        # Random per process: the server lets this process resume its
+        # registration and refuses a second live process with the same id.
+        self._instance_id = uuid.uuid4().hex
         self.address = address
         self.max_concurrent_jobs = max_concurrent_jobs
         self.tags = dict(tags or {})
@@ -566,6 +570,7 @@ class Worker:
             max_concurrent_jobs=self.max_concurrent_jobs,
             tags=self.tags,
             sandboxed=False,
+            instance_id=self._instance_id,
         )
         try:
             resp = self._stub.RegisterWorker(
@@ -578,7 +583,15 @@ class Worker:
         except grpc.RpcError as e:
             code, details = status_of(e)
             if code == grpc.StatusCode.ALREADY_EXISTS:
-                log.info("server still has %s registered: resuming", self.worker_id)
+                # This process's instance id resumes without an error, so
+                # ALREADY_EXISTS means another live process runs this id.
+                err = WorkerError(
+                    f"worker id {self.worker_id} is taken by another live worker process: "
+                    f"{details}"
+                )
+                err.__cause__ = AgqError.from_rpc("RegisterWorker", e)
+                self._fatal = err
+                return False
             elif not registered_once and code in (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.UNAUTHENTICATED,

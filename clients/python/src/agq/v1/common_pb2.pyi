@@ -595,6 +595,7 @@ class Worker(_message.Message):
     CONNECTED_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     SANDBOXED_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique id, [A-Za-z0-9_-]{1,64}."""
     hostname: _builtins.str
@@ -616,6 +617,10 @@ class Worker(_message.Message):
     sandboxed: _builtins.bool
     """True when the worker runs every task in the kernel sandbox (Landlock
     and seccomp); false for a worker started with --insecure-no-sandbox.
+    """
+    instance_id: _builtins.str
+    """Identity of the worker process that registered it (see
+    RegisterWorkerRequest.instance_id); empty when it sent none.
     """
     @_builtins.property
     def capabilities(self) -> Global___WorkerCapabilities:
@@ -655,10 +660,11 @@ class Worker(_message.Message):
         connected: _builtins.bool = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         sandboxed: _builtins.bool = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "last_heartbeat_at", b"last_heartbeat_at", "registered_at", b"registered_at", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "instance_id", b"instance_id", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -121,7 +121,16 @@ class ListPlansRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     pattern: _builtins.str
-    """Glob over plan ids ("*", "?", "[a-z]"); empty matches every plan."""
+    """Glob over whole plan ids, at most 256 bytes; empty matches every plan.
+    The dialect (that of the Rust `glob` crate, which both validates and
+    matches): "?" one character; "*" any run of characters; "[abc]" and
+    "[a-z]" one character of the set; "[!abc]" one character not in it
+    ("[^abc]" is NOT negation: "^" is a member); a metacharacter is
+    matched literally inside brackets ("[*]", "[?]", "[[]"); "**" is
+    allowed only as the whole pattern or a whole "/"-separated part, so
+    "**a" is refused. Matching is case-sensitive. A pattern that does not
+    parse is INVALID_ARGUMENT.
+    """
     page_size: _builtins.int
     """Maximum ids to return, 1..=1000; 0 means 100."""
     page_token: _builtins.str

@@ -53,6 +53,7 @@ class RegisterWorkerRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENT_JOBS_FIELD_NUMBER: _builtins.int
     TAGS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     SANDBOXED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique id, [A-Za-z0-9_-]{1,64}."""
@@ -64,6 +65,16 @@ class RegisterWorkerRequest(_message.Message):
     """agw version, 1..=64 bytes."""
     max_concurrent_jobs: _builtins.int
     """Leases the worker may hold at once, 1..=1024; 0 means 1."""
+    instance_id: _builtins.str
+    """Identity of this worker process, random per start (agw sends a UUID),
+    at most 64 bytes of [A-Za-z0-9_-]. One live process per worker_id: the
+    same instance registering again resumes (its leases kept); another
+    instance is refused with ALREADY_EXISTS while the current one is fresh
+    with its heartbeat stream open, and takes over (the old instance's
+    leases re-queued) once that instance is stale or its stream is gone.
+    Empty: no identity (older workers), ALREADY_EXISTS while the id is
+    ACTIVE or DRAINING.
+    """
     sandboxed: _builtins.bool
     """True when the worker runs every task in the kernel sandbox; shown as
     Worker.sandboxed and required by plans with require_sandbox.
@@ -86,11 +97,12 @@ class RegisterWorkerRequest(_message.Message):
         capabilities: _common_pb2.WorkerCapabilities | None = ...,
         max_concurrent_jobs: _builtins.int = ...,
         tags: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        instance_id: _builtins.str = ...,
         sandboxed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agw_version", b"agw_version", "capabilities", b"capabilities", "hostname", b"hostname", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "sandboxed", b"sandboxed", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agw_version", b"agw_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "sandboxed", b"sandboxed", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -105,6 +117,7 @@ class RegisterWorkerResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_SECS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The registered id."""
     heartbeat_interval_secs: _builtins.int
@@ -115,16 +128,22 @@ class RegisterWorkerResponse(_message.Message):
     """The same interval in milliseconds (exact when it is not whole seconds,
     as in tests); workers should prefer it when non-zero.
     """
+    resumed: _builtins.bool
+    """True when the same instance (RegisterWorkerRequest.instance_id) was
+    still registered and resumed: its leases and registration are kept
+    unchanged.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         heartbeat_interval_secs: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
+        resumed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "heartbeat_interval_secs", b"heartbeat_interval_secs", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "heartbeat_interval_secs", b"heartbeat_interval_secs", "resumed", b"resumed", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
