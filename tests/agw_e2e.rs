@@ -623,9 +623,9 @@ async fn a_task_timeout_kills_the_sleep_and_its_children() {
 async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // The server routes a job only to workers that advertise its tools, so
     // the refusal guards against a stale registration: the id was
-    // registered (here by the test) with `rm`, and an agw with fewer tools
-    // resumes it (ALREADY_EXISTS). A 2 s interval keeps that registration
-    // fresh while agw starts.
+    // registered (here by the test, with the instance id the agw is then
+    // started with) with `rm`, and an agw with fewer tools resumes it. A
+    // 2 s interval keeps that registration fresh while agw starts.
     let dir = test_dir();
     let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 500);
     let mut c = Clients::new(&server).await;
@@ -641,11 +641,17 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
             }),
             max_concurrent_jobs: 1,
             tags: HashMap::new(),
+            instance_id: "stale-registration".into(),
             ..Default::default()
         })
         .await
         .expect("RegisterWorker");
-    let _agw = Agw::start(&server, "w-refuse", &["--tools", "tee,cat"]).await;
+    let _agw = Agw::start(
+        &server,
+        "w-refuse",
+        &["--tools", "tee,cat", "--instance-id", "stale-registration"],
+    )
+    .await;
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "keep me").unwrap();
     let marker = dir.path().join("marker");

@@ -151,7 +151,8 @@ fn plan_submit_get_list_delete() {
 
 #[test]
 fn action_submit_sources_status_queue_and_job_listings() {
-    let s = Server::start();
+    // --run-at 2099 below: past the default horizon of 366 days.
+    let s = Server::start_with(&["--max-run-at-ahead-secs", "3162240000"]);
     s.agq(&["plan", "submit", &example_plan()]).assert_ok();
 
     // JSON lines.

@@ -106,8 +106,6 @@ struct RunningJob {
 /// State shared by the supervisor, the session loop and the job tasks.
 struct Shared {
     cfg: WorkerConfig,
-    /// Random identity of this process, sent with every registration.
-    instance_id: String,
     client: WorkerClient,
     /// Sends final reports, batching those that queue up.
     reporter: Reporter,
@@ -172,7 +170,6 @@ impl Shared {
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
         let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
         Ok(Arc::new(Shared {
-            instance_id: uuid::Uuid::new_v4().simple().to_string(),
             cfg,
             client,
             reporter,
@@ -570,7 +567,7 @@ async fn session(
     // 1. Register with our instance id: the same instance resumes;
     //    ALREADY_EXISTS means another live process runs this worker id.
     let req = RegisterWorkerRequest {
-        instance_id: shared.instance_id.clone(),
+        instance_id: cfg.instance_id.clone(),
         worker_id: cfg.worker_id.clone(),
         hostname: cfg.hostname.clone(),
         platform: platform(),

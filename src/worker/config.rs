@@ -49,6 +49,13 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_WORKER_ID")]
     pub worker_id: Option<String>,
 
+    /// Identity of this process sent at registration, [A-Za-z0-9_-]{1,64}
+    /// [default: a random id per start]. Only for tests and supervisors
+    /// that give each process its own: two live processes with one id are
+    /// taken for one.
+    #[arg(long, env = "AGW_INSTANCE_ID", hide = true)]
+    pub instance_id: Option<String>,
+
     /// Jobs run at once [default: number of CPUs].
     #[arg(long, env = "AGW_MAX_CONCURRENT_JOBS", value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_concurrent_jobs: Option<u32>,
@@ -159,6 +166,10 @@ pub struct WorkerConfig {
     pub token: Option<String>,
     /// This worker's id.
     pub worker_id: String,
+    /// This process's identity sent at registration (random per start
+    /// unless `--instance-id` is given): the server lets one live process
+    /// run a worker id.
+    pub instance_id: String,
     /// Host name sent at registration.
     pub hostname: String,
     /// Jobs run at once (≥ 1).
@@ -221,6 +232,15 @@ impl AgwArgs {
                 id
             }
             None => default_worker_id(&hostname, std::process::id()),
+        };
+        let instance_id = match self.instance_id {
+            Some(id) if valid_worker_id(&id) => id,
+            Some(id) => {
+                return Err(WorkerError::Config(format!(
+                    "--instance-id {id:?} must match [A-Za-z0-9_-]{{1,64}}"
+                )))
+            }
+            None => uuid::Uuid::new_v4().simple().to_string(),
         };
         let max_concurrent_jobs = self.max_concurrent_jobs.unwrap_or_else(|| {
             std::thread::available_parallelism()
@@ -289,6 +309,7 @@ impl AgwArgs {
             server: self.server,
             token: token.filter(|t| !t.is_empty()),
             worker_id,
+            instance_id,
             hostname,
             max_concurrent_jobs,
             tools: Arc::new(tools),
