@@ -21,8 +21,7 @@ The live-metrics check runs the debug build's `agq serve` and `agw`
 (AGQ_BIN / AGW_BIN override the paths) on 127.0.0.1, drives one job to
 dead so every labelled family has samples, and checks that each metric and
 label named by the dashboard, the PrometheusRule, the ScaledObject and the
-HPA is on /metrics. COMING_METRICS lists the few names tolerated while the
-server does not serve them yet.
+HPA is on /metrics.
 """
 
 from __future__ import annotations
@@ -57,16 +56,6 @@ METRICS_PORT = 6381
 WATCHDOG_SECS = 300
 REPO = HERE.parent.parent
 DASHBOARD = CHART / "dashboards" / "agq.json"
-
-# Metrics another change is adding to the server right now. A query may name
-# one of these while the live /metrics lacks it; once it is there, it is
-# checked like every other name. DELETE this set (and its use in
-# check_live_metrics) once the server serves all three.
-COMING_METRICS = {
-    "agq_store_write_errors_total",
-    "agq_rpc_duration_seconds_bucket",
-    "agq_build_info",
-}
 
 # Labels Prometheus attaches at scrape time (target labels of a
 # ServiceMonitor scrape), not served on /metrics.
@@ -1056,19 +1045,15 @@ def rendered_queries(objs: list[dict]) -> dict[str, str]:
     return out
 
 
-def check_live_metrics(queries: dict[str, str]) -> list[str]:
+def check_live_metrics(queries: dict[str, str]) -> None:
     types, labels = parse_metrics(live_metrics())
     expect("agq_queue_depth" in types and "agq_requeues_total" in labels, "scrape looks empty")
-    tolerated: set[str] = set()
     problems = []
     for where, expr in queries.items():
         names, sels, groups = promql_uses(expr)
         expect(names, f"{where}: no metric in {expr!r}")
         for n in names:
             if n not in types:
-                if n in COMING_METRICS:
-                    tolerated.add(n)
-                    continue
                 problems.append(f"{where}: {n} is not on /metrics")
         for n, used in sels:
             if n in labels:
@@ -1080,7 +1065,6 @@ def check_live_metrics(queries: dict[str, str]) -> list[str]:
             problems.append(f"{where}: grouping by {sorted(groups - known)}, not a label of "
                             f"{sorted(names)}")
     expect(not problems, "; ".join(problems))
-    return sorted(tolerated)
 
 
 def main() -> int:
@@ -1236,9 +1220,7 @@ def main() -> int:
         expect(sum(k.startswith("PrometheusRule") for k in queries) == 2 * len(ALERTS)
                and "ScaledObject query" in queries and "HPA external metric (hpa)" in queries,
                f"queries checked: {sorted(queries)}")
-        tolerated = check_live_metrics(queries)
-        if tolerated:
-            print(f"     (not on /metrics yet, tolerated as coming: {', '.join(tolerated)})")
+        check_live_metrics(queries)
 
     checks.run("dashboard, PrometheusRule, KEDA and HPA queries name metrics and labels "
                "a live agq serve exposes", live)
