@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing (cargo fuzz, libFuzzer) of AGQ's request decoding
+# and validation: plans, actions, worker registrations and job reports,
+# the read RPCs' filters/patterns/tokens, and the worker's templating.
+# Builds the targets of fuzz/ and runs each for AGQ_FUZZ_SECS seconds
+# (default 60) from its committed seed corpus; exits non-zero if any target
+# finds a crash, a panic, a failed property, a timeout or an out-of-memory.
+#
+#   bash .ci/fuzz.sh                          # CI: 60 s per target
+#   AGQ_FUZZ_SECS=600 bash .ci/fuzz.sh        # the long run (RELIABILITY.md)
+#   AGQ_FUZZ_TARGETS="template" bash .ci/fuzz.sh
+#
+# Toolchain: only stable Rust is needed. cargo fuzz passes nightly-only
+# flags (-Zsanitizer=address and friends); RUSTC_BOOTSTRAP=1 makes stable
+# rustc accept them. Stable ships the AddressSanitizer runtime
+# (librustc-stable_rt.asan.a), so ASan is on by default; set
+# AGQ_FUZZ_SANITIZER=none where a toolchain lacks it (coverage guidance
+# and every assertion still work, only memory errors in unsafe/C code go
+# undetected). Checked with rustc 1.95.0 stable and cargo-fuzz 0.13.2.
+#
+# New inputs go to fuzz/corpus-run/<target>/ (git-ignored); the committed
+# seeds in fuzz/corpus/<target>/ are read, never written. A crash leaves
+# its input in fuzz/artifacts/<target>/; reproduce it with
+#   RUSTC_BOOTSTRAP=1 cargo fuzz run -a <target> fuzz/artifacts/<target>/<file>
+# (from fuzz/, with the same sanitizer).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SECS=${AGQ_FUZZ_SECS:-60}
+SANITIZER=${AGQ_FUZZ_SANITIZER:-address}
+TARGETS=${AGQ_FUZZ_TARGETS:-submit_plan submit_action worker_reports queries template}
+export RUSTC_BOOTSTRAP=1
+export CARGO_TARGET_DIR="$PWD/fuzz/target"
+
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  cargo install --locked cargo-fuzz
+fi
+
+# Release build with debug assertions (integer overflow checks on).
+FLAGS=(--release --debug-assertions --sanitizer "$SANITIZER")
+
+cd fuzz
+cargo fmt --all -- --check
+start=$(date +%s)
+cargo fuzz build "${FLAGS[@]}"
+# cargo fuzz has no --locked: the committed lock file must not have moved.
+git diff --exit-code -- Cargo.lock
+echo "fuzz build: $(($(date +%s) - start)) s"
+
+failed=()
+for t in $TARGETS; do
+  mkdir -p "corpus-run/$t"
+  echo "== fuzz $t for $SECS s"
+  if ! cargo fuzz run "${FLAGS[@]}" "$t" "corpus-run/$t" "corpus/$t" -- \
+      -max_total_time="$SECS" -max_len=4096 -timeout=20 -rss_limit_mb=2048 \
+      -print_final_stats=1; then
+    failed+=("$t")
+  fi
+done
+echo "fuzzing done in $(($(date +%s) - start)) s"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz targets that failed: ${failed[*]} (inputs in fuzz/artifacts/)" >&2
+  exit 1
+fi
