@@ -136,6 +136,13 @@ T
 seed queries list-stars ListPlansRequest 0 <<'T'
 pattern: "**********a"
 T
+# Found by the fuzzer (issue 14 item 4, see known_glob_divergence):
+seed queries list-reversed-range ListPlansRequest 0 <<'T'
+pattern: "[a-!]?"
+T
+seed queries list-recursive ListPlansRequest 0 <<'T'
+pattern: "**/**/**/*a"
+T
 seed queries list-token ListPlansRequest 0 <<'T'
 page_size: 1 page_token: "706c616e3a61"
 T
