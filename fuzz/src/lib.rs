@@ -94,6 +94,17 @@ pub fn harness() -> &'static Harness {
         } else {
             std::env::temp_dir()
         };
+        // A crash leaves through _exit (no atexit): remove the databases of
+        // fuzz processes that are gone.
+        if let Ok(entries) = std::fs::read_dir(&base) {
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let pid = name.to_str().and_then(|n| n.strip_prefix("agq-fuzz-"));
+                if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         let dir = base.join(format!("agq-fuzz-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the fuzz database directory");
