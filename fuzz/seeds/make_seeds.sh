@@ -4,6 +4,10 @@
 # protoc-bin-vendored build dependency unpacks into the cargo registry, or
 # $PROTOC). Targets whose first byte picks the message get that byte
 # prepended. Re-run after changing a seed; the files are committed.
+#
+# The min-<sha1> files next to the seeds are not written here: they are the
+# long run's corpus minimized to coverage edges (RELIABILITY.md, Fuzzing):
+#   <fuzz binary> -merge=1 -use_counters=0 -max_len=4096 NEW corpus/T corpus-run/T
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
