@@ -48,6 +48,7 @@ pub fn fixture_plan() -> pb::Plan {
                 args: vec!["{{file}}".into()],
                 timeout_secs: 3600,
                 input_from_task: None,
+                allow_option_values: false,
             },
             pb::Task {
                 task_number: 2,
@@ -55,8 +56,10 @@ pub fn fixture_plan() -> pb::Plan {
                 args: vec!["-k{{ key }}".into(), "{{}}".into(), "{{unclosed".into()],
                 timeout_secs: 3600,
                 input_from_task: Some(1),
+                allow_option_values: false,
             },
         ],
+        require_sandbox: false,
     }
 }
 
