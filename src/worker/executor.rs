@@ -432,6 +432,20 @@ impl Executor {
             },
             None => None,
         };
+        // The job's confinement, built once; each task gets a clone.
+        let confinement = match (&self.sandbox, &scratch) {
+            (Some(sb), Some(dir)) => match sb.confinement(dir.path()) {
+                Ok(c) => Some((sb, dir.path(), c)),
+                Err(e) => {
+                    return JobOutcome::failed(
+                        format!("cannot build the job's sandbox: {e}"),
+                        Vec::new(),
+                        start,
+                    )
+                }
+            },
+            _ => None,
+        };
         let mut outputs: HashMap<u32, Arc<tempfile::NamedTempFile>> = HashMap::new();
         let mut results = Vec::with_capacity(tasks.len());
         let total = tasks.len();
@@ -447,10 +461,10 @@ impl Executor {
             });
             let stdin = task.input_from.and_then(|from| outputs.get(&from).cloned());
             let keep_full = last_use.contains_key(&task.task_number);
-            let jail = match (&self.sandbox, &scratch) {
-                (Some(sb), Some(dir)) => match sb.confinement(dir.path()) {
+            let jail = match &confinement {
+                Some((sb, dir, job)) => match job.try_clone() {
                     Ok(confinement) => Some(TaskJail {
-                        scratch: dir.path(),
+                        scratch: dir,
                         confinement,
                         sandbox: sb,
                     }),
@@ -465,7 +479,7 @@ impl Executor {
                         )
                     }
                 },
-                _ => None,
+                None => None,
             };
             let run = self
                 .run_task(task, stdin, keep_full, jail, &mut abort)

@@ -292,9 +292,10 @@ impl Sandbox {
         Ok(dir)
     }
 
-    /// Builds what a task of a job with scratch directory `scratch` applies
-    /// after `fork`: the Landlock ruleset (opened here, in the parent), the
-    /// seccomp filter, the limits and the identity.
+    /// Builds, once per job, what each task of a job with scratch
+    /// directory `scratch` applies after `fork` (one
+    /// [`Confinement::try_clone`] per task): the Landlock ruleset (opened
+    /// here, in the parent), the seccomp filter and the limits.
     ///
     /// # Errors
     ///
@@ -386,6 +387,24 @@ pub struct Confinement {
 }
 
 impl Confinement {
+    /// The same confinement for another task of the job: the Landlock
+    /// ruleset is shared (its descriptor duplicated), not built again.
+    ///
+    /// # Errors
+    ///
+    /// The OS error of duplicating the ruleset's descriptor.
+    pub fn try_clone(&self) -> io::Result<Confinement> {
+        Ok(Confinement {
+            ruleset: self
+                .ruleset
+                .as_ref()
+                .map(RulesetCreated::try_clone)
+                .transpose()?,
+            seccomp: self.seccomp.clone(),
+            limits: self.limits,
+        })
+    }
+
     /// Applies limits, Landlock and seccomp to the calling process. Meant
     /// for the child between `fork` and `exec`: it allocates nothing and
     /// only issues system calls. Callable once (the ruleset is consumed).
