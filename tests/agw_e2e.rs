@@ -404,6 +404,29 @@ fn task(n: u32, cmd: &str, args: &[&str], timeout: u32, from: Option<u32>) -> Ta
     }
 }
 
+/// A plan whose run sleeps `secs`, then appends `ran {{tag}}` to the file
+/// `{{log}}`: one line per completed run, so a test can count that its
+/// side effect happened exactly once.
+fn runs_once(secs: u32) -> Vec<Task> {
+    vec![
+        task(1, "sleep", &[&secs.to_string()], 60, None),
+        task(2, "echo", &["ran {{tag}}"], 60, None),
+        task(3, "tee", &["-a", "{{log}}"], 60, Some(2)),
+    ]
+}
+
+/// An empty, world-writable `runs.log` in `dir` for [`runs_once`]. The
+/// append is a write outside the job's scratch directory, which the
+/// sandbox forbids (tests/sandbox.rs), so the workers of these tests run
+/// with `--insecure-no-sandbox`; their tasks still run as the unprivileged
+/// task user, hence the mode.
+fn side_effect_log(dir: &Path) -> PathBuf {
+    let log = dir.join("runs.log");
+    std::fs::write(&log, "").unwrap();
+    std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o666)).unwrap();
+    log
+}
+
 /// A text file with repeated words, some non-ASCII.
 /// Task `n`: writes its pid to `task.pid` in its scratch directory (see
 /// [`Agw::task_file`]), then sleeps 30 s (time limit 60 s) as that same
@@ -730,24 +753,9 @@ async fn kill_9_mid_job_the_job_completes_once_on_another_worker() {
     let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
-    let log = dir.path().join("runs.log");
-    // Task 3 appends one line per completed run: the side effect must
-    // happen exactly once. It is a write outside the job's scratch
-    // directory, which the sandbox forbids (tests/sandbox.rs), so these two
-    // workers run without it; their tasks still run as the unprivileged
-    // task user, hence the world-writable log.
-    std::fs::write(&log, "").unwrap();
-    std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let log = side_effect_log(dir.path());
     let unsandboxed = ["--max-concurrent-jobs", "1", "--insecure-no-sandbox"];
-    c.plan(
-        "once",
-        vec![
-            task(1, "sleep", &["3"], 60, None),
-            task(2, "echo", &["ran {{tag}}"], 60, None),
-            task(3, "tee", &["-a", "{{log}}"], 60, Some(2)),
-        ],
-    )
-    .await;
+    c.plan("once", runs_once(3)).await;
     let mut a = Agw::start(&server, "w-a", &unsandboxed).await;
     let job_id = c
         .submit("once", &[("tag", "x"), ("log", log.to_str().unwrap())], 3)
@@ -1301,22 +1309,9 @@ async fn a_second_agw_with_a_live_id_exits_and_a_restart_after_kill_9_takes_over
     // reason than the one under test.
     let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 1000, 5000);
     let mut c = Clients::new(&server).await;
-    let log = dir.path().join("runs.log");
-    // The side effect counted is a write outside the job's scratch
-    // directory, which the sandbox forbids (tests/sandbox.rs): these
-    // workers run without it; tasks still run unprivileged.
-    std::fs::write(&log, "").unwrap();
-    std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let log = side_effect_log(dir.path());
     let flags = ["--max-concurrent-jobs", "8", "--insecure-no-sandbox"];
-    c.plan(
-        "slow-once",
-        vec![
-            task(1, "sleep", &["4"], 60, None),
-            task(2, "echo", &["ran {{tag}}"], 60, None),
-            task(3, "tee", &["-a", "{{log}}"], 60, Some(2)),
-        ],
-    )
-    .await;
+    c.plan("slow-once", runs_once(4)).await;
     let mut first = Agw::start(&server, "dup", &flags).await;
     let inputs: Vec<ActionInput> = (0..8)
         .map(|i| ActionInput {

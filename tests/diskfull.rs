@@ -28,11 +28,11 @@ use std::{
 use agq::{
     config::EngineConfig,
     pb::{
-        ActionInput, GetMetricsRequest, GetQueueStatsRequest, JobStatus, ListPlansRequest,
-        SearchJobsRequest, SubmitActionRequest, SubmitPlanRequest,
+        ActionInput, GetQueueStatsRequest, JobStatus, ListPlansRequest, SearchJobsRequest,
+        SubmitActionRequest, SubmitPlanRequest,
     },
 };
-use common::TestServer;
+use common::{metric, TestServer};
 use tonic::Code;
 use tonic_health::pb::{
     health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
@@ -133,22 +133,6 @@ async fn health(server: &TestServer) -> ServingStatus {
         .expect("health check")
         .into_inner();
     ServingStatus::try_from(r.status).expect("status")
-}
-
-async fn metric(server: &TestServer, name: &str) -> f64 {
-    let body = server
-        .queue()
-        .await
-        .get_metrics(GetMetricsRequest {
-            format: "prometheus".into(),
-        })
-        .await
-        .expect("GetMetrics")
-        .into_inner()
-        .body;
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in metrics:\n{body}"))
 }
 
 async fn count(server: &TestServer, status: JobStatus) -> usize {

@@ -12,29 +12,12 @@ use std::{collections::HashMap, time::Duration};
 use agq::{
     config::EngineConfig,
     pb::{
-        self, ActionInput, GetMetricsRequest, GetPlanRequest, GetQueueStatsRequest, JobStatus,
-        ListPlansRequest, SubmitActionRequest, SubmitPlanRequest, TaskResult, UpdateJobRequest,
-        WatchActionRequest,
+        self, ActionInput, GetPlanRequest, GetQueueStatsRequest, JobStatus, ListPlansRequest,
+        SubmitActionRequest, SubmitPlanRequest, TaskResult, UpdateJobRequest, WatchActionRequest,
     },
 };
-use common::{fast_config, plan, SimWorker, TestServer};
+use common::{fast_config, metric, plan, SimWorker, TestServer};
 use tonic::Code;
-
-async fn metric(server: &TestServer, name: &str) -> f64 {
-    let body = server
-        .queue()
-        .await
-        .get_metrics(GetMetricsRequest {
-            format: "prometheus".into(),
-        })
-        .await
-        .expect("GetMetrics")
-        .into_inner()
-        .body;
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in metrics:\n{body}"))
-}
 
 /// Submits an action of `n` jobs of plan `plan_id` (which no worker can
 /// run, so they stay pending); returns its id.

@@ -494,3 +494,21 @@ pub async fn assert_nothing_stranded(server: &TestServer) {
         );
     }
 }
+
+/// The value of the sample `name` (a metric name with its labels, e.g.
+/// `agq_store_up`) in the server's `GetMetrics` text; panics when absent.
+pub async fn metric(server: &TestServer, name: &str) -> f64 {
+    let body = server
+        .queue()
+        .await
+        .get_metrics(GetMetricsRequest {
+            format: "prometheus".into(),
+        })
+        .await
+        .expect("GetMetrics")
+        .into_inner()
+        .body;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in metrics:\n{body}"))
+}
