@@ -265,19 +265,45 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
     let auth = Authenticator::from_file(
         "test",
         AuthFile {
-            tokens: vec![TokenEntry {
-                token: "pool-agw-token-0123456789".into(),
-                role: Role::Worker,
-                worker_id: None,
-                worker_id_prefix: Some("agw-".into()),
-            }],
+            tokens: vec![
+                TokenEntry {
+                    token: "pool-agw-token-0123456789".into(),
+                    role: Role::Worker,
+                    worker_id: None,
+                    worker_id_prefix: Some("agw-".into()),
+                },
+                TokenEntry {
+                    token: "admin-token-0123456789".into(),
+                    role: Role::Admin,
+                    worker_id: None,
+                    worker_id_prefix: None,
+                },
+            ],
         },
     )
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
     let ch = s.channel().await;
-    let pool = InterceptedService::new(ch, Bearer(Some("pool-agw-token-0123456789".into())));
+    let pool =
+        InterceptedService::new(ch.clone(), Bearer(Some("pool-agw-token-0123456789".into())));
+    // A worker of another pool, registered by an admin: the pool token's
+    // refused calls on it (drain, unregister, register again) must leave
+    // it as it is.
+    let mut admin = worker_service_client::WorkerServiceClient::new(InterceptedService::new(
+        ch,
+        Bearer(Some("admin-token-0123456789".into())),
+    ));
+    admin
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "gpu-pod-1".into(),
+            hostname: "gpu-host".into(),
+            agw_version: "test".into(),
+            max_concurrent_jobs: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("admin registers gpu-pod-1");
     let code = |r: &Result<(), Status>| r.as_ref().err().map(|e| e.code());
     let mut checked = 0;
     for (rpc, kind) in RPCS {
@@ -315,6 +341,25 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         checked += 1;
     }
     assert_eq!(checked, 24);
+    // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
+    // the registration the admin made, and no worker "agw" exists.
+    let gpu = admin
+        .get_worker(GetWorkerRequest {
+            worker_id: "gpu-pod-1".into(),
+        })
+        .await
+        .expect("GetWorker gpu-pod-1")
+        .into_inner()
+        .worker
+        .expect("worker");
+    assert_eq!(gpu.state, WorkerState::Active as i32, "{gpu:?}");
+    assert_eq!(gpu.hostname, "gpu-host");
+    let bare = admin
+        .get_worker(GetWorkerRequest {
+            worker_id: "agw".into(),
+        })
+        .await;
+    assert_eq!(code(&bare.map(|_| ())), Some(Code::NotFound));
     // A pool token needs exactly one binding and a valid prefix.
     let bad = |worker_id: Option<&str>, prefix: Option<&str>| {
         Authenticator::from_file(
