@@ -325,6 +325,9 @@ enum Expect {
     NotInOutput(String),
     /// `victim.txt` must be unchanged.
     VictimIntact,
+    /// The job's error must contain this text: what stopped it (a limit's
+    /// signal, say), so that it did not fail for another reason.
+    ErrorHolds(String),
 }
 
 /// One escape attempt: a plan, an input, and what must hold afterwards.
@@ -378,6 +381,10 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
             "32",
             "--max-file-size-mb",
             "1",
+            "--max-address-space-mb",
+            "1024",
+            "--max-cpu-secs",
+            "2",
         ],
         &[("AGW_TOKEN", TOKEN)],
     )
@@ -685,7 +692,21 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
                      close F or die $!",
                 ],
             ),
-            vec![Expect::Fails],
+            vec![Expect::Fails, Expect::ErrorHolds("SIGXFSZ".into())],
+        ),
+        attempt(
+            "memory over the address-space limit",
+            one(
+                "perl",
+                &["-e", "my $x = 'x' x 2_000_000_000; print length $x"],
+            ),
+            vec![Expect::Fails, Expect::NotInOutput("2000000000".into())],
+        ),
+        attempt(
+            "a CPU loop over the CPU-time limit",
+            // The task's own timeout (20 s) is far off: the limit stops it.
+            one("perl", &["-e", "1 while 1"]),
+            vec![Expect::Fails, Expect::ErrorHolds("SIGXCPU".into())],
         ),
     ];
     // Input values are data, not options.
@@ -727,6 +748,8 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
                 Expect::VictimIntact => (std::fs::read_to_string(&victim).ok().as_deref()
                     != Some(VICTIM))
                 .then(|| "victim.txt changed".to_owned()),
+                Expect::ErrorHolds(s) => (!job.error.contains(s.as_str()))
+                    .then(|| format!("its error does not name {s:?}")),
             };
             if let Some(why) = broken {
                 failures.push(format!("{}: {why}\n{out}", a.name));
@@ -816,6 +839,43 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
     let job = c.finished(&job).await;
     assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
     assert_eq!(job.task_results[0].stdout.lines().count(), 1);
+
+    // Tasks never run as root: agw (root in CI) runs them as `nobody` with
+    // no supplementary group; an unprivileged agw runs them as itself.
+    let (uid, gid) = if nix::unistd::Uid::effective().is_root() {
+        let nobody = nix::unistd::User::from_name("nobody")
+            .expect("passwd")
+            .expect("a nobody user");
+        (nobody.uid.as_raw(), nobody.gid.as_raw())
+    } else {
+        (
+            nix::unistd::Uid::effective().as_raw(),
+            nix::unistd::Gid::effective().as_raw(),
+        )
+    };
+    c.plan(
+        "identity",
+        one("perl", &["-e", "print \"$< $>\\n$)\\n\""]),
+        false,
+    )
+    .await;
+    let job = c.submit("identity", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    let out = &job.task_results[0].stdout;
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some(format!("{uid} {uid}").as_str()), "{out}");
+    let groups: Vec<u32> = lines
+        .next()
+        .expect("groups line")
+        .split_whitespace()
+        .map(|g| g.parse().expect("gid"))
+        .collect();
+    assert!(
+        !groups.is_empty() && groups.iter().all(|&g| g == gid),
+        "the task's groups {groups:?} are not just {gid}"
+    );
+    assert_ne!(uid, 0, "tasks must not run as root");
 
     // Every job's scratch directory is gone once it ended.
     let left: Vec<_> = std::fs::read_dir(&f.scratch)

@@ -415,10 +415,13 @@ impl Confinement {
     /// `exec` (the task fails to start: fail closed).
     pub fn apply(&mut self) -> io::Result<()> {
         let l = self.limits;
-        set_limit(libc::RLIMIT_AS, l.address_space_bytes)?;
-        set_limit(libc::RLIMIT_FSIZE, l.file_size_bytes)?;
-        set_limit(libc::RLIMIT_NPROC, l.processes)?;
-        set_limit(libc::RLIMIT_CPU, l.cpu_secs)?;
+        set_limit(libc::RLIMIT_AS, l.address_space_bytes, 0)?;
+        set_limit(libc::RLIMIT_FSIZE, l.file_size_bytes, 0)?;
+        set_limit(libc::RLIMIT_NPROC, l.processes, 0)?;
+        // One more second of hard limit: at the soft limit the task gets
+        // SIGXCPU, which names the cause in the job's error; SIGKILL follows
+        // a second later if it ignores that.
+        set_limit(libc::RLIMIT_CPU, l.cpu_secs, 1)?;
         if let Some(ruleset) = self.ruleset.take() {
             match ruleset.restrict_self() {
                 Ok(status) if status.ruleset != landlock::RulesetStatus::NotEnforced => {}
@@ -433,9 +436,10 @@ impl Confinement {
     }
 }
 
-/// `setrlimit(resource, value)` for both the soft and the hard limit; `0`
-/// leaves it alone.
-fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
+/// `setrlimit(resource, …)`: soft limit `value`, hard limit `value +
+/// hard_extra`, neither above the inherited hard limit; `value` 0 leaves
+/// the resource alone.
+fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -> io::Result<()> {
     if value == 0 {
         return Ok(());
     }
@@ -449,10 +453,9 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> 
     }
     // Never above the inherited hard limit (an unprivileged agw cannot
     // raise it, and a lower one is stricter anyway).
-    let value = value.min(cur.rlim_max);
     let lim = libc::rlimit {
-        rlim_cur: value,
-        rlim_max: value,
+        rlim_cur: value.min(cur.rlim_max),
+        rlim_max: value.saturating_add(hard_extra).min(cur.rlim_max),
     };
     // SAFETY: setrlimit reads the struct we pass and nothing else.
     if unsafe { libc::setrlimit(resource, &lim) } == -1 {
