@@ -425,6 +425,22 @@ mod tests {
     }
 
     #[test]
+    fn tasks_never_run_as_root() {
+        if nix::unistd::Uid::effective().is_root() {
+            assert!(resolve_run_as(Some("root")).is_err());
+            let nobody = resolve_run_as(None)
+                .unwrap()
+                .expect("root agw switches user");
+            assert_ne!(nobody.uid, 0);
+            assert_ne!(nobody.gid, 0);
+            assert!(resolve_run_as(Some("no-such-user-agq")).is_err());
+        } else {
+            // An unprivileged agw cannot switch: tasks keep its (non-root) user.
+            assert_eq!(resolve_run_as(Some("root")).unwrap(), None);
+        }
+    }
+
+    #[test]
     fn parses_flags() {
         let args = AgwArgs::try_parse_from([
             "agw",

@@ -665,6 +665,29 @@ mod tests {
     }
 
     #[test]
+    fn a_scratch_root_the_task_user_cannot_reach_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |root: PathBuf| SandboxConfig {
+            enabled: false,
+            read_paths: Vec::new(),
+            allow_network: false,
+            limits: ResourceLimits::default(),
+            run_as: Some(RunAs {
+                uid: 65534,
+                gid: 65534,
+            }),
+            scratch_root: root,
+        };
+        let tools = ToolSet::from_env(["cat"]);
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let err = Sandbox::new(config(dir.path().join("scratch")), &tools).unwrap_err();
+        assert!(err.to_string().contains("cannot reach"), "{err}");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(Sandbox::new(config(dir.path().join("scratch")), &tools).is_ok());
+        assert!(Sandbox::new(config(PathBuf::from("relative/scratch")), &tools).is_err());
+    }
+
+    #[test]
     fn the_network_filter_compiles() {
         assert!(!network_filter().unwrap().is_empty());
     }
