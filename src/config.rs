@@ -13,9 +13,10 @@ pub enum LogFormat {
 }
 
 /// SQLite `synchronous` setting of the embedded store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum SyncMode {
-    /// fsync on every commit: durable across power loss.
+    /// fsync on every commit: durable across power loss (the default).
+    #[default]
     Full,
     /// fsync at WAL checkpoints only: durable across process crashes
     /// (kill -9), may lose the last commits on power loss.
@@ -134,7 +135,6 @@ impl ServeArgs {
             max_inputs_per_action: self.max_inputs_per_action,
             job_retention: (self.job_retention_secs > 0)
                 .then(|| Duration::from_secs(self.job_retention_secs)),
-            synchronous: self.sqlite_synchronous,
             max_watch_streams: usize::try_from(self.max_watch_streams).unwrap_or(usize::MAX),
             max_watch_streams_per_connection: usize::try_from(
                 self.max_watch_streams_per_connection,
@@ -155,7 +155,9 @@ pub const DEFAULT_MAX_REPORT_BYTES: u64 = 3 * 1024 * 1024 + 64 * 1024;
 /// Default of [`EngineConfig::max_run_at_ahead`]: 366 days.
 pub const DEFAULT_MAX_RUN_AT_AHEAD: Duration = Duration::from_secs(366 * 86_400);
 
-/// Settings of the core (scheduler, leases, reaper, store), free of clap.
+/// Settings of the engine (scheduler, leases, reaper, limits) that every
+/// store shares, free of clap. Store-specific settings (the SQLite file and
+/// its `synchronous` mode) are in [`crate::server::ServerOptions`].
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Interval workers heartbeat at; stale after 3 x this.
@@ -173,8 +175,6 @@ pub struct EngineConfig {
     /// How long a finished action (and its jobs) is kept; `None` keeps
     /// everything.
     pub job_retention: Option<Duration>,
-    /// SQLite synchronous mode.
-    pub synchronous: SyncMode,
     /// Most WatchAction streams open at once.
     pub max_watch_streams: usize,
     /// Most WatchAction streams open at once on one client connection.
@@ -196,7 +196,6 @@ impl Default for EngineConfig {
             retry_backoff_max: Duration::from_secs(60),
             max_inputs_per_action: 10_000,
             job_retention: Some(Duration::from_secs(7 * 24 * 3600)),
-            synchronous: SyncMode::Full,
             max_watch_streams: 10_000,
             max_watch_streams_per_connection: 100,
             max_report_bytes: DEFAULT_MAX_REPORT_BYTES as usize,

@@ -1,10 +1,9 @@
-//! The one error type of the AGQ server and the one place that maps it to a
-//! gRPC status code. Internal details are logged, never sent to clients.
+//! The one error type of the AGQ server. Each variant names the gRPC code
+//! it maps to; the mapping itself (`From<Error> for tonic::Status`) lives in
+//! the service layer (`crate::service::status`), the only place that knows
+//! gRPC. Internal details are logged, never sent to clients.
 
-use tonic::{Code, Status};
-
-/// An error of the AGQ core or store, mapped to a gRPC [`Status`] by
-/// `From<Error> for Status`.
+/// An error of the AGQ core or an engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Bad input: a malformed id, a plan that fails validation, a limit
@@ -38,14 +37,19 @@ pub enum Error {
     /// retry with backoff.
     #[error("the store cannot commit ({0}); nothing was changed; retry with backoff")]
     StoreUnavailable(&'static str),
-    /// SQLite failed. Maps to `UNAVAILABLE` with the cause named when the
-    /// cause is the environment (see [`store_fault`]), else to `INTERNAL`
-    /// with the detail logged only.
-    #[error("storage error: {0}")]
-    Storage(#[from] rusqlite::Error),
-    /// The read connection pool failed. Maps to `UNAVAILABLE`.
-    #[error("connection pool error: {0}")]
-    Pool(#[from] r2d2::Error),
+    /// The store failed. With a `fault` (the environment is to blame: a
+    /// full disk, an I/O error, a locked file) it maps to `UNAVAILABLE`
+    /// naming the fault; without, to `INTERNAL` with `detail` logged only.
+    #[error("storage error: {detail}")]
+    Storage {
+        /// What failed, for the log.
+        detail: String,
+        /// The cause in words when it lies outside AGQ.
+        fault: Option<&'static str>,
+    },
+    /// No store connection could be had in time. Maps to `UNAVAILABLE`.
+    #[error("store connection unavailable: {0}")]
+    StoreBusy(String),
     /// Anything else unexpected. Maps to `INTERNAL`; the detail is logged only.
     #[error("internal error: {0}")]
     Internal(String),
@@ -70,114 +74,13 @@ impl Error {
         Error::FailedPrecondition(msg.into())
     }
 
-    /// The gRPC code this error maps to.
-    pub fn code(&self) -> Code {
-        match self {
-            Error::InvalidArgument(_) => Code::InvalidArgument,
-            Error::NotFound(_) => Code::NotFound,
-            Error::AlreadyExists(_) => Code::AlreadyExists,
-            Error::FailedPrecondition(_) => Code::FailedPrecondition,
-            Error::PermissionDenied(_) => Code::PermissionDenied,
-            Error::ResourceExhausted(_) => Code::ResourceExhausted,
-            Error::Unavailable | Error::Pool(_) | Error::StoreUnavailable(_) => Code::Unavailable,
-            Error::Storage(e) if store_fault(e).is_some() => Code::Unavailable,
-            Error::Storage(_) | Error::Internal(_) => Code::Internal,
-        }
-    }
-
     /// The cause when this error means the store cannot write for a
-    /// reason outside AGQ (see [`store_fault`]); `None` otherwise.
+    /// reason outside AGQ; `None` otherwise.
     pub fn store_fault(&self) -> Option<&'static str> {
         match self {
             Error::StoreUnavailable(cause) => Some(cause),
-            Error::Storage(e) => store_fault(e),
+            Error::Storage { fault, .. } => *fault,
             _ => None,
         }
-    }
-}
-
-/// The cause, in words, when a SQLite error means the store cannot write
-/// for a reason outside AGQ: the disk or file system is full, an I/O error,
-/// the database file cannot be opened or is read-only, the database is
-/// locked by another process, memory ran out. `None` for every other error
-/// (a constraint, a bug), which stays `INTERNAL`.
-pub fn store_fault(e: &rusqlite::Error) -> Option<&'static str> {
-    use rusqlite::ErrorCode;
-    let rusqlite::Error::SqliteFailure(f, _) = e else {
-        return None;
-    };
-    Some(match f.code {
-        ErrorCode::DiskFull => "database or disk is full",
-        ErrorCode::SystemIoFailure => "disk I/O error",
-        ErrorCode::CannotOpen => "cannot open the database file",
-        ErrorCode::ReadOnly => "the database file is read-only",
-        ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked => {
-            "the database is locked by another process"
-        }
-        ErrorCode::OutOfMemory => "out of memory",
-        ErrorCode::FileLockingProtocolFailed => "file locking failed",
-        _ => return None,
-    })
-}
-
-impl From<Error> for Status {
-    fn from(err: Error) -> Self {
-        let code = err.code();
-        if let Some(cause) = err.store_fault() {
-            // Expected while the disk is full: the writer logs the fault
-            // once; each refused call is not an error of its own.
-            tracing::debug!(error = %err, "refused: the store cannot commit");
-            return Status::new(
-                code,
-                format!(
-                    "the store cannot commit ({cause}); nothing was changed; retry with backoff"
-                ),
-            );
-        }
-        match err {
-            Error::Storage(_) | Error::Internal(_) | Error::Pool(_) => {
-                tracing::error!(error = %err, "internal error");
-                let msg = if code == Code::Unavailable {
-                    "the store is temporarily unavailable; retry"
-                } else {
-                    "internal error; see the server log"
-                };
-                Status::new(code, msg)
-            }
-            other => Status::new(code, other.to_string()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sqlite(code: std::ffi::c_int) -> Error {
-        Error::Storage(rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(code),
-            None,
-        ))
-    }
-
-    /// A full disk or an I/O error is `UNAVAILABLE` with the cause named;
-    /// a constraint failure (a bug) stays `INTERNAL` with no detail.
-    #[test]
-    fn store_faults_are_unavailable_and_name_their_cause() {
-        for (code, cause) in [
-            (rusqlite::ffi::SQLITE_FULL, "database or disk is full"),
-            (rusqlite::ffi::SQLITE_IOERR, "disk I/O error"),
-            (rusqlite::ffi::SQLITE_READONLY, "read-only"),
-        ] {
-            let st = Status::from(sqlite(code));
-            assert_eq!(st.code(), Code::Unavailable, "{st:?}");
-            assert!(st.message().contains(cause), "{st:?}");
-            assert!(st.message().contains("retry"), "{st:?}");
-        }
-        let st = Status::from(Error::StoreUnavailable("database or disk is full"));
-        assert_eq!(st.code(), Code::Unavailable);
-        let st = Status::from(sqlite(rusqlite::ffi::SQLITE_CONSTRAINT));
-        assert_eq!(st.code(), Code::Internal);
-        assert_eq!(st.message(), "internal error; see the server log");
     }
 }

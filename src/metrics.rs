@@ -242,10 +242,10 @@ impl Metrics {
     }
 
     /// Counts a job entering `status`.
-    pub fn transition(&self, status: crate::pb::JobStatus) {
+    pub fn transition(&self, status: crate::core::model::JobStatus) {
         self.job_transitions
             .get_or_create(&StatusLabel {
-                status: status_name(status).into(),
+                status: status.name().into(),
             })
             .inc();
     }
@@ -410,20 +410,6 @@ fn accepts_openmetrics(accept: &str) -> bool {
     })
 }
 
-/// Lower-case name of a job status, as used in labels and text.
-pub fn status_name(s: crate::pb::JobStatus) -> &'static str {
-    use crate::pb::JobStatus::*;
-    match s {
-        Unspecified => "unspecified",
-        Pending => "pending",
-        Running => "running",
-        Completed => "completed",
-        Failed => "failed",
-        Dead => "dead",
-        Cancelled => "cancelled",
-    }
-}
-
 /// Serves `GET /metrics` on `listener` until `shutdown` resolves; the body
 /// comes from `render`, called per request. Other paths get 404.
 pub async fn serve_http<F, Fut>(
@@ -494,7 +480,7 @@ mod tests {
     #[test]
     fn classic_text_names_counters_with_total_and_has_no_eof() {
         let m = Metrics::new();
-        m.transition(crate::pb::JobStatus::Completed);
+        m.transition(crate::core::model::JobStatus::Completed);
         m.rpc(
             "PlanService/GetPlan",
             tonic::Code::Ok,

@@ -11,8 +11,8 @@ use tonic::transport::{
 
 use crate::{
     auth::Authenticator,
-    config::EngineConfig,
-    core::Engine,
+    config::{EngineConfig, SyncMode},
+    core::SharedEngine,
     error::{Error, Result},
     metrics::Metrics,
     pb::{
@@ -21,6 +21,7 @@ use crate::{
         worker_service_server::WorkerServiceServer, FILE_DESCRIPTOR_SET,
     },
     service::{ActionApi, JobApi, PlanApi, QueueApi, WorkerApi},
+    store::sqlite::SqliteEngine,
 };
 
 /// Health service name that is SERVING while the process runs, until
@@ -47,6 +48,8 @@ pub struct TlsFiles {
 pub struct ServerOptions {
     /// SQLite database file.
     pub db: std::path::PathBuf,
+    /// SQLite `synchronous` mode of the database.
+    pub sqlite_synchronous: SyncMode,
     /// Core settings.
     pub engine: EngineConfig,
     /// Tokens; empty means auth off.
@@ -74,10 +77,16 @@ pub async fn run(
     metrics_listener: Option<TcpListener>,
     opts: ServerOptions,
     shutdown: impl Future<Output = ()> + Send,
-    ready: impl FnOnce(&Arc<Engine>),
+    ready: impl FnOnce(&SharedEngine),
 ) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let engine = Engine::open(&opts.db, opts.engine.clone(), metrics).await?;
+    let engine: SharedEngine = SqliteEngine::open(
+        &opts.db,
+        opts.sqlite_synchronous,
+        opts.engine.clone(),
+        metrics,
+    )
+    .await?;
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

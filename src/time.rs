@@ -24,6 +24,14 @@ pub fn ms_of(t: &prost_types::Timestamp) -> Option<i64> {
     Some(t.seconds * 1000 + i64::from(t.nanos) / 1_000_000)
 }
 
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
 /// RFC 3339 text (UTC, seconds precision) of `ms` since the epoch.
 pub fn rfc3339(ms: i64) -> String {
     let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);

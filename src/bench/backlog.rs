@@ -36,7 +36,7 @@ struct Result1 {
 async fn one(args: &BenchArgs, pending: usize, sample: usize) -> Result<Result1, BenchError> {
     let mut cfg = args.engine_config();
     cfg.max_inputs_per_action = 10_000;
-    let h = Harness::start(&args.base_dir(), cfg, args.server_threads).await?;
+    let h = Harness::start(&args.base_dir(), cfg, args.synchronous, args.server_threads).await?;
     let result = async {
         let (worker_channels, submit_channels) = load_channels(args, &h).await?;
         let k = pending.min(10_000);

@@ -1,7 +1,7 @@
-//! `--engine-only`: the AGQ core without gRPC. The same workload (W workers
-//! x S slots, M jobs in actions of K) calls [`Engine`] directly: leases
-//! arrive on in-process channels, completions go straight to
-//! [`Engine::update_job`]. What it reaches is the ceiling the store, the
+//! `--engine-only`: the AGQ engine without gRPC. The same workload (W
+//! workers x S slots, M jobs in actions of K) calls the SQLite engine
+//! through [`crate::core::Engine`] directly: leases arrive on in-process channels,
+//! completions go straight to [`crate::core::Engine::update_job`]. What it reaches is the ceiling the store, the
 //! state machine and group commit put on AGQ; the gap to the full run is
 //! the cost of gRPC (tonic, HTTP/2, protobuf) on both sides.
 
@@ -24,16 +24,24 @@ use super::{
     stats::{now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
-use crate::{core::Engine, metrics::Metrics, pb};
+use crate::{
+    core::{
+        engine::{ActionRequest, HeartbeatEvent},
+        model::{JobLease, JobReport, JobStatus, Plan, Registration, TaskResult},
+        SharedEngine,
+    },
+    metrics::Metrics,
+    store::sqlite::SqliteEngine,
+};
 
 fn internal(e: crate::error::Error) -> BenchError {
     BenchError::Failed(format!("engine: {e}"))
 }
 
 async fn worker(
-    engine: Arc<Engine>,
+    engine: SharedEngine,
     id: String,
-    mut leases: mpsc::UnboundedReceiver<Result<pb::JobLease, tonic::Status>>,
+    mut leases: mpsc::UnboundedReceiver<JobLease>,
     rec: Arc<Recorder>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -42,16 +50,16 @@ async fn worker(
         tokio::select! {
             _ = stop.changed() => return,
             l = leases.recv() => {
-                let Some(Ok(lease)) = l else { return };
-                let job = lease.job.unwrap_or_default();
+                let Some(lease) = l else { return };
+                let job = lease.job;
                 let t = job.input.get("t").and_then(|t| t.parse().ok());
                 rec.leased(t, None, now_us());
-                let req = pb::UpdateJobRequest {
+                let req = JobReport {
                     job_id: job.job_id,
                     worker_id: id.clone(),
                     lease_id: lease.lease_id,
-                    status: pb::JobStatus::Completed as i32,
-                    task_results: vec![task_result()],
+                    status: Some(JobStatus::Completed),
+                    task_results: vec![TaskResult::from(task_result())],
                     ..Default::default()
                 };
                 let engine = engine.clone();
@@ -71,8 +79,9 @@ async fn worker(
 /// Runs the engine-only mode. Returns false when a job did not complete.
 pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
     let dir = TempDir::new(&args.base_dir(), "engine")?;
-    let engine = Engine::open(
+    let engine: SharedEngine = SqliteEngine::open(
         &dir.path().join("agq.db"),
+        args.synchronous,
         args.engine_config(),
         Arc::new(Metrics::new()),
     )
@@ -83,9 +92,9 @@ pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
     result
 }
 
-async fn drive(args: &BenchArgs, engine: &Arc<Engine>) -> Result<bool, BenchError> {
+async fn drive(args: &BenchArgs, engine: &SharedEngine) -> Result<bool, BenchError> {
     engine
-        .submit_plan(Some(bench_plan(PLAN)))
+        .submit_plan(Plan::from(bench_plan(PLAN)))
         .await
         .map_err(internal)?;
     let rec = Arc::new(Recorder::default());
@@ -96,10 +105,10 @@ async fn drive(args: &BenchArgs, engine: &Arc<Engine>) -> Result<bool, BenchErro
     for i in 0..args.workers {
         let id = format!("engine-{i}");
         engine
-            .register_worker(register_request(&id, args.slots))
+            .register_worker(Registration::from(register_request(&id, args.slots)))
             .await
             .map_err(internal)?;
-        let (hb_tx, hb_rx) = mpsc::unbounded_channel();
+        let (hb_tx, hb_rx) = mpsc::unbounded_channel::<HeartbeatEvent>();
         heartbeat_streams.push(hb_rx);
         engine
             .open_heartbeat(id.clone(), hb_tx)
@@ -160,12 +169,10 @@ async fn drive(args: &BenchArgs, engine: &Arc<Engine>) -> Result<bool, BenchErro
                 }
                 let t = now_us();
                 let inputs = (0..k as u64)
-                    .map(|j| pb::ActionInput {
-                        values: job_input((a * k) as u64 + j, t, &payload),
-                    })
+                    .map(|j| job_input((a * k) as u64 + j, t, &payload))
                     .collect();
                 engine
-                    .submit_action(pb::SubmitActionRequest {
+                    .submit_action(ActionRequest {
                         plan_id: PLAN.into(),
                         inputs,
                         max_attempts: 3,

@@ -185,7 +185,6 @@ pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
         lease_grace: Duration::ZERO,
         retry_backoff_base: Duration::ZERO,
         retry_backoff_max: Duration::ZERO,
-        synchronous: args.synchronous,
         ..EngineConfig::default()
     };
     println!(
@@ -195,7 +194,7 @@ pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
         args.kill_trials,
         args.freeze_trials
     );
-    let h = Harness::start(&args.base_dir(), cfg, args.server_threads).await?;
+    let h = Harness::start(&args.base_dir(), cfg, args.synchronous, args.server_threads).await?;
     let result = trials(args, &h, interval).await;
     let stopped = h.stop().await;
     let ok = result?;

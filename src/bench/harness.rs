@@ -5,10 +5,7 @@
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
@@ -18,8 +15,8 @@ use tonic::transport::{Channel, Endpoint};
 use super::BenchError;
 use crate::{
     auth::Authenticator,
-    config::EngineConfig,
-    core::Engine,
+    config::{EngineConfig, SyncMode},
+    core::SharedEngine,
     server::{self, ServerOptions},
 };
 
@@ -60,7 +57,7 @@ pub struct Harness {
     rt: Option<tokio::runtime::Runtime>,
     stop: Option<oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
-    engine: Option<Arc<Engine>>,
+    engine: Option<SharedEngine>,
     child: Option<std::process::Child>,
     dir: TempDir,
 }
@@ -73,6 +70,7 @@ impl Harness {
     pub async fn start(
         base: &Path,
         cfg: EngineConfig,
+        sync: SyncMode,
         threads: usize,
     ) -> Result<Harness, BenchError> {
         let dir = TempDir::new(base, "agq")?;
@@ -92,9 +90,10 @@ impl Harness {
             .local_addr()
             .map_err(|e| BenchError::Setup(e.to_string()))?;
         let (stop, stop_rx) = oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = oneshot::channel::<Arc<Engine>>();
+        let (ready_tx, ready_rx) = oneshot::channel::<SharedEngine>();
         let opts = ServerOptions {
             db: dir.path().join("agq.db"),
+            sqlite_synchronous: sync,
             engine: cfg,
             auth: Authenticator::default(),
             tls: None,
@@ -145,6 +144,7 @@ impl Harness {
         binary: &Path,
         base: &Path,
         cfg: &EngineConfig,
+        sync: SyncMode,
     ) -> Result<Harness, BenchError> {
         let dir = TempDir::new(base, "agq-child")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -152,9 +152,9 @@ impl Harness {
             .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?
             .port();
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let sync = match cfg.synchronous {
-            crate::config::SyncMode::Full => "full",
-            crate::config::SyncMode::Normal => "normal",
+        let sync = match sync {
+            SyncMode::Full => "full",
+            SyncMode::Normal => "normal",
         };
         let child = std::process::Command::new(binary)
             .arg("serve")

@@ -176,7 +176,6 @@ impl BenchArgs {
     fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             heartbeat_interval: Duration::from_millis(self.heartbeat_ms.max(10)),
-            synchronous: self.synchronous,
             max_inputs_per_action: 10_000,
             job_retention: (self.job_retention_secs > 0)
                 .then(|| Duration::from_secs(self.job_retention_secs)),

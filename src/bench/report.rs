@@ -98,8 +98,24 @@ pub async fn channels(h: &Harness, n: usize) -> Result<Vec<Channel>, BenchError>
 /// Errors: setup failures.
 pub async fn start_agq(args: &BenchArgs, binary: Option<&Path>) -> Result<Harness, BenchError> {
     match binary {
-        Some(bin) => Harness::start_child(bin, &args.base_dir(), &args.engine_config()).await,
-        None => Harness::start(&args.base_dir(), args.engine_config(), args.server_threads).await,
+        Some(bin) => {
+            Harness::start_child(
+                bin,
+                &args.base_dir(),
+                &args.engine_config(),
+                args.synchronous,
+            )
+            .await
+        }
+        None => {
+            Harness::start(
+                &args.base_dir(),
+                args.engine_config(),
+                args.synchronous,
+                args.server_threads,
+            )
+            .await
+        }
     }
 }
 

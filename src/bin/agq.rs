@@ -88,6 +88,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let maddr = metrics_listener.local_addr().map_err(|e| e.to_string())?;
     let opts = ServerOptions {
         db: args.db.clone(),
+        sqlite_synchronous: args.sqlite_synchronous,
         engine: args.engine_config(),
         auth,
         tls: args

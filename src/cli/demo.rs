@@ -385,6 +385,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let opts = ServerOptions {
         db: db.clone(),
+        sqlite_synchronous: Default::default(),
         engine: EngineConfig::default(),
         auth: Authenticator::default(),
         tls: None,

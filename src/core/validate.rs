@@ -1,12 +1,19 @@
-//! Input validation of the seed protocol: ids, plans, action inputs and
-//! worker registrations. Every check returns [`Error::InvalidArgument`] with
-//! a message naming the rule, and nothing is written before it passes.
+//! Input validation shared by every engine: ids, plans, plan patterns,
+//! actions, worker registrations and reports. Every check returns
+//! [`Error::InvalidArgument`] (or `ResourceExhausted` for a report over
+//! the size cap) with a message naming the rule; engines call these before
+//! they change anything.
 
 use std::collections::HashMap;
 
+use super::{
+    engine::ActionRequest,
+    model::{JobReport, Plan, Registration},
+    page::MAX_PAGE,
+};
 use crate::{
+    config::EngineConfig,
     error::{Error, Result},
-    pb,
 };
 
 /// Most tasks in one plan.
@@ -55,16 +62,20 @@ pub fn object_id(what: &str, id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks the size of a worker report: the encoded task results and the
-/// error text together at most `max` bytes.
+/// Bytes a task result counts for besides its text: its numbers, flags
+/// and framing.
+const TASK_RESULT_FIXED_BYTES: usize = 32;
+
+/// Checks the size of a worker report: its task results (their text plus
+/// [`TASK_RESULT_FIXED_BYTES`] each) and the error text together at most
+/// `max` bytes.
 ///
 /// Errors: [`Error::ResourceExhausted`] naming the size and the limit.
-pub fn report_size(req: &pb::UpdateJobRequest, max: usize) -> Result<()> {
-    use prost::Message;
+pub fn report_size(req: &JobReport, max: usize) -> Result<()> {
     let size: usize = req
         .task_results
         .iter()
-        .map(|r| r.encoded_len())
+        .map(|r| r.command.len() + r.stdout.len() + r.stderr.len() + TASK_RESULT_FIXED_BYTES)
         .sum::<usize>()
         + req.error.len();
     if size > max {
@@ -117,10 +128,10 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// Validates a plan by every seed rule (seed: PLAN.SUBMIT): id syntax,
+/// Validates a plan by every rule of the PLAN.SUBMIT command: id syntax,
 /// description size, 1..=100 tasks numbered 1..=n, bare commands, bounded
 /// args, `timeout_secs` in 1..=86400, `input_from_task` naming an earlier task.
-pub fn plan(plan: &pb::Plan) -> Result<()> {
+pub fn plan(plan: &Plan) -> Result<()> {
     object_id("plan_id", &plan.plan_id)?;
     if plan.plan_description.len() > MAX_DESCRIPTION_BYTES {
         return Err(Error::invalid(format!(
@@ -184,7 +195,7 @@ pub fn plan(plan: &pb::Plan) -> Result<()> {
 }
 
 /// The distinct tools (commands) a plan needs, sorted.
-pub fn plan_tools(plan: &pb::Plan) -> Vec<String> {
+pub fn plan_tools(plan: &Plan) -> Vec<String> {
     let mut tools: Vec<String> = plan.tasks.iter().map(|t| t.command.clone()).collect();
     tools.sort();
     tools.dedup();
@@ -232,9 +243,10 @@ fn short_text(what: &str, s: &str, min: usize, max: usize) -> Result<()> {
     Ok(())
 }
 
-/// Validates a registration (seed: WORKER.REGISTER) and returns it with
-/// defaults applied (max_concurrent_jobs 0 → 1, tools sorted and deduplicated).
-pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorkerRequest> {
+/// Validates a registration (the WORKER.REGISTER command) and returns it
+/// with defaults applied (max_concurrent_jobs 0 → 1, tools sorted and
+/// deduplicated).
+pub fn registration(mut req: Registration) -> Result<Registration> {
     worker_id(&req.worker_id)?;
     short_text("hostname", &req.hostname, 1, 255)?;
     short_text("platform", &req.platform, 0, 64)?;
@@ -245,7 +257,6 @@ pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorke
             truncate(&req.instance_id, 80)
         )));
     }
-    let mut req = req.clone();
     if req.max_concurrent_jobs == 0 {
         req.max_concurrent_jobs = 1;
     }
@@ -255,7 +266,7 @@ pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorke
             req.max_concurrent_jobs
         )));
     }
-    let caps = req.capabilities.get_or_insert_with(Default::default);
+    let caps = &mut req.capabilities;
     if caps.tools.len() > MAX_TOOLS || caps.agentic_units.len() > MAX_TOOLS {
         return Err(Error::invalid(format!(
             "at most {MAX_TOOLS} tools and agentic units"
@@ -279,12 +290,151 @@ pub fn registration(req: &pb::RegisterWorkerRequest) -> Result<pb::RegisterWorke
     Ok(req)
 }
 
+/// A glob over plan ids (the PLAN.LIST pattern): at most 256 bytes, no
+/// NUL, valid glob syntax; `None` for the empty pattern (match all). One
+/// dialect: the pattern that validates here is the one the engines match.
+pub fn plan_pattern(pattern: &str) -> Result<Option<glob::Pattern>> {
+    if pattern.len() > 256 || pattern.contains('\0') {
+        return Err(Error::invalid(
+            "pattern must be at most 256 bytes without NUL",
+        ));
+    }
+    if pattern.is_empty() {
+        return Ok(None);
+    }
+    glob::Pattern::new(pattern)
+        .map(Some)
+        .map_err(|e| Error::invalid(format!("bad glob pattern: {e}")))
+}
+
+/// A validated [`ActionRequest`]: the id made when none was given, the
+/// attempts default applied.
+#[derive(Debug, Clone)]
+pub struct ValidAction {
+    /// The action's id.
+    pub action_id: String,
+    /// Its plan.
+    pub plan_id: String,
+    /// One per job.
+    pub inputs: Vec<HashMap<String, String>>,
+    /// Scheduled start, ms.
+    pub run_at_ms: Option<i64>,
+    /// Attempts per job, 1..=[`MAX_ATTEMPTS`].
+    pub max_attempts: u32,
+}
+
+/// Validates a SubmitAction (the ACTION.SUBMIT command) at `now_ms`: ids,
+/// 1..=`max_inputs_per_action` inputs each by [`action_input`],
+/// `max_attempts` in 0..=[`MAX_ATTEMPTS`] (0: 3), `run_at` no further
+/// ahead than `max_run_at_ahead`. An empty action id gets a new UUIDv7.
+pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<ValidAction> {
+    object_id("plan_id", &req.plan_id)?;
+    let action_id = if req.action_id.is_empty() {
+        uuid::Uuid::now_v7().to_string()
+    } else {
+        object_id("action_id", &req.action_id)?;
+        req.action_id
+    };
+    if req.inputs.is_empty() {
+        return Err(Error::invalid("an action needs at least one input"));
+    }
+    let max = cfg.max_inputs_per_action;
+    if req.inputs.len() > max {
+        return Err(Error::invalid(format!(
+            "an action has at most {max} inputs (max_inputs_per_action), got {}",
+            req.inputs.len()
+        )));
+    }
+    for (i, input) in req.inputs.iter().enumerate() {
+        action_input(i, input)?;
+    }
+    let max_attempts = match req.max_attempts {
+        0 => 3,
+        n if n <= MAX_ATTEMPTS => n,
+        n => {
+            return Err(Error::invalid(format!(
+                "max_attempts must be in 1..={MAX_ATTEMPTS}, got {n}"
+            )))
+        }
+    };
+    if let Some(ms) = req.run_at_ms {
+        let ahead = i64::try_from(cfg.max_run_at_ahead.as_millis()).unwrap_or(i64::MAX);
+        if ms > now_ms.saturating_add(ahead) {
+            return Err(Error::invalid(format!(
+                "run_at is more than {} s ahead (--max-run-at-ahead-secs); schedule it nearer",
+                cfg.max_run_at_ahead.as_secs()
+            )));
+        }
+    }
+    Ok(ValidAction {
+        action_id,
+        plan_id: req.plan_id,
+        inputs: req.inputs,
+        run_at_ms: req.run_at_ms,
+        max_attempts,
+    })
+}
+
+/// Validates a worker's report (the JOB.UPDATE command) before the lease
+/// is checked: ids, a lease id of 1..=64 bytes, at most [`MAX_TASKS`] task
+/// results, and the size cap ([`report_size`]). The status and progress
+/// are checked after fencing, by the engine.
+///
+/// Errors: `InvalidArgument`, `ResourceExhausted` (over `max_bytes`).
+pub fn report(req: &JobReport, max_bytes: usize) -> Result<()> {
+    object_id("job_id", &req.job_id)?;
+    worker_id(&req.worker_id)?;
+    if req.lease_id.is_empty() || req.lease_id.len() > 64 {
+        return Err(Error::invalid("lease_id is required (at most 64 bytes)"));
+    }
+    if req.task_results.len() > MAX_TASKS {
+        return Err(Error::invalid(format!("at most {MAX_TASKS} task results")));
+    }
+    report_size(req, max_bytes)
+}
+
+/// Validates a batch of reports of worker `worker_id` (BatchUpdateJobs):
+/// 1..=[`MAX_BATCH_REPORTS`] reports, each naming that worker or none
+/// (filled in). Each report is validated on its own when applied.
+pub fn batch(worker: &str, mut reports: Vec<JobReport>) -> Result<Vec<JobReport>> {
+    worker_id(worker)?;
+    if reports.is_empty() || reports.len() > MAX_BATCH_REPORTS {
+        return Err(Error::invalid(format!(
+            "a batch carries 1..={MAX_BATCH_REPORTS} reports, got {}",
+            reports.len()
+        )));
+    }
+    for (i, r) in reports.iter_mut().enumerate() {
+        if r.worker_id.is_empty() {
+            r.worker_id = worker.to_string();
+        } else if r.worker_id != worker {
+            return Err(Error::invalid(format!(
+                "report {i} names worker {:?}, not the batch's worker {worker}",
+                r.worker_id
+            )));
+        }
+    }
+    Ok(reports)
+}
+
+/// The count of a QUEUE.PEEK: 0 means 10, at most [`MAX_PAGE`].
+pub fn peek_count(count: u32) -> Result<usize> {
+    match count {
+        0 => Ok(10),
+        n if n <= MAX_PAGE => Ok(n as usize),
+        n => Err(Error::invalid(format!(
+            "count must be at most {MAX_PAGE}, got {n}"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::model::Task;
 
-    fn task(n: u32, cmd: &str) -> pb::Task {
-        pb::Task {
+    fn task(n: u32, cmd: &str) -> Task {
+        Task {
             task_number: n,
             command: cmd.into(),
             args: vec![],
@@ -308,7 +458,7 @@ mod tests {
 
     #[test]
     fn input_from_task_must_point_back() {
-        let mut p = pb::Plan {
+        let mut p = Plan {
             plan_id: "p".into(),
             plan_description: String::new(),
             tasks: vec![task(1, "cat"), task(2, "sort")],
@@ -339,7 +489,7 @@ mod tests {
             ]
         }
 
-        fn any_task() -> impl Strategy<Value = pb::Task> {
+        fn any_task() -> impl Strategy<Value = Task> {
             (
                 0u32..6,
                 any_text(),
@@ -347,15 +497,13 @@ mod tests {
                 0u32..100_000,
                 prop::option::of(0u32..6),
             )
-                .prop_map(|(n, command, args, timeout_secs, input_from_task)| {
-                    pb::Task {
-                        task_number: n,
-                        command,
-                        args,
-                        timeout_secs,
-                        input_from_task,
-                        ..Default::default()
-                    }
+                .prop_map(|(n, command, args, timeout_secs, input_from_task)| Task {
+                    task_number: n,
+                    command,
+                    args,
+                    timeout_secs,
+                    input_from_task,
+                    ..Default::default()
                 })
         }
 
@@ -368,7 +516,7 @@ mod tests {
                 plan_id in any_text(),
                 tasks in prop::collection::vec(any_task(), 0..6),
             ) {
-                let p = pb::Plan { plan_id, plan_description: String::new(), tasks, ..Default::default() };
+                let p = Plan { plan_id, plan_description: String::new(), tasks, ..Default::default() };
                 if plan(&p).is_ok() {
                     prop_assert!(!p.tasks.is_empty() && p.tasks.len() <= MAX_TASKS);
                     for (i, t) in p.tasks.iter().enumerate() {

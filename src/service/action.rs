@@ -1,6 +1,8 @@
-//! `agq.v1.ActionService` (seed: ACTION.SUBMIT, ACTION.STATUS; WatchAction is new).
+//! `agq.v1.ActionService`: the ACTION.SUBMIT and ACTION.STATUS commands of
+//! the specification, and WatchAction, a server stream of an action's
+//! progress.
 
-use std::{pin::Pin, sync::Arc};
+use std::pin::Pin;
 
 use futures_util::Stream;
 use tonic::{Request, Response, Status};
@@ -8,19 +10,20 @@ use tonic::{Request, Response, Status};
 use super::rpc;
 use crate::{
     auth::{identity, require_client},
-    core::Engine,
+    core::{model::ActionStatus, SharedEngine},
     pb::{self, action_service_server::ActionService},
+    service::convert::action_request,
 };
 
 /// The ActionService implementation.
 pub struct ActionApi {
-    /// The core.
-    pub engine: Arc<Engine>,
+    /// The engine.
+    pub engine: SharedEngine,
     /// Resolves when the server shuts down; ends open watch streams.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
-fn all_terminal(a: &pb::ActionStatus) -> bool {
+fn all_terminal(a: &ActionStatus) -> bool {
     a.completed + a.dead + a.cancelled >= a.total_jobs
 }
 
@@ -32,11 +35,12 @@ impl ActionService for ActionApi {
     ) -> Result<Response<pb::SubmitActionResponse>, Status> {
         rpc(&self.engine, "ActionService/SubmitAction", async {
             require_client(&identity(&req))?;
-            let (action_id, job_ids) = self.engine.submit_action(req.into_inner()).await?;
+            let action = action_request(req.into_inner())?;
+            let done = self.engine.submit_action(action).await?;
             Ok(pb::SubmitActionResponse {
-                action_id,
-                jobs_created: job_ids.len() as u32,
-                job_ids,
+                action_id: done.action_id,
+                jobs_created: done.job_ids.len() as u32,
+                job_ids: done.job_ids,
             })
         })
         .await
@@ -50,7 +54,7 @@ impl ActionService for ActionApi {
             require_client(&identity(&req))?;
             let action = self.engine.get_action(req.into_inner().action_id).await?;
             Ok(pb::GetActionResponse {
-                action: Some(action),
+                action: Some(action.into()),
             })
         })
         .await
@@ -80,7 +84,7 @@ impl ActionService for ActionApi {
                 let mut current = first;
                 loop {
                     let done = all_terminal(&current);
-                    if tx.send(Ok(pb::WatchActionResponse { action: Some(current) })).await.is_err() || done {
+                    if tx.send(Ok(pb::WatchActionResponse { action: Some(current.into()) })).await.is_err() || done {
                         return;
                     }
                     let stopping = tokio::select! {

@@ -1,32 +1,22 @@
-//! `agq.v1.JobService` (seed: JOB.STATUS, JOB.LIST, JOBS.SEARCH, JOB.RETRY; CancelJob is new).
-
-use std::sync::Arc;
+//! `agq.v1.JobService`: the JOB.STATUS, JOB.LIST, JOBS.SEARCH and JOB.RETRY
+//! commands of the specification, and CancelJob.
 
 use tonic::{Request, Response, Status};
 
-use super::rpc;
+use super::{
+    convert::{list_jobs_query, search_jobs_query},
+    rpc,
+};
 use crate::{
     auth::{identity, require_client},
-    core::Engine,
-    error::Error,
+    core::SharedEngine,
     pb::{self, job_service_server::JobService},
-    store::jobs::JobFilter,
-    time::ms_of,
 };
 
 /// The JobService implementation.
 pub struct JobApi {
-    /// The core.
-    pub engine: Arc<Engine>,
-}
-
-fn status_filter(s: i32) -> Option<i32> {
-    (s != pb::JobStatus::Unspecified as i32).then_some(s)
-}
-
-fn time_filter(what: &str, t: Option<prost_types::Timestamp>) -> Result<Option<i64>, Error> {
-    t.map(|t| ms_of(&t).ok_or_else(|| Error::invalid(format!("{what} is not a valid timestamp"))))
-        .transpose()
+    /// The engine.
+    pub engine: SharedEngine,
 }
 
 #[tonic::async_trait]
@@ -38,7 +28,9 @@ impl JobService for JobApi {
         rpc(&self.engine, "JobService/GetJob", async {
             require_client(&identity(&req))?;
             let job = self.engine.get_job(req.into_inner().job_id).await?;
-            Ok(pb::GetJobResponse { job: Some(job) })
+            Ok(pb::GetJobResponse {
+                job: Some(job.into()),
+            })
         })
         .await
     }
@@ -49,22 +41,13 @@ impl JobService for JobApi {
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
         rpc(&self.engine, "JobService/ListJobs", async {
             require_client(&identity(&req))?;
-            let r = req.into_inner();
-            if r.action_id.is_empty() {
-                return Err(Error::invalid("action_id is required").into());
-            }
-            let filter = JobFilter {
-                action_id: Some(r.action_id),
-                status: status_filter(r.status),
-                ..Default::default()
-            };
-            let (job_ids, next_page_token) = self
+            let page = self
                 .engine
-                .search_jobs(filter, r.page_size, r.page_token)
+                .search_jobs(list_jobs_query(req.into_inner())?)
                 .await?;
             Ok(pb::ListJobsResponse {
-                job_ids,
-                next_page_token,
+                job_ids: page.items,
+                next_page_token: page.next_page_token,
             })
         })
         .await
@@ -76,21 +59,13 @@ impl JobService for JobApi {
     ) -> Result<Response<pb::SearchJobsResponse>, Status> {
         rpc(&self.engine, "JobService/SearchJobs", async {
             require_client(&identity(&req))?;
-            let r = req.into_inner();
-            let filter = JobFilter {
-                action_id: None,
-                status: status_filter(r.status),
-                plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id),
-                created_after_ms: time_filter("created_after", r.created_after)?,
-                created_before_ms: time_filter("created_before", r.created_before)?,
-            };
-            let (job_ids, next_page_token) = self
+            let page = self
                 .engine
-                .search_jobs(filter, r.page_size, r.page_token)
+                .search_jobs(search_jobs_query(req.into_inner())?)
                 .await?;
             Ok(pb::SearchJobsResponse {
-                job_ids,
-                next_page_token,
+                job_ids: page.items,
+                next_page_token: page.next_page_token,
             })
         })
         .await
@@ -103,7 +78,9 @@ impl JobService for JobApi {
         rpc(&self.engine, "JobService/RetryJob", async {
             require_client(&identity(&req))?;
             let job = self.engine.retry_job(req.into_inner().job_id).await?;
-            Ok(pb::RetryJobResponse { job: Some(job) })
+            Ok(pb::RetryJobResponse {
+                job: Some(job.into()),
+            })
         })
         .await
     }
@@ -115,7 +92,9 @@ impl JobService for JobApi {
         rpc(&self.engine, "JobService/CancelJob", async {
             require_client(&identity(&req))?;
             let job = self.engine.cancel_job(req.into_inner().job_id).await?;
-            Ok(pb::CancelJobResponse { job: Some(job) })
+            Ok(pb::CancelJobResponse {
+                job: Some(job.into()),
+            })
         })
         .await
     }

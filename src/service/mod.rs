@@ -1,25 +1,30 @@
 //! Thin tonic implementations of the `agq.v1` services: check the caller's
-//! role, decode, call the core, encode. Every RPC runs in one tracing span
-//! with its method and status code, and is counted in the metrics.
+//! role, convert the request to domain types ([`convert`]), call the engine
+//! interface ([`crate::core::Engine`]), convert the reply back; engine
+//! errors become statuses in one table ([`status`]). Every RPC runs in one
+//! tracing span with its method and status code, and is counted in the
+//! metrics.
 
 mod action;
+pub mod convert;
 mod job;
 mod plan;
 mod queue;
+pub mod status;
 mod worker;
 
-use std::{future::Future, sync::Arc};
+use std::future::Future;
 
 use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
 pub use self::{action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi};
-use crate::core::Engine;
+use crate::core::SharedEngine;
 
 /// Runs one RPC body inside a span named after `method`, records its status
 /// code in the metrics and the log, and wraps the reply.
 async fn rpc<T>(
-    engine: &Arc<Engine>,
+    engine: &SharedEngine,
     method: &'static str,
     body: impl Future<Output = Result<T, Status>>,
 ) -> Result<Response<T>, Status> {

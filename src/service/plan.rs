@@ -1,20 +1,20 @@
-//! `agq.v1.PlanService` (seed: PLAN.SUBMIT, PLAN.GET, PLAN.LIST, PLAN.DELETE).
-
-use std::sync::Arc;
+//! `agq.v1.PlanService`: the PLAN.SUBMIT, PLAN.GET, PLAN.LIST and
+//! PLAN.DELETE commands of the specification.
 
 use tonic::{Request, Response, Status};
 
 use super::rpc;
 use crate::{
     auth::{identity, require_client},
-    core::Engine,
+    core::{engine::PlanQuery, SharedEngine},
+    error::Error,
     pb::{self, plan_service_server::PlanService},
 };
 
 /// The PlanService implementation.
 pub struct PlanApi {
-    /// The core.
-    pub engine: Arc<Engine>,
+    /// The engine.
+    pub engine: SharedEngine,
 }
 
 #[tonic::async_trait]
@@ -25,7 +25,11 @@ impl PlanService for PlanApi {
     ) -> Result<Response<pb::SubmitPlanResponse>, Status> {
         rpc(&self.engine, "PlanService/SubmitPlan", async {
             require_client(&identity(&req))?;
-            let plan_id = self.engine.submit_plan(req.into_inner().plan).await?;
+            let plan = req
+                .into_inner()
+                .plan
+                .ok_or_else(|| Error::invalid("plan is required"))?;
+            let plan_id = self.engine.submit_plan(plan.into()).await?;
             Ok(pb::SubmitPlanResponse { plan_id })
         })
         .await
@@ -38,7 +42,9 @@ impl PlanService for PlanApi {
         rpc(&self.engine, "PlanService/GetPlan", async {
             require_client(&identity(&req))?;
             let plan = self.engine.get_plan(req.into_inner().plan_id).await?;
-            Ok(pb::GetPlanResponse { plan: Some(plan) })
+            Ok(pb::GetPlanResponse {
+                plan: Some(pb::Plan::from(&plan)),
+            })
         })
         .await
     }
@@ -49,7 +55,19 @@ impl PlanService for PlanApi {
     ) -> Result<Response<pb::ListPlansResponse>, Status> {
         rpc(&self.engine, "PlanService/ListPlans", async {
             require_client(&identity(&req))?;
-            Ok(self.engine.list_plans(req.into_inner()).await?)
+            let r = req.into_inner();
+            let page = self
+                .engine
+                .list_plans(PlanQuery {
+                    pattern: r.pattern,
+                    page_size: r.page_size,
+                    page_token: r.page_token,
+                })
+                .await?;
+            Ok(pb::ListPlansResponse {
+                plan_ids: page.items,
+                next_page_token: page.next_page_token,
+            })
         })
         .await
     }

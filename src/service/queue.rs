@@ -1,21 +1,20 @@
-//! `agq.v1.QueueService` (seed: QUEUE.STATS, QUEUE.PEEK, METRICS).
-
-use std::sync::Arc;
+//! `agq.v1.QueueService`: the QUEUE.STATS, QUEUE.PEEK and METRICS commands
+//! of the specification.
 
 use tonic::{Request, Response, Status};
 
 use super::rpc;
 use crate::{
     auth::{identity, require_client},
-    core::Engine,
+    core::{engine::QueueName, SharedEngine},
     error::Error,
     pb::{self, queue_service_server::QueueService},
 };
 
 /// The QueueService implementation.
 pub struct QueueApi {
-    /// The core.
-    pub engine: Arc<Engine>,
+    /// The engine.
+    pub engine: SharedEngine,
 }
 
 #[tonic::async_trait]
@@ -26,7 +25,7 @@ impl QueueService for QueueApi {
     ) -> Result<Response<pb::GetQueueStatsResponse>, Status> {
         rpc(&self.engine, "QueueService/GetQueueStats", async {
             require_client(&identity(&req))?;
-            Ok(self.engine.queue_stats().await?)
+            Ok(self.engine.queue_stats().await?.into())
         })
         .await
     }
@@ -38,7 +37,17 @@ impl QueueService for QueueApi {
         rpc(&self.engine, "QueueService/PeekQueue", async {
             require_client(&identity(&req))?;
             let r = req.into_inner();
-            let job_ids = self.engine.peek_queue(r.queue, r.count).await?;
+            let queue = match r.queue.as_str() {
+                "" | "ready" => QueueName::Ready,
+                "scheduled" => QueueName::Scheduled,
+                q => {
+                    return Err(Error::invalid(format!(
+                        "queue must be \"ready\" or \"scheduled\", got {q:?}"
+                    ))
+                    .into())
+                }
+            };
+            let job_ids = self.engine.peek_queue(queue, r.count).await?;
             Ok(pb::PeekQueueResponse { job_ids })
         })
         .await

@@ -1,10 +1,13 @@
-//! `agq.v1.WorkerService` (seed: WORKER.REGISTER, WORKER.HEARTBEAT as a
-//! bidirectional stream, BRPOP queue:ready as the LeaseJobs server stream,
-//! JOB.UPDATE, WORKER.UNREGISTER, KEYS worker:*:alive, GET worker:<id>:stats).
+//! `agq.v1.WorkerService`: the WORKER.REGISTER, WORKER.HEARTBEAT (as a
+//! bidirectional stream), JOB.UPDATE, WORKER.UNREGISTER, `KEYS
+//! worker:*:alive` and `GET worker:<id>:stats` commands of the
+//! specification, and LeaseJobs, the server stream of leases that replaces
+//! polling the ready queue. The engine pushes domain events
+//! ([`HeartbeatEvent`], [`JobLease`]) into a channel per stream; this
+//! module turns them into messages and statuses.
 
 use std::{
     pin::Pin,
-    sync::Arc,
     task::{Context, Poll},
 };
 
@@ -13,18 +16,22 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::rpc;
+use super::{convert::state_filter, rpc};
 use crate::{
     auth::{identity, require_client, require_worker},
-    core::{workers::StreamKind, Engine},
+    core::{
+        engine::{HeartbeatEvent, StreamKind},
+        model::{JobLease, JobReport},
+        SharedEngine,
+    },
     error::Error,
     pb::{self, worker_service_server::WorkerService},
 };
 
 /// The WorkerService implementation.
 pub struct WorkerApi {
-    /// The core.
-    pub engine: Arc<Engine>,
+    /// The engine.
+    pub engine: SharedEngine,
     /// Turns true when the server shuts down; ends open streams.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -74,10 +81,11 @@ impl WorkerService for WorkerApi {
             require_worker(&identity(&req), &r.worker_id)?;
             let r = req.into_inner();
             let worker_id = r.worker_id.clone();
-            let (interval, resumed) = self.engine.register_worker(r).await?;
+            let done = self.engine.register_worker(r.into()).await?;
+            let interval = done.heartbeat_interval;
             Ok(pb::RegisterWorkerResponse {
                 worker_id,
-                resumed,
+                resumed: done.resumed,
                 heartbeat_interval_secs: interval.as_secs_f64().ceil() as u32,
                 heartbeat_interval_ms: interval.as_millis().min(u32::MAX as u128) as u32,
             })
@@ -103,9 +111,10 @@ impl WorkerService for WorkerApi {
             let engine = self.engine.clone();
             let sid = engine.open_heartbeat(worker_id.clone(), tx.clone()).await?;
             let held = first.held_leases.map(|h| h.lease_ids);
-            match engine.heartbeat(worker_id.clone(), first.stats, held).await {
-                Ok(resp) => {
-                    let _ = tx.send(Ok(resp));
+            let stats = first.stats.map(Into::into);
+            match engine.heartbeat(worker_id.clone(), stats, held).await {
+                Ok(reply) => {
+                    let _ = tx.send(HeartbeatEvent::Reply(reply));
                 }
                 Err(e) => {
                     engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
@@ -124,30 +133,32 @@ impl WorkerService for WorkerApi {
                         Ok(None) | Err(_) => break,
                     };
                     if m.worker_id != worker_id {
-                        let _ = tx.send(Err(Status::invalid_argument(
+                        let _ = tx.send(HeartbeatEvent::End(Error::invalid(
                             "worker_id changed within one heartbeat stream",
                         )));
                         break;
                     }
                     let held = m.held_leases.map(|h| h.lease_ids);
-                    match engine.heartbeat(worker_id.clone(), m.stats, held).await {
-                        Ok(resp) => {
-                            if tx.send(Ok(resp)).is_err() {
+                    let stats = m.stats.map(Into::into);
+                    match engine.heartbeat(worker_id.clone(), stats, held).await {
+                        Ok(reply) => {
+                            if tx.send(HeartbeatEvent::Reply(reply)).is_err() {
                                 break;
                             }
                         }
                         Err(e) => {
-                            let _ = tx.send(Err(e.into()));
+                            let _ = tx.send(HeartbeatEvent::End(e));
                             break;
                         }
                     }
                 }
                 engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
             });
-            Ok(until_shutdown(
-                UnboundedReceiverStream::new(rx),
-                self.shutdown.clone(),
-            ))
+            let events = UnboundedReceiverStream::new(rx).map(|event| match event {
+                HeartbeatEvent::Reply(reply) => Ok(pb::HeartbeatResponse::from(reply)),
+                HeartbeatEvent::End(e) => Err(Status::from(e)),
+            });
+            Ok(until_shutdown(events, self.shutdown.clone()))
         })
         .await
     }
@@ -164,8 +175,9 @@ impl WorkerService for WorkerApi {
             let (tx, rx) = mpsc::unbounded_channel();
             let sid = self.engine.open_lease_stream(worker_id.clone(), tx).await?;
             let engine = self.engine.clone();
+            let leases = UnboundedReceiverStream::new(rx).map(|l: JobLease| Ok(l.into()));
             let stream: BoxStream<pb::JobLease> = Box::pin(ClosingStream {
-                inner: until_shutdown(UnboundedReceiverStream::new(rx), self.shutdown.clone()),
+                inner: until_shutdown(leases, self.shutdown.clone()),
                 on_close: Some(Box::new(move || {
                     engine.close_stream(worker_id, StreamKind::Lease, sid)
                 })),
@@ -181,9 +193,9 @@ impl WorkerService for WorkerApi {
     ) -> Result<Response<pb::UpdateJobResponse>, Status> {
         rpc(&self.engine, "WorkerService/UpdateJob", async {
             require_worker(&identity(&req), &req.get_ref().worker_id)?;
-            let status = self.engine.update_job(req.into_inner()).await?;
+            let status = self.engine.update_job(req.into_inner().into()).await?;
             Ok(pb::UpdateJobResponse {
-                status: status as i32,
+                status: pb::JobStatus::from(status) as i32,
             })
         })
         .await
@@ -196,16 +208,17 @@ impl WorkerService for WorkerApi {
         rpc(&self.engine, "WorkerService/BatchUpdateJobs", async {
             require_worker(&identity(&req), &req.get_ref().worker_id)?;
             let r = req.into_inner();
+            let reports: Vec<JobReport> = r.requests.into_iter().map(Into::into).collect();
             let results = self
                 .engine
-                .batch_update_jobs(&r.worker_id, r.requests)
+                .batch_update_jobs(r.worker_id, reports)
                 .await?
                 .into_iter()
                 .map(|r| match r {
                     Ok(status) => pb::UpdateJobResult {
                         code: 0,
                         message: String::new(),
-                        status: status as i32,
+                        status: pb::JobStatus::from(status) as i32,
                     },
                     Err(e) => {
                         let st = Status::from(e);
@@ -243,15 +256,10 @@ impl WorkerService for WorkerApi {
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
         rpc(&self.engine, "WorkerService/ListWorkers", async {
             require_client(&identity(&req))?;
-            let state = match req.into_inner().state {
-                0 => None,
-                s => Some(
-                    pb::WorkerState::try_from(s)
-                        .map_err(|_| Error::invalid(format!("unknown worker state {s}")))?,
-                ),
-            };
+            let state = state_filter(req.into_inner().state)?;
+            let workers = self.engine.list_workers(state).await?;
             Ok(pb::ListWorkersResponse {
-                workers: self.engine.list_workers(state).await?,
+                workers: workers.into_iter().map(Into::into).collect(),
             })
         })
         .await
@@ -265,7 +273,7 @@ impl WorkerService for WorkerApi {
             require_client(&identity(&req))?;
             let worker = self.engine.get_worker(req.into_inner().worker_id).await?;
             Ok(pb::GetWorkerResponse {
-                worker: Some(worker),
+                worker: Some(worker.into()),
             })
         })
         .await
@@ -279,7 +287,7 @@ impl WorkerService for WorkerApi {
             require_worker(&identity(&req), &req.get_ref().worker_id)?;
             let worker = self.engine.drain_worker(req.into_inner().worker_id).await?;
             Ok(pb::DrainWorkerResponse {
-                worker: Some(worker),
+                worker: Some(worker.into()),
             })
         })
         .await

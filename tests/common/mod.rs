@@ -89,6 +89,7 @@ impl TestServer {
         let (stop, stop_rx) = oneshot::channel::<()>();
         let (ready_tx, ready_rx) = oneshot::channel::<()>();
         let opts = ServerOptions {
+            sqlite_synchronous: Default::default(),
             db: db.to_path_buf(),
             engine: cfg,
             auth,

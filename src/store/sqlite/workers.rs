@@ -1,31 +1,30 @@
-//! Worker lifecycle in the core: registration, heartbeat and lease streams,
-//! drain, unregister, and the reaper tick that catches stale workers,
-//! dropped streams past their grace, expired leases and due jobs.
+//! Worker lifecycle in the SQLite engine: registration, heartbeat and
+//! lease streams, drain, unregister, the public views of workers and the
+//! queue, and the reaper tick that catches stale workers, dropped streams
+//! past their grace, expired leases and due jobs.
 
 use std::{collections::HashSet, time::Instant};
 
 use rusqlite::Connection;
-use tonic::Status;
 
-use super::state::{Effect, State, StreamSlot, StreamTx, WorkerEntry};
+use super::{
+    sql::workers as wstore,
+    state::{Effect, State, StreamSlot, WorkerEntry},
+};
 use crate::{
+    core::{
+        engine::{EventTx, HeartbeatEvent, StreamKind},
+        model::{
+            HeartbeatReply, JobLease, QueueStats, Registration, Worker, WorkerCommand, WorkerState,
+            WorkerStats,
+        },
+    },
     error::{Error, Result},
-    pb::{self, WorkerState},
-    store::{self, workers as wstore},
-    time::ts,
+    time::now_ms,
 };
 
 /// How long a DEAD or UNREGISTERED worker stays listed: 24 hours, in ms.
-pub const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
-
-/// Which stream of a worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamKind {
-    /// The bidirectional Heartbeat stream.
-    Heartbeat,
-    /// The LeaseJobs server stream.
-    Lease,
-}
+pub(super) const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
 
 impl State {
     fn live_worker(&self, id: &str) -> Result<&WorkerEntry> {
@@ -37,12 +36,12 @@ impl State {
             WorkerState::Active | WorkerState::Draining => Ok(w),
             s => Err(Error::precondition(format!(
                 "worker {id} is {}; register it again",
-                state_name(s)
+                s.name()
             ))),
         }
     }
 
-    /// Registers a validated worker (seed: WORKER.REGISTER). One live
+    /// Registers a validated worker (the WORKER.REGISTER command). One live
     /// process per worker id, told apart by `instance_id`:
     /// - the id is new, DEAD or UNREGISTERED: registered;
     /// - the same instance registers again while ACTIVE or DRAINING: it
@@ -58,15 +57,15 @@ impl State {
     /// Errors: `AlreadyExists` while another live instance holds the id
     /// (or, for a request without `instance_id`, while the id is ACTIVE or
     /// DRAINING); storage errors.
-    pub fn register(&mut self, conn: &Connection, req: pb::RegisterWorkerRequest) -> Result<bool> {
+    pub(super) fn register(&mut self, conn: &Connection, req: Registration) -> Result<bool> {
         if let Some(w) = self.workers.get(&req.worker_id) {
-            if matches!(w.state, WorkerState::Active | WorkerState::Draining) {
+            if w.state.is_live() {
                 let current = w.info.instance_id.clone();
                 if req.instance_id.is_empty() || current.is_empty() {
                     return Err(Error::AlreadyExists(format!(
                         "worker {} is already registered and {}",
                         req.worker_id,
-                        state_name(w.state)
+                        w.state.name()
                     )));
                 }
                 if current == req.instance_id {
@@ -104,8 +103,8 @@ impl State {
                 );
             }
         }
-        let now_ms = store::now_ms();
-        let info = pb::Worker {
+        let now_ms = now_ms();
+        let info = Worker {
             worker_id: req.worker_id.clone(),
             hostname: req.hostname,
             platform: req.platform,
@@ -113,17 +112,18 @@ impl State {
             capabilities: req.capabilities,
             max_concurrent_jobs: req.max_concurrent_jobs,
             tags: req.tags,
-            state: WorkerState::Active as i32,
+            state: WorkerState::Active,
+            fresh: true,
+            last_heartbeat_at_ms: now_ms,
+            stats: WorkerStats::default(),
+            active_leases: 0,
+            connected: false,
+            registered_at_ms: now_ms,
             sandboxed: req.sandboxed,
             instance_id: req.instance_id,
-            ..Default::default()
         };
         wstore::upsert(conn, &info, now_ms)?;
-        let tools: HashSet<String> = info
-            .capabilities
-            .as_ref()
-            .map(|c| c.tools.iter().cloned().collect())
-            .unwrap_or_default();
+        let tools: HashSet<String> = info.capabilities.tools.iter().cloned().collect();
         let entry = WorkerEntry {
             max: info.max_concurrent_jobs.max(1),
             info,
@@ -155,7 +155,7 @@ impl State {
     /// of the same kind. Returns the stream's id.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED).
-    pub fn open_heartbeat(&mut self, id: &str, tx: StreamTx<pb::HeartbeatResponse>) -> Result<u64> {
+    pub(super) fn open_heartbeat(&mut self, id: &str, tx: EventTx<HeartbeatEvent>) -> Result<u64> {
         self.live_worker(id)?;
         let sid = self.next_stream_id;
         self.next_stream_id += 1;
@@ -168,7 +168,7 @@ impl State {
     /// Attaches a newly opened lease stream, replacing an older one.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED).
-    pub fn open_lease_stream(&mut self, id: &str, tx: StreamTx<pb::JobLease>) -> Result<u64> {
+    pub(super) fn open_lease_stream(&mut self, id: &str, tx: EventTx<JobLease>) -> Result<u64> {
         self.live_worker(id)?;
         let sid = self.next_stream_id;
         self.next_stream_id += 1;
@@ -184,7 +184,7 @@ impl State {
     /// (at once when the grace is zero) unless it comes back.
     ///
     /// Errors: storage errors.
-    pub fn close_stream(
+    pub(super) fn close_stream(
         &mut self,
         conn: &Connection,
         id: &str,
@@ -206,7 +206,7 @@ impl State {
                     return Ok(());
                 }
                 w.heartbeat = None;
-                if !matches!(w.state, WorkerState::Active | WorkerState::Draining) {
+                if !w.state.is_live() {
                     return Ok(());
                 }
                 w.suspect_since = Some(Instant::now());
@@ -224,13 +224,13 @@ impl State {
     /// it no longer runs.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED), storage errors.
-    pub fn heartbeat(
+    pub(super) fn heartbeat(
         &mut self,
         conn: &Connection,
         id: &str,
-        stats: Option<pb::WorkerStats>,
+        stats: Option<WorkerStats>,
         held: Option<Vec<String>>,
-    ) -> Result<pb::HeartbeatResponse> {
+    ) -> Result<HeartbeatReply> {
         self.live_worker(id)?;
         let now = Instant::now();
         let was_fresh = self.workers.get(id).is_some_and(|w| self.is_fresh(w, now));
@@ -266,7 +266,7 @@ impl State {
         }
         if let Some(w) = self.workers.get_mut(id) {
             w.last_heartbeat = now;
-            w.last_heartbeat_ms = store::now_ms();
+            w.last_heartbeat_ms = now_ms();
             if let Some(stats) = stats {
                 w.stats = stats;
             }
@@ -277,8 +277,8 @@ impl State {
         if !was_fresh {
             self.wants_dispatch = true;
         }
-        Ok(pb::HeartbeatResponse {
-            next_deadline: Some(self.next_deadline_ts()),
+        Ok(HeartbeatReply {
+            next_deadline_ms: self.next_deadline_ms(),
             command: None,
         })
     }
@@ -300,7 +300,7 @@ impl State {
         wstore::set_state(conn, id, state)?;
         if let Some(w) = self.workers.get_mut(id) {
             w.state = state;
-            w.info.state = state as i32;
+            w.info.state = state;
         }
         self.refresh_available(id);
         Ok(())
@@ -313,7 +313,7 @@ impl State {
             if let Some(hb) = w.heartbeat.take() {
                 self.outbox.push(Effect::Heartbeat(
                     hb.tx,
-                    Err(Status::failed_precondition(why.to_string())),
+                    HeartbeatEvent::End(Error::precondition(why)),
                 ));
             }
             w.suspect_since = None;
@@ -321,10 +321,10 @@ impl State {
         self.refresh_available(id);
     }
 
-    /// Deregisters the worker and re-queues what it holds (seed: WORKER.UNREGISTER).
+    /// Deregisters the worker and re-queues what it holds (the WORKER.UNREGISTER command).
     ///
     /// Errors: `NotFound`, storage errors.
-    pub fn unregister(&mut self, conn: &Connection, id: &str) -> Result<u32> {
+    pub(super) fn unregister(&mut self, conn: &Connection, id: &str) -> Result<u32> {
         if !self.workers.contains_key(id) {
             return Err(Error::not_found(format!("worker {id} is not registered")));
         }
@@ -343,14 +343,14 @@ impl State {
     /// Puts the worker in DRAINING and tells it over its heartbeat stream.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED), storage errors.
-    pub fn drain(&mut self, conn: &Connection, id: &str) -> Result<pb::Worker> {
+    pub(super) fn drain(&mut self, conn: &Connection, id: &str) -> Result<Worker> {
         self.live_worker(id)?;
         self.set_state(conn, id, WorkerState::Draining)?;
         self.command(
             id,
-            pb::heartbeat_response::Command::Drain(pb::DrainCommand {
+            WorkerCommand::Drain {
                 reason: "drain requested".into(),
-            }),
+            },
         );
         tracing::info!(worker_id = %id, "worker draining");
         self.worker_view(id)
@@ -361,9 +361,9 @@ impl State {
     /// flushes heartbeats to the database now and then.
     ///
     /// Errors: storage errors.
-    pub fn tick(&mut self, conn: &Connection) -> Result<()> {
+    pub(super) fn tick(&mut self, conn: &Connection) -> Result<()> {
         let now = Instant::now();
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         self.promote_due(conn, now_ms)?;
         let expired: Vec<i64> = self
             .leases
@@ -383,7 +383,7 @@ impl State {
         let mut stale = Vec::new();
         let mut suspect = Vec::new();
         for (id, w) in &self.workers {
-            if !matches!(w.state, WorkerState::Active | WorkerState::Draining) {
+            if !w.state.is_live() {
                 continue;
             }
             if !self.is_fresh(w, now) {
@@ -449,7 +449,7 @@ impl State {
     /// older than the heartbeat interval (all of them when `all`).
     ///
     /// Errors: storage errors.
-    pub fn flush_heartbeats(&mut self, conn: &Connection, all: bool) -> Result<()> {
+    pub(super) fn flush_heartbeats(&mut self, conn: &Connection, all: bool) -> Result<()> {
         let every = self.cfg.heartbeat_interval.as_millis().max(5000) as i64;
         for (id, w) in self.workers.iter_mut() {
             let due = w.last_heartbeat_ms > w.flushed_heartbeat_ms
@@ -465,7 +465,7 @@ impl State {
     /// The public view of worker `id`.
     ///
     /// Errors: `NotFound`.
-    pub fn worker_view(&self, id: &str) -> Result<pb::Worker> {
+    pub(super) fn worker_view(&self, id: &str) -> Result<Worker> {
         let w = self
             .workers
             .get(id)
@@ -474,8 +474,8 @@ impl State {
     }
 
     /// Public views of every worker (of `state` when given), by id.
-    pub fn worker_views(&self, state: Option<WorkerState>) -> Vec<pb::Worker> {
-        let mut out: Vec<pb::Worker> = self
+    pub(super) fn worker_views(&self, state: Option<WorkerState>) -> Vec<Worker> {
+        let mut out: Vec<Worker> = self
             .workers
             .values()
             .filter(|w| state.is_none_or(|s| s == w.state))
@@ -485,28 +485,27 @@ impl State {
         out
     }
 
-    fn view(&self, w: &WorkerEntry) -> pb::Worker {
+    fn view(&self, w: &WorkerEntry) -> Worker {
         let now = Instant::now();
         let mut v = w.info.clone();
-        v.state = w.state as i32;
-        v.fresh =
-            matches!(w.state, WorkerState::Active | WorkerState::Draining) && self.is_fresh(w, now);
-        v.last_heartbeat_at = Some(ts(w.last_heartbeat_ms));
-        v.stats = Some(w.stats);
+        v.state = w.state;
+        v.fresh = w.state.is_live() && self.is_fresh(w, now);
+        v.last_heartbeat_at_ms = w.last_heartbeat_ms;
+        v.stats = w.stats;
         v.active_leases = w.leases.len() as u32;
         v.connected =
             w.heartbeat.is_some() && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
-        v.registered_at = Some(ts(w.registered_at_ms));
+        v.registered_at_ms = w.registered_at_ms;
         v
     }
 
-    /// Queue depth and worker counts (seed: QUEUE.STATS).
-    pub fn queue_stats(&self) -> pb::GetQueueStatsResponse {
+    /// Queue depth and worker counts (the QUEUE.STATS command).
+    pub(super) fn queue_stats(&self) -> QueueStats {
         let now = Instant::now();
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         let oldest = self.ready.values().map(|w| w.since_ms).min();
         let next_due = self.delayed.first().map(|(due, _)| *due);
-        let mut s = pb::GetQueueStatsResponse {
+        let mut s = QueueStats {
             ready_length: self.ready.len() as u64,
             scheduled_length: self.delayed.len() as u64,
             running_length: self.leases.len() as u64,
@@ -519,7 +518,7 @@ impl State {
             ..Default::default()
         };
         for w in self.workers.values() {
-            if !matches!(w.state, WorkerState::Active | WorkerState::Draining) {
+            if !w.state.is_live() {
                 continue;
             }
             s.workers_total += 1;
@@ -534,16 +533,5 @@ impl State {
             }
         }
         s
-    }
-}
-
-/// Lower-case name of a worker state.
-pub fn state_name(s: WorkerState) -> &'static str {
-    match s {
-        WorkerState::Unspecified => "unspecified",
-        WorkerState::Active => "ACTIVE",
-        WorkerState::Draining => "DRAINING",
-        WorkerState::Dead => "DEAD",
-        WorkerState::Unregistered => "UNREGISTERED",
     }
 }

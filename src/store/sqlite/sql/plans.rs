@@ -3,24 +3,24 @@
 use prost::Message;
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::{error::Result, pb};
+use crate::{core::model::Plan, error::Result, pb};
 
 /// Inserts `plan`. Returns false (and changes nothing) when the id exists.
 ///
 /// Errors: [`crate::error::Error::Storage`].
-pub fn insert(conn: &Connection, plan: &pb::Plan, now_ms: i64) -> Result<bool> {
+pub fn insert(conn: &Connection, plan: &Plan, now_ms: i64) -> Result<bool> {
     let n = conn
         .prepare_cached(
             "INSERT OR IGNORE INTO plans (plan_id, description, body, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
         )?
-        .execute(params![plan.plan_id, plan.plan_description, plan.encode_to_vec(), now_ms])?;
+        .execute(params![plan.plan_id, plan.plan_description, pb::Plan::from(plan).encode_to_vec(), now_ms])?;
     Ok(n == 1)
 }
 
 /// The plan `plan_id`, if stored.
 ///
 /// Errors: [`crate::error::Error::Storage`], also for an undecodable row.
-pub fn get(conn: &Connection, plan_id: &str) -> Result<Option<pb::Plan>> {
+pub fn get(conn: &Connection, plan_id: &str) -> Result<Option<Plan>> {
     let body: Option<Vec<u8>> = conn
         .prepare_cached("SELECT body FROM plans WHERE plan_id = ?1")?
         .query_row([plan_id], |r| r.get(0))
@@ -28,15 +28,16 @@ pub fn get(conn: &Connection, plan_id: &str) -> Result<Option<pb::Plan>> {
     body.map(|b| decode(&b)).transpose()
 }
 
-fn decode(body: &[u8]) -> Result<pb::Plan> {
+fn decode(body: &[u8]) -> Result<Plan> {
     pb::Plan::decode(body)
+        .map(Plan::from)
         .map_err(|e| crate::error::Error::Internal(format!("stored plan does not decode: {e}")))
 }
 
 /// Every stored plan, for rebuilding the in-memory plan cache.
 ///
 /// Errors: [`crate::error::Error::Storage`].
-pub fn load_all(conn: &Connection) -> Result<Vec<pb::Plan>> {
+pub fn load_all(conn: &Connection) -> Result<Vec<Plan>> {
     let mut stmt = conn.prepare("SELECT body FROM plans")?;
     let rows = stmt.query_map([], |r| r.get::<_, Vec<u8>>(0))?;
     let mut out = Vec::new();

@@ -1,23 +1,27 @@
-//! Plans, actions and the job state machine in the core: submit, delete,
-//! fan-out, fenced updates, cancel and retry.
+//! The job state machine of the SQLite engine: plans submitted and
+//! deleted, actions fanned out into jobs, fenced reports, cancel, retry and
+//! retention.
 
 use std::{collections::HashMap, sync::Arc};
 
 use rusqlite::Connection;
 
 use super::{
+    sql::{jobs, plans, retention},
     state::{FreshJob, PlanEntry, State, Waiting, FRESH_JOBS_MAX},
-    validate,
 };
 use crate::{
+    core::{
+        model::{JobReport, JobStatus, Plan, WorkerCommand},
+        validate,
+    },
     error::{Error, Result},
-    pb::{self, JobStatus},
-    store::{self, jobs, plans, retention},
+    time::now_ms,
 };
 
 /// A validated SubmitAction.
 #[derive(Debug, Clone)]
-pub struct NewAction {
+pub(super) struct NewAction {
     /// Action id (generated when the client gave none).
     pub action_id: String,
     /// Plan to run.
@@ -33,7 +37,7 @@ pub struct NewAction {
 /// One job of a [`NewAction`], prepared before it reaches the writer thread
 /// (the id and the JSON cost the single writer nothing).
 #[derive(Debug, Clone)]
-pub struct NewJob {
+pub(super) struct NewJob {
     /// Public id (a UUIDv7).
     pub job_id: String,
     /// The input values.
@@ -47,7 +51,7 @@ impl NewJob {
     ///
     /// Errors: `Internal` if the input cannot be written as JSON (a map of
     /// strings always can).
-    pub fn new(input: HashMap<String, String>) -> Result<NewJob> {
+    pub(super) fn new(input: HashMap<String, String>) -> Result<NewJob> {
         let input_json =
             serde_json::to_string(&input).map_err(|e| Error::Internal(e.to_string()))?;
         Ok(NewJob {
@@ -59,11 +63,11 @@ impl NewJob {
 }
 
 impl State {
-    /// Stores a validated plan (seed: PLAN.SUBMIT).
+    /// Stores a validated plan (the PLAN.SUBMIT command).
     ///
     /// Errors: `AlreadyExists`, storage errors.
-    pub fn submit_plan(&mut self, conn: &Connection, plan: pb::Plan) -> Result<String> {
-        if !plans::insert(conn, &plan, store::now_ms())? {
+    pub(super) fn submit_plan(&mut self, conn: &Connection, plan: Plan) -> Result<String> {
+        if !plans::insert(conn, &plan, now_ms())? {
             return Err(Error::AlreadyExists(format!(
                 "plan {} already exists",
                 plan.plan_id
@@ -71,16 +75,17 @@ impl State {
         }
         let id = plan.plan_id.clone();
         let tools = validate::plan_tools(&plan);
+        let plan = Arc::new(plan);
         self.plans
             .insert(id.clone(), Arc::new(PlanEntry { plan, tools }));
         Ok(id)
     }
 
-    /// Deletes a plan and its finished history (seed: PLAN.DELETE).
+    /// Deletes a plan and its finished history (the PLAN.DELETE command).
     ///
     /// Errors: `NotFound`; `FailedPrecondition` while pending, running or
     /// retrying jobs use it; storage errors.
-    pub fn delete_plan(&mut self, conn: &Connection, plan_id: &str) -> Result<()> {
+    pub(super) fn delete_plan(&mut self, conn: &Connection, plan_id: &str) -> Result<()> {
         if !self.plans.contains_key(plan_id) {
             return Err(Error::not_found(format!("plan {plan_id} not found")));
         }
@@ -94,17 +99,21 @@ impl State {
         Ok(())
     }
 
-    /// Creates the action and one pending job per input (seed:
-    /// ACTION.SUBMIT). Returns the job ids. Every check comes before the
+    /// Creates the action and one pending job per input (the
+    /// ACTION.SUBMIT command). Returns the job ids. Every check comes before the
     /// first SQL write, so it runs without a savepoint
     /// (`Writer::write_direct`): keep it that way.
     ///
     /// Errors: `NotFound` (plan), `AlreadyExists` (action id), storage errors.
-    pub fn submit_action(&mut self, conn: &Connection, mut a: NewAction) -> Result<Vec<String>> {
+    pub(super) fn submit_action(
+        &mut self,
+        conn: &Connection,
+        mut a: NewAction,
+    ) -> Result<Vec<String>> {
         let Some(plan) = self.plans.get(&a.plan_id).cloned() else {
             return Err(Error::not_found(format!("plan {} not found", a.plan_id)));
         };
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         let ready_at = a.run_at_ms.unwrap_or(now_ms).max(now_ms);
         let total = a.jobs.len() as u32;
         if !jobs::insert_action(
@@ -182,7 +191,7 @@ impl State {
         Ok(ids)
     }
 
-    /// Applies a worker's report on a leased job (seed: JOB.UPDATE), fenced
+    /// Applies a worker's report on a leased job (the JOB.UPDATE command), fenced
     /// by the lease: only the holder, with the current lease id, may report.
     /// Every check comes before the first SQL write, so it runs without a
     /// savepoint (`Writer::write_direct`): keep it that way. A final report
@@ -192,11 +201,7 @@ impl State {
     /// Errors: `NotFound` (job), `PermissionDenied` (another worker's lease),
     /// `FailedPrecondition` (stale lease id, job not running),
     /// `InvalidArgument` (status not RUNNING/COMPLETED/FAILED), storage errors.
-    pub fn update_job(
-        &mut self,
-        conn: &Connection,
-        req: pb::UpdateJobRequest,
-    ) -> Result<JobStatus> {
+    pub(super) fn update_job(&mut self, conn: &Connection, req: JobReport) -> Result<JobStatus> {
         // A job under lease is found in memory; only reports on other jobs
         // (rejected below) need the database to say what the job is.
         let leased = self
@@ -212,9 +217,9 @@ impl State {
                 // reply was lost): acknowledged again, nothing changes.
                 let same_lease = key.lease_id.as_deref() == Some(req.lease_id.as_str())
                     && key.worker_id.as_deref() == Some(req.worker_id.as_str());
-                let repeated = match JobStatus::try_from(req.status) {
-                    Ok(JobStatus::Completed) => key.status == JobStatus::Completed,
-                    Ok(JobStatus::Failed) => matches!(
+                let repeated = match req.status {
+                    Some(JobStatus::Completed) => key.status == JobStatus::Completed,
+                    Some(JobStatus::Failed) => matches!(
                         key.status,
                         JobStatus::Failed | JobStatus::Dead | JobStatus::Pending
                     ),
@@ -227,7 +232,7 @@ impl State {
                 let msg = format!(
                     "job {} is {} and holds no lease of worker {}; the report is rejected",
                     req.job_id,
-                    crate::metrics::status_name(key.status),
+                    key.status.name(),
                     req.worker_id
                 );
                 return Err(
@@ -253,14 +258,22 @@ impl State {
                 req.lease_id, req.job_id
             )));
         }
-        let status = JobStatus::try_from(req.status).unwrap_or(JobStatus::Unspecified);
+        let status = req.status;
         if req.progress_percent > 100 {
             return Err(Error::invalid("progress_percent must be in 0..=100"));
         }
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
+        let fence = jobs::Fence {
+            lease_id: &lease.lease_id,
+            worker_id: &lease.worker_id,
+        };
+        // The fenced statement runs first: when it changes nothing (memory
+        // and database disagree on the lease), nothing else is written.
         let after = match status {
-            JobStatus::Running => {
-                jobs::set_progress(conn, row, req.current_task, req.progress_percent)?;
+            Some(JobStatus::Running) => {
+                let changed =
+                    jobs::set_progress(conn, row, fence, req.current_task, req.progress_percent)?;
+                self.fenced(changed, &lease)?;
                 if !req.task_results.is_empty() {
                     jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
                     if let Some(l) = self.leases.get_mut(&row) {
@@ -269,9 +282,10 @@ impl State {
                 }
                 JobStatus::Running
             }
-            JobStatus::Completed => {
+            Some(JobStatus::Completed) => {
+                let changed = jobs::complete(conn, row, fence, now_ms)?;
+                self.fenced(changed, &lease)?;
                 jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
-                jobs::complete(conn, row, now_ms)?;
                 self.metrics.transition(JobStatus::Completed);
                 self.metrics
                     .job_duration
@@ -280,17 +294,17 @@ impl State {
                 self.touch(&lease.action_id);
                 JobStatus::Completed
             }
-            JobStatus::Failed => {
-                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
+            Some(JobStatus::Failed) => {
                 let error = if req.error.is_empty() {
                     "the worker reported failure".to_string()
                 } else {
                     req.error.clone()
                 };
+                let after = self.end_attempt(conn, row, &lease, &error, true)?;
+                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
                 self.metrics
                     .job_duration
                     .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                let after = self.end_attempt(conn, row, &lease, &error, true)?;
                 self.metrics.requeue("job_failed");
                 after
             }
@@ -307,7 +321,7 @@ impl State {
     /// told over its heartbeat stream. Returns the job's row.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (already terminal), storage errors.
-    pub fn cancel_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
+    pub(super) fn cancel_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
         let key = jobs::key_by_job_id(conn, job_id)?
             .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
         match key.status {
@@ -315,17 +329,17 @@ impl State {
             s => {
                 return Err(Error::precondition(format!(
                     "job {job_id} is {} and cannot be cancelled",
-                    crate::metrics::status_name(s)
+                    s.name()
                 )))
             }
         }
-        jobs::cancel(conn, key.row, store::now_ms())?;
+        jobs::cancel(conn, key.row, now_ms())?;
         self.metrics.transition(JobStatus::Cancelled);
         self.dequeue(key.row);
         if let Some(lease) = self.leases.get(&key.row).cloned() {
             self.command(
                 &lease.worker_id,
-                pb::heartbeat_response::Command::CancelJobId(job_id.to_string()),
+                WorkerCommand::CancelJob(job_id.to_string()),
             );
             self.release(key.row, &lease.worker_id);
         }
@@ -335,16 +349,16 @@ impl State {
     }
 
     /// Puts a failed or dead job back to pending with a fresh attempt
-    /// budget (seed: JOB.RETRY). Returns the job's row.
+    /// budget (the JOB.RETRY command). Returns the job's row.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` from any other status, storage errors.
-    pub fn retry_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
+    pub(super) fn retry_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
         let key = jobs::key_by_job_id(conn, job_id)?
             .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
         if !matches!(key.status, JobStatus::Failed | JobStatus::Dead) {
             return Err(Error::precondition(format!(
                 "job {job_id} is {}; only failed or dead jobs can be retried",
-                crate::metrics::status_name(key.status)
+                key.status.name()
             )));
         }
         if !self.plans.contains_key(&key.plan_id) {
@@ -353,7 +367,7 @@ impl State {
                 key.plan_id
             )));
         }
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         jobs::retry(conn, key.row, now_ms)?;
         self.metrics.transition(JobStatus::Pending);
         self.dequeue(key.row);
@@ -380,7 +394,7 @@ impl State {
     /// one per action row deleted: 0 means nothing (more) has expired.
     ///
     /// Errors: storage errors.
-    pub fn expire_finished(
+    pub(super) fn expire_finished(
         &mut self,
         conn: &Connection,
         cutoff_ms: i64,

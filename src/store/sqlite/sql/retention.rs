@@ -9,7 +9,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::{error::Result, pb::JobStatus};
+use crate::{core::model::JobStatus, error::Result};
 
 /// Statuses of an open job: one that may still run.
 const OPEN: [i32; 3] = [

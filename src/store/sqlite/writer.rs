@@ -14,7 +14,7 @@ use prometheus_client::metrics::counter::Counter;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::CheckpointSignal;
+use super::sql::CheckpointSignal;
 use crate::error::{Error, Result};
 
 /// The most operations one commit carries.
@@ -58,7 +58,7 @@ enum Outcome {
     /// It refused (bad input, wrong state, ...), or was refused.
     Refused,
     /// Storage failed under it; with the cause when the environment (disk
-    /// full, I/O error) is to blame (see [`crate::error::store_fault`]).
+    /// full, I/O error) is to blame (see [`super::sql::store_fault`]).
     Broken(Option<&'static str>),
 }
 
@@ -66,7 +66,9 @@ impl Outcome {
     fn of<R>(r: &Result<R>) -> Outcome {
         match r {
             Ok(_) => Outcome::Done,
-            Err(e @ (Error::Storage(_) | Error::Pool(_))) => Outcome::Broken(e.store_fault()),
+            Err(e @ (Error::Storage { .. } | Error::StoreBusy(_))) => {
+                Outcome::Broken(e.store_fault())
+            }
             Err(_) => Outcome::Refused,
         }
     }
@@ -99,6 +101,7 @@ impl StoreHealth {
     }
 
     /// True while the store commits.
+    #[cfg(test)]
     pub fn is_ok(&self) -> bool {
         *self.ok.borrow()
     }
@@ -672,7 +675,7 @@ mod tests {
             },
         );
         held.unwrap();
-        assert!(matches!(broken, Err(Error::Storage(_))), "{broken:?}");
+        assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
         assert!(matches!(refused, Err(Error::InvalidArgument(_))));
         after.unwrap();
         let rows: Vec<String> = w
@@ -712,7 +715,7 @@ mod tests {
         )
         .unwrap();
         let full = || {
-            Error::Storage(rusqlite::Error::SqliteFailure(
+            Error::from(rusqlite::Error::SqliteFailure(
                 rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
                 None,
             ))
@@ -723,7 +726,7 @@ mod tests {
                 Err(full())
             })
             .await;
-        assert!(matches!(broken, Err(Error::Storage(_))), "{broken:?}");
+        assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
         assert!(!health.is_ok());
         assert_eq!(errors.get(), 1);
         let mut committed = false;

@@ -2,18 +2,21 @@
 //! operations that made a job ready or freed a slot, [`State::dispatch`]
 //! matches the oldest ready jobs to fresh, ACTIVE, capable workers with a
 //! free slot, least loaded first, and queues the leases for their streams.
+//! Freshness is checked here, at every pick.
 
 use std::{sync::Arc, time::Instant};
 
 use rand::Rng;
 use rusqlite::Connection;
 
-use super::state::{Effect, FreshJob, Lease, State, Waiting};
+use super::{
+    sql::jobs,
+    state::{Effect, FreshJob, Lease, State, Waiting},
+};
 use crate::{
+    core::model::{Job, JobLease, JobStatus, Plan, WorkerCommand, WorkerState},
     error::{Error, Result},
-    pb::{self, JobStatus, WorkerState},
-    store::{self, jobs},
-    time::{rfc3339, ts},
+    time::{now_ms, rfc3339},
 };
 
 /// A lease being granted, for [`State::lease_out`].
@@ -35,7 +38,7 @@ impl State {
     /// ready jobs: the oldest job some eligible worker can run goes first.
     ///
     /// Errors: storage errors (the batch is rolled back).
-    pub fn dispatch(&mut self, conn: &Connection) -> Result<()> {
+    pub(super) fn dispatch(&mut self, conn: &Connection) -> Result<()> {
         self.wants_dispatch = false;
         let now = Instant::now();
         loop {
@@ -82,7 +85,7 @@ impl State {
     /// Grants the job at `row` to `worker_id`: commits the lease in the
     /// batch and queues it for the worker's lease stream.
     fn grant(&mut self, conn: &Connection, row: i64, worker_id: &str) -> Result<()> {
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         // A new job's row is known without reading it (see FreshJob).
         let cached = self.ready.get_mut(&row).and_then(|w| {
             let f = w.fresh.take()?;
@@ -122,7 +125,7 @@ impl State {
         let plan = self
             .plans
             .get(&*waiting.plan_id)
-            .map(|p| p.plan.clone())
+            .map(|p| Arc::clone(&p.plan))
             .ok_or_else(|| Error::Internal(format!("plan {} missing", waiting.plan_id)))?;
         self.lease_out(
             row,
@@ -167,7 +170,7 @@ impl State {
         input_json: &str,
         action_id: Arc<str>,
         plan_id: Arc<str>,
-        plan: pb::Plan,
+        plan: Arc<Plan>,
         worker_id: &str,
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
@@ -218,7 +221,7 @@ impl State {
     /// Records a lease granted in this batch (the row already says so) and
     /// queues it, with the job's `plan`, for the holder's lease stream;
     /// `job` is the row as it was before the grant.
-    fn lease_out(&mut self, row: i64, mut job: pb::Job, plan: pb::Plan, l: NewLease<'_>) {
+    fn lease_out(&mut self, row: i64, mut job: Job, plan: Arc<Plan>, l: NewLease<'_>) {
         let worker_id = l.worker_id;
         self.metrics
             .enqueue_to_lease
@@ -226,9 +229,9 @@ impl State {
         self.metrics.transition(JobStatus::Running);
         self.lease_seq += 1;
         let seq = self.lease_seq;
-        job.status = JobStatus::Running as i32;
+        job.status = JobStatus::Running;
         job.attempt = l.attempt;
-        job.started_at = Some(ts(l.now_ms));
+        job.started_at_ms = Some(l.now_ms);
         job.worker_id = worker_id.to_string();
         job.current_task = 0;
         job.progress_percent = 0;
@@ -258,12 +261,12 @@ impl State {
             w.leases.insert(row);
             w.last_lease_seq = seq;
             if let Some(slot) = &w.lease_stream {
-                let lease = pb::JobLease {
+                let lease = JobLease {
                     lease_id: l.lease_id,
-                    job: Some(job),
-                    plan: Some(plan),
+                    job,
+                    plan,
                     attempt: l.attempt,
-                    expires_at: Some(ts(l.expires_at_ms)),
+                    expires_at_ms: l.expires_at_ms,
                 };
                 self.outbox
                     .push(Effect::Lease(slot.tx.clone(), Box::new(lease)));
@@ -274,7 +277,7 @@ impl State {
 
     /// Backoff before attempt `attempt + 1` after attempt `attempt` failed:
     /// base x 2^(attempt-1), capped, with up to 25% jitter either way.
-    pub fn backoff_ms(&self, attempt: u32) -> i64 {
+    pub(super) fn backoff_ms(&self, attempt: u32) -> i64 {
         let base = self.cfg.retry_backoff_base.as_millis() as f64;
         if base <= 0.0 {
             return 0;
@@ -291,7 +294,7 @@ impl State {
     /// the requeue metric. A still-connected holder is told to stop.
     ///
     /// Errors: storage errors.
-    pub fn lose_lease(
+    pub(super) fn lose_lease(
         &mut self,
         conn: &Connection,
         row: i64,
@@ -306,7 +309,7 @@ impl State {
         if label != "job_failed" {
             self.command(
                 &lease.worker_id,
-                pb::heartbeat_response::Command::CancelJobId(lease.job_id.clone()),
+                WorkerCommand::CancelJob(lease.job_id.clone()),
             );
         }
         tracing::info!(job_id = %lease.job_id, worker_id = %lease.worker_id, reason, "lease lost");
@@ -326,7 +329,7 @@ impl State {
         error: &str,
         reported: bool,
     ) -> Result<JobStatus> {
-        let now_ms = store::now_ms();
+        let now_ms = now_ms();
         let dead = lease.attempt >= lease.max_attempts;
         let ready_at = now_ms
             + if dead {
@@ -338,7 +341,13 @@ impl State {
             "attempt {} of {}: {error}",
             lease.attempt, lease.max_attempts
         );
-        jobs::fail_attempt(conn, row, dead, &error, ready_at, now_ms, reported)?;
+        let fence = jobs::Fence {
+            lease_id: &lease.lease_id,
+            worker_id: &lease.worker_id,
+        };
+        let changed =
+            jobs::fail_attempt(conn, row, fence, dead, &error, ready_at, now_ms, reported)?;
+        self.fenced(changed, lease)?;
         let mut status = if dead {
             JobStatus::Dead
         } else {
@@ -365,6 +374,21 @@ impl State {
         Ok(status)
     }
 
+    /// Turns a fenced statement that changed no row into a fencing
+    /// rejection: the database says the job no longer runs under `lease`,
+    /// whatever memory says. The batch is then rolled back and the state
+    /// reloaded from the database.
+    pub(super) fn fenced(&self, changed: bool, lease: &Lease) -> Result<()> {
+        if changed {
+            return Ok(());
+        }
+        self.metrics.fencing_rejections.inc();
+        Err(Error::precondition(format!(
+            "job {} does not run under lease {} of worker {} (fencing); nothing is recorded",
+            lease.job_id, lease.lease_id, lease.worker_id
+        )))
+    }
+
     /// Drops the lease of `row` from memory and frees the holder's slot.
     pub(super) fn release(&mut self, row: i64, worker_id: &str) {
         if let Some(lease) = self.leases.remove(&row) {
@@ -381,7 +405,7 @@ impl State {
     /// (Failed ones become Pending). Returns how many moved.
     ///
     /// Errors: storage errors.
-    pub fn promote_due(&mut self, conn: &Connection, now_ms: i64) -> Result<usize> {
+    pub(super) fn promote_due(&mut self, conn: &Connection, now_ms: i64) -> Result<usize> {
         let mut moved = 0;
         while let Some(&(due, row)) = self.delayed.first() {
             if due > now_ms {
@@ -405,7 +429,7 @@ impl State {
 
     /// Why the pending or failed job at `row` is not running, in words a
     /// person can act on; empty when it is not waiting.
-    pub fn waiting_reason(&self, row: i64) -> String {
+    pub(super) fn waiting_reason(&self, row: i64) -> String {
         if let Some(w) = self.delayed_jobs.get(&row) {
             return if w.status == JobStatus::Failed {
                 format!(

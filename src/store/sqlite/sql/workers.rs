@@ -6,6 +6,7 @@ use prost::Message;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::{
+    core::model::{Worker, WorkerCapabilities, WorkerState, WorkerStats},
     error::{Error, Result},
     pb,
 };
@@ -14,7 +15,7 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct WorkerRow {
     /// Registration metadata and last stats (freshness fields unset).
-    pub worker: pb::Worker,
+    pub worker: Worker,
     /// Registration time (ms).
     pub registered_at_ms: i64,
     /// Last flushed heartbeat time (ms).
@@ -24,8 +25,8 @@ pub struct WorkerRow {
 /// Inserts or replaces the worker's registration and its tools.
 ///
 /// Errors: [`Error::Storage`].
-pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
-    let caps = w.capabilities.clone().unwrap_or_default();
+pub fn upsert(conn: &Connection, w: &Worker, now_ms: i64) -> Result<()> {
+    let caps = &w.capabilities;
     let units =
         serde_json::to_string(&caps.agentic_units).map_err(|e| Error::Internal(e.to_string()))?;
     let tags = serde_json::to_string(&w.tags).map_err(|e| Error::Internal(e.to_string()))?;
@@ -47,7 +48,7 @@ pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
         units,
         tags,
         w.max_concurrent_jobs,
-        w.state,
+        w.state as i32,
         now_ms,
         w.instance_id,
         w.sandboxed
@@ -65,7 +66,7 @@ pub fn upsert(conn: &Connection, w: &pb::Worker, now_ms: i64) -> Result<()> {
 /// Sets the worker's state.
 ///
 /// Errors: [`Error::Storage`].
-pub fn set_state(conn: &Connection, worker_id: &str, state: pb::WorkerState) -> Result<()> {
+pub fn set_state(conn: &Connection, worker_id: &str, state: WorkerState) -> Result<()> {
     conn.prepare_cached("UPDATE workers SET state = ?2 WHERE worker_id = ?1")?
         .execute(params![worker_id, state as i32])?;
     Ok(())
@@ -78,12 +79,16 @@ pub fn flush_heartbeat(
     conn: &Connection,
     worker_id: &str,
     at_ms: i64,
-    stats: &pb::WorkerStats,
+    stats: &WorkerStats,
 ) -> Result<()> {
     conn.prepare_cached(
         "UPDATE workers SET last_heartbeat_at_ms = ?2, stats = ?3 WHERE worker_id = ?1",
     )?
-    .execute(params![worker_id, at_ms, stats.encode_to_vec()])?;
+    .execute(params![
+        worker_id,
+        at_ms,
+        pb::WorkerStats::from(*stats).encode_to_vec()
+    ])?;
     Ok(())
 }
 
@@ -141,22 +146,30 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             sandboxed,
         ) = row?;
         let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
-        let worker = pb::Worker {
-            capabilities: Some(pb::WorkerCapabilities {
+        let worker = Worker {
+            capabilities: WorkerCapabilities {
                 tools: tools.remove(&id).unwrap_or_default(),
                 agentic_units: serde_json::from_str(&units).map_err(bad)?,
-            }),
+            },
             tags: serde_json::from_str(&tags).map_err(bad)?,
             hostname,
             platform,
             agw_version,
             max_concurrent_jobs: max,
-            state,
-            stats: stats.and_then(|b| pb::WorkerStats::decode(b.as_slice()).ok()),
+            // A state this binary does not know is treated as gone.
+            state: WorkerState::from_i32(state).unwrap_or(WorkerState::Dead),
+            fresh: false,
+            last_heartbeat_at_ms: hb.unwrap_or(reg),
+            stats: stats
+                .and_then(|b| pb::WorkerStats::decode(b.as_slice()).ok())
+                .map(WorkerStats::from)
+                .unwrap_or_default(),
+            active_leases: 0,
+            connected: false,
+            registered_at_ms: reg,
             worker_id: id,
             instance_id: instance,
             sandboxed,
-            ..Default::default()
         };
         out.push(WorkerRow {
             worker,

@@ -1,13 +1,19 @@
-//! Actions, jobs and task results tables.
+//! Actions, jobs and task results tables. Every statement that records
+//! an attempt's outcome ([`set_progress`], [`complete`], [`fail_attempt`])
+//! is fenced: it changes the row only while the job runs under the given
+//! lease and worker, and returns whether it did.
 
 use std::collections::HashMap;
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, types::Type, Connection, OptionalExtension, Row};
 
 use crate::{
+    core::{
+        engine::JobQuery,
+        model::{ActionStatus, Job, JobStatus, TaskResult},
+    },
     error::{Error, Result},
-    pb::{self, JobStatus},
-    time::ts,
+    time::now_ms,
 };
 
 const PENDING: i32 = JobStatus::Pending as i32;
@@ -37,12 +43,34 @@ pub struct JobKey {
     pub lease_id: Option<String>,
 }
 
+/// The status stored in column `idx` of `r`.
+fn status_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<JobStatus> {
+    let v: i32 = r.get(idx)?;
+    JobStatus::from_i32(v).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            idx,
+            Type::Integer,
+            format!("unknown job status {v}").into(),
+        )
+    })
+}
+
+/// The lease an outcome is recorded under: a fenced statement changes the
+/// job only while it is running under exactly this lease and worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Fence<'a> {
+    /// The lease id (fencing token) of the attempt.
+    pub lease_id: &'a str,
+    /// Its holder.
+    pub worker_id: &'a str,
+}
+
 fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
     Ok(JobKey {
         row: r.get(0)?,
         action_id: r.get(1)?,
         plan_id: r.get(2)?,
-        status: JobStatus::try_from(r.get::<_, i32>(3)?).unwrap_or(JobStatus::Unspecified),
+        status: status_at(r, 3)?,
         worker_id: r.get(4)?,
         lease_id: r.get(5)?,
     })
@@ -155,13 +183,31 @@ pub fn grant_lease(
     Ok(())
 }
 
-/// Stores a progress report of a running job.
+/// Stores a progress report of the job running under `fence`. Returns
+/// false (nothing changed) when it does not run under that lease.
 ///
 /// Errors: [`Error::Storage`].
-pub fn set_progress(conn: &Connection, row: i64, current_task: u32, progress: u32) -> Result<()> {
-    conn.prepare_cached("UPDATE jobs SET current_task = ?2, progress_percent = ?3 WHERE id = ?1")?
-        .execute(params![row, current_task, progress])?;
-    Ok(())
+pub fn set_progress(
+    conn: &Connection,
+    row: i64,
+    fence: Fence<'_>,
+    current_task: u32,
+    progress: u32,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE jobs SET current_task = ?2, progress_percent = ?3
+             WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
+        )?
+        .execute(params![
+            row,
+            current_task,
+            progress,
+            RUNNING,
+            fence.lease_id,
+            fence.worker_id
+        ])?;
+    Ok(n == 1)
 }
 
 /// Replaces the job's task results with `results`. `maybe_stored` false
@@ -172,7 +218,7 @@ pub fn set_progress(conn: &Connection, row: i64, current_task: u32, progress: u3
 pub fn replace_task_results(
     conn: &Connection,
     row: i64,
-    results: &[pb::TaskResult],
+    results: &[TaskResult],
     maybe_stored: bool,
 ) -> Result<()> {
     // Most jobs have no results yet. Look before deleting: a DELETE on this
@@ -208,42 +254,69 @@ pub fn replace_task_results(
     Ok(())
 }
 
-/// Marks the running job completed (its worker reported it). The lease id
-/// stays as the one that recorded the outcome (see [`JobKey::lease_id`]).
+/// Marks the job running under `fence` completed (its worker reported
+/// it). The lease id stays as the one that recorded the outcome (see
+/// [`JobKey::lease_id`]). Returns false (nothing changed) when the job
+/// does not run under that lease.
 ///
 /// Errors: [`Error::Storage`].
-pub fn complete(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
-    conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_expires_at_ms = NULL,
-                error = '', progress_percent = 100 WHERE id = ?1",
-    )?
-    .execute(params![row, COMPLETED, now_ms])?;
-    Ok(())
+pub fn complete(conn: &Connection, row: i64, fence: Fence<'_>, now_ms: i64) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_expires_at_ms = NULL,
+                    error = '', progress_percent = 100
+             WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
+        )?
+        .execute(params![
+            row,
+            COMPLETED,
+            now_ms,
+            RUNNING,
+            fence.lease_id,
+            fence.worker_id
+        ])?;
+    Ok(n == 1)
 }
 
-/// Ends the current attempt as failed: `Failed` with the next attempt due at
-/// `ready_at_ms`, or `Dead` when no attempt is left. The lease id stays
-/// when the worker reported the failure (`reported`, see
-/// [`JobKey::lease_id`]); it is cleared when the server ended the attempt.
+/// Ends the attempt running under `fence` as failed: `Failed` with the
+/// next attempt due at `ready_at_ms`, or `Dead` when no attempt is left.
+/// The lease id stays when the worker reported the failure (`reported`,
+/// see [`JobKey::lease_id`]); it is cleared when the server ended the
+/// attempt. Returns false (nothing changed) when the job does not run
+/// under that lease.
 ///
 /// Errors: [`Error::Storage`].
+#[allow(clippy::too_many_arguments)]
 pub fn fail_attempt(
     conn: &Connection,
     row: i64,
+    fence: Fence<'_>,
     dead: bool,
     error: &str,
     ready_at_ms: i64,
     now_ms: i64,
     reported: bool,
-) -> Result<()> {
+) -> Result<bool> {
     let status = if dead { DEAD } else { FAILED };
     let completed = if dead { Some(now_ms) } else { None };
-    conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
-                lease_id = CASE WHEN ?6 THEN lease_id END, lease_expires_at_ms = NULL WHERE id = ?1",
-    )?
-    .execute(params![row, status, error, ready_at_ms, completed, reported])?;
-    Ok(())
+    let n = conn
+        .prepare_cached(
+            "UPDATE jobs SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
+                    lease_id = CASE WHEN ?6 THEN lease_id END, lease_expires_at_ms = NULL
+             WHERE id = ?1 AND status = ?7 AND lease_id = ?8 AND worker_id = ?9",
+        )?
+        .execute(params![
+            row,
+            status,
+            error,
+            ready_at_ms,
+            completed,
+            reported,
+            RUNNING,
+            fence.lease_id,
+            fence.worker_id
+        ])?;
+    Ok(n == 1)
 }
 
 /// Marks the job cancelled and clears its lease.
@@ -321,7 +394,7 @@ pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
             job_id: r.get(1)?,
             action_id: r.get(2)?,
             plan_id: r.get(3)?,
-            status: JobStatus::try_from(r.get::<_, i32>(4)?).unwrap_or(JobStatus::Unspecified),
+            status: status_at(r, 4)?,
             ready_at_ms: r.get(5)?,
             worker_id: r.get(6)?,
             lease_id: r.get(7)?,
@@ -338,10 +411,6 @@ fn parse_input(json: &str) -> Result<HashMap<String, String>> {
         .map_err(|e| Error::Internal(format!("stored input does not parse: {e}")))
 }
 
-fn opt_ts(ms: Option<i64>) -> Option<prost_types::Timestamp> {
-    ms.map(ts)
-}
-
 /// The job exactly as [`get_by_row`] (without results) reads it right
 /// after [`insert_job`] stored it with these values and a `ready_at_ms` not
 /// in the future: what the scheduler uses instead of reading a new job back.
@@ -352,32 +421,32 @@ pub fn inserted_view(
     input: HashMap<String, String>,
     max_attempts: u32,
     created_at_ms: i64,
-) -> pb::Job {
-    pb::Job {
+) -> Job {
+    Job {
         job_id,
         action_id: action_id.to_string(),
         plan_id: plan_id.to_string(),
-        status: PENDING,
+        status: JobStatus::Pending,
         input,
         attempt: 0,
         max_attempts,
-        created_at: Some(ts(created_at_ms)),
-        started_at: None,
-        completed_at: None,
+        created_at_ms,
+        started_at_ms: None,
+        completed_at_ms: None,
         worker_id: String::new(),
         task_results: Vec::new(),
         error: String::new(),
         waiting_reason: String::new(),
         current_task: 0,
         progress_percent: 0,
-        ready_at: None,
+        ready_at_ms: None,
     }
 }
 
 /// The job at `row`, with task results when `with_results`.
 ///
 /// Errors: [`Error::Storage`], [`Error::Internal`] for an undecodable row.
-pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Option<pb::Job>> {
+pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Option<Job>> {
     let found = conn
         .prepare_cached(
             "SELECT job_id, action_id, plan_id, status, input, attempt, max_attempts, created_at_ms,
@@ -386,24 +455,24 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
         )?
         .query_row([row], |r| {
             Ok((
-                pb::Job {
+                Job {
                     job_id: r.get(0)?,
                     action_id: r.get(1)?,
                     plan_id: r.get(2)?,
-                    status: r.get(3)?,
+                    status: status_at(r, 3)?,
                     input: HashMap::new(),
                     attempt: r.get(5)?,
                     max_attempts: r.get(6)?,
-                    created_at: Some(ts(r.get(7)?)),
-                    started_at: opt_ts(r.get(8)?),
-                    completed_at: opt_ts(r.get(9)?),
+                    created_at_ms: r.get(7)?,
+                    started_at_ms: r.get(8)?,
+                    completed_at_ms: r.get(9)?,
                     worker_id: r.get::<_, Option<String>>(10)?.unwrap_or_default(),
                     task_results: Vec::new(),
                     error: r.get(11)?,
                     waiting_reason: String::new(),
                     current_task: r.get(12)?,
                     progress_percent: r.get(13)?,
-                    ready_at: None,
+                    ready_at_ms: None,
                 },
                 r.get::<_, String>(4)?,
                 r.get::<_, i64>(14)?,
@@ -414,9 +483,9 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
         return Ok(None);
     };
     job.input = parse_input(&input)?;
-    let waiting = job.status == PENDING || job.status == FAILED;
-    if waiting && ready_at_ms > crate::store::now_ms() {
-        job.ready_at = Some(ts(ready_at_ms));
+    let waiting = matches!(job.status, JobStatus::Pending | JobStatus::Failed);
+    if waiting && ready_at_ms > now_ms() {
+        job.ready_at_ms = Some(ready_at_ms);
     }
     if with_results {
         job.task_results = task_results(conn, row)?;
@@ -424,13 +493,13 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
     Ok(Some(job))
 }
 
-fn task_results(conn: &Connection, row: i64) -> Result<Vec<pb::TaskResult>> {
+fn task_results(conn: &Connection, row: i64) -> Result<Vec<TaskResult>> {
     let mut stmt = conn.prepare_cached(
         "SELECT task_number, command, exit_code, stdout, stderr, duration_ms, stdout_truncated, stderr_truncated
          FROM task_results WHERE job_row = ?1 ORDER BY task_number",
     )?;
     let rows = stmt.query_map([row], |r| {
-        Ok(pb::TaskResult {
+        Ok(TaskResult {
             task_number: r.get(0)?,
             command: r.get(1)?,
             exit_code: r.get(2)?,
@@ -447,7 +516,7 @@ fn task_results(conn: &Connection, row: i64) -> Result<Vec<pb::TaskResult>> {
 /// Aggregate counts of the action `action_id`.
 ///
 /// Errors: [`Error::Storage`].
-pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<pb::ActionStatus>> {
+pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<ActionStatus>> {
     let head = conn
         .prepare_cached(
             "SELECT plan_id, total_jobs, created_at_ms FROM actions WHERE action_id = ?1",
@@ -463,11 +532,11 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<pb::Ac
     let Some((plan_id, total_jobs, created_at_ms)) = head else {
         return Ok(None);
     };
-    let mut status = pb::ActionStatus {
+    let mut status = ActionStatus {
         action_id: action_id.to_string(),
         plan_id,
         total_jobs,
-        created_at: Some(ts(created_at_ms)),
+        created_at_ms,
         ..Default::default()
     };
     // One pass over the action's jobs (no GROUP BY sort).
@@ -504,7 +573,7 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<pb::Ac
         status.cancelled,
     ] = counts;
     if status.completed + status.dead + status.cancelled == status.total_jobs {
-        status.completed_jobs_at = opt_ts(last_done);
+        status.completed_jobs_at_ms = last_done;
     }
     Ok(Some(status))
 }
@@ -520,27 +589,12 @@ pub fn action_exists(conn: &Connection, action_id: &str) -> Result<bool> {
         .is_some())
 }
 
-/// Filter of [`search`]; `None` fields match everything.
-#[derive(Debug, Default, Clone)]
-pub struct JobFilter {
-    /// Only this action's jobs.
-    pub action_id: Option<String>,
-    /// Only this status.
-    pub status: Option<i32>,
-    /// Only this plan's jobs.
-    pub plan_id: Option<String>,
-    /// Created at or after (ms).
-    pub created_after_ms: Option<i64>,
-    /// Created before (ms).
-    pub created_before_ms: Option<i64>,
-}
-
 /// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
 ///
 /// Errors: [`Error::Storage`].
 pub fn search(
     conn: &Connection,
-    filter: &JobFilter,
+    filter: &JobQuery,
     after_row: i64,
     limit: usize,
 ) -> Result<Vec<(i64, String)>> {
@@ -555,7 +609,7 @@ pub fn search(
         params![
             after_row,
             filter.action_id,
-            filter.status,
+            filter.status.map(|s| s as i32),
             filter.plan_id,
             filter.created_after_ms,
             filter.created_before_ms,

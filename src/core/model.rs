@@ -1,0 +1,403 @@
+//! AGQ's domain types: what the engine interface ([`super::Engine`]) takes
+//! and returns. They mirror the `agq.v1` messages but carry no wire
+//! detail: times are milliseconds since the Unix epoch (`*_ms`), enums are
+//! Rust enums without an "unspecified" value, optional parts are `Option`.
+//! The service layer (`crate::service`) converts them to and from the
+//! generated protobuf types.
+
+use std::{collections::HashMap, sync::Arc};
+
+/// Status of a job. The discriminants are the values stored by the
+/// engines and sent on the wire (`agq.v1.JobStatus`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum JobStatus {
+    /// Waiting to be leased (ready or scheduled).
+    Pending = 1,
+    /// Leased to a worker.
+    Running = 2,
+    /// Finished successfully.
+    Completed = 3,
+    /// The last attempt failed; it waits out its backoff before the next.
+    Failed = 4,
+    /// Every attempt failed.
+    Dead = 5,
+    /// Cancelled by a client.
+    Cancelled = 6,
+}
+
+impl JobStatus {
+    /// Every status, in wire order.
+    pub const ALL: [JobStatus; 6] = [
+        JobStatus::Pending,
+        JobStatus::Running,
+        JobStatus::Completed,
+        JobStatus::Failed,
+        JobStatus::Dead,
+        JobStatus::Cancelled,
+    ];
+
+    /// The status with wire/storage value `v`; `None` for 0 (unspecified)
+    /// and unknown values.
+    pub fn from_i32(v: i32) -> Option<JobStatus> {
+        JobStatus::ALL.into_iter().find(|s| *s as i32 == v)
+    }
+
+    /// Lower-case name (`pending`, `running`, ...), as in metric labels
+    /// and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            JobStatus::Pending => "pending",
+            JobStatus::Running => "running",
+            JobStatus::Completed => "completed",
+            JobStatus::Failed => "failed",
+            JobStatus::Dead => "dead",
+            JobStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Lifecycle state of a worker. The discriminants are the stored and wire
+/// values (`agq.v1.WorkerState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkerState {
+    /// Registered and taking leases.
+    Active = 1,
+    /// Finishing what it holds; takes no new leases.
+    Draining = 2,
+    /// Its heartbeat went stale (3 x the interval).
+    Dead = 3,
+    /// It unregistered.
+    Unregistered = 4,
+}
+
+impl WorkerState {
+    /// Every state, in wire order.
+    pub const ALL: [WorkerState; 4] = [
+        WorkerState::Active,
+        WorkerState::Draining,
+        WorkerState::Dead,
+        WorkerState::Unregistered,
+    ];
+
+    /// The state with wire/storage value `v`; `None` for 0 and unknown values.
+    pub fn from_i32(v: i32) -> Option<WorkerState> {
+        WorkerState::ALL.into_iter().find(|s| *s as i32 == v)
+    }
+
+    /// Upper-case name (`ACTIVE`, `DRAINING`, `DEAD`, `UNREGISTERED`), as
+    /// in messages to people.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerState::Active => "ACTIVE",
+            WorkerState::Draining => "DRAINING",
+            WorkerState::Dead => "DEAD",
+            WorkerState::Unregistered => "UNREGISTERED",
+        }
+    }
+
+    /// True for ACTIVE and DRAINING: the worker process is expected to be
+    /// alive and may hold leases.
+    pub fn is_live(self) -> bool {
+        matches!(self, WorkerState::Active | WorkerState::Draining)
+    }
+}
+
+/// One step of a plan: a direct `exec` of one advertised tool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Task {
+    /// 1-based position in the plan.
+    pub task_number: u32,
+    /// The executable's name (never a shell string).
+    pub command: String,
+    /// Arguments; `{{name}}` is replaced by the job input's value.
+    pub args: Vec<String>,
+    /// Kill the task after this many seconds.
+    pub timeout_secs: u32,
+    /// Stdin is the stdout of this earlier task.
+    pub input_from_task: Option<u32>,
+    /// Whether a substituted value may start with `-`.
+    pub allow_option_values: bool,
+}
+
+/// A reusable pipeline of tasks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Id (`[A-Za-z0-9_.-]`, see [`super::validate::object_id`]).
+    pub plan_id: String,
+    /// Free text for people.
+    pub plan_description: String,
+    /// 1..=100 tasks, numbered 1..=n.
+    pub tasks: Vec<Task>,
+    /// Only workers that run tasks in the kernel sandbox may run it.
+    pub require_sandbox: bool,
+}
+
+/// Outcome of one task of a job attempt.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskResult {
+    /// Which task.
+    pub task_number: u32,
+    /// Its command.
+    pub command: String,
+    /// Exit code (negative: killed by a signal).
+    pub exit_code: i32,
+    /// Captured stdout (up to the worker's cap).
+    pub stdout: String,
+    /// Captured stderr (up to the worker's cap).
+    pub stderr: String,
+    /// Run time, ms.
+    pub duration_ms: u64,
+    /// Stdout was cut at the cap.
+    pub stdout_truncated: bool,
+    /// Stderr was cut at the cap.
+    pub stderr_truncated: bool,
+}
+
+/// One plan run on one input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// Public id (a UUIDv7).
+    pub job_id: String,
+    /// Owning action.
+    pub action_id: String,
+    /// Plan it runs.
+    pub plan_id: String,
+    /// Current status.
+    pub status: JobStatus,
+    /// Input values.
+    pub input: HashMap<String, String>,
+    /// Attempts made so far (the current one included while running).
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Creation time, ms.
+    pub created_at_ms: i64,
+    /// Start of the current or last attempt, ms.
+    pub started_at_ms: Option<i64>,
+    /// When it reached a final status, ms.
+    pub completed_at_ms: Option<i64>,
+    /// Holder of the current or last lease; empty if never leased.
+    pub worker_id: String,
+    /// Task results of the current or last attempt.
+    pub task_results: Vec<TaskResult>,
+    /// Error of the last failed attempt.
+    pub error: String,
+    /// Why a pending job is not running yet, for people; empty otherwise.
+    pub waiting_reason: String,
+    /// Task running now (progress report), 0 when unknown.
+    pub current_task: u32,
+    /// Progress of the attempt, 0..=100.
+    pub progress_percent: u32,
+    /// When it becomes (or became) eligible to run, ms.
+    pub ready_at_ms: Option<i64>,
+}
+
+/// Aggregate progress of an action.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ActionStatus {
+    /// The action.
+    pub action_id: String,
+    /// Its plan.
+    pub plan_id: String,
+    /// Jobs it created.
+    pub total_jobs: u32,
+    /// Jobs pending.
+    pub pending: u32,
+    /// Jobs running.
+    pub running: u32,
+    /// Jobs completed.
+    pub completed: u32,
+    /// Jobs failed (backing off before a retry).
+    pub failed: u32,
+    /// Jobs dead.
+    pub dead: u32,
+    /// Jobs cancelled.
+    pub cancelled: u32,
+    /// Submission time, ms.
+    pub created_at_ms: i64,
+    /// When its last open job ended, ms; `None` while any is open.
+    pub completed_jobs_at_ms: Option<i64>,
+}
+
+/// What a worker can run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerCapabilities {
+    /// Executables it advertises.
+    pub tools: Vec<String>,
+    /// Agentic units it advertises.
+    pub agentic_units: Vec<String>,
+}
+
+/// Figures a worker reports with each heartbeat.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerStats {
+    /// Jobs it runs now.
+    pub active_jobs: u32,
+    /// Jobs completed since it started.
+    pub completed_jobs_total: u64,
+    /// Jobs failed since it started.
+    pub failed_jobs_total: u64,
+    /// Seconds since it started.
+    pub uptime_secs: u64,
+    /// Host CPU use, percent.
+    pub cpu_usage_percent: f64,
+    /// Host memory in use, MiB.
+    pub memory_mb: u64,
+    /// Free disk, GiB.
+    pub disk_available_gb: u64,
+    /// Mean job duration, ms.
+    pub avg_job_duration_ms: u64,
+}
+
+/// A worker as clients see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Worker {
+    /// Id.
+    pub worker_id: String,
+    /// Host name it reported.
+    pub hostname: String,
+    /// Platform it reported (`linux/x86_64`).
+    pub platform: String,
+    /// Its agw version.
+    pub agw_version: String,
+    /// Advertised tools and units.
+    pub capabilities: WorkerCapabilities,
+    /// Leases it may hold at once.
+    pub max_concurrent_jobs: u32,
+    /// Free-form labels.
+    pub tags: HashMap<String, String>,
+    /// Lifecycle state.
+    pub state: WorkerState,
+    /// Live and its last heartbeat younger than 3 x the interval.
+    pub fresh: bool,
+    /// Last heartbeat (or registration), ms.
+    pub last_heartbeat_at_ms: i64,
+    /// Stats of the last heartbeat.
+    pub stats: WorkerStats,
+    /// Leases it holds now.
+    pub active_leases: u32,
+    /// Both its heartbeat and lease streams are open.
+    pub connected: bool,
+    /// Registration time, ms.
+    pub registered_at_ms: i64,
+    /// It runs tasks in the kernel sandbox.
+    pub sandboxed: bool,
+    /// Random id of the agw process holding the worker id.
+    pub instance_id: String,
+}
+
+/// A worker's registration, validated (see
+/// [`super::validate::registration`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Registration {
+    /// Id.
+    pub worker_id: String,
+    /// Host name.
+    pub hostname: String,
+    /// Platform.
+    pub platform: String,
+    /// agw version.
+    pub agw_version: String,
+    /// Advertised capabilities (tools deduplicated).
+    pub capabilities: WorkerCapabilities,
+    /// Leases it may hold at once (at least 1).
+    pub max_concurrent_jobs: u32,
+    /// Labels.
+    pub tags: HashMap<String, String>,
+    /// Random id of this agw process; empty from clients that send none.
+    pub instance_id: String,
+    /// It runs tasks in the kernel sandbox.
+    pub sandboxed: bool,
+}
+
+/// What registering returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    /// How often the worker must heartbeat.
+    pub heartbeat_interval: std::time::Duration,
+    /// The same instance registered again and kept its leases.
+    pub resumed: bool,
+}
+
+/// A worker's report on a leased job (the UpdateJob call).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobReport {
+    /// The job.
+    pub job_id: String,
+    /// The reporting worker.
+    pub worker_id: String,
+    /// The lease it holds (the fencing token).
+    pub lease_id: String,
+    /// RUNNING (progress), COMPLETED or FAILED; `None` when the request
+    /// named no status or one this server does not know (refused with
+    /// `InvalidArgument` once the lease is checked).
+    pub status: Option<JobStatus>,
+    /// Task running now.
+    pub current_task: u32,
+    /// Progress, 0..=100.
+    pub progress_percent: u32,
+    /// Results so far (all of them on a final report).
+    pub task_results: Vec<TaskResult>,
+    /// Why the attempt failed.
+    pub error: String,
+}
+
+/// A lease pushed to a worker's lease stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobLease {
+    /// The fencing token of this attempt.
+    pub lease_id: String,
+    /// The job, as granted (status RUNNING).
+    pub job: Job,
+    /// Its plan.
+    pub plan: Arc<Plan>,
+    /// Attempt number (1-based).
+    pub attempt: u32,
+    /// When the lease expires (the job timeout), ms.
+    pub expires_at_ms: i64,
+}
+
+/// A command for a worker, sent over its heartbeat stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerCommand {
+    /// Stop taking leases, finish what it runs.
+    Drain {
+        /// Why, for the worker's log.
+        reason: String,
+    },
+    /// Stop running this job (cancelled, or its lease was lost).
+    CancelJob(String),
+}
+
+/// One message of a worker's heartbeat stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatReply {
+    /// The next heartbeat is due before this time, ms.
+    pub next_deadline_ms: i64,
+    /// A command, if the server has one.
+    pub command: Option<WorkerCommand>,
+}
+
+/// Queue depths and worker counts (the QUEUE.STATS command of the
+/// specification).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Ready pending jobs.
+    pub ready_length: u64,
+    /// Jobs waiting for a time (scheduled or backing off).
+    pub scheduled_length: u64,
+    /// Leased jobs.
+    pub running_length: u64,
+    /// Age of the oldest ready job, s.
+    pub oldest_ready_age_secs: u64,
+    /// Until the next scheduled job is due, s.
+    pub next_scheduled_due_in_secs: u64,
+    /// Live workers.
+    pub workers_total: u32,
+    /// Fresh ACTIVE workers.
+    pub workers_active: u32,
+    /// Fresh ACTIVE workers with no lease.
+    pub workers_idle: u32,
+    /// Live workers whose heartbeat is stale.
+    pub workers_stale: u32,
+}

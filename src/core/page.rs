@@ -1,0 +1,113 @@
+//! Pagination shared by every engine: page sizes and the opaque page
+//! tokens of the list RPCs. A token is the hex of `kind:value`, where the
+//! value is the last key of the page (a plan id, a job's row); a token of
+//! another kind, or not made by this codec, is refused.
+
+use crate::error::{Error, Result};
+
+/// Page size when the request gives none.
+pub const DEFAULT_PAGE: u32 = 100;
+/// Largest page size a request may ask for.
+pub const MAX_PAGE: u32 = 1000;
+
+/// The page size for a requested `n` (0: [`DEFAULT_PAGE`]).
+///
+/// Errors: `InvalidArgument` over [`MAX_PAGE`].
+pub fn page_size(n: u32) -> Result<usize> {
+    match n {
+        0 => Ok(DEFAULT_PAGE as usize),
+        n if n <= MAX_PAGE => Ok(n as usize),
+        n => Err(Error::invalid(format!(
+            "page_size must be at most {MAX_PAGE}, got {n}"
+        ))),
+    }
+}
+
+/// The token of a page that ended at `value`, for listings of `kind`.
+pub fn encode_token(kind: &str, value: &str) -> String {
+    hex::encode(format!("{kind}:{value}"))
+}
+
+fn bad_token() -> Error {
+    Error::invalid("page_token is not a token this server issued")
+}
+
+/// The value in `token`, a token of `kind`; `None` for the empty token
+/// (the first page).
+///
+/// Errors: `InvalidArgument` for a token this codec did not make for `kind`.
+pub fn decode_token(kind: &str, token: &str) -> Result<Option<String>> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    let raw = hex::decode(token).map_err(|_| bad_token())?;
+    let text = String::from_utf8(raw).map_err(|_| bad_token())?;
+    let value = text
+        .strip_prefix(kind)
+        .and_then(|r| r.strip_prefix(':'))
+        .ok_or_else(bad_token)?;
+    Ok(Some(value.to_string()))
+}
+
+/// The number in a token of `kind` (a row id); 0 for the first page.
+///
+/// Errors: `InvalidArgument` for a token that is not one of these.
+pub fn decode_number(kind: &str, token: &str) -> Result<i64> {
+    match decode_token(kind, token)? {
+        None => Ok(0),
+        Some(v) => v.parse().map_err(|_| bad_token()),
+    }
+}
+
+/// Cuts `items` (fetched with one item more than `limit`) to the page and
+/// makes the next page's token from its last item's key, or an empty
+/// token when nothing follows.
+pub fn split_page<T>(
+    mut items: Vec<T>,
+    limit: usize,
+    kind: &str,
+    key: impl Fn(&T) -> String,
+) -> (Vec<T>, String) {
+    if items.len() <= limit {
+        return (items, String::new());
+    }
+    items.truncate(limit);
+    let next = items
+        .last()
+        .map(|l| encode_token(kind, &key(l)))
+        .unwrap_or_default();
+    (items, next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_refuse_other_kinds() {
+        let t = encode_token("plan", "a:b");
+        assert_eq!(decode_token("plan", &t).unwrap().as_deref(), Some("a:b"));
+        assert_eq!(decode_token("plan", "").unwrap(), None);
+        for bad in [encode_token("job", "1"), "zz".into(), hex::encode("plan")] {
+            let e = decode_token("plan", &bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e:?}");
+        }
+        assert_eq!(
+            decode_number("job", &encode_token("job", "42")).unwrap(),
+            42
+        );
+        assert!(decode_number("job", &encode_token("job", "x")).is_err());
+    }
+
+    #[test]
+    fn page_sizes_and_splits() {
+        assert_eq!(page_size(0).unwrap(), 100);
+        assert_eq!(page_size(1000).unwrap(), 1000);
+        assert!(page_size(1001).is_err());
+        let (page, next) = split_page(vec![1, 2, 3], 2, "job", |n| n.to_string());
+        assert_eq!(page, vec![1, 2]);
+        assert_eq!(decode_number("job", &next).unwrap(), 2);
+        let (page, next) = split_page(vec![1, 2], 2, "job", |n| n.to_string());
+        assert_eq!((page, next), (vec![1, 2], String::new()));
+    }
+}

@@ -1,0 +1,417 @@
+//! Conversions between AGQ's domain types ([`crate::core::model`]) and the
+//! generated `agq.v1` messages: the only place that knows both. Times go
+//! from milliseconds to `google.protobuf.Timestamp`, enums to their wire
+//! values, requests to the engine's request types. A request field that
+//! cannot be converted (an unknown enum value, a timestamp out of range)
+//! is refused with `InvalidArgument`.
+
+use crate::{
+    core::{
+        engine::{ActionRequest, JobQuery},
+        model::{
+            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
+            Registration, Task, TaskResult, Worker, WorkerCapabilities, WorkerCommand, WorkerState,
+            WorkerStats,
+        },
+    },
+    error::{Error, Result},
+    pb,
+    time::{ms_of, ts},
+};
+
+impl From<&Task> for pb::Task {
+    fn from(t: &Task) -> Self {
+        pb::Task {
+            task_number: t.task_number,
+            command: t.command.clone(),
+            args: t.args.clone(),
+            timeout_secs: t.timeout_secs,
+            input_from_task: t.input_from_task,
+            allow_option_values: t.allow_option_values,
+        }
+    }
+}
+
+impl From<pb::Task> for Task {
+    fn from(t: pb::Task) -> Self {
+        Task {
+            task_number: t.task_number,
+            command: t.command,
+            args: t.args,
+            timeout_secs: t.timeout_secs,
+            input_from_task: t.input_from_task,
+            allow_option_values: t.allow_option_values,
+        }
+    }
+}
+
+impl From<&Plan> for pb::Plan {
+    fn from(p: &Plan) -> Self {
+        pb::Plan {
+            plan_id: p.plan_id.clone(),
+            plan_description: p.plan_description.clone(),
+            tasks: p.tasks.iter().map(pb::Task::from).collect(),
+            require_sandbox: p.require_sandbox,
+        }
+    }
+}
+
+impl From<pb::Plan> for Plan {
+    fn from(p: pb::Plan) -> Self {
+        Plan {
+            plan_id: p.plan_id,
+            plan_description: p.plan_description,
+            tasks: p.tasks.into_iter().map(Task::from).collect(),
+            require_sandbox: p.require_sandbox,
+        }
+    }
+}
+
+impl From<TaskResult> for pb::TaskResult {
+    fn from(t: TaskResult) -> Self {
+        pb::TaskResult {
+            task_number: t.task_number,
+            command: t.command,
+            exit_code: t.exit_code,
+            stdout: t.stdout,
+            stderr: t.stderr,
+            duration_ms: t.duration_ms,
+            stdout_truncated: t.stdout_truncated,
+            stderr_truncated: t.stderr_truncated,
+        }
+    }
+}
+
+impl From<pb::TaskResult> for TaskResult {
+    fn from(t: pb::TaskResult) -> Self {
+        TaskResult {
+            task_number: t.task_number,
+            command: t.command,
+            exit_code: t.exit_code,
+            stdout: t.stdout,
+            stderr: t.stderr,
+            duration_ms: t.duration_ms,
+            stdout_truncated: t.stdout_truncated,
+            stderr_truncated: t.stderr_truncated,
+        }
+    }
+}
+
+impl From<JobStatus> for pb::JobStatus {
+    fn from(s: JobStatus) -> Self {
+        match s {
+            JobStatus::Pending => pb::JobStatus::Pending,
+            JobStatus::Running => pb::JobStatus::Running,
+            JobStatus::Completed => pb::JobStatus::Completed,
+            JobStatus::Failed => pb::JobStatus::Failed,
+            JobStatus::Dead => pb::JobStatus::Dead,
+            JobStatus::Cancelled => pb::JobStatus::Cancelled,
+        }
+    }
+}
+
+impl From<WorkerState> for pb::WorkerState {
+    fn from(s: WorkerState) -> Self {
+        match s {
+            WorkerState::Active => pb::WorkerState::Active,
+            WorkerState::Draining => pb::WorkerState::Draining,
+            WorkerState::Dead => pb::WorkerState::Dead,
+            WorkerState::Unregistered => pb::WorkerState::Unregistered,
+        }
+    }
+}
+
+/// The job status a filter field names: `None` for UNSPECIFIED (match all).
+///
+/// Errors: `InvalidArgument` for a value that is no job status.
+pub fn status_filter(v: i32) -> Result<Option<JobStatus>> {
+    match v {
+        0 => Ok(None),
+        v => JobStatus::from_i32(v)
+            .map(Some)
+            .ok_or_else(|| Error::invalid(format!("unknown job status {v}"))),
+    }
+}
+
+/// The worker state a filter field names: `None` for UNSPECIFIED (match all).
+///
+/// Errors: `InvalidArgument` for a value that is no worker state.
+pub fn state_filter(v: i32) -> Result<Option<WorkerState>> {
+    match v {
+        0 => Ok(None),
+        v => WorkerState::from_i32(v)
+            .map(Some)
+            .ok_or_else(|| Error::invalid(format!("unknown worker state {v}"))),
+    }
+}
+
+/// Milliseconds of an optional request timestamp named `what`.
+///
+/// Errors: `InvalidArgument` when it is out of range.
+pub fn time_field(what: &str, t: Option<prost_types::Timestamp>) -> Result<Option<i64>> {
+    t.map(|t| ms_of(&t).ok_or_else(|| Error::invalid(format!("{what} is not a valid timestamp"))))
+        .transpose()
+}
+
+impl From<Job> for pb::Job {
+    fn from(j: Job) -> Self {
+        pb::Job {
+            job_id: j.job_id,
+            action_id: j.action_id,
+            plan_id: j.plan_id,
+            status: pb::JobStatus::from(j.status) as i32,
+            input: j.input,
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            created_at: Some(ts(j.created_at_ms)),
+            started_at: j.started_at_ms.map(ts),
+            completed_at: j.completed_at_ms.map(ts),
+            worker_id: j.worker_id,
+            task_results: j.task_results.into_iter().map(Into::into).collect(),
+            error: j.error,
+            waiting_reason: j.waiting_reason,
+            current_task: j.current_task,
+            progress_percent: j.progress_percent,
+            ready_at: j.ready_at_ms.map(ts),
+        }
+    }
+}
+
+impl From<ActionStatus> for pb::ActionStatus {
+    fn from(a: ActionStatus) -> Self {
+        pb::ActionStatus {
+            action_id: a.action_id,
+            plan_id: a.plan_id,
+            total_jobs: a.total_jobs,
+            pending: a.pending,
+            running: a.running,
+            completed: a.completed,
+            failed: a.failed,
+            dead: a.dead,
+            cancelled: a.cancelled,
+            created_at: Some(ts(a.created_at_ms)),
+            completed_jobs_at: a.completed_jobs_at_ms.map(ts),
+        }
+    }
+}
+
+impl From<WorkerStats> for pb::WorkerStats {
+    fn from(s: WorkerStats) -> Self {
+        pb::WorkerStats {
+            active_jobs: s.active_jobs,
+            completed_jobs_total: s.completed_jobs_total,
+            failed_jobs_total: s.failed_jobs_total,
+            uptime_secs: s.uptime_secs,
+            cpu_usage_percent: s.cpu_usage_percent,
+            memory_mb: s.memory_mb,
+            disk_available_gb: s.disk_available_gb,
+            avg_job_duration_ms: s.avg_job_duration_ms,
+        }
+    }
+}
+
+impl From<pb::WorkerStats> for WorkerStats {
+    fn from(s: pb::WorkerStats) -> Self {
+        WorkerStats {
+            active_jobs: s.active_jobs,
+            completed_jobs_total: s.completed_jobs_total,
+            failed_jobs_total: s.failed_jobs_total,
+            uptime_secs: s.uptime_secs,
+            cpu_usage_percent: s.cpu_usage_percent,
+            memory_mb: s.memory_mb,
+            disk_available_gb: s.disk_available_gb,
+            avg_job_duration_ms: s.avg_job_duration_ms,
+        }
+    }
+}
+
+impl From<Worker> for pb::Worker {
+    fn from(w: Worker) -> Self {
+        pb::Worker {
+            worker_id: w.worker_id,
+            hostname: w.hostname,
+            platform: w.platform,
+            agw_version: w.agw_version,
+            capabilities: Some(pb::WorkerCapabilities {
+                tools: w.capabilities.tools,
+                agentic_units: w.capabilities.agentic_units,
+            }),
+            max_concurrent_jobs: w.max_concurrent_jobs,
+            tags: w.tags,
+            state: pb::WorkerState::from(w.state) as i32,
+            fresh: w.fresh,
+            last_heartbeat_at: Some(ts(w.last_heartbeat_at_ms)),
+            stats: Some(w.stats.into()),
+            active_leases: w.active_leases,
+            connected: w.connected,
+            registered_at: Some(ts(w.registered_at_ms)),
+            sandboxed: w.sandboxed,
+            instance_id: w.instance_id,
+        }
+    }
+}
+
+impl From<pb::RegisterWorkerRequest> for Registration {
+    fn from(r: pb::RegisterWorkerRequest) -> Self {
+        let caps = r.capabilities.unwrap_or_default();
+        Registration {
+            worker_id: r.worker_id,
+            hostname: r.hostname,
+            platform: r.platform,
+            agw_version: r.agw_version,
+            capabilities: WorkerCapabilities {
+                tools: caps.tools,
+                agentic_units: caps.agentic_units,
+            },
+            max_concurrent_jobs: r.max_concurrent_jobs,
+            tags: r.tags,
+            instance_id: r.instance_id,
+            sandboxed: r.sandboxed,
+        }
+    }
+}
+
+impl From<pb::UpdateJobRequest> for JobReport {
+    fn from(r: pb::UpdateJobRequest) -> Self {
+        JobReport {
+            job_id: r.job_id,
+            worker_id: r.worker_id,
+            lease_id: r.lease_id,
+            // An unknown or unspecified status is refused by the engine
+            // once the lease is checked.
+            status: JobStatus::from_i32(r.status),
+            current_task: r.current_task,
+            progress_percent: r.progress_percent,
+            task_results: r.task_results.into_iter().map(Into::into).collect(),
+            error: r.error,
+        }
+    }
+}
+
+impl From<JobLease> for pb::JobLease {
+    fn from(l: JobLease) -> Self {
+        pb::JobLease {
+            lease_id: l.lease_id,
+            job: Some(l.job.into()),
+            plan: Some(pb::Plan::from(&*l.plan)),
+            attempt: l.attempt,
+            expires_at: Some(ts(l.expires_at_ms)),
+        }
+    }
+}
+
+impl From<HeartbeatReply> for pb::HeartbeatResponse {
+    fn from(r: HeartbeatReply) -> Self {
+        pb::HeartbeatResponse {
+            next_deadline: Some(ts(r.next_deadline_ms)),
+            command: r.command.map(|c| match c {
+                WorkerCommand::Drain { reason } => {
+                    pb::heartbeat_response::Command::Drain(pb::DrainCommand { reason })
+                }
+                WorkerCommand::CancelJob(id) => pb::heartbeat_response::Command::CancelJobId(id),
+            }),
+        }
+    }
+}
+
+impl From<QueueStats> for pb::GetQueueStatsResponse {
+    fn from(s: QueueStats) -> Self {
+        pb::GetQueueStatsResponse {
+            ready_length: s.ready_length,
+            scheduled_length: s.scheduled_length,
+            oldest_ready_age_secs: s.oldest_ready_age_secs,
+            next_scheduled_due_in_secs: s.next_scheduled_due_in_secs,
+            workers_total: s.workers_total,
+            workers_active: s.workers_active,
+            workers_idle: s.workers_idle,
+            workers_stale: s.workers_stale,
+            running_length: s.running_length,
+        }
+    }
+}
+
+/// The engine's request for a SubmitAction.
+///
+/// Errors: `InvalidArgument` for a `run_at` out of range.
+pub fn action_request(r: pb::SubmitActionRequest) -> Result<ActionRequest> {
+    Ok(ActionRequest {
+        run_at_ms: r
+            .run_at
+            .map(|t| ms_of(&t).ok_or_else(|| Error::invalid("run_at is not a valid timestamp")))
+            .transpose()?,
+        action_id: r.action_id,
+        plan_id: r.plan_id,
+        inputs: r.inputs.into_iter().map(|i| i.values).collect(),
+        max_attempts: r.max_attempts,
+    })
+}
+
+/// The engine's query for a ListJobs call.
+///
+/// Errors: `InvalidArgument` (no action id, unknown status).
+pub fn list_jobs_query(r: pb::ListJobsRequest) -> Result<JobQuery> {
+    if r.action_id.is_empty() {
+        return Err(Error::invalid("action_id is required"));
+    }
+    Ok(JobQuery {
+        action_id: Some(r.action_id),
+        status: status_filter(r.status)?,
+        page_size: r.page_size,
+        page_token: r.page_token,
+        ..Default::default()
+    })
+}
+
+/// The engine's query for a SearchJobs call.
+///
+/// Errors: `InvalidArgument` (unknown status, timestamps out of range).
+pub fn search_jobs_query(r: pb::SearchJobsRequest) -> Result<JobQuery> {
+    Ok(JobQuery {
+        action_id: None,
+        status: status_filter(r.status)?,
+        plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id),
+        created_after_ms: time_field("created_after", r.created_after)?,
+        created_before_ms: time_field("created_before", r.created_before)?,
+        page_size: r.page_size,
+        page_token: r.page_token,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The domain enums carry the wire values, both ways.
+    #[test]
+    fn enums_keep_their_wire_values() {
+        for s in JobStatus::ALL {
+            assert_eq!(pb::JobStatus::from(s) as i32, s as i32);
+            assert_eq!(JobStatus::from_i32(s as i32), Some(s));
+        }
+        for s in WorkerState::ALL {
+            assert_eq!(pb::WorkerState::from(s) as i32, s as i32);
+        }
+        assert_eq!(status_filter(0).unwrap(), None);
+        assert!(status_filter(99).is_err());
+        assert!(state_filter(-1).is_err());
+    }
+
+    /// A plan survives the round trip through the wire type.
+    #[test]
+    fn plans_round_trip() {
+        let plan = Plan {
+            plan_id: "p".into(),
+            plan_description: "d".into(),
+            tasks: vec![Task {
+                task_number: 1,
+                command: "sort".into(),
+                args: vec!["-r".into()],
+                timeout_secs: 5,
+                input_from_task: None,
+                allow_option_values: true,
+            }],
+            require_sandbox: true,
+        };
+        assert_eq!(Plan::from(pb::Plan::from(&plan)), plan);
+    }
+}

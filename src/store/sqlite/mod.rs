@@ -1,0 +1,417 @@
+//! The SQLite engine, AGQ's embedded default: one process, the queues and
+//! workers in memory ([`state::State`], rebuilt from the database at
+//! start), one writer thread that runs every state change and commits
+//! batches of them at once (group commit, [`writer`]), a pool of read
+//! connections for listings, and the background loops ([`loops`]).
+//! [`SqliteEngine`] implements [`crate::core::Engine`] over them.
+//!
+//! Where things are: the job state machine in [`jobs`], worker lifecycle
+//! and the reaper tick in [`workers`], lease grants in [`scheduler`], the
+//! SQL in [`sql`].
+
+mod jobs;
+mod loops;
+mod scheduler;
+pub mod sql;
+mod state;
+mod workers;
+mod writer;
+
+use std::{net::SocketAddr, path::Path, sync::Arc};
+
+use tokio::sync::watch;
+
+use self::{
+    jobs::{NewAction, NewJob},
+    sql::{jobs as jstore, plans as pstore, ReadPool},
+    state::State,
+    writer::{StoreHealth, Writer},
+};
+use crate::{
+    config::{EngineConfig, SyncMode},
+    core::{
+        engine::{
+            ActionRequest, Engine, EventTx, HeartbeatEvent, JobQuery, Page, PlanQuery, QueueName,
+            StreamKind, SubmittedAction,
+        },
+        model::{
+            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
+            Registered, Registration, Worker, WorkerState, WorkerStats,
+        },
+        page, validate,
+        watch::{WatchSubscription, Watchers},
+    },
+    error::{Error, Result},
+    metrics::SharedMetrics,
+    time::now_ms,
+};
+
+/// The SQLite engine. Cheap to share behind an `Arc`.
+pub struct SqliteEngine {
+    writer: Writer<State>,
+    pool: ReadPool,
+    cfg: EngineConfig,
+    metrics: SharedMetrics,
+    watchers: Arc<Watchers>,
+    writer_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    checkpointer: std::sync::Mutex<Option<sql::Checkpointer>>,
+    stop_loops: watch::Sender<bool>,
+    health: StoreHealth,
+}
+
+impl SqliteEngine {
+    /// Opens (creating if needed) the database at `db` with the given
+    /// `synchronous` mode, recovers the state (leases of workers that do
+    /// not come back return to pending after the grace), starts the
+    /// writer thread, the checkpointer and the background loops.
+    ///
+    /// Errors: `Internal` (directory cannot be created, schema newer than
+    /// this binary), storage errors opening or recovering the database.
+    pub async fn open(
+        db: &Path,
+        synchronous: SyncMode,
+        cfg: EngineConfig,
+        metrics: SharedMetrics,
+    ) -> Result<Arc<SqliteEngine>> {
+        let (conn, pool) = sql::open(db, synchronous)?;
+        let checkpointer = sql::Checkpointer::start(db, synchronous)?;
+        let watchers = Arc::new(Watchers::new(
+            cfg.max_watch_streams,
+            cfg.max_watch_streams_per_connection,
+            metrics.watch_streams.clone(),
+        ));
+        let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
+        let health = StoreHealth::new(metrics.store_write_errors.clone());
+        let (writer, thread) = Writer::start(conn, state, checkpointer.signal(), health.clone())?;
+        writer.write(|s, c| s.load(c)).await?;
+        let (stop_loops, stop_rx) = watch::channel(false);
+        let engine = Arc::new(SqliteEngine {
+            writer,
+            pool,
+            cfg,
+            metrics,
+            watchers,
+            writer_thread: std::sync::Mutex::new(Some(thread)),
+            checkpointer: std::sync::Mutex::new(Some(checkpointer)),
+            stop_loops,
+            health,
+        });
+        loops::start(
+            &engine.writer,
+            &engine.cfg,
+            engine.health.subscribe(),
+            engine.metrics.store_up.clone(),
+            stop_rx,
+        );
+        Ok(engine)
+    }
+
+    async fn read<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&rusqlite::Connection) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        let pool = self.pool.clone();
+        tokio::task::spawn_blocking(move || {
+            let conn = pool.get()?;
+            f(&conn)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
+    }
+
+    /// The job at `row` with its task results and, when it waits, why.
+    async fn job_by_row(&self, row: i64) -> Result<Job> {
+        let mut job = self
+            .read(move |c| {
+                jstore::get_by_row(c, row, true)?.ok_or_else(|| Error::not_found("job vanished"))
+            })
+            .await?;
+        if matches!(job.status, JobStatus::Pending | JobStatus::Failed) {
+            job.waiting_reason = self
+                .writer
+                .run(move |s, _| Ok(s.waiting_reason(row)))
+                .await?;
+        }
+        Ok(job)
+    }
+}
+
+#[async_trait::async_trait]
+impl Engine for SqliteEngine {
+    async fn submit_plan(&self, plan: Plan) -> Result<String> {
+        validate::plan(&plan)?;
+        self.writer.write(move |s, c| s.submit_plan(c, plan)).await
+    }
+
+    async fn get_plan(&self, plan_id: String) -> Result<Plan> {
+        validate::object_id("plan_id", &plan_id)?;
+        self.read(move |c| {
+            pstore::get(c, &plan_id)?
+                .ok_or_else(|| Error::not_found(format!("plan {plan_id} not found")))
+        })
+        .await
+    }
+
+    async fn list_plans(&self, q: PlanQuery) -> Result<Page<String>> {
+        let limit = page::page_size(q.page_size)?;
+        let pattern = validate::plan_pattern(&q.pattern)?;
+        let after = page::decode_token("plan", &q.page_token)?.unwrap_or_default();
+        let ids = self
+            .read(move |c| pstore::list(c, pattern.as_ref(), &after, limit + 1))
+            .await?;
+        let (items, next_page_token) = page::split_page(ids, limit, "plan", |id| id.clone());
+        Ok(Page {
+            items,
+            next_page_token,
+        })
+    }
+
+    async fn delete_plan(&self, plan_id: String) -> Result<()> {
+        validate::object_id("plan_id", &plan_id)?;
+        self.writer
+            .write(move |s, c| s.delete_plan(c, &plan_id))
+            .await
+    }
+
+    async fn submit_action(&self, req: ActionRequest) -> Result<SubmittedAction> {
+        let v = validate::action(req, &self.cfg, now_ms())?;
+        let a = NewAction {
+            action_id: v.action_id.clone(),
+            plan_id: v.plan_id,
+            jobs: v
+                .inputs
+                .into_iter()
+                .map(NewJob::new)
+                .collect::<Result<_>>()?,
+            run_at_ms: v.run_at_ms,
+            max_attempts: v.max_attempts,
+        };
+        let job_ids = self
+            .writer
+            .write_direct(move |s, c| s.submit_action(c, a))
+            .await?;
+        Ok(SubmittedAction {
+            action_id: v.action_id,
+            job_ids,
+        })
+    }
+
+    async fn get_action(&self, action_id: String) -> Result<ActionStatus> {
+        validate::object_id("action_id", &action_id)?;
+        self.read(move |c| {
+            jstore::action_status(c, &action_id)?
+                .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))
+        })
+        .await
+    }
+
+    fn watch_action(
+        &self,
+        action_id: &str,
+        connection: Option<SocketAddr>,
+    ) -> Result<WatchSubscription> {
+        validate::object_id("action_id", action_id)?;
+        self.watchers.subscribe(action_id, connection)
+    }
+
+    async fn get_job(&self, job_id: String) -> Result<Job> {
+        validate::object_id("job_id", &job_id)?;
+        let row = self
+            .read(move |c| {
+                jstore::key_by_job_id(c, &job_id)?
+                    .map(|k| k.row)
+                    .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))
+            })
+            .await?;
+        self.job_by_row(row).await
+    }
+
+    async fn search_jobs(&self, q: JobQuery) -> Result<Page<String>> {
+        let limit = page::page_size(q.page_size)?;
+        let after = page::decode_number("job", &q.page_token)?;
+        if let Some(a) = &q.action_id {
+            validate::object_id("action_id", a)?;
+        }
+        if let Some(p) = &q.plan_id {
+            validate::object_id("plan_id", p)?;
+        }
+        let rows = self
+            .read(move |c| {
+                if let Some(a) = &q.action_id {
+                    if !jstore::action_exists(c, a)? {
+                        return Err(Error::not_found(format!("action {a} not found")));
+                    }
+                }
+                jstore::search(c, &q, after, limit + 1)
+            })
+            .await?;
+        let (rows, next_page_token) = page::split_page(rows, limit, "job", |(r, _)| r.to_string());
+        Ok(Page {
+            items: rows.into_iter().map(|(_, id)| id).collect(),
+            next_page_token,
+        })
+    }
+
+    async fn retry_job(&self, job_id: String) -> Result<Job> {
+        validate::object_id("job_id", &job_id)?;
+        let row = self
+            .writer
+            .write(move |s, c| s.retry_job(c, &job_id))
+            .await?;
+        self.job_by_row(row).await
+    }
+
+    async fn cancel_job(&self, job_id: String) -> Result<Job> {
+        validate::object_id("job_id", &job_id)?;
+        let row = self
+            .writer
+            .write(move |s, c| s.cancel_job(c, &job_id))
+            .await?;
+        self.job_by_row(row).await
+    }
+
+    async fn register_worker(&self, registration: Registration) -> Result<Registered> {
+        let reg = validate::registration(registration)?;
+        let resumed = self.writer.write(move |s, c| s.register(c, reg)).await?;
+        Ok(Registered {
+            heartbeat_interval: self.cfg.heartbeat_interval,
+            resumed,
+        })
+    }
+
+    async fn open_heartbeat(&self, worker_id: String, tx: EventTx<HeartbeatEvent>) -> Result<u64> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .run(move |s, _| s.open_heartbeat(&worker_id, tx))
+            .await
+    }
+
+    async fn heartbeat(
+        &self,
+        worker_id: String,
+        stats: Option<WorkerStats>,
+        held: Option<Vec<String>>,
+    ) -> Result<HeartbeatReply> {
+        // Only a heartbeat that names its held leases can change the
+        // database (it may re-queue lost leases); the rest need no commit.
+        if held.is_some() {
+            self.writer
+                .write(move |s, c| s.heartbeat(c, &worker_id, stats, held))
+                .await
+        } else {
+            self.writer
+                .run(move |s, c| s.heartbeat(c, &worker_id, stats, None))
+                .await
+        }
+    }
+
+    fn close_stream(&self, worker_id: String, kind: StreamKind, stream_id: u64) {
+        self.writer
+            .submit(move |s, c| s.close_stream(c, &worker_id, kind, stream_id));
+    }
+
+    async fn open_lease_stream(&self, worker_id: String, tx: EventTx<JobLease>) -> Result<u64> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .run(move |s, _| s.open_lease_stream(&worker_id, tx))
+            .await
+    }
+
+    async fn update_job(&self, report: JobReport) -> Result<JobStatus> {
+        validate::report(&report, self.cfg.max_report_bytes)?;
+        // update_job checks the lease, fencing and request before it
+        // writes: no savepoint needed (see `Writer::write_direct`).
+        self.writer
+            .write_direct(move |s, c| s.update_job(c, report))
+            .await
+    }
+
+    async fn batch_update_jobs(
+        &self,
+        worker_id: String,
+        reports: Vec<JobReport>,
+    ) -> Result<Vec<Result<JobStatus>>> {
+        let reports = validate::batch(&worker_id, reports)?;
+        // All are queued to the writer at once, so they share commits.
+        Ok(futures_util::future::join_all(reports.into_iter().map(|r| self.update_job(r))).await)
+    }
+
+    async fn unregister_worker(&self, worker_id: String) -> Result<u32> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .write(move |s, c| s.unregister(c, &worker_id))
+            .await
+    }
+
+    async fn drain_worker(&self, worker_id: String) -> Result<Worker> {
+        validate::worker_id(&worker_id)?;
+        self.writer.write(move |s, c| s.drain(c, &worker_id)).await
+    }
+
+    async fn list_workers(&self, state: Option<WorkerState>) -> Result<Vec<Worker>> {
+        self.writer.run(move |s, _| Ok(s.worker_views(state))).await
+    }
+
+    async fn get_worker(&self, worker_id: String) -> Result<Worker> {
+        validate::worker_id(&worker_id)?;
+        self.writer.run(move |s, _| s.worker_view(&worker_id)).await
+    }
+
+    async fn queue_stats(&self) -> Result<QueueStats> {
+        self.writer.run(|s, _| Ok(s.queue_stats())).await
+    }
+
+    async fn peek_queue(&self, queue: QueueName, count: u32) -> Result<Vec<String>> {
+        let count = validate::peek_count(count)?;
+        self.writer
+            .run(move |s, c| jstore::job_ids(c, &s.peek(queue, count)))
+            .await
+    }
+
+    async fn metrics_text(&self) -> Result<String> {
+        let counts = self.read(jstore::count_by_status).await?;
+        let (queue, workers) = self
+            .writer
+            .run(|s, _| Ok((s.queue_stats(), s.worker_counts())))
+            .await?;
+        loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
+        Ok(self.metrics.encode())
+    }
+
+    fn metrics(&self) -> &SharedMetrics {
+        &self.metrics
+    }
+
+    fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    fn store_health(&self) -> watch::Receiver<bool> {
+        self.health.subscribe()
+    }
+
+    fn watch_streams(&self) -> usize {
+        self.watchers.count()
+    }
+
+    async fn close(&self) {
+        let _ = self.stop_loops.send(true);
+        let checkpointer = self
+            .checkpointer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(c) = checkpointer {
+            let _ = tokio::task::spawn_blocking(move || c.stop()).await;
+        }
+        self.writer.stop();
+        let thread = self
+            .writer_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(t) = thread {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+}

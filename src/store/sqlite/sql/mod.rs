@@ -1,0 +1,356 @@
+//! The SQLite engine's SQL: opening, pragmas, versioned migrations, the
+//! read pool, the checkpointer, how SQLite errors become [`Error`]s, and
+//! one module per table family. All SQL of the engine lives under here.
+
+pub mod jobs;
+pub mod plans;
+pub mod retention;
+pub mod workers;
+
+use std::{
+    path::Path,
+    sync::{Arc, Condvar, Mutex},
+    time::Duration,
+};
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::Connection;
+
+use crate::{
+    config::SyncMode,
+    error::{Error, Result},
+};
+
+/// Migrations in order; migration `i` brings the schema to `user_version = i + 1`.
+const MIGRATIONS: &[&str] = &[
+    include_str!("migrations/0001_init.sql"),
+    include_str!("migrations/0002_status_free_indexes.sql"),
+    include_str!("migrations/0003_drop_unused_job_indexes.sql"),
+    include_str!("migrations/0004_action_retention.sql"),
+    include_str!("migrations/0005_worker_instance.sql"),
+    include_str!("migrations/0006_worker_sandboxed.sql"),
+];
+
+/// Pool of read-only connections (WAL lets them read while the writer writes).
+pub type ReadPool = r2d2::Pool<SqliteConnectionManager>;
+
+/// Applies AGQ's pragmas to a connection: WAL, foreign keys, busy timeout and
+/// the synchronous mode.
+fn configure(conn: &Connection, sync: SyncMode) -> rusqlite::Result<()> {
+    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    let sync = match sync {
+        SyncMode::Full => "FULL",
+        SyncMode::Normal => "NORMAL",
+    };
+    conn.pragma_update(None, "synchronous", sync)?;
+    // Statement journals (one per savepoint-wrapped operation of the
+    // writer) in memory instead of temporary files: they only ever hold
+    // pages of the open transaction, and writing them to disk cost one
+    // pwrite per first-touched page per operation.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    // A 32 MiB page cache (the default is 2 MiB): the hot pages of the jobs
+    // table and its indexes stay in memory instead of being read back from
+    // the OS on every batch.
+    conn.pragma_update(None, "cache_size", -32768)?;
+    Ok(())
+}
+
+/// Brings the schema up to date inside one transaction.
+fn migrate(conn: &mut Connection) -> Result<()> {
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    let version = usize::try_from(version).unwrap_or(0);
+    if version > MIGRATIONS.len() {
+        return Err(Error::Internal(format!(
+            "database schema version {version} is newer than this agq ({})",
+            MIGRATIONS.len()
+        )));
+    }
+    let tx = conn.transaction()?;
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version) {
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+        tracing::info!(version = i + 1, "applied schema migration");
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// Opens (creating if needed) the database at `path`: creates missing
+/// directories, applies pragmas and migrations, and returns the writer
+/// connection and a pool of read connections.
+///
+/// Errors: [`Error::Internal`] when the directory cannot be created or the
+/// schema is newer than this binary; [`Error::Storage`] for SQLite failures.
+pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::Internal(format!("cannot create directory {}: {e}", dir.display()))
+            })?;
+        }
+    }
+    let mut conn = Connection::open(path)?;
+    // Before the first table: a new database gives the pages freed by the
+    // retention sweep back to the file system.
+    retention::enable_incremental_vacuum(&conn)?;
+    configure(&conn, sync)?;
+    // The writer checkpoints itself only when the WAL passes 10,000 pages
+    // (40 MiB); the [`Checkpointer`] thread does the regular work.
+    conn.pragma_update(None, "wal_autocheckpoint", WRITER_AUTOCHECKPOINT_PAGES)?;
+    migrate(&mut conn)?;
+    let manager = SqliteConnectionManager::file(path).with_init(move |c| configure(c, sync));
+    let pool = r2d2::Pool::builder()
+        .max_size(8)
+        .connection_timeout(Duration::from_secs(10))
+        .build(manager)?;
+    Ok((conn, pool))
+}
+
+/// WAL size (pages) at which the writer runs a checkpoint itself: a safety
+/// net behind the [`Checkpointer`] (SQLite's default is 1,000).
+const WRITER_AUTOCHECKPOINT_PAGES: i64 = 10_000;
+
+/// Least time between two checkpoints of the [`Checkpointer`].
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+#[derive(Default)]
+struct Wake {
+    /// A commit wrote to the WAL since the last checkpoint.
+    dirty: bool,
+    /// The checkpointer should end.
+    stop: bool,
+}
+
+/// Wakes the [`Checkpointer`] after a commit that wrote; cheap to clone.
+#[derive(Clone, Default)]
+pub struct CheckpointSignal(Arc<(Mutex<Wake>, Condvar)>);
+
+impl CheckpointSignal {
+    /// Tells the checkpointer that committed pages wait in the WAL.
+    pub fn committed(&self) {
+        let (lock, cv) = &*self.0;
+        let mut w = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if !w.dirty {
+            w.dirty = true;
+            cv.notify_one();
+        }
+    }
+
+    fn stop(&self) {
+        let (lock, cv) = &*self.0;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        cv.notify_one();
+    }
+}
+
+/// Checkpoints the WAL from its own thread and connection, so the writer
+/// does not stall on copying pages into the database file and syncing it
+/// in the middle of a batch. It sleeps until the writer signals a commit
+/// that wrote (no work while idle) and checkpoints at most every 100 ms.
+/// PASSIVE checkpoints never block the writer; once everything is copied,
+/// the writer's next transaction restarts the WAL from its beginning.
+/// Durability is unchanged: commits are durable in the WAL (synced per
+/// commit with `synchronous=FULL`).
+pub struct Checkpointer {
+    signal: CheckpointSignal,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Checkpointer {
+    /// Opens a connection to `path` and starts the checkpoint thread.
+    ///
+    /// Errors: [`Error::Storage`] when the database cannot be opened,
+    /// [`Error::Internal`] when the thread cannot be spawned.
+    pub fn start(path: &Path, sync: SyncMode) -> Result<Checkpointer> {
+        let conn = Connection::open(path)?;
+        configure(&conn, sync)?;
+        let signal = CheckpointSignal::default();
+        let wake = signal.0.clone();
+        let handle = std::thread::Builder::new()
+            .name("agq-checkpoint".into())
+            .spawn(move || {
+                let (lock, cv) = &*wake;
+                loop {
+                    {
+                        let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut w = cv
+                            .wait_while(guard, |w| !w.dirty && !w.stop)
+                            .unwrap_or_else(|e| e.into_inner());
+                        if w.stop {
+                            return;
+                        }
+                        w.dirty = false;
+                    }
+                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                    {
+                        tracing::warn!(error = %e, "background WAL checkpoint failed");
+                    }
+                    // Throttle: at most one checkpoint per CHECKPOINT_EVERY.
+                    let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let (w, _) = cv
+                        .wait_timeout_while(guard, CHECKPOINT_EVERY, |w| !w.stop)
+                        .unwrap_or_else(|e| e.into_inner());
+                    if w.stop {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the checkpoint thread: {e}")))?;
+        Ok(Checkpointer {
+            signal,
+            handle: Some(handle),
+        })
+    }
+
+    /// The handle the writer uses to wake this checkpointer.
+    pub fn signal(&self) -> CheckpointSignal {
+        self.signal.clone()
+    }
+
+    /// Stops the thread and waits for it (at most one checkpoint's time).
+    pub fn stop(mut self) {
+        self.signal.stop();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.signal.stop();
+    }
+}
+
+impl From<rusqlite::Error> for Error {
+    fn from(e: rusqlite::Error) -> Self {
+        Error::Storage {
+            fault: store_fault(&e),
+            detail: e.to_string(),
+        }
+    }
+}
+
+impl From<r2d2::Error> for Error {
+    fn from(e: r2d2::Error) -> Self {
+        Error::StoreBusy(e.to_string())
+    }
+}
+
+/// The cause, in words, when a SQLite error means the store cannot write
+/// for a reason outside AGQ: the disk or file system is full, an I/O error,
+/// the database file cannot be opened or is read-only, the database is
+/// locked by another process, memory ran out. `None` for every other error
+/// (a constraint, a bug), which stays `INTERNAL`.
+pub fn store_fault(e: &rusqlite::Error) -> Option<&'static str> {
+    use rusqlite::ErrorCode;
+    let rusqlite::Error::SqliteFailure(f, _) = e else {
+        return None;
+    };
+    Some(match f.code {
+        ErrorCode::DiskFull => "database or disk is full",
+        ErrorCode::SystemIoFailure => "disk I/O error",
+        ErrorCode::CannotOpen => "cannot open the database file",
+        ErrorCode::ReadOnly => "the database file is read-only",
+        ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked => {
+            "the database is locked by another process"
+        }
+        ErrorCode::OutOfMemory => "out of memory",
+        ErrorCode::FileLockingProtocolFailed => "file locking failed",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database left at schema version 2 by an older agq is brought to
+    /// the current version with its rows kept, the job indexes no query
+    /// uses are gone, and actions whose jobs all ended have a finish time
+    /// (the last job's) for retention; a database newer than this agq is
+    /// refused.
+    #[test]
+    fn migrations_bring_an_old_database_up_to_date() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(MIGRATIONS[0]).unwrap();
+        conn.execute_batch(MIGRATIONS[1]).unwrap();
+        conn.pragma_update(None, "user_version", 2).unwrap();
+        conn.execute_batch(
+            "INSERT INTO plans VALUES ('p', '', x'', 0);
+             INSERT INTO actions VALUES ('a', 'p', 1, 3, NULL, 0);
+             INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
+                 VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);
+             INSERT INTO actions VALUES ('b', 'p', 2, 3, NULL, 0);
+             INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms, completed_at_ms)
+                 VALUES ('k', 'b', 'p', 3, '{}', 3, 0, 0, 40), ('l', 'b', 'p', 6, '{}', 3, 0, 0, 50);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .unwrap();
+        assert_eq!(version as usize, MIGRATIONS.len());
+        let indexes: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobs' AND sql IS NOT NULL ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(indexes, ["jobs_by_action", "jobs_by_status"]);
+        let job: String = conn
+            .query_row("SELECT job_id FROM jobs", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(job, "j");
+        let finished: Vec<Option<i64>> = conn
+            .prepare("SELECT finished_at_ms FROM actions ORDER BY action_id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(finished, [None, Some(50)]);
+
+        conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
+            .unwrap();
+        assert!(matches!(migrate(&mut conn), Err(Error::Internal(_))));
+    }
+
+    /// The checkpointer copies the WAL into the database only when a commit
+    /// signals it, not on a timer.
+    #[test]
+    fn checkpoints_follow_commits_not_a_timer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let conn = Connection::open(&path).unwrap();
+        configure(&conn, SyncMode::Normal).unwrap();
+        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        // Bring the main file to its settled size first.
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        let main_len = || std::fs::metadata(&path).unwrap().len();
+        let before = main_len();
+        let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
+        for _ in 0..50 {
+            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+                .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(main_len(), before, "checkpointed without being signalled");
+        cp.signal().committed();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while main_len() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint after the signal"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(main_len() > before + 50 * 4096);
+        cp.stop();
+    }
+}
