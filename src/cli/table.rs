@@ -165,7 +165,10 @@ mod tests {
         t.row(["a", long.trim_end()]);
         let text = plain(t.comfy());
         assert_eq!(text.lines().count(), 2, "{text}");
-        assert!(text.ends_with(&format!("a   {}\n", long.trim_end())), "{text}");
+        assert!(
+            text.ends_with(&format!("a   {}\n", long.trim_end())),
+            "{text}"
+        );
     }
 
     #[test]
@@ -184,7 +187,10 @@ mod tests {
 
     #[test]
     fn aligns_key_values() {
-        let text = plain(key_values_table(&[("a", "1".into()), ("long", "x\ny".into())]));
+        let text = plain(key_values_table(&[
+            ("a", "1".into()),
+            ("long", "x\ny".into()),
+        ]));
         assert_eq!(text, "a     1\nlong  x\n      y\n");
     }
 }

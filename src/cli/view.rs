@@ -893,7 +893,10 @@ mod tests {
         assert_eq!(job_status_name(JobStatus::Completed as i32), "completed");
         assert_eq!(job_status_name(JobStatus::Pending as i32), "pending");
         assert_eq!(job_status_name(JobStatus::Cancelled as i32), "cancelled");
-        assert_eq!(job_status_name(JobStatus::Unspecified as i32), "unspecified");
+        assert_eq!(
+            job_status_name(JobStatus::Unspecified as i32),
+            "unspecified"
+        );
         assert_eq!(job_status_name(99), "unknown");
         assert_eq!(worker_state_name(WorkerState::Active as i32), "active");
         assert_eq!(
@@ -905,11 +908,15 @@ mod tests {
 
     #[test]
     fn quotes_arguments_like_a_shell() {
-        let words = |a: &[&str]| shell_words(&a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+        let words =
+            |a: &[&str]| shell_words(&a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
         assert_eq!(words(&["-cs", "A-Za-z", "\n"]), "-cs A-Za-z $'\\n'");
         assert_eq!(words(&["a b", "it's", ""]), "'a b' \"it's\" ''");
         assert_eq!(words(&["$HOME", "x;y"]), "'$HOME' 'x;y'");
-        assert_eq!(words(&["tab\there", "back\\slash\r"]), "$'tab\\there' $'back\\\\slash\\r'");
+        assert_eq!(
+            words(&["tab\there", "back\\slash\r"]),
+            "$'tab\\there' $'back\\\\slash\\r'"
+        );
         assert_eq!(words(&["nul\0"]), "$'nul\\x00'");
     }
 }
