@@ -1,7 +1,8 @@
 //! Authentication: bearer tokens from a TOML file, each with a role
 //! (client, admin, or worker bound to one `worker_id` or to a pool of ids
 //! sharing a `worker_id_prefix`), checked by a tonic
-//! interceptor in constant time (`subtle`). Replaces the seed's `AUTH <key>`.
+//! interceptor in constant time (`subtle`). Implements the specification's
+//! `AUTH <key>` command as `authorization: Bearer <token>` metadata.
 //! Tokens are never logged.
 
 use std::{path::Path, sync::Arc};

@@ -64,33 +64,24 @@ impl CliError {
     }
 }
 
-/// The canonical upper-case name of a gRPC code, as in `NOT_FOUND`.
-pub fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
+/// The canonical upper-case name of a gRPC code, as in `NOT_FOUND`: tonic's
+/// variant name (`NotFound`) in the upper snake case of the gRPC
+/// specification's status code table.
+pub fn code_name(code: Code) -> String {
+    let mut name = String::new();
+    for c in format!("{code:?}").chars() {
+        if c.is_ascii_uppercase() && !name.is_empty() {
+            name.push('_');
+        }
+        name.push(c.to_ascii_uppercase());
     }
+    name
 }
 
 /// `CODE: message` of a status, with the transport cause chain appended
 /// when the status came from the client side (connection refused, timeout).
 pub fn describe_status(status: &Status) -> String {
-    let mut text = code_name(status.code()).to_owned();
+    let mut text = code_name(status.code());
     if !status.message().is_empty() {
         text.push_str(": ");
         text.push_str(status.message());
@@ -116,5 +107,44 @@ fn append_causes(text: &mut String, mut source: Option<&(dyn std::error::Error +
             text.push_str(&s_text);
         }
         source = s.source();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_names_are_the_canonical_ones() {
+        let names: Vec<String> = (0..=16).map(|i| code_name(Code::from_i32(i))).collect();
+        assert_eq!(
+            names,
+            [
+                "OK",
+                "CANCELLED",
+                "UNKNOWN",
+                "INVALID_ARGUMENT",
+                "DEADLINE_EXCEEDED",
+                "NOT_FOUND",
+                "ALREADY_EXISTS",
+                "PERMISSION_DENIED",
+                "RESOURCE_EXHAUSTED",
+                "FAILED_PRECONDITION",
+                "ABORTED",
+                "OUT_OF_RANGE",
+                "UNIMPLEMENTED",
+                "INTERNAL",
+                "UNAVAILABLE",
+                "DATA_LOSS",
+                "UNAUTHENTICATED",
+            ]
+        );
+    }
+
+    #[test]
+    fn describes_a_status_by_code_and_message() {
+        let e = CliError::from(Status::not_found("plan x not found"));
+        assert_eq!(e.to_string(), "NOT_FOUND: plan x not found");
+        assert_eq!(describe_status(&Status::unavailable("")), "UNAVAILABLE");
     }
 }

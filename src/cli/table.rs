@@ -1,12 +1,19 @@
-//! Plain-text tables for `--output table`: aligned columns under a header,
-//! and aligned `key  value` lists. Also the one place that writes to stdout,
-//! so a closed pipe (`agq job list X | head`) ends the command quietly.
+//! Plain-text tables for `--output table` (`comfy-table`, no borders):
+//! aligned columns under a header, and aligned `key  value` lists. On a
+//! terminal the tables fit its width (long cells wrap); into a pipe or a
+//! file they are never wrapped, so scripts see one line per row. Also the
+//! one place that writes to stdout, so a closed pipe (`agq job list X |
+//! head`) ends the command quietly.
 
 use std::io::Write;
 
+use comfy_table::{presets::NOTHING, ColumnConstraint, ContentArrangement};
+
 use super::CliError;
 
-/// Columns under an upper-case header, each as wide as its widest cell.
+/// Columns under an upper-case header, each as wide as its widest cell
+/// (display width, so wide and combining characters line up), two spaces
+/// apart.
 #[derive(Debug, Default)]
 pub struct Table {
     header: Vec<String>,
@@ -34,52 +41,64 @@ impl Table {
         self.rows.is_empty()
     }
 
-    /// The table as text, one line per row, ending with a newline.
+    /// The table as text, one line per row (more where a cell wraps on a
+    /// terminal), ending with a newline.
     pub fn render(&self) -> String {
-        let width = |s: &str| s.chars().count();
-        let mut widths: Vec<usize> = self.header.iter().map(|h| width(h)).collect();
-        for row in &self.rows {
-            for (w, cell) in widths.iter_mut().zip(row) {
-                *w = (*w).max(width(cell));
-            }
+        finish(&self.comfy())
+    }
+
+    /// The comfy-table of this table.
+    fn comfy(&self) -> comfy_table::Table {
+        let mut t = layout(Some(&self.header), &self.rows);
+        // Ids in the first column are never broken across lines.
+        if let Some(c) = t.column_mut(0) {
+            c.set_constraint(ColumnConstraint::ContentWidth);
         }
-        let mut out = String::new();
-        for line in std::iter::once(&self.header).chain(&self.rows) {
-            let mut text = String::new();
-            for (i, (cell, w)) in line.iter().zip(&widths).enumerate() {
-                if i + 1 == line.len() {
-                    text.push_str(cell);
-                } else {
-                    text.push_str(cell);
-                    text.push_str(&" ".repeat(w - width(cell) + 2));
-                }
-            }
-            out.push_str(text.trim_end());
-            out.push('\n');
-        }
-        out
+        t
     }
 }
 
-/// `key  value` lines with the values aligned; multi-line values continue
-/// indented under their first line.
-pub fn key_values(pairs: &[(&str, String)]) -> String {
-    let w = pairs
-        .iter()
-        .map(|(k, _)| k.chars().count())
-        .max()
-        .unwrap_or(0);
-    let mut out = String::new();
-    for (k, v) in pairs {
-        let pad = " ".repeat(w - k.chars().count() + 2);
-        let indent = " ".repeat(w + 2);
-        let mut lines = v.lines();
-        out.push_str(&format!("{k}{pad}{}\n", lines.next().unwrap_or("")));
-        for l in lines {
-            out.push_str(&format!("{indent}{l}\n"));
-        }
+/// A borderless table of `rows` (under `header` when given): columns two
+/// spaces apart, laid out to the terminal's width when stdout is one.
+fn layout(header: Option<&[String]>, rows: &[Vec<String>]) -> comfy_table::Table {
+    let mut t = comfy_table::Table::new();
+    t.load_style(NOTHING)
+        .set_content_arrangement(ContentArrangement::Dynamic);
+    if let Some(h) = header {
+        t.set_header(h.iter().map(String::as_str));
     }
-    out
+    for r in rows {
+        t.add_row(r.iter().map(String::as_str));
+    }
+    let n = t.column_count();
+    for (i, c) in t.column_iter_mut().enumerate() {
+        c.set_padding((0, if i + 1 == n { 0 } else { 2 }));
+    }
+    t
+}
+
+/// The lines of `t` without trailing blanks, each ending with a newline.
+fn finish(t: &comfy_table::Table) -> String {
+    t.lines().map(|l| l.trim_end().to_owned() + "\n").collect()
+}
+
+/// `key  value` lines with the values aligned; multi-line values continue
+/// indented under their first line (and long ones wrap there on a terminal).
+pub fn key_values(pairs: &[(&str, String)]) -> String {
+    finish(&key_values_table(pairs))
+}
+
+/// The comfy-table of [`key_values`].
+fn key_values_table(pairs: &[(&str, String)]) -> comfy_table::Table {
+    let rows: Vec<Vec<String>> = pairs
+        .iter()
+        .map(|(k, v)| vec![(*k).to_owned(), v.clone()])
+        .collect();
+    let mut t = layout(None, &rows);
+    if let Some(c) = t.column_mut(0) {
+        c.set_constraint(ColumnConstraint::ContentWidth);
+    }
+    t
 }
 
 /// Writes `text` to stdout.
@@ -114,20 +133,64 @@ pub fn emit_line(text: &str) -> Result<(), CliError> {
 mod tests {
     use super::*;
 
+    /// `t` rendered as into a pipe: no terminal, no width.
+    fn plain(mut t: comfy_table::Table) -> String {
+        t.force_no_tty();
+        finish(&t)
+    }
+
     #[test]
     fn aligns_columns() {
         let mut t = Table::new(["ID", "STATUS", "NOTE"]);
         t.row(["a", "completed", ""]);
         t.row(["long-id", "dead", "x"]);
         assert_eq!(
-            t.render(),
+            plain(t.comfy()),
             "ID       STATUS     NOTE\na        completed\nlong-id  dead       x\n"
         );
     }
 
     #[test]
+    fn aligns_by_display_width() {
+        let mut t = Table::new(["NAME", "N"]);
+        t.row(["日本", "1"]);
+        t.row(["ab", "2"]);
+        assert_eq!(plain(t.comfy()), "NAME  N\n日本  1\nab    2\n");
+    }
+
+    #[test]
+    fn never_wraps_without_a_terminal() {
+        let long = "word ".repeat(60);
+        let mut t = Table::new(["ID", "NOTE"]);
+        t.row(["a", long.trim_end()]);
+        let text = plain(t.comfy());
+        assert_eq!(text.lines().count(), 2, "{text}");
+        assert!(
+            text.ends_with(&format!("a   {}\n", long.trim_end())),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn fits_a_terminal_width_keeping_ids_whole() {
+        let mut t = Table::new(["ID", "NOTE"]);
+        t.row(["a-long-job-id", &"word ".repeat(20)]);
+        let mut c = t.comfy();
+        c.set_width(40);
+        let text = finish(&c);
+        assert!(text.lines().count() > 2, "{text}");
+        for l in text.lines() {
+            assert!(l.chars().count() <= 40, "{l:?} in\n{text}");
+        }
+        assert!(text.contains("a-long-job-id  word"), "{text}");
+    }
+
+    #[test]
     fn aligns_key_values() {
-        let text = key_values(&[("a", "1".into()), ("long", "x\ny".into())]);
+        let text = plain(key_values_table(&[
+            ("a", "1".into()),
+            ("long", "x\ny".into()),
+        ]));
         assert_eq!(text, "a     1\nlong  x\n      y\n");
     }
 }

@@ -13,31 +13,32 @@ use super::{
 };
 use crate::pb::{self, JobStatus, WorkerState};
 
-/// Short lower-case name of a job status (`"completed"`); `"unknown"` for
-/// values this client does not know.
-pub fn job_status_name(status: i32) -> &'static str {
-    match JobStatus::try_from(status) {
-        Ok(JobStatus::Unspecified) => "unspecified",
-        Ok(JobStatus::Pending) => "pending",
-        Ok(JobStatus::Running) => "running",
-        Ok(JobStatus::Completed) => "completed",
-        Ok(JobStatus::Failed) => "failed",
-        Ok(JobStatus::Dead) => "dead",
-        Ok(JobStatus::Cancelled) => "cancelled",
-        Err(_) => "unknown",
-    }
+/// Short lower-case name of a job status (`"completed"`): the proto name
+/// (`JOB_STATUS_COMPLETED`) without its prefix; `"unknown"` for values this
+/// client does not know.
+pub fn job_status_name(status: i32) -> String {
+    JobStatus::try_from(status).map_or_else(
+        |_| "unknown".into(),
+        |s| short_name(s.as_str_name(), "JOB_STATUS_"),
+    )
 }
 
-/// Short lower-case name of a worker state (`"active"`).
-pub fn worker_state_name(state: i32) -> &'static str {
-    match WorkerState::try_from(state) {
-        Ok(WorkerState::Unspecified) => "unspecified",
-        Ok(WorkerState::Active) => "active",
-        Ok(WorkerState::Draining) => "draining",
-        Ok(WorkerState::Dead) => "dead",
-        Ok(WorkerState::Unregistered) => "unregistered",
-        Err(_) => "unknown",
-    }
+/// Short lower-case name of a worker state (`"active"`): the proto name
+/// (`WORKER_STATE_ACTIVE`) without its prefix; `"unknown"` for values this
+/// client does not know.
+pub fn worker_state_name(state: i32) -> String {
+    WorkerState::try_from(state).map_or_else(
+        |_| "unknown".into(),
+        |s| short_name(s.as_str_name(), "WORKER_STATE_"),
+    )
+}
+
+/// The lower-case name of an enum value named `PREFIX_NAME` in the proto.
+fn short_name(proto_name: &str, prefix: &str) -> String {
+    proto_name
+        .strip_prefix(prefix)
+        .unwrap_or(proto_name)
+        .to_ascii_lowercase()
 }
 
 /// A job status as a command-line value.
@@ -213,36 +214,39 @@ impl PlanView {
 }
 
 /// Arguments quoted like a shell would need them, for display only:
-/// `-cs A-Za-z $'\n'`.
+/// `-cs A-Za-z $'\n'`. Quoting is `shlex`'s (POSIX quotes); an argument
+/// with a control character (a newline, a tab) is written in the ANSI-C
+/// form `$'...'` instead, which shlex does not produce, so that each plan
+/// task stays on one line.
 pub fn shell_words(args: &[String]) -> String {
     args.iter()
         .map(|a| {
-            let plain = !a.is_empty()
-                && a.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+%@{}".contains(c));
-            if plain {
-                a.clone()
-            } else if a.chars().any(char::is_control) {
-                let mut q = String::from("$'");
-                for c in a.chars() {
-                    match c {
-                        '\n' => q.push_str("\\n"),
-                        '\t' => q.push_str("\\t"),
-                        '\r' => q.push_str("\\r"),
-                        '\\' => q.push_str("\\\\"),
-                        '\'' => q.push_str("\\'"),
-                        c if c.is_control() => q.push_str(&format!("\\x{:02x}", c as u32)),
-                        c => q.push(c),
-                    }
-                }
-                q.push('\'');
-                q
+            if a.chars().any(char::is_control) {
+                ansi_c_quote(a)
             } else {
-                format!("'{}'", a.replace('\'', r"'\''"))
+                shlex::try_quote(a).map_or_else(|_| ansi_c_quote(a), |q| q.into_owned())
             }
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// `a` in the shell's ANSI-C quoting, `$'a\tb\n'`.
+fn ansi_c_quote(a: &str) -> String {
+    let mut q = String::from("$'");
+    for c in a.chars() {
+        match c {
+            '\n' => q.push_str("\\n"),
+            '\t' => q.push_str("\\t"),
+            '\r' => q.push_str("\\r"),
+            '\\' => q.push_str("\\\\"),
+            '\'' => q.push_str("\\'"),
+            c if c.is_control() => q.push_str(&format!("\\x{:02x}", c as u32)),
+            c => q.push(c),
+        }
+    }
+    q.push('\'');
+    q
 }
 
 /// Aggregate progress of an Action.
@@ -355,7 +359,7 @@ pub struct JobView {
     /// The Plan it runs.
     pub plan_id: String,
     /// Status name.
-    pub status: &'static str,
+    pub status: String,
     /// Input values.
     pub input: BTreeMap<String, String>,
     /// Attempts started.
@@ -471,7 +475,7 @@ impl JobView {
             ("job", self.job_id.clone()),
             ("action", self.action_id.clone()),
             ("plan", self.plan_id.clone()),
-            ("status", self.status.to_owned()),
+            ("status", self.status.clone()),
             (
                 "attempts",
                 format!("{}/{}", self.attempt, self.max_attempts),
@@ -553,7 +557,7 @@ pub struct JobSummary {
     /// The Plan it runs.
     pub plan_id: String,
     /// Status name.
-    pub status: &'static str,
+    pub status: String,
     /// Attempts started.
     pub attempt: u32,
     /// Attempts allowed.
@@ -613,7 +617,7 @@ impl JobPage {
             };
             t.row([
                 j.job_id.clone(),
-                j.status.to_owned(),
+                j.status.clone(),
                 format!("{}/{}", j.attempt, j.max_attempts),
                 if j.worker_id.is_empty() {
                     "-".into()
@@ -666,7 +670,7 @@ pub struct WorkerView {
     /// Id.
     pub worker_id: String,
     /// State name (`"active"`).
-    pub state: &'static str,
+    pub state: String,
     /// Heartbeat younger than 3 x the interval.
     pub fresh: bool,
     /// Heartbeat and lease streams open.
@@ -744,7 +748,7 @@ impl WorkerView {
     pub fn table(&self) -> String {
         let mut pairs = vec![
             ("worker", self.worker_id.clone()),
-            ("state", self.state.to_owned()),
+            ("state", self.state.clone()),
             ("fresh", yes_no(self.fresh)),
             ("connected", yes_no(self.connected)),
             ("sandboxed", yes_no(self.sandboxed)),
@@ -809,7 +813,7 @@ pub fn workers_table(workers: &[WorkerView]) -> String {
     for w in workers {
         t.row([
             w.worker_id.clone(),
-            w.state.to_owned(),
+            w.state.clone(),
             yes_no(w.fresh),
             yes_no(w.connected),
             format!("{}/{}", w.active_leases, w.max_concurrent_jobs),
@@ -877,5 +881,42 @@ impl QueueStatsView {
             ("workers idle", self.workers_idle.to_string()),
             ("workers stale", self.workers_stale.to_string()),
         ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_names_are_the_proto_names_without_prefix() {
+        assert_eq!(job_status_name(JobStatus::Completed as i32), "completed");
+        assert_eq!(job_status_name(JobStatus::Pending as i32), "pending");
+        assert_eq!(job_status_name(JobStatus::Cancelled as i32), "cancelled");
+        assert_eq!(
+            job_status_name(JobStatus::Unspecified as i32),
+            "unspecified"
+        );
+        assert_eq!(job_status_name(99), "unknown");
+        assert_eq!(worker_state_name(WorkerState::Active as i32), "active");
+        assert_eq!(
+            worker_state_name(WorkerState::Unregistered as i32),
+            "unregistered"
+        );
+        assert_eq!(worker_state_name(-1), "unknown");
+    }
+
+    #[test]
+    fn quotes_arguments_like_a_shell() {
+        let words =
+            |a: &[&str]| shell_words(&a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+        assert_eq!(words(&["-cs", "A-Za-z", "\n"]), "-cs A-Za-z $'\\n'");
+        assert_eq!(words(&["a b", "it's", ""]), "'a b' \"it's\" ''");
+        assert_eq!(words(&["$HOME", "x;y"]), "'$HOME' 'x;y'");
+        assert_eq!(
+            words(&["tab\there", "back\\slash\r"]),
+            "$'tab\\there' $'back\\\\slash\\r'"
+        );
+        assert_eq!(words(&["nul\0"]), "$'nul\\x00'");
     }
 }

@@ -61,8 +61,9 @@ pub struct AgwArgs {
     pub max_concurrent_jobs: Option<u32>,
 
     /// Comma-separated allowlist of commands; only those found on $PATH are
-    /// advertised [default: common text tools, see DEFAULT_TOOLS].
-    #[arg(long, env = "AGW_TOOLS", value_delimiter = ',')]
+    /// advertised [default: text tools such as sort, grep and jq that start
+    /// no other program and write no files; --help lists them].
+    #[arg(long, env = "AGW_TOOLS", value_delimiter = ',', long_help = tools_long_help())]
     pub tools: Option<Vec<String>>,
 
     /// A label `key=value` sent at registration; repeat for more.
@@ -147,6 +148,20 @@ pub struct AgwArgs {
     /// Log format (logs go to stderr; RUST_LOG sets the filter).
     #[arg(long, env = "AGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+/// The long help of `--tools`: the rule and every default tool, from
+/// [`DEFAULT_TOOLS`] itself so that the help cannot drift from it.
+fn tools_long_help() -> String {
+    format!(
+        "Comma-separated allowlist of commands; only those found on $PATH are \
+         advertised.\n\n\
+         [default: {}]\n\n\
+         The default tools start no other program and write no files. Tools \
+         that do (awk, sed, xargs, tee, find, env, timeout, nice, tar, \
+         interpreters) must be named here; the sandbox is what contains them.",
+        DEFAULT_TOOLS.join(",")
+    )
 }
 
 /// Parses one `key=value` tag.
@@ -438,6 +453,19 @@ mod tests {
             // An unprivileged agw cannot switch: tasks keep its (non-root) user.
             assert_eq!(resolve_run_as(Some("root")).unwrap(), None);
         }
+    }
+
+    #[test]
+    fn help_names_the_default_tools() {
+        use clap::CommandFactory;
+        let short = AgwArgs::command().render_help().to_string();
+        assert!(!short.contains("DEFAULT_TOOLS"), "{short}");
+        assert!(short.contains("sort, grep and jq"), "{short}");
+        let long = AgwArgs::command().render_long_help().to_string();
+        for tool in DEFAULT_TOOLS {
+            assert!(long.contains(tool), "{tool} missing from\n{long}");
+        }
+        assert!(long.contains(&DEFAULT_TOOLS.join(",")), "{long}");
     }
 
     #[test]

@@ -70,17 +70,19 @@ class ActionServiceServicer:
 
     def SubmitAction(self, request, context):
         """Creates one Job per input in a single transaction: all or nothing
-        (seed: ACTION.SUBMIT). Errors: INVALID_ARGUMENT (bad id, no inputs, too
-        many inputs, oversized input, bad max_attempts), NOT_FOUND (unknown
-        plan), ALREADY_EXISTS (action_id taken).
+        (implements the specification's ACTION.SUBMIT command). Errors:
+        INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
+        bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+        taken).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetAction(self, request, context):
-        """Aggregate job counts of an Action (seed: ACTION.STATUS). Errors:
-        INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted by retention).
+        """Aggregate job counts of an Action. Implements the specification's
+        ACTION.STATUS command. Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or
+        deleted by retention).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

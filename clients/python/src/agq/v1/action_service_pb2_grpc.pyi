@@ -42,13 +42,15 @@ class ActionServiceStub:
     def __new__(cls, channel: _aio.Channel) -> ActionServiceAsyncStub: ...
     SubmitAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.SubmitActionRequest, _action_service_pb2.SubmitActionResponse]
     """Creates one Job per input in a single transaction: all or nothing
-    (seed: ACTION.SUBMIT). Errors: INVALID_ARGUMENT (bad id, no inputs, too
-    many inputs, oversized input, bad max_attempts), NOT_FOUND (unknown
-    plan), ALREADY_EXISTS (action_id taken).
+    (implements the specification's ACTION.SUBMIT command). Errors:
+    INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
+    bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+    taken).
     """
     GetAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.GetActionRequest, _action_service_pb2.GetActionResponse]
-    """Aggregate job counts of an Action (seed: ACTION.STATUS). Errors:
-    INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted by retention).
+    """Aggregate job counts of an Action. Implements the specification's
+    ACTION.STATUS command. Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or
+    deleted by retention).
     """
     WatchAction: _grpc.UnaryStreamMultiCallable[_action_service_pb2.WatchActionRequest, _action_service_pb2.WatchActionResponse]
     """Streams the Action's status now and after every change of a job's
@@ -70,13 +72,15 @@ class ActionServiceAsyncStub(ActionServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.SubmitActionRequest, _action_service_pb2.SubmitActionResponse]  # type: ignore[assignment]
     """Creates one Job per input in a single transaction: all or nothing
-    (seed: ACTION.SUBMIT). Errors: INVALID_ARGUMENT (bad id, no inputs, too
-    many inputs, oversized input, bad max_attempts), NOT_FOUND (unknown
-    plan), ALREADY_EXISTS (action_id taken).
+    (implements the specification's ACTION.SUBMIT command). Errors:
+    INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
+    bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+    taken).
     """
     GetAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.GetActionRequest, _action_service_pb2.GetActionResponse]  # type: ignore[assignment]
-    """Aggregate job counts of an Action (seed: ACTION.STATUS). Errors:
-    INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted by retention).
+    """Aggregate job counts of an Action. Implements the specification's
+    ACTION.STATUS command. Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or
+    deleted by retention).
     """
     WatchAction: _aio.UnaryStreamMultiCallable[_action_service_pb2.WatchActionRequest, _action_service_pb2.WatchActionResponse]  # type: ignore[assignment]
     """Streams the Action's status now and after every change of a job's
@@ -101,9 +105,10 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_action_service_pb2.SubmitActionResponse, _abc.Awaitable[_action_service_pb2.SubmitActionResponse]]:
         """Creates one Job per input in a single transaction: all or nothing
-        (seed: ACTION.SUBMIT). Errors: INVALID_ARGUMENT (bad id, no inputs, too
-        many inputs, oversized input, bad max_attempts), NOT_FOUND (unknown
-        plan), ALREADY_EXISTS (action_id taken).
+        (implements the specification's ACTION.SUBMIT command). Errors:
+        INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
+        bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+        taken).
         """
 
     @_abc_1.abstractmethod
@@ -112,8 +117,9 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _action_service_pb2.GetActionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_action_service_pb2.GetActionResponse, _abc.Awaitable[_action_service_pb2.GetActionResponse]]:
-        """Aggregate job counts of an Action (seed: ACTION.STATUS). Errors:
-        INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted by retention).
+        """Aggregate job counts of an Action. Implements the specification's
+        ACTION.STATUS command. Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or
+        deleted by retention).
         """
 
     @_abc_1.abstractmethod

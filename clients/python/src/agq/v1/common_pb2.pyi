@@ -157,7 +157,7 @@ Global___Task: _TypeAlias = Task  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):
-    """A reusable pipeline of Unix tools (seed: PLAN.SUBMIT payload)."""
+    """A reusable pipeline of Unix tools: the payload of PlanService.SubmitPlan."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -240,7 +240,7 @@ Global___ActionInput: _TypeAlias = ActionInput  # noqa: Y015
 
 @_typing.final
 class ActionStatus(_message.Message):
-    """Aggregate progress of an Action (seed: ACTION.STATUS)."""
+    """Aggregate progress of an Action: its job counts per status."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -356,7 +356,7 @@ Global___TaskResult: _TypeAlias = TaskResult  # noqa: Y015
 
 @_typing.final
 class Job(_message.Message):
-    """One run of a Plan on one input (seed: JOB.STATUS)."""
+    """One run of a Plan on one input, with its attempts and task results."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -556,7 +556,9 @@ Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
 
 @_typing.final
 class Worker(_message.Message):
-    """A registered worker as the server sees it (seed: GET worker:<id>:stats)."""
+    """A registered worker as the server sees it: state, freshness, load and
+    last reported stats.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -68,9 +68,9 @@ class JobServiceServicer:
 
     def GetJob(self, request, context):
         """One job with task results, attempts, timestamps, worker and, when pending,
-        why it waits (seed: JOB.STATUS). Errors: INVALID_ARGUMENT, NOT_FOUND
-        (unknown, or deleted with its Action by the job retention: see
-        ActionService).
+        why it waits. Implements the specification's JOB.STATUS command.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted with its Action
+        by the job retention: see ActionService).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,7 +78,8 @@ class JobServiceServicer:
 
     def ListJobs(self, request, context):
         """Job ids of one Action in creation order, optionally filtered by status
-        (seed: JOB.LIST). Errors: INVALID_ARGUMENT, NOT_FOUND (unknown action).
+        (implements the specification's JOB.LIST command). Errors:
+        INVALID_ARGUMENT, NOT_FOUND (unknown action).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,7 +87,8 @@ class JobServiceServicer:
 
     def SearchJobs(self, request, context):
         """Job ids across Actions by status, plan and creation time, in creation
-        order (seed: JOBS.SEARCH). Errors: INVALID_ARGUMENT.
+        order (implements the specification's JOBS.SEARCH command). Errors:
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +96,8 @@ class JobServiceServicer:
 
     def RetryJob(self, request, context):
         """Puts a failed or dead job back to pending with a fresh attempt budget
-        (seed: JOB.RETRY). Errors: NOT_FOUND; FAILED_PRECONDITION from any other status.
+        (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
+        FAILED_PRECONDITION from any other status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,21 +35,24 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     """One job with task results, attempts, timestamps, worker and, when pending,
-    why it waits (seed: JOB.STATUS). Errors: INVALID_ARGUMENT, NOT_FOUND
-    (unknown, or deleted with its Action by the job retention: see
-    ActionService).
+    why it waits. Implements the specification's JOB.STATUS command.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted with its Action
+    by the job retention: see ActionService).
     """
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
     """Job ids of one Action in creation order, optionally filtered by status
-    (seed: JOB.LIST). Errors: INVALID_ARGUMENT, NOT_FOUND (unknown action).
+    (implements the specification's JOB.LIST command). Errors:
+    INVALID_ARGUMENT, NOT_FOUND (unknown action).
     """
     SearchJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SearchJobsRequest, _job_service_pb2.SearchJobsResponse]
     """Job ids across Actions by status, plan and creation time, in creation
-    order (seed: JOBS.SEARCH). Errors: INVALID_ARGUMENT.
+    order (implements the specification's JOBS.SEARCH command). Errors:
+    INVALID_ARGUMENT.
     """
     RetryJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]
     """Puts a failed or dead job back to pending with a fresh attempt budget
-    (seed: JOB.RETRY). Errors: NOT_FOUND; FAILED_PRECONDITION from any other status.
+    (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
+    FAILED_PRECONDITION from any other status.
     """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a pending or running job; the worker running it is told over its
@@ -64,21 +67,24 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     """One job with task results, attempts, timestamps, worker and, when pending,
-    why it waits (seed: JOB.STATUS). Errors: INVALID_ARGUMENT, NOT_FOUND
-    (unknown, or deleted with its Action by the job retention: see
-    ActionService).
+    why it waits. Implements the specification's JOB.STATUS command.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted with its Action
+    by the job retention: see ActionService).
     """
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
     """Job ids of one Action in creation order, optionally filtered by status
-    (seed: JOB.LIST). Errors: INVALID_ARGUMENT, NOT_FOUND (unknown action).
+    (implements the specification's JOB.LIST command). Errors:
+    INVALID_ARGUMENT, NOT_FOUND (unknown action).
     """
     SearchJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SearchJobsRequest, _job_service_pb2.SearchJobsResponse]  # type: ignore[assignment]
     """Job ids across Actions by status, plan and creation time, in creation
-    order (seed: JOBS.SEARCH). Errors: INVALID_ARGUMENT.
+    order (implements the specification's JOBS.SEARCH command). Errors:
+    INVALID_ARGUMENT.
     """
     RetryJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]  # type: ignore[assignment]
     """Puts a failed or dead job back to pending with a fresh attempt budget
-    (seed: JOB.RETRY). Errors: NOT_FOUND; FAILED_PRECONDITION from any other status.
+    (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
+    FAILED_PRECONDITION from any other status.
     """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a pending or running job; the worker running it is told over its
@@ -96,9 +102,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.GetJobResponse, _abc.Awaitable[_job_service_pb2.GetJobResponse]]:
         """One job with task results, attempts, timestamps, worker and, when pending,
-        why it waits (seed: JOB.STATUS). Errors: INVALID_ARGUMENT, NOT_FOUND
-        (unknown, or deleted with its Action by the job retention: see
-        ActionService).
+        why it waits. Implements the specification's JOB.STATUS command.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown, or deleted with its Action
+        by the job retention: see ActionService).
         """
 
     @_abc_1.abstractmethod
@@ -108,7 +114,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.ListJobsResponse, _abc.Awaitable[_job_service_pb2.ListJobsResponse]]:
         """Job ids of one Action in creation order, optionally filtered by status
-        (seed: JOB.LIST). Errors: INVALID_ARGUMENT, NOT_FOUND (unknown action).
+        (implements the specification's JOB.LIST command). Errors:
+        INVALID_ARGUMENT, NOT_FOUND (unknown action).
         """
 
     @_abc_1.abstractmethod
@@ -118,7 +125,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.SearchJobsResponse, _abc.Awaitable[_job_service_pb2.SearchJobsResponse]]:
         """Job ids across Actions by status, plan and creation time, in creation
-        order (seed: JOBS.SEARCH). Errors: INVALID_ARGUMENT.
+        order (implements the specification's JOBS.SEARCH command). Errors:
+        INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod
@@ -128,7 +136,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.RetryJobResponse, _abc.Awaitable[_job_service_pb2.RetryJobResponse]]:
         """Puts a failed or dead job back to pending with a fresh attempt budget
-        (seed: JOB.RETRY). Errors: NOT_FOUND; FAILED_PRECONDITION from any other status.
+        (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
+        FAILED_PRECONDITION from any other status.
         """
 
     @_abc_1.abstractmethod

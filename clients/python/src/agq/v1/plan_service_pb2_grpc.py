@@ -62,17 +62,17 @@ class PlanServiceServicer:
     """
 
     def SubmitPlan(self, request, context):
-        """Stores a new Plan (seed: PLAN.SUBMIT). Errors: INVALID_ARGUMENT when the
-        plan fails validation (the message names the rule), ALREADY_EXISTS when
-        the plan_id is taken.
+        """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
+        Errors: INVALID_ARGUMENT when the plan fails validation (the message
+        names the rule), ALREADY_EXISTS when the plan_id is taken.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Fetches one Plan (seed: PLAN.GET). Errors: INVALID_ARGUMENT for a
-        malformed id, NOT_FOUND.
+        """Fetches one Plan. Implements the specification's PLAN.GET command.
+        Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,15 +80,16 @@ class PlanServiceServicer:
 
     def ListPlans(self, request, context):
         """Lists plan ids in ascending order, optionally filtered by a glob
-        (seed: PLAN.LIST). Errors: INVALID_ARGUMENT for a bad pattern or token.
+        (implements the specification's PLAN.LIST command). Errors:
+        INVALID_ARGUMENT for a bad pattern or token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeletePlan(self, request, context):
-        """Deletes a Plan and its finished jobs' history (seed: PLAN.DELETE).
-        Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+        """Deletes a Plan and its finished jobs' history. Implements the
+        specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,21 +34,22 @@ class PlanServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PlanServiceAsyncStub: ...
     SubmitPlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.SubmitPlanRequest, _plan_service_pb2.SubmitPlanResponse]
-    """Stores a new Plan (seed: PLAN.SUBMIT). Errors: INVALID_ARGUMENT when the
-    plan fails validation (the message names the rule), ALREADY_EXISTS when
-    the plan_id is taken.
+    """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
+    Errors: INVALID_ARGUMENT when the plan fails validation (the message
+    names the rule), ALREADY_EXISTS when the plan_id is taken.
     """
     GetPlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.GetPlanRequest, _plan_service_pb2.GetPlanResponse]
-    """Fetches one Plan (seed: PLAN.GET). Errors: INVALID_ARGUMENT for a
-    malformed id, NOT_FOUND.
+    """Fetches one Plan. Implements the specification's PLAN.GET command.
+    Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
     """
     ListPlans: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlansRequest, _plan_service_pb2.ListPlansResponse]
     """Lists plan ids in ascending order, optionally filtered by a glob
-    (seed: PLAN.LIST). Errors: INVALID_ARGUMENT for a bad pattern or token.
+    (implements the specification's PLAN.LIST command). Errors:
+    INVALID_ARGUMENT for a bad pattern or token.
     """
     DeletePlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.DeletePlanRequest, _plan_service_pb2.DeletePlanResponse]
-    """Deletes a Plan and its finished jobs' history (seed: PLAN.DELETE).
-    Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+    """Deletes a Plan and its finished jobs' history. Implements the
+    specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
     """
 
 @_typing.type_check_only
@@ -57,21 +58,22 @@ class PlanServiceAsyncStub(PlanServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitPlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.SubmitPlanRequest, _plan_service_pb2.SubmitPlanResponse]  # type: ignore[assignment]
-    """Stores a new Plan (seed: PLAN.SUBMIT). Errors: INVALID_ARGUMENT when the
-    plan fails validation (the message names the rule), ALREADY_EXISTS when
-    the plan_id is taken.
+    """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
+    Errors: INVALID_ARGUMENT when the plan fails validation (the message
+    names the rule), ALREADY_EXISTS when the plan_id is taken.
     """
     GetPlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.GetPlanRequest, _plan_service_pb2.GetPlanResponse]  # type: ignore[assignment]
-    """Fetches one Plan (seed: PLAN.GET). Errors: INVALID_ARGUMENT for a
-    malformed id, NOT_FOUND.
+    """Fetches one Plan. Implements the specification's PLAN.GET command.
+    Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
     """
     ListPlans: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlansRequest, _plan_service_pb2.ListPlansResponse]  # type: ignore[assignment]
     """Lists plan ids in ascending order, optionally filtered by a glob
-    (seed: PLAN.LIST). Errors: INVALID_ARGUMENT for a bad pattern or token.
+    (implements the specification's PLAN.LIST command). Errors:
+    INVALID_ARGUMENT for a bad pattern or token.
     """
     DeletePlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.DeletePlanRequest, _plan_service_pb2.DeletePlanResponse]  # type: ignore[assignment]
-    """Deletes a Plan and its finished jobs' history (seed: PLAN.DELETE).
-    Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+    """Deletes a Plan and its finished jobs' history. Implements the
+    specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
     """
 
 class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -83,9 +85,9 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.SubmitPlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.SubmitPlanResponse, _abc.Awaitable[_plan_service_pb2.SubmitPlanResponse]]:
-        """Stores a new Plan (seed: PLAN.SUBMIT). Errors: INVALID_ARGUMENT when the
-        plan fails validation (the message names the rule), ALREADY_EXISTS when
-        the plan_id is taken.
+        """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
+        Errors: INVALID_ARGUMENT when the plan fails validation (the message
+        names the rule), ALREADY_EXISTS when the plan_id is taken.
         """
 
     @_abc_1.abstractmethod
@@ -94,8 +96,8 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.GetPlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.GetPlanResponse, _abc.Awaitable[_plan_service_pb2.GetPlanResponse]]:
-        """Fetches one Plan (seed: PLAN.GET). Errors: INVALID_ARGUMENT for a
-        malformed id, NOT_FOUND.
+        """Fetches one Plan. Implements the specification's PLAN.GET command.
+        Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
@@ -105,7 +107,8 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.ListPlansResponse, _abc.Awaitable[_plan_service_pb2.ListPlansResponse]]:
         """Lists plan ids in ascending order, optionally filtered by a glob
-        (seed: PLAN.LIST). Errors: INVALID_ARGUMENT for a bad pattern or token.
+        (implements the specification's PLAN.LIST command). Errors:
+        INVALID_ARGUMENT for a bad pattern or token.
         """
 
     @_abc_1.abstractmethod
@@ -114,8 +117,8 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.DeletePlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.DeletePlanResponse, _abc.Awaitable[_plan_service_pb2.DeletePlanResponse]]:
-        """Deletes a Plan and its finished jobs' history (seed: PLAN.DELETE).
-        Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+        """Deletes a Plan and its finished jobs' history. Implements the
+        specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
         """
 
 def add_PlanServiceServicer_to_server(servicer: PlanServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

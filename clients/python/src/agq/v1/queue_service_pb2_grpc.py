@@ -57,23 +57,26 @@ class QueueServiceServicer:
     """
 
     def GetQueueStats(self, request, context):
-        """Depths, ages and worker counts (seed: QUEUE.STATS).
+        """Depths, ages and worker counts. Implements the specification's
+        QUEUE.STATS command.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PeekQueue(self, request, context):
-        """The next job ids of a queue in lease order (seed: QUEUE.PEEK). Errors:
-        INVALID_ARGUMENT for an unknown queue name or count over 1000.
+        """The next job ids of a queue in lease order. Implements the
+        specification's QUEUE.PEEK command. Errors: INVALID_ARGUMENT for an
+        unknown queue name or count over 1000.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetMetrics(self, request, context):
-        """The metrics also served on HTTP GET /metrics (seed: METRICS). Errors:
-        INVALID_ARGUMENT for an unknown format.
+        """The metrics also served on HTTP GET /metrics. Implements the
+        specification's METRICS command. Errors: INVALID_ARGUMENT for an
+        unknown format.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

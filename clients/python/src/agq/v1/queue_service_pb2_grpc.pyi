@@ -34,14 +34,18 @@ class QueueServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> QueueServiceAsyncStub: ...
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_queue_service_pb2.GetQueueStatsRequest, _queue_service_pb2.GetQueueStatsResponse]
-    """Depths, ages and worker counts (seed: QUEUE.STATS)."""
+    """Depths, ages and worker counts. Implements the specification's
+    QUEUE.STATS command.
+    """
     PeekQueue: _grpc.UnaryUnaryMultiCallable[_queue_service_pb2.PeekQueueRequest, _queue_service_pb2.PeekQueueResponse]
-    """The next job ids of a queue in lease order (seed: QUEUE.PEEK). Errors:
-    INVALID_ARGUMENT for an unknown queue name or count over 1000.
+    """The next job ids of a queue in lease order. Implements the
+    specification's QUEUE.PEEK command. Errors: INVALID_ARGUMENT for an
+    unknown queue name or count over 1000.
     """
     GetMetrics: _grpc.UnaryUnaryMultiCallable[_queue_service_pb2.GetMetricsRequest, _queue_service_pb2.GetMetricsResponse]
-    """The metrics also served on HTTP GET /metrics (seed: METRICS). Errors:
-    INVALID_ARGUMENT for an unknown format.
+    """The metrics also served on HTTP GET /metrics. Implements the
+    specification's METRICS command. Errors: INVALID_ARGUMENT for an
+    unknown format.
     """
 
 @_typing.type_check_only
@@ -50,14 +54,18 @@ class QueueServiceAsyncStub(QueueServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_queue_service_pb2.GetQueueStatsRequest, _queue_service_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
-    """Depths, ages and worker counts (seed: QUEUE.STATS)."""
+    """Depths, ages and worker counts. Implements the specification's
+    QUEUE.STATS command.
+    """
     PeekQueue: _aio.UnaryUnaryMultiCallable[_queue_service_pb2.PeekQueueRequest, _queue_service_pb2.PeekQueueResponse]  # type: ignore[assignment]
-    """The next job ids of a queue in lease order (seed: QUEUE.PEEK). Errors:
-    INVALID_ARGUMENT for an unknown queue name or count over 1000.
+    """The next job ids of a queue in lease order. Implements the
+    specification's QUEUE.PEEK command. Errors: INVALID_ARGUMENT for an
+    unknown queue name or count over 1000.
     """
     GetMetrics: _aio.UnaryUnaryMultiCallable[_queue_service_pb2.GetMetricsRequest, _queue_service_pb2.GetMetricsResponse]  # type: ignore[assignment]
-    """The metrics also served on HTTP GET /metrics (seed: METRICS). Errors:
-    INVALID_ARGUMENT for an unknown format.
+    """The metrics also served on HTTP GET /metrics. Implements the
+    specification's METRICS command. Errors: INVALID_ARGUMENT for an
+    unknown format.
     """
 
 class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -69,7 +77,9 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_service_pb2.GetQueueStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_service_pb2.GetQueueStatsResponse, _abc.Awaitable[_queue_service_pb2.GetQueueStatsResponse]]:
-        """Depths, ages and worker counts (seed: QUEUE.STATS)."""
+        """Depths, ages and worker counts. Implements the specification's
+        QUEUE.STATS command.
+        """
 
     @_abc_1.abstractmethod
     def PeekQueue(
@@ -77,8 +87,9 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_service_pb2.PeekQueueRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_service_pb2.PeekQueueResponse, _abc.Awaitable[_queue_service_pb2.PeekQueueResponse]]:
-        """The next job ids of a queue in lease order (seed: QUEUE.PEEK). Errors:
-        INVALID_ARGUMENT for an unknown queue name or count over 1000.
+        """The next job ids of a queue in lease order. Implements the
+        specification's QUEUE.PEEK command. Errors: INVALID_ARGUMENT for an
+        unknown queue name or count over 1000.
         """
 
     @_abc_1.abstractmethod
@@ -87,8 +98,9 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_service_pb2.GetMetricsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_service_pb2.GetMetricsResponse, _abc.Awaitable[_queue_service_pb2.GetMetricsResponse]]:
-        """The metrics also served on HTTP GET /metrics (seed: METRICS). Errors:
-        INVALID_ARGUMENT for an unknown format.
+        """The metrics also served on HTTP GET /metrics. Implements the
+        specification's METRICS command. Errors: INVALID_ARGUMENT for an
+        unknown format.
         """
 
 def add_QueueServiceServicer_to_server(servicer: QueueServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -93,8 +93,8 @@ class WorkerServiceServicer:
     """
 
     def RegisterWorker(self, request, context):
-        """Registers a worker and its capabilities (seed: WORKER.REGISTER).
-        Returns the heartbeat interval the worker must keep. Errors:
+        """Registers a worker and its capabilities. Implements the specification's
+        WORKER.REGISTER command. Returns the heartbeat interval the worker must keep. Errors:
         INVALID_ARGUMENT (bad id, hostname, version, tools or
         max_concurrent_jobs), ALREADY_EXISTS while the id is ACTIVE or DRAINING.
         A DEAD or UNREGISTERED id may register again.
@@ -104,7 +104,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request_iterator, context):
-        """Bidirectional liveness stream (seed: WORKER.HEARTBEAT, now streamed).
+        """Bidirectional liveness stream. Implements the specification's
+        WORKER.HEARTBEAT command as a stream.
         Every request refreshes the worker's last heartbeat and stats and is
         answered with the next deadline. The server also pushes commands on it:
         drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
@@ -116,11 +117,12 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LeaseJobs(self, request, context):
-        """Server stream of job leases (replaces BRPOP queue:ready). While it is
-        open the server pushes a lease whenever a job is ready and this worker
-        is the pick; never more than max_concurrent_jobs unfinished leases.
-        Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD/UNREGISTERED),
-        ALREADY_EXISTS when this worker already has an open lease stream.
+        """Server stream of job leases. While it is open the server pushes a lease
+        whenever a job is ready and this worker is the pick; never more than
+        max_concurrent_jobs unfinished leases. A worker has one lease stream: a
+        new LeaseJobs call for the same worker replaces the open one, which then
+        ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
+        (DEAD/UNREGISTERED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,9 +130,10 @@ class WorkerServiceServicer:
 
     def UpdateJob(self, request, context):
         """Reports progress or the outcome of a leased job, fenced by lease_id
-        (seed: JOB.UPDATE). Errors: NOT_FOUND (job), PERMISSION_DENIED (another
-        worker holds the lease), FAILED_PRECONDITION (stale lease_id or an
-        impossible transition), INVALID_ARGUMENT.
+        (implements the specification's JOB.UPDATE command). Errors: NOT_FOUND
+        (job), PERMISSION_DENIED (another worker holds the lease),
+        FAILED_PRECONDITION (stale lease_id or an impossible transition),
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,21 +156,22 @@ class WorkerServiceServicer:
 
     def UnregisterWorker(self, request, context):
         """Deregisters a worker and re-queues the jobs it still holds
-        (seed: WORKER.UNREGISTER). Errors: NOT_FOUND.
+        (implements the specification's WORKER.UNREGISTER command). Errors:
+        NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Lists workers, optionally of one state (seed: KEYS worker:*:alive).
+        """Lists workers, optionally of one state, with freshness and load.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetWorker(self, request, context):
-        """One worker with freshness, stats and load (seed: GET worker:<id>:stats).
+        """One worker with freshness, stats and load.
         Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

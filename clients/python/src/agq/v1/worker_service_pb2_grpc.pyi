@@ -38,14 +38,15 @@ class WorkerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkerServiceAsyncStub: ...
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.RegisterWorkerRequest, _worker_service_pb2.RegisterWorkerResponse]
-    """Registers a worker and its capabilities (seed: WORKER.REGISTER).
-    Returns the heartbeat interval the worker must keep. Errors:
+    """Registers a worker and its capabilities. Implements the specification's
+    WORKER.REGISTER command. Returns the heartbeat interval the worker must keep. Errors:
     INVALID_ARGUMENT (bad id, hostname, version, tools or
     max_concurrent_jobs), ALREADY_EXISTS while the id is ACTIVE or DRAINING.
     A DEAD or UNREGISTERED id may register again.
     """
     Heartbeat: _grpc.StreamStreamMultiCallable[_worker_service_pb2.HeartbeatRequest, _worker_service_pb2.HeartbeatResponse]
-    """Bidirectional liveness stream (seed: WORKER.HEARTBEAT, now streamed).
+    """Bidirectional liveness stream. Implements the specification's
+    WORKER.HEARTBEAT command as a stream.
     Every request refreshes the worker's last heartbeat and stats and is
     answered with the next deadline. The server also pushes commands on it:
     drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
@@ -53,17 +54,19 @@ class WorkerServiceStub:
     INVALID_ARGUMENT when worker_id changes within one stream.
     """
     LeaseJobs: _grpc.UnaryStreamMultiCallable[_worker_service_pb2.LeaseJobsRequest, _worker_service_pb2.JobLease]
-    """Server stream of job leases (replaces BRPOP queue:ready). While it is
-    open the server pushes a lease whenever a job is ready and this worker
-    is the pick; never more than max_concurrent_jobs unfinished leases.
-    Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD/UNREGISTERED),
-    ALREADY_EXISTS when this worker already has an open lease stream.
+    """Server stream of job leases. While it is open the server pushes a lease
+    whenever a job is ready and this worker is the pick; never more than
+    max_concurrent_jobs unfinished leases. A worker has one lease stream: a
+    new LeaseJobs call for the same worker replaces the open one, which then
+    ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
+    (DEAD/UNREGISTERED).
     """
     UpdateJob: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.UpdateJobRequest, _worker_service_pb2.UpdateJobResponse]
     """Reports progress or the outcome of a leased job, fenced by lease_id
-    (seed: JOB.UPDATE). Errors: NOT_FOUND (job), PERMISSION_DENIED (another
-    worker holds the lease), FAILED_PRECONDITION (stale lease_id or an
-    impossible transition), INVALID_ARGUMENT.
+    (implements the specification's JOB.UPDATE command). Errors: NOT_FOUND
+    (job), PERMISSION_DENIED (another worker holds the lease),
+    FAILED_PRECONDITION (stale lease_id or an impossible transition),
+    INVALID_ARGUMENT.
     """
     BatchUpdateJobs: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.BatchUpdateJobsRequest, _worker_service_pb2.BatchUpdateJobsResponse]
     """Several UpdateJob reports of one worker in one call, for workers that
@@ -78,12 +81,13 @@ class WorkerServiceStub:
     """
     UnregisterWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.UnregisterWorkerRequest, _worker_service_pb2.UnregisterWorkerResponse]
     """Deregisters a worker and re-queues the jobs it still holds
-    (seed: WORKER.UNREGISTER). Errors: NOT_FOUND.
+    (implements the specification's WORKER.UNREGISTER command). Errors:
+    NOT_FOUND.
     """
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]
-    """Lists workers, optionally of one state (seed: KEYS worker:*:alive)."""
+    """Lists workers, optionally of one state, with freshness and load."""
     GetWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.GetWorkerRequest, _worker_service_pb2.GetWorkerResponse]
-    """One worker with freshness, stats and load (seed: GET worker:<id>:stats).
+    """One worker with freshness, stats and load.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     DrainWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DrainWorkerRequest, _worker_service_pb2.DrainWorkerResponse]
@@ -102,14 +106,15 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.RegisterWorkerRequest, _worker_service_pb2.RegisterWorkerResponse]  # type: ignore[assignment]
-    """Registers a worker and its capabilities (seed: WORKER.REGISTER).
-    Returns the heartbeat interval the worker must keep. Errors:
+    """Registers a worker and its capabilities. Implements the specification's
+    WORKER.REGISTER command. Returns the heartbeat interval the worker must keep. Errors:
     INVALID_ARGUMENT (bad id, hostname, version, tools or
     max_concurrent_jobs), ALREADY_EXISTS while the id is ACTIVE or DRAINING.
     A DEAD or UNREGISTERED id may register again.
     """
     Heartbeat: _aio.StreamStreamMultiCallable[_worker_service_pb2.HeartbeatRequest, _worker_service_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Bidirectional liveness stream (seed: WORKER.HEARTBEAT, now streamed).
+    """Bidirectional liveness stream. Implements the specification's
+    WORKER.HEARTBEAT command as a stream.
     Every request refreshes the worker's last heartbeat and stats and is
     answered with the next deadline. The server also pushes commands on it:
     drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
@@ -117,17 +122,19 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     INVALID_ARGUMENT when worker_id changes within one stream.
     """
     LeaseJobs: _aio.UnaryStreamMultiCallable[_worker_service_pb2.LeaseJobsRequest, _worker_service_pb2.JobLease]  # type: ignore[assignment]
-    """Server stream of job leases (replaces BRPOP queue:ready). While it is
-    open the server pushes a lease whenever a job is ready and this worker
-    is the pick; never more than max_concurrent_jobs unfinished leases.
-    Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD/UNREGISTERED),
-    ALREADY_EXISTS when this worker already has an open lease stream.
+    """Server stream of job leases. While it is open the server pushes a lease
+    whenever a job is ready and this worker is the pick; never more than
+    max_concurrent_jobs unfinished leases. A worker has one lease stream: a
+    new LeaseJobs call for the same worker replaces the open one, which then
+    ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
+    (DEAD/UNREGISTERED).
     """
     UpdateJob: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.UpdateJobRequest, _worker_service_pb2.UpdateJobResponse]  # type: ignore[assignment]
     """Reports progress or the outcome of a leased job, fenced by lease_id
-    (seed: JOB.UPDATE). Errors: NOT_FOUND (job), PERMISSION_DENIED (another
-    worker holds the lease), FAILED_PRECONDITION (stale lease_id or an
-    impossible transition), INVALID_ARGUMENT.
+    (implements the specification's JOB.UPDATE command). Errors: NOT_FOUND
+    (job), PERMISSION_DENIED (another worker holds the lease),
+    FAILED_PRECONDITION (stale lease_id or an impossible transition),
+    INVALID_ARGUMENT.
     """
     BatchUpdateJobs: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.BatchUpdateJobsRequest, _worker_service_pb2.BatchUpdateJobsResponse]  # type: ignore[assignment]
     """Several UpdateJob reports of one worker in one call, for workers that
@@ -142,12 +149,13 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     UnregisterWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.UnregisterWorkerRequest, _worker_service_pb2.UnregisterWorkerResponse]  # type: ignore[assignment]
     """Deregisters a worker and re-queues the jobs it still holds
-    (seed: WORKER.UNREGISTER). Errors: NOT_FOUND.
+    (implements the specification's WORKER.UNREGISTER command). Errors:
+    NOT_FOUND.
     """
     ListWorkers: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
-    """Lists workers, optionally of one state (seed: KEYS worker:*:alive)."""
+    """Lists workers, optionally of one state, with freshness and load."""
     GetWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.GetWorkerRequest, _worker_service_pb2.GetWorkerResponse]  # type: ignore[assignment]
-    """One worker with freshness, stats and load (seed: GET worker:<id>:stats).
+    """One worker with freshness, stats and load.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     DrainWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DrainWorkerRequest, _worker_service_pb2.DrainWorkerResponse]  # type: ignore[assignment]
@@ -169,8 +177,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.RegisterWorkerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.RegisterWorkerResponse, _abc.Awaitable[_worker_service_pb2.RegisterWorkerResponse]]:
-        """Registers a worker and its capabilities (seed: WORKER.REGISTER).
-        Returns the heartbeat interval the worker must keep. Errors:
+        """Registers a worker and its capabilities. Implements the specification's
+        WORKER.REGISTER command. Returns the heartbeat interval the worker must keep. Errors:
         INVALID_ARGUMENT (bad id, hostname, version, tools or
         max_concurrent_jobs), ALREADY_EXISTS while the id is ACTIVE or DRAINING.
         A DEAD or UNREGISTERED id may register again.
@@ -182,7 +190,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_worker_service_pb2.HeartbeatRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_service_pb2.HeartbeatResponse], _abc.AsyncIterator[_worker_service_pb2.HeartbeatResponse]]:
-        """Bidirectional liveness stream (seed: WORKER.HEARTBEAT, now streamed).
+        """Bidirectional liveness stream. Implements the specification's
+        WORKER.HEARTBEAT command as a stream.
         Every request refreshes the worker's last heartbeat and stats and is
         answered with the next deadline. The server also pushes commands on it:
         drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
@@ -196,11 +205,12 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.LeaseJobsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_service_pb2.JobLease], _abc.AsyncIterator[_worker_service_pb2.JobLease]]:
-        """Server stream of job leases (replaces BRPOP queue:ready). While it is
-        open the server pushes a lease whenever a job is ready and this worker
-        is the pick; never more than max_concurrent_jobs unfinished leases.
-        Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD/UNREGISTERED),
-        ALREADY_EXISTS when this worker already has an open lease stream.
+        """Server stream of job leases. While it is open the server pushes a lease
+        whenever a job is ready and this worker is the pick; never more than
+        max_concurrent_jobs unfinished leases. A worker has one lease stream: a
+        new LeaseJobs call for the same worker replaces the open one, which then
+        ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
+        (DEAD/UNREGISTERED).
         """
 
     @_abc_1.abstractmethod
@@ -210,9 +220,10 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.UpdateJobResponse, _abc.Awaitable[_worker_service_pb2.UpdateJobResponse]]:
         """Reports progress or the outcome of a leased job, fenced by lease_id
-        (seed: JOB.UPDATE). Errors: NOT_FOUND (job), PERMISSION_DENIED (another
-        worker holds the lease), FAILED_PRECONDITION (stale lease_id or an
-        impossible transition), INVALID_ARGUMENT.
+        (implements the specification's JOB.UPDATE command). Errors: NOT_FOUND
+        (job), PERMISSION_DENIED (another worker holds the lease),
+        FAILED_PRECONDITION (stale lease_id or an impossible transition),
+        INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod
@@ -239,7 +250,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.UnregisterWorkerResponse, _abc.Awaitable[_worker_service_pb2.UnregisterWorkerResponse]]:
         """Deregisters a worker and re-queues the jobs it still holds
-        (seed: WORKER.UNREGISTER). Errors: NOT_FOUND.
+        (implements the specification's WORKER.UNREGISTER command). Errors:
+        NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
@@ -248,7 +260,7 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ListWorkersResponse, _abc.Awaitable[_worker_service_pb2.ListWorkersResponse]]:
-        """Lists workers, optionally of one state (seed: KEYS worker:*:alive)."""
+        """Lists workers, optionally of one state, with freshness and load."""
 
     @_abc_1.abstractmethod
     def GetWorker(
@@ -256,7 +268,7 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.GetWorkerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.GetWorkerResponse, _abc.Awaitable[_worker_service_pb2.GetWorkerResponse]]:
-        """One worker with freshness, stats and load (seed: GET worker:<id>:stats).
+        """One worker with freshness, stats and load.
         Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
 
