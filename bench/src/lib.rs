@@ -33,7 +33,7 @@ pub mod stats;
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
-use crate::config::{EngineConfig, SyncMode};
+use agq::config::{EngineConfig, SyncMode};
 
 /// Errors of a bench run.
 #[derive(Debug, thiserror::Error)]

@@ -24,9 +24,9 @@ use super::{
     stats::{now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
-use crate::{core::Engine, metrics::Metrics, pb};
+use agq::{core::Engine, metrics::Metrics, pb};
 
-fn internal(e: crate::error::Error) -> BenchError {
+fn internal(e: agq::error::Error) -> BenchError {
     BenchError::Failed(format!("engine: {e}"))
 }
 
