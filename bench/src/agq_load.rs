@@ -463,8 +463,8 @@ pub async fn submit_paced(
     let period = Duration::from_secs_f64(k as f64 / jobs_per_sec.max(1.0));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let client = ActionServiceClient::new(channel)
-        .max_encoding_message_size(agq::server::MAX_MESSAGE_BYTES);
+    let client =
+        ActionServiceClient::new(channel).max_encoding_message_size(agq::server::MAX_MESSAGE_BYTES);
     let mut tasks = Vec::with_capacity(actions);
     for a in 0..actions {
         ticker.tick().await;

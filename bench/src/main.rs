@@ -1,7 +1,8 @@
-//! `agq-bench`: AGQ against the Redis-list queue it replaces (issue 7).
+//! `agq-bench`: AGQ against a Redis-list job queue, on the same machine.
 //! Starts AGQ in-process and (when installed) a `redis-server`, drives both
 //! with simulated workers and clients, prints the figures and the ratios.
-//! See `agq_bench` and BENCHMARKS.md.
+//! Its global allocator tags each heap block with the side (server or
+//! clients) that allocated it. See the `agq_bench` library and BENCHMARKS.md.
 
 use std::process::ExitCode;
 
@@ -11,7 +12,7 @@ use clap::Parser;
 #[global_allocator]
 static ALLOC: agq_bench::heap::Tagged = agq_bench::heap::Tagged;
 
-/// Benchmark AGQ against the seed's Redis-list design, in one run.
+/// Benchmark AGQ against a Redis-list job queue (LPUSH/BRPOP), in one run.
 #[derive(Debug, Parser)]
 #[command(name = "agq-bench", version, about)]
 struct Cli {
