@@ -16,7 +16,9 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
 fi
 
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --locked -p agq-bench
+# agq-bench, and agq next to it: the soak runs `agq serve` as a child
+# process when it finds that binary beside its own.
+cargo build --locked -p agq-bench -p agq --bin agq-bench --bin agq
 # The default mode, what `cargo run -p agq-bench --release` runs: with
 # redis-server present, the report must carry both systems' figures and
 # the AGQ/Redis ratios.
