@@ -15,9 +15,11 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
 # protoc comes vendored through build.rs; the caches only speed up rebuilds.
+# Only the agq package (agq, agw) is built: the workspace's bench/ crate
+# (agq-bench and its Redis client) is read for its manifest, never compiled.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin agq --bin agw \
+    cargo build --release --locked -p agq --bin agq --bin agw \
  && install -m 0755 target/release/agq target/release/agw /usr/local/bin/
 
 FROM debian:bookworm-slim

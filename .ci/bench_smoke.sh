@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Smoke run of the bench (issue 7): tiny sizes, every mode's code path of the
-# default mode, exits non-zero unless every job completed. The Redis peer
+# Smoke run of the bench (agq-bench, the workspace's bench/ crate): tiny
+# sizes, every phase of the default mode and the other modes, exits non-zero
+# unless every job completed. The Redis peer
 # runs when redis-server can be had (this script tries Debian's package, as
 # root, and goes on without it when that fails: the bench then skips the
 # peer). Numbers are printed, never asserted: performance is measured by
@@ -15,12 +16,14 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
 fi
 
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --locked --bin agq-bench --bin agq
-# The default mode through `agq bench`, what `cargo run --release -- bench`
-# runs (issue 7, Done means 1): with redis-server present, the report must
-# carry both systems' figures and the AGQ/Redis ratios.
+# agq-bench, and agq next to it: the soak runs `agq serve` as a child
+# process when it finds that binary beside its own.
+cargo build --locked -p agq-bench -p agq --bin agq-bench --bin agq
+# The default mode, what `cargo run -p agq-bench --release` runs: with
+# redis-server present, the report must carry both systems' figures and
+# the AGQ/Redis ratios.
 out="$(mktemp)"
-"$target/debug/agq" bench --smoke | tee "$out"
+"$target/debug/agq-bench" --smoke | tee "$out"
 if command -v redis-server >/dev/null; then
   grep -Eq 'end-to-end throughput \(jobs/s\) +[0-9]+ +[0-9]+ +[0-9.]+x' "$out" \
     || { echo "bench smoke: no AGQ vs Redis end-to-end figures and ratio in the report" >&2; exit 1; }

@@ -9,10 +9,8 @@
 //! - [`core`] holds validation, the job state machine, scheduler and reaper.
 //! - [`store`] holds every SQL statement.
 //! - [`service`] holds the thin tonic services; [`pb`] the generated code.
-//! - [`bench`] is `agq-bench`, AGQ measured against the Redis-list design.
 
 pub mod auth;
-pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod core;

@@ -29,10 +29,6 @@ enum Command {
     Client(ClientCommand),
     /// Run AGQ and two agw workers locally and count words in real files.
     Demo(DemoArgs),
-    /// Benchmark AGQ against the seed's Redis-list design in one run (issue
-    /// 7): the `agq-bench` binary's figures, except the live-heap split of
-    /// server and clients, which only `agq-bench` counts.
-    Bench(agq::bench::BenchArgs),
 }
 
 fn init_tracing(format: LogFormat) {
@@ -124,14 +120,6 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let command = match cli.command {
-        // The bench starts its own runtimes.
-        Command::Bench(args) => {
-            agq::bench::init_logging();
-            return ExitCode::from(agq::bench::main(args) as u8);
-        }
-        other => other,
-    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -139,7 +127,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = match command {
+    let result = match cli.command {
         Command::Serve(args) => {
             init_tracing(args.log_format);
             runtime.block_on(serve(args))
@@ -151,7 +139,6 @@ fn main() -> ExitCode {
             }
             client_exit(runtime.block_on(agq::cli::demo::run(args)))
         }
-        Command::Bench(_) => unreachable!("handled above"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

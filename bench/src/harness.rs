@@ -1,4 +1,4 @@
-//! The AGQ server under test: [`crate::server::run`] on 127.0.0.1:0 with a
+//! The AGQ server under test: [`agq::server::run`] on 127.0.0.1:0 with a
 //! temporary database, on its own tokio runtime whose threads are named
 //! `agq-srv` so its CPU time can be told apart from the simulated clients'.
 
@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use tonic::transport::{Channel, Endpoint};
 
 use super::BenchError;
-use crate::{
+use agq::{
     auth::Authenticator,
     config::{EngineConfig, SyncMode},
     core::SharedEngine,
@@ -56,7 +56,7 @@ pub struct Harness {
     pub addr: SocketAddr,
     rt: Option<tokio::runtime::Runtime>,
     stop: Option<oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<crate::error::Result<()>>>,
+    done: Option<tokio::task::JoinHandle<agq::error::Result<()>>>,
     engine: Option<SharedEngine>,
     child: Option<std::process::Child>,
     dir: TempDir,
@@ -101,7 +101,7 @@ impl Harness {
         };
         let done = rt.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener)
-                .map_err(|e| crate::error::Error::Internal(e.to_string()))?;
+                .map_err(|e| agq::error::Error::Internal(e.to_string()))?;
             server::run(
                 listener,
                 None,

@@ -25,7 +25,7 @@ use super::{
     stats::{histogram, now_us, Summary},
     BenchArgs, BenchError,
 };
-use crate::{
+use agq::{
     config::EngineConfig,
     pb::{
         self, action_service_client::ActionServiceClient,

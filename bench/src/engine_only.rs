@@ -1,7 +1,7 @@
 //! `--engine-only`: the AGQ engine without gRPC. The same workload (W
 //! workers x S slots, M jobs in actions of K) calls the SQLite engine
-//! through [`crate::core::Engine`] directly: leases arrive on in-process channels,
-//! completions go straight to [`crate::core::Engine::update_job`]. What it reaches is the ceiling the store, the
+//! through [`agq::core::Engine`] directly: leases arrive on in-process channels,
+//! completions go straight to [`agq::core::Engine::update_job`]. What it reaches is the ceiling the store, the
 //! state machine and group commit put on AGQ; the gap to the full run is
 //! the cost of gRPC (tonic, HTTP/2, protobuf) on both sides.
 
@@ -24,7 +24,7 @@ use super::{
     stats::{now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
-use crate::{
+use agq::{
     core::{
         engine::{ActionRequest, HeartbeatEvent},
         model::{JobLease, JobReport, JobStatus, Plan, Registration, TaskResult},
@@ -34,7 +34,7 @@ use crate::{
     store::sqlite::SqliteEngine,
 };
 
-fn internal(e: crate::error::Error) -> BenchError {
+fn internal(e: agq::error::Error) -> BenchError {
     BenchError::Failed(format!("engine: {e}"))
 }
 

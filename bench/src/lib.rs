@@ -1,9 +1,10 @@
-//! `agq-bench`: AGQ measured against the Redis-list queue it replaces
-//! (issue 7), in one run, on one machine.
+//! `agq-bench`: AGQ measured against a Redis-list job queue, in one run,
+//! on one machine. Its own crate in the workspace (`bench/`), outside the
+//! `agq` package; it uses only agq's public API.
 //!
 //! AGQ runs in-process ([`harness`]) on 127.0.0.1:0 with a temporary
 //! database and is driven over gRPC by simulated workers and submit
-//! clients ([`agq_load`]); the seed design runs on a real `redis-server`
+//! clients ([`agq_load`]); the Redis design runs on a real `redis-server`
 //! child ([`redis_peer`]) with the same workers, jobs and payload. Modes:
 //!
 //! - default: peak throughput and latency, then latency at half of peak,
@@ -13,7 +14,7 @@
 //! - `--failover`: re-lease time after a worker's kill (grace 0) and freeze;
 //! - `--engine-only`: the workload on the core without gRPC;
 //! - `--soak-secs N`: N seconds at half of peak, sampling RSS, open files
-//!   and database size (issue 8);
+//!   and database size;
 //! - `--smoke`: tiny sizes, asserts every job completed (for CI).
 //!
 //! Nothing here is a timed test: the numbers are printed, not asserted
@@ -33,7 +34,7 @@ pub mod stats;
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
-use crate::config::{EngineConfig, SyncMode};
+use agq::config::{EngineConfig, SyncMode};
 
 /// Errors of a bench run.
 #[derive(Debug, thiserror::Error)]

@@ -30,7 +30,7 @@ use super::{
     stats::{now_us, Recorder},
     BenchError,
 };
-use crate::pb::{
+use agq::pb::{
     self, action_service_client::ActionServiceClient, plan_service_client::PlanServiceClient,
     worker_service_client::WorkerServiceClient,
 };
@@ -177,7 +177,7 @@ impl Fleet {
         let mut tasks = Vec::with_capacity(n);
         for i in 0..n {
             let client = WorkerServiceClient::new(channels[i % channels.len()].clone())
-                .max_decoding_message_size(crate::server::MAX_MESSAGE_BYTES);
+                .max_decoding_message_size(agq::server::MAX_MESSAGE_BYTES);
             let id = format!("{prefix}-{i}");
             tasks.push(tokio::spawn(worker_main(
                 client,
@@ -431,7 +431,7 @@ pub async fn submit_closed_loop(
     let mut tasks = Vec::new();
     for c in 0..clients.max(1) {
         let mut client = ActionServiceClient::new(channels[c % channels.len()].clone())
-            .max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
+            .max_encoding_message_size(agq::server::MAX_MESSAGE_BYTES);
         let next = next.clone();
         let plan_id = plan_id.to_string();
         let payload = payload.clone();
@@ -463,8 +463,8 @@ pub async fn submit_paced(
     let period = Duration::from_secs_f64(k as f64 / jobs_per_sec.max(1.0));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let client = ActionServiceClient::new(channel)
-        .max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
+    let client =
+        ActionServiceClient::new(channel).max_encoding_message_size(agq::server::MAX_MESSAGE_BYTES);
     let mut tasks = Vec::with_capacity(actions);
     for a in 0..actions {
         ticker.tick().await;

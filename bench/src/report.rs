@@ -62,8 +62,8 @@ pub fn print_machine(args: &BenchArgs) {
 /// `FULL` or `NORMAL`.
 pub fn sync_name(args: &BenchArgs) -> &'static str {
     match args.synchronous {
-        crate::config::SyncMode::Full => "FULL",
-        crate::config::SyncMode::Normal => "NORMAL",
+        agq::config::SyncMode::Full => "FULL",
+        agq::config::SyncMode::Normal => "NORMAL",
     }
 }
 
