@@ -829,23 +829,28 @@ fn tokens() -> Authenticator {
     .unwrap()
 }
 
+/// A call of the auth matrix.
+#[derive(Debug, Clone, Copy)]
+enum AuthCall {
+    /// PlanService.ListPlans: a client call.
+    ListPlans,
+    /// WorkerService.ListWorkers: a client call on the worker service.
+    ListWorkers,
+    /// WorkerService.RegisterWorker of this id: a worker call.
+    Register(&'static str),
+    /// WorkerService.UnregisterWorker of this id: a worker call.
+    Unregister(&'static str),
+}
+
 #[tokio::test]
 async fn auth_matrix() {
+    const CLIENT: Option<&str> = Some("client-token-0123456789");
+    const ADMIN: Option<&str> = Some("admin-token-0123456789");
+    const WORKER_W1: Option<&str> = Some("worker-token-0123456789");
+    use AuthCall::*;
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), tokens(), None).await;
     let ch = s.channel().await;
-    let plans = |t: Option<&str>| {
-        plan_service_client::PlanServiceClient::with_interceptor(
-            ch.clone(),
-            Bearer(t.map(Into::into)),
-        )
-    };
-    let workers = |t: Option<&str>| {
-        worker_service_client::WorkerServiceClient::with_interceptor(
-            ch.clone(),
-            Bearer(t.map(Into::into)),
-        )
-    };
     let reg = |id: &str| RegisterWorkerRequest {
         worker_id: id.into(),
         hostname: "h".into(),
@@ -856,86 +861,87 @@ async fn auth_matrix() {
         }),
         ..Default::default()
     };
-    let list = || ListPlansRequest::default();
 
-    // no token, wrong token
-    assert_eq!(
-        plans(None).list_plans(list()).await.unwrap_err().code(),
-        Code::Unauthenticated
-    );
-    assert_eq!(
-        plans(Some("wrong-token-0123456789"))
-            .list_plans(list())
-            .await
-            .unwrap_err()
-            .code(),
-        Code::Unauthenticated
-    );
-    assert_eq!(
-        workers(None)
-            .register_worker(reg("w1"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::Unauthenticated
-    );
-    // client: client calls yes, worker calls no
-    plans(Some("client-token-0123456789"))
-        .list_plans(list())
-        .await
-        .unwrap();
-    assert_eq!(
-        workers(Some("client-token-0123456789"))
-            .register_worker(reg("w1"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    workers(Some("client-token-0123456789"))
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap();
-    // worker: its own worker calls yes, another worker's and client calls no
-    workers(Some("worker-token-0123456789"))
-        .register_worker(reg("w1"))
-        .await
-        .unwrap();
-    assert_eq!(
-        workers(Some("worker-token-0123456789"))
-            .register_worker(reg("w2"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    assert_eq!(
-        workers(Some("worker-token-0123456789"))
-            .unregister_worker(UnregisterWorkerRequest {
-                worker_id: "w2".into()
-            })
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    assert_eq!(
-        plans(Some("worker-token-0123456789"))
-            .list_plans(list())
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    // admin: everything
-    plans(Some("admin-token-0123456789"))
-        .list_plans(list())
-        .await
-        .unwrap();
-    workers(Some("admin-token-0123456789"))
-        .register_worker(reg("w2"))
-        .await
-        .unwrap();
+    // (case, token, call, refused with this code or allowed), in order
+    let matrix: [(&str, Option<&str>, AuthCall, Option<Code>); 12] = [
+        // no token, wrong token
+        ("no token", None, ListPlans, Some(Code::Unauthenticated)),
+        (
+            "wrong token",
+            Some("wrong-token-0123456789"),
+            ListPlans,
+            Some(Code::Unauthenticated),
+        ),
+        (
+            "no token",
+            None,
+            Register("w1"),
+            Some(Code::Unauthenticated),
+        ),
+        // client: client calls yes, worker calls no
+        ("client", CLIENT, ListPlans, None),
+        (
+            "client",
+            CLIENT,
+            Register("w1"),
+            Some(Code::PermissionDenied),
+        ),
+        ("client", CLIENT, ListWorkers, None),
+        // worker: its own worker calls yes, another worker's and client calls no
+        ("worker w1", WORKER_W1, Register("w1"), None),
+        (
+            "worker w1",
+            WORKER_W1,
+            Register("w2"),
+            Some(Code::PermissionDenied),
+        ),
+        (
+            "worker w1",
+            WORKER_W1,
+            Unregister("w2"),
+            Some(Code::PermissionDenied),
+        ),
+        (
+            "worker w1",
+            WORKER_W1,
+            ListPlans,
+            Some(Code::PermissionDenied),
+        ),
+        // admin: everything
+        ("admin", ADMIN, ListPlans, None),
+        ("admin", ADMIN, Register("w2"), None),
+    ];
+    for (who, token, call, want) in matrix {
+        let bearer = Bearer(token.map(Into::into));
+        let mut plans =
+            plan_service_client::PlanServiceClient::with_interceptor(ch.clone(), bearer.clone());
+        let mut workers =
+            worker_service_client::WorkerServiceClient::with_interceptor(ch.clone(), bearer);
+        let got = match call {
+            ListPlans => plans
+                .list_plans(ListPlansRequest::default())
+                .await
+                .map(drop),
+            ListWorkers => workers
+                .list_workers(ListWorkersRequest::default())
+                .await
+                .map(drop),
+            Register(id) => workers.register_worker(reg(id)).await.map(drop),
+            Unregister(id) => workers
+                .unregister_worker(UnregisterWorkerRequest {
+                    worker_id: id.into(),
+                })
+                .await
+                .map(drop),
+        };
+        match (want, got) {
+            (None, Ok(())) => {}
+            (None, Err(e)) => panic!("{who} {call:?}: refused: {e:?}"),
+            (Some(code), Ok(())) => panic!("{who} {call:?}: allowed, want {code:?}"),
+            (Some(code), Err(e)) => assert_eq!(e.code(), code, "{who} {call:?}: {}", e.message()),
+        }
+    }
+
     // health and reflection need no token
     let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
     let h = health
