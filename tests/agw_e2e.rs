@@ -145,7 +145,7 @@ impl Agw {
     /// Starts `agw` with id `id` against `server` and waits until it has
     /// registered and opened its streams.
     async fn start(server: &Server, id: &str, extra: &[&str]) -> Agw {
-        let agw = Self::spawn(server, id, extra, &[]);
+        let mut agw = Self::spawn(server, id, extra, &[]);
         agw.wait_registered().await;
         agw
     }
@@ -208,7 +208,7 @@ impl Agw {
     }
 
     /// Waits for the next `agw: registered <id> …` line.
-    async fn wait_registered(&self) -> String {
+    async fn wait_registered(&mut self) -> String {
         self.proc.wait_registered_async().await
     }
 
@@ -819,7 +819,7 @@ async fn agw_reconnects_after_a_server_restart_and_takes_new_work() {
     let mut c = Clients::new(&server).await;
     c.plan("hello", vec![task(1, "echo", &["hello {{who}}"], 30, None)])
         .await;
-    let agw = Agw::start(&server, "w-restart", &[]).await;
+    let mut agw = Agw::start(&server, "w-restart", &[]).await;
     let first = c.submit("hello", &[("who", "before")], 1).await;
     c.wait_status(&first, JobStatus::Completed).await;
 
@@ -932,7 +932,7 @@ async fn a_running_job_survives_a_server_restart() {
         ],
     )
     .await;
-    let agw = Agw::start(&server, "w-steady", &[]).await;
+    let mut agw = Agw::start(&server, "w-steady", &[]).await;
     let job_id = c.submit("steady", &[], 1).await;
     c.wait_job(&job_id, "running", |j| {
         j.status == JobStatus::Running as i32
@@ -985,7 +985,7 @@ worker_id = "w-auth"
     );
     assert_eq!(bad.wait_exit().await, Some(1));
 
-    let agw = Agw::spawn(
+    let mut agw = Agw::spawn(
         &server,
         "w-auth",
         &[],
@@ -1149,7 +1149,7 @@ async fn agw_talks_tls_to_the_server() {
     .expect("agq with TLS");
     let url = format!("https://{}", server.addr);
     let ca = p("ca.pem");
-    let agw = Agw::spawn(
+    let mut agw = Agw::spawn(
         &server,
         "w-tls",
         &[

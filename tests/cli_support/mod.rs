@@ -138,7 +138,7 @@ impl Server {
         for (k, v) in env {
             agw = agw.env(k, v);
         }
-        let agw = agw.spawn();
+        let mut agw = agw.spawn();
         agw.wait_registered();
         self.workers.push(agw);
     }

@@ -467,38 +467,59 @@ pub struct AgwProc {
 
 impl AgwProc {
     /// Waits (blocking, up to [`WAIT`]) for its `agw: registered ID with …`
-    /// line and returns it; panics with its log when it exits first.
-    pub fn wait_registered(&self) -> String {
+    /// line and returns it.
+    ///
+    /// Errors: it exited first: its exit status and log. Panics when it
+    /// neither registered nor exited in time.
+    pub fn registered(&mut self) -> Result<String, Exited> {
         let want = format!("agw: registered {} with ", self.id);
         let deadline = Instant::now() + WAIT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.proc.next_line(left) {
-                Some(l) if l.starts_with(&want) => return l,
+                Some(l) if l.starts_with(&want) => return Ok(l),
                 Some(_) => {}
-                None => panic!(
-                    "agw {} exited or did not register in time; log:\n{}",
-                    self.id,
-                    self.proc.log()
-                ),
+                None => return Err(self.exited_early(deadline)),
             }
         }
     }
 
+    /// Like [`AgwProc::registered`], panicking with its log when it exited.
+    pub fn wait_registered(&mut self) -> String {
+        self.registered()
+            .unwrap_or_else(|e| panic!("agw {} exited before registering: {e:?}", self.id))
+    }
+
     /// Like [`AgwProc::wait_registered`], sleeping on the tokio timer.
-    pub async fn wait_registered_async(&self) -> String {
+    pub async fn wait_registered_async(&mut self) -> String {
         let want = format!("agw: registered {} with ", self.id);
         let deadline = Instant::now() + WAIT;
         loop {
             match self.proc.next_line_async(deadline).await {
                 Some(l) if l.starts_with(&want) => return l,
                 Some(_) => {}
-                None => panic!(
-                    "agw {} exited or did not register in time; log:\n{}",
-                    self.id,
-                    self.proc.log()
-                ),
+                None => {
+                    let e = self.exited_early(deadline);
+                    panic!("agw {} exited before registering: {e:?}", self.id)
+                }
             }
+        }
+    }
+
+    /// Why no line came before `deadline`: it closed stdout (it exits),
+    /// or, past the deadline, a panic.
+    fn exited_early(&mut self, deadline: Instant) -> Exited {
+        assert!(
+            Instant::now() < deadline,
+            "agw {} did not register within {WAIT:?}; log:\n{}",
+            self.id,
+            self.proc.log()
+        );
+        let status = self.proc.wait_exit(WAIT);
+        Exited {
+            status: Some(status),
+            first_line: None,
+            log: self.proc.log(),
         }
     }
 }
