@@ -31,13 +31,21 @@ struct Case {
 
 /// The RPC a [`Case`] sends.
 enum Call {
+    /// PlanService.SubmitPlan of this plan.
     SubmitPlan(Plan),
+    /// PlanService.GetPlan of this id.
     GetPlan(String),
+    /// JobService.GetJob of this id.
     GetJob(String),
+    /// ActionService.GetAction of this id.
     GetAction(String),
+    /// ActionService.SubmitAction.
     SubmitAction(SubmitActionRequest),
+    /// JobService.SearchJobs.
     SearchJobs(SearchJobsRequest),
+    /// WorkerService.ListWorkers.
     ListWorkers(ListWorkersRequest),
+    /// WorkerService.UpdateJob.
     UpdateJob(UpdateJobRequest),
     /// GetPlan with these raw bytes as its id.
     RawGetPlan(Vec<u8>),
