@@ -122,46 +122,46 @@ async fn plan_validation_rules() {
     let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
     let mut plans = s.plans().await;
     let base = plan("ok", &["cat", "sort"]);
-    let mut cases: Vec<(&str, Plan)> = Vec::new();
+    let mut cases: Vec<(String, Plan)> = Vec::new();
     let mut p = base.clone();
     p.tasks.clear();
-    cases.push(("no tasks", p));
+    cases.push(("no tasks".into(), p));
     let mut p = base.clone();
     p.tasks = (1..=101).map(|n| task(n, "cat")).collect();
-    cases.push(("101 tasks", p));
+    cases.push(("101 tasks".into(), p));
     let mut p = base.clone();
     p.tasks[0].task_number = 0;
-    cases.push(("task_number 0", p));
+    cases.push(("task_number 0".into(), p));
     let mut p = base.clone();
     p.tasks[1].task_number = 3;
-    cases.push(("gap in task numbers", p));
+    cases.push(("gap in task numbers".into(), p));
     let mut p = base.clone();
     p.tasks[1].input_from_task = Some(2);
-    cases.push(("input_from_task self", p));
+    cases.push(("input_from_task self".into(), p));
     let mut p = base.clone();
     p.tasks[0].input_from_task = Some(2);
-    cases.push(("input_from_task forward", p));
+    cases.push(("input_from_task forward".into(), p));
     for cmd in [
         "", "/bin/cat", "ca t", "cat;rm", "$(id)", "a|b", "x\0y", "..", "`id`", "a>b",
     ] {
         let mut p = base.clone();
         p.tasks[0].command = cmd.into();
-        cases.push(("bad command", p));
+        cases.push((format!("bad command {cmd:?}"), p));
     }
     let mut p = base.clone();
     p.tasks[0].timeout_secs = 0;
-    cases.push(("timeout 0", p));
+    cases.push(("timeout 0".into(), p));
     let mut p = base.clone();
     p.tasks[0].timeout_secs = 86_401;
-    cases.push(("timeout too big", p));
+    cases.push(("timeout too big".into(), p));
     for id in ["", "has space", "a/b", &"x".repeat(129), "ü"] {
         let mut p = base.clone();
         p.plan_id = id.to_string();
-        cases.push(("bad plan_id", p));
+        cases.push((format!("bad plan_id {id:?}"), p));
     }
     let mut p = base.clone();
     p.tasks[0].args = vec!["a\0b".into()];
-    cases.push(("NUL in arg", p));
+    cases.push(("NUL in arg".into(), p));
     for (what, p) in cases {
         let e = plans
             .submit_plan(SubmitPlanRequest { plan: Some(p) })
