@@ -5,7 +5,8 @@
 //! (`agw`) register, keep a bidirectional heartbeat stream open and receive
 //! job **leases** over a server stream. State lives in SQLite.
 //!
-//! - [`server::run`] starts the whole server on a listener.
+//! - [`server::run`] starts the whole server on a listener;
+//!   [`local::LocalServer`] starts it inside the calling process.
 //! - [`core`] holds validation, the job state machine, scheduler and reaper.
 //! - [`store`] holds every SQL statement.
 //! - [`service`] holds the thin tonic services; [`pb`] the generated code.
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod core;
 pub mod error;
+pub mod local;
 pub mod metrics;
 pub mod pb;
 pub mod server;

@@ -5,12 +5,13 @@
 //! database, a 200 ms heartbeat interval and a 500 ms lease grace, starts
 //! `agw` processes against it, and drives it with the generated clients.
 
+mod process;
+
 use std::{
     collections::HashMap,
-    io::{BufRead, BufReader},
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -22,7 +23,7 @@ use agq::pb::{
     RegisterWorkerRequest, SubmitActionRequest, SubmitPlanRequest, Task, WorkerCapabilities,
     WorkerState,
 };
-use tokio::sync::mpsc;
+use process::{AgqServe, AgwProc, Serve};
 use tonic::transport::Channel;
 
 /// Tools every test worker advertises (`sh` only for tests that need a
@@ -34,9 +35,10 @@ const WAIT: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------- helpers --
 
-/// A running `agq serve`.
+/// A running `agq serve` (killed with SIGKILL when dropped) and how it
+/// was started, so it can be restarted.
 struct Server {
-    child: Child,
+    proc: AgqServe,
     addr: String,
     db: PathBuf,
     heartbeat_ms: u64,
@@ -66,40 +68,18 @@ impl Server {
         grace_ms: u64,
         extra: Vec<String>,
     ) -> Option<Server> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
-            .args([
-                "serve",
-                "--listen",
-                listen,
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ])
-            .arg("--db")
-            .arg(&db)
+        let proc = Serve::new(&db)
+            .listen(listen)
             .args(["--heartbeat-interval-ms", &heartbeat_ms.to_string()])
             .args(["--lease-grace-ms", &grace_ms.to_string()])
             .args(&extra)
             .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .kill_on_drop()
             .spawn()
-            .expect("start agq");
-        let stdout = child.stdout.take().expect("agq stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let Some(Ok(first)) = lines.next() else {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        };
-        let addr = first
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
-            .to_owned();
-        // Keep draining stdout so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines {});
+            .ok()?;
         Some(Server {
-            child,
-            addr,
+            addr: proc.addr.clone(),
+            proc,
             db,
             heartbeat_ms,
             grace_ms,
@@ -132,8 +112,7 @@ impl Server {
 
     /// Kills the server with SIGKILL and reaps it.
     fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.kill();
     }
 
     async fn channel(&self) -> Channel {
@@ -145,12 +124,6 @@ impl Server {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// A temporary directory the task user can enter (agw runs tasks as
 /// `nobody` when it is root): tests keep their input files in it.
 fn test_dir() -> tempfile::TempDir {
@@ -159,14 +132,12 @@ fn test_dir() -> tempfile::TempDir {
     dir
 }
 
-/// A running `agw`. It runs tasks in the sandbox, may read the system's
-/// temporary directory (where the tests' input files are) and keeps its
-/// jobs' scratch directories under its own root, where tests find files
-/// that tasks write there.
+/// A running `agw` (killed with SIGKILL when dropped). It runs tasks in
+/// the sandbox, may read the system's temporary directory (where the
+/// tests' input files are) and keeps its jobs' scratch directories under
+/// its own root, where tests find files that tasks write there.
 struct Agw {
-    child: Child,
-    id: String,
-    lines: mpsc::UnboundedReceiver<String>,
+    proc: AgwProc,
     scratch: tempfile::TempDir,
 }
 
@@ -182,43 +153,33 @@ impl Agw {
     /// Starts `agw` with extra flags and environment variables, without
     /// waiting.
     fn spawn(server: &Server, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Agw {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_agw"));
-        if !extra.contains(&"--server") {
-            cmd.args(["--server", &server.url()]);
-        }
+        let mut cmd = if extra.contains(&"--server") {
+            process::Agw::without_server(id)
+        } else {
+            process::Agw::new(&server.url(), id)
+        };
         if !extra.contains(&"--tools") {
-            cmd.args(["--tools", TOOLS]);
+            cmd = cmd.args(["--tools", TOOLS]);
         }
         let scratch = test_dir();
         if !extra.contains(&"--scratch-dir") {
-            cmd.arg("--scratch-dir").arg(scratch.path().join("jobs"));
+            cmd = cmd.args([
+                "--scratch-dir".as_ref(),
+                scratch.path().join("jobs").as_os_str(),
+            ]);
         }
         if !extra.contains(&"--read-path") {
-            cmd.arg("--read-path").arg(std::env::temp_dir());
+            cmd = cmd.args(["--read-path".as_ref(), std::env::temp_dir().as_os_str()]);
         }
-        let mut child = cmd
-            .args(["--worker-id", id])
-            .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start agw");
-        let stdout = child.stdout.take().expect("agw stdout");
-        let (tx, rx) = mpsc::unbounded_channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        cmd = cmd.args(extra).env(
+            "RUST_LOG",
+            &std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+        );
+        for (k, v) in env {
+            cmd = cmd.env(k, v);
+        }
         Agw {
-            child,
-            id: id.to_owned(),
-            lines: rx,
+            proc: cmd.kill_on_drop().spawn(),
             scratch,
         }
     }
@@ -248,44 +209,16 @@ impl Agw {
 
     /// Waits for the next `agw: registered <id> …` line.
     async fn wait_registered(&mut self) -> String {
-        let want = format!("agw: registered {} with ", self.id);
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let line = tokio::time::timeout_at(deadline, self.lines.recv())
-                .await
-                .expect("agw did not register in time")
-                .expect("agw exited before registering");
-            if line.starts_with(&want) {
-                return line;
-            }
-        }
-    }
-
-    fn pid(&self) -> i32 {
-        i32::try_from(self.child.id()).expect("pid")
+        self.proc.wait_registered_async().await
     }
 
     fn signal(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).expect("signal agw");
+        self.proc.signal(sig);
     }
 
     /// Waits for the process to exit; returns its exit code.
     async fn wait_exit(&mut self) -> Option<i32> {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(st) = self.child.try_wait().expect("try_wait") {
-                return st.code();
-            }
-            assert!(Instant::now() < deadline, "agw did not exit in time");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for Agw {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.wait_exit_async(WAIT).await.code()
     }
 }
 
@@ -1258,40 +1191,13 @@ async fn agw_talks_tls_to_the_server() {
 /// Runs `agw` with id `id` and waits (bounded) for it to exit; returns
 /// its exit code and what it wrote on stderr.
 async fn agw_exit(server: &Server, id: &str) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
-        .args([
-            "--server",
-            &server.url(),
-            "--tools",
-            TOOLS,
-            "--worker-id",
-            id,
-        ])
+    let mut agw = process::Agw::new(&server.url(), id)
+        .args(["--tools", TOOLS])
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start agw");
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the second agw {id} did not exit");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let mut err = String::new();
-    use std::io::Read;
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("read stderr");
+        .kill_on_drop()
+        .spawn();
+    let status = agw.wait_exit_async(WAIT).await;
+    let err = agw.log();
     (status.code(), err)
 }
 
@@ -1417,15 +1323,11 @@ async fn a_normal_run_logs_no_false_warnings() {
     let mut c = Clients::new(&server).await;
     c.plan("quick", vec![task(1, "echo", &["hi {{n}}"], 30, None)])
         .await;
-    let errlog = dir.path().join("agw.stderr");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
-        .args(["--server", &server.url(), "--tools", TOOLS])
-        .args(["--worker-id", "honest", "--max-concurrent-jobs", "2"])
+    let mut agw = process::Agw::new(&server.url(), "honest")
+        .args(["--tools", TOOLS, "--max-concurrent-jobs", "2"])
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&errlog).expect("stderr file"))
-        .spawn()
-        .expect("start agw");
+        .kill_on_drop()
+        .spawn();
     let inputs: Vec<ActionInput> = (0..80)
         .map(|i| ActionInput {
             values: HashMap::from([("n".to_owned(), i.to_string())]),
@@ -1446,21 +1348,10 @@ async fn a_normal_run_logs_no_false_warnings() {
     for id in &action.job_ids {
         c.wait_status(id, JobStatus::Completed).await;
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "agw did not exit");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = agw.wait_exit_async(WAIT).await;
     assert_eq!(status.code(), Some(0));
-    let err = std::fs::read_to_string(&errlog).unwrap();
+    let err = agw.log();
     assert!(!err.contains("more leases than slots"), "{err}");
     assert!(!err.contains("result dropped"), "{err}");
 }

@@ -122,46 +122,46 @@ async fn plan_validation_rules() {
     let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
     let mut plans = s.plans().await;
     let base = plan("ok", &["cat", "sort"]);
-    let mut cases: Vec<(&str, Plan)> = Vec::new();
+    let mut cases: Vec<(String, Plan)> = Vec::new();
     let mut p = base.clone();
     p.tasks.clear();
-    cases.push(("no tasks", p));
+    cases.push(("no tasks".into(), p));
     let mut p = base.clone();
     p.tasks = (1..=101).map(|n| task(n, "cat")).collect();
-    cases.push(("101 tasks", p));
+    cases.push(("101 tasks".into(), p));
     let mut p = base.clone();
     p.tasks[0].task_number = 0;
-    cases.push(("task_number 0", p));
+    cases.push(("task_number 0".into(), p));
     let mut p = base.clone();
     p.tasks[1].task_number = 3;
-    cases.push(("gap in task numbers", p));
+    cases.push(("gap in task numbers".into(), p));
     let mut p = base.clone();
     p.tasks[1].input_from_task = Some(2);
-    cases.push(("input_from_task self", p));
+    cases.push(("input_from_task self".into(), p));
     let mut p = base.clone();
     p.tasks[0].input_from_task = Some(2);
-    cases.push(("input_from_task forward", p));
+    cases.push(("input_from_task forward".into(), p));
     for cmd in [
         "", "/bin/cat", "ca t", "cat;rm", "$(id)", "a|b", "x\0y", "..", "`id`", "a>b",
     ] {
         let mut p = base.clone();
         p.tasks[0].command = cmd.into();
-        cases.push(("bad command", p));
+        cases.push((format!("bad command {cmd:?}"), p));
     }
     let mut p = base.clone();
     p.tasks[0].timeout_secs = 0;
-    cases.push(("timeout 0", p));
+    cases.push(("timeout 0".into(), p));
     let mut p = base.clone();
     p.tasks[0].timeout_secs = 86_401;
-    cases.push(("timeout too big", p));
+    cases.push(("timeout too big".into(), p));
     for id in ["", "has space", "a/b", &"x".repeat(129), "ü"] {
         let mut p = base.clone();
         p.plan_id = id.to_string();
-        cases.push(("bad plan_id", p));
+        cases.push((format!("bad plan_id {id:?}"), p));
     }
     let mut p = base.clone();
     p.tasks[0].args = vec!["a\0b".into()];
-    cases.push(("NUL in arg", p));
+    cases.push(("NUL in arg".into(), p));
     for (what, p) in cases {
         let e = plans
             .submit_plan(SubmitPlanRequest { plan: Some(p) })
@@ -228,18 +228,22 @@ async fn plan_validation_rules() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn actions_jobs_and_queue() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = EngineConfig {
+// ------------------------------------------- actions, jobs and the queue --
+
+/// Limits of the action tests: at most 50 inputs per action, and a
+/// `run_at` horizon of 100 years (the tests schedule in 2096, past the
+/// default of 366 days).
+fn action_config() -> EngineConfig {
+    EngineConfig {
         max_inputs_per_action: 50,
-        // run_at in 2096 below: past the default horizon of 366 days.
         max_run_at_ahead: std::time::Duration::from_secs(100 * 366 * 86_400),
         ..fast_config()
-    };
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
-    let mut actions = s.actions().await;
-    let mut jobs = s.jobs().await;
+    }
+}
+
+/// A server with [`action_config`] and the one-task plan `p` stored.
+async fn server_with_plan_p(dir: &tempfile::TempDir) -> TestServer {
+    let s = TestServer::start(&dir.path().join("agq.db"), action_config()).await;
     s.plans()
         .await
         .submit_plan(SubmitPlanRequest {
@@ -247,131 +251,163 @@ async fn actions_jobs_and_queue() {
         })
         .await
         .unwrap();
-    let input = |i: usize| ActionInput {
-        values: HashMap::from([("file".to_string(), format!("/tmp/{i}"))]),
-    };
+    s
+}
 
-    // validation, each changing nothing
-    let bad = [
+/// Input `i` of the action tests: `file=/tmp/<i>`.
+fn input(i: usize) -> ActionInput {
+    ActionInput {
+        values: HashMap::from([("file".to_string(), format!("/tmp/{i}"))]),
+    }
+}
+
+/// Submits an action of plan `p` with inputs `0..n`.
+async fn submit_p(s: &TestServer, n: usize) -> SubmitActionResponse {
+    s.actions()
+        .await
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: (0..n).map(input).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Cancels pending job `id`.
+async fn cancel(s: &TestServer, id: &str) -> Job {
+    s.jobs()
+        .await
+        .cancel_job(CancelJobRequest { job_id: id.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+/// A time in 2096.
+const YEAR_2096: prost_types::Timestamp = prost_types::Timestamp {
+    seconds: 4_000_000_000,
+    nanos: 0,
+};
+
+#[tokio::test]
+async fn submit_action_rejects_bad_requests_and_leaves_no_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let mut actions = s.actions().await;
+    let mut jobs = s.jobs().await;
+    let on_p = |inputs: Vec<ActionInput>| SubmitActionRequest {
+        plan_id: "p".into(),
+        inputs,
+        ..Default::default()
+    };
+    // (case, request, code, fragment of the message)
+    let cases = [
         (
+            "unknown plan",
             SubmitActionRequest {
                 plan_id: "nope".into(),
-                inputs: vec![input(0)],
-                ..Default::default()
+                ..on_p(vec![input(0)])
             },
             Code::NotFound,
+            "",
         ),
+        ("no inputs", on_p(vec![]), Code::InvalidArgument, ""),
         (
-            SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: vec![],
-                ..Default::default()
-            },
+            "51 inputs, over the limit of 50 (named)",
+            on_p((0..51).map(input).collect()),
             Code::InvalidArgument,
+            "50",
         ),
         (
+            "max_attempts 101",
             SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: (0..51).map(input).collect(),
-                ..Default::default()
-            },
-            Code::InvalidArgument,
-        ),
-        (
-            SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: vec![input(0)],
                 max_attempts: 101,
-                ..Default::default()
+                ..on_p(vec![input(0)])
             },
             Code::InvalidArgument,
+            "",
         ),
         (
+            "bad action id",
             SubmitActionRequest {
                 action_id: "bad id".into(),
-                plan_id: "p".into(),
-                inputs: vec![input(0)],
-                ..Default::default()
+                ..on_p(vec![input(0)])
             },
             Code::InvalidArgument,
+            "",
         ),
         (
-            SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: vec![
-                    input(0),
-                    ActionInput {
-                        values: HashMap::from([("bad key!".to_string(), "v".to_string())]),
-                    },
-                ],
-                ..Default::default()
-            },
+            "a bad input key after a good input",
+            on_p(vec![
+                input(0),
+                ActionInput {
+                    values: HashMap::from([("bad key!".to_string(), "v".to_string())]),
+                },
+            ]),
             Code::InvalidArgument,
+            "",
         ),
         (
-            SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: vec![ActionInput {
-                    values: HashMap::from([("k".to_string(), "x".repeat(70_000))]),
-                }],
-                ..Default::default()
-            },
+            "an input value of 70,000 bytes",
+            on_p(vec![ActionInput {
+                values: HashMap::from([("k".to_string(), "x".repeat(70_000))]),
+            }]),
             Code::InvalidArgument,
+            "",
         ),
         (
+            "run_at with negative nanos",
             SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: vec![input(0)],
                 run_at: Some(prost_types::Timestamp {
                     seconds: 1,
                     nanos: -5,
                 }),
-                ..Default::default()
+                ..on_p(vec![input(0)])
             },
             Code::InvalidArgument,
+            "",
         ),
     ];
-    for (req, code) in bad {
-        let e = actions.submit_action(req).await.unwrap_err();
-        assert_eq!(e.code(), code, "{}", e.message());
+    for (case, req, code, fragment) in cases {
+        let e = actions
+            .submit_action(req)
+            .await
+            .expect_err(&format!("{case}: accepted"));
+        assert_eq!(e.code(), code, "{case}: {}", e.message());
+        assert!(
+            e.message().contains(fragment),
+            "{case}: the message {:?} lacks {fragment:?}",
+            e.message()
+        );
+        let none = jobs
+            .search_jobs(SearchJobsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            none.job_ids.is_empty(),
+            "{case}: a rejected action left jobs behind"
+        );
     }
-    let e = actions
-        .submit_action(SubmitActionRequest {
-            plan_id: "p".into(),
-            inputs: (0..51).map(input).collect(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        e.message().contains("50"),
-        "the limit is named: {}",
-        e.message()
-    );
-    let none = jobs
-        .search_jobs(SearchJobsRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        none.job_ids.is_empty(),
-        "a rejected action left jobs behind"
-    );
+    s.stop().await;
+}
 
-    // happy path: 5 jobs, server-made id
-    let r = actions
-        .submit_action(SubmitActionRequest {
-            plan_id: "p".into(),
-            inputs: (0..5).map(input).collect(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+#[tokio::test]
+async fn submit_action_creates_one_pending_job_per_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    // 5 jobs, server-made id
+    let r = submit_p(&s, 5).await;
     assert_eq!(r.jobs_created, 5);
     assert_eq!(r.job_ids.len(), 5);
     assert!(!r.action_id.is_empty());
-    let a = actions
+    let a = s
+        .actions()
+        .await
         .get_action(GetActionRequest {
             action_id: r.action_id.clone(),
         })
@@ -382,7 +418,14 @@ async fn actions_jobs_and_queue() {
         .unwrap();
     assert_eq!((a.total_jobs, a.pending, a.plan_id.as_str()), (5, 5, "p"));
     assert!(a.completed_jobs_at.is_none());
-    // duplicate id
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_taken_action_id_is_already_exists_and_adds_no_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let mut actions = s.actions().await;
     let named = actions
         .submit_action(SubmitActionRequest {
             action_id: "batch-7".into(),
@@ -415,8 +458,14 @@ async fn actions_jobs_and_queue() {
         .action
         .unwrap();
     assert_eq!(a7.total_jobs, 1, "the duplicate did not add jobs");
+    s.stop().await;
+}
 
-    // GetJob
+#[tokio::test]
+async fn get_job_shows_input_attempts_and_why_it_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let r = submit_p(&s, 1).await;
     let j = job(&s, &r.job_ids[0]).await;
     assert_eq!(j.status, JobStatus::Pending as i32);
     assert_eq!(j.input.get("file").map(String::as_str), Some("/tmp/0"));
@@ -427,15 +476,24 @@ async fn actions_jobs_and_queue() {
         j.waiting_reason
     );
     assert!(j.created_at.is_some());
-    let e = jobs
+    let e = s
+        .jobs()
+        .await
         .get_job(GetJobRequest {
             job_id: "missing".into(),
         })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
+    s.stop().await;
+}
 
-    // ListJobs with pagination and status filter
+#[tokio::test]
+async fn list_jobs_pages_through_an_action() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let mut jobs = s.jobs().await;
+    let r = submit_p(&s, 5).await;
     let p1 = jobs
         .list_jobs(ListJobsRequest {
             action_id: r.action_id.clone(),
@@ -466,44 +524,41 @@ async fn actions_jobs_and_queue() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
+    s.stop().await;
+}
 
-    // Cancel, retry rules
-    let c = jobs
-        .cancel_job(CancelJobRequest {
-            job_id: r.job_ids[4].clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap();
+#[tokio::test]
+async fn cancel_and_retry_follow_the_job_state_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let mut jobs = s.jobs().await;
+    let r = submit_p(&s, 5).await;
+    let (pending, cancelled) = (&r.job_ids[0], &r.job_ids[4]);
+    let c = cancel(&s, cancelled).await;
     assert_eq!(c.status, JobStatus::Cancelled as i32);
-    let e = jobs
-        .cancel_job(CancelJobRequest {
-            job_id: r.job_ids[4].clone(),
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
-    let e = jobs
-        .retry_job(RetryJobRequest {
-            job_id: r.job_ids[0].clone(),
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition, "retry of a pending job");
-    let e = jobs
-        .retry_job(RetryJobRequest {
-            job_id: r.job_ids[4].clone(),
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(
-        e.code(),
-        Code::FailedPrecondition,
-        "retry of a cancelled job"
-    );
-    let cancelled = jobs
+
+    // (case, job, cancel (true) or retry (false)): each FAILED_PRECONDITION
+    let refused = [
+        ("cancel of a cancelled job", cancelled, true),
+        ("retry of a pending job", pending, false),
+        ("retry of a cancelled job", cancelled, false),
+    ];
+    for (case, id, is_cancel) in refused {
+        let e = if is_cancel {
+            jobs.cancel_job(CancelJobRequest { job_id: id.clone() })
+                .await
+                .map(drop)
+        } else {
+            jobs.retry_job(RetryJobRequest { job_id: id.clone() })
+                .await
+                .map(drop)
+        }
+        .expect_err(case);
+        assert_eq!(e.code(), Code::FailedPrecondition, "{case}");
+    }
+
+    // ListJobs with a status filter
+    let listed = jobs
         .list_jobs(ListJobsRequest {
             action_id: r.action_id.clone(),
             status: JobStatus::Cancelled as i32,
@@ -512,9 +567,18 @@ async fn actions_jobs_and_queue() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(cancelled.job_ids, vec![r.job_ids[4].clone()]);
+    assert_eq!(listed.job_ids, vec![cancelled.clone()]);
+    s.stop().await;
+}
 
-    // SearchJobs: status, plan, time range
+#[tokio::test]
+async fn search_jobs_filters_by_status_plan_and_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let mut jobs = s.jobs().await;
+    // 5 pending jobs and a cancelled one
+    let r = submit_p(&s, 6).await;
+    cancel(&s, &r.job_ids[5]).await;
     let pending = jobs
         .search_jobs(SearchJobsRequest {
             status: JobStatus::Pending as i32,
@@ -524,13 +588,9 @@ async fn actions_jobs_and_queue() {
         .await
         .unwrap();
     assert_eq!(pending.into_inner().job_ids.len(), 5);
-    let future = prost_types::Timestamp {
-        seconds: 4_000_000_000,
-        nanos: 0,
-    };
     let later = jobs
         .search_jobs(SearchJobsRequest {
-            created_after: Some(future),
+            created_after: Some(YEAR_2096),
             ..Default::default()
         })
         .await
@@ -538,23 +598,26 @@ async fn actions_jobs_and_queue() {
     assert!(later.into_inner().job_ids.is_empty());
     let before = jobs
         .search_jobs(SearchJobsRequest {
-            created_before: Some(future),
+            created_before: Some(YEAR_2096),
             ..Default::default()
         })
         .await
         .unwrap();
     assert_eq!(before.into_inner().job_ids.len(), 6);
+    s.stop().await;
+}
 
-    // run_at: scheduled
-    let at = prost_types::Timestamp {
-        seconds: 4_000_000_000,
-        nanos: 0,
-    };
-    let sch = actions
+#[tokio::test]
+async fn run_at_schedules_the_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    let sch = s
+        .actions()
+        .await
         .submit_action(SubmitActionRequest {
             plan_id: "p".into(),
             inputs: vec![input(1)],
-            run_at: Some(at),
+            run_at: Some(YEAR_2096),
             ..Default::default()
         })
         .await
@@ -566,8 +629,29 @@ async fn actions_jobs_and_queue() {
         "{}",
         sj.waiting_reason
     );
+    s.stop().await;
+}
 
-    // Queue
+#[tokio::test]
+async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    // 5 ready jobs, a cancelled one, and one scheduled for 2096
+    let r = submit_p(&s, 6).await;
+    cancel(&s, &r.job_ids[5]).await;
+    let sch = s
+        .actions()
+        .await
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![input(1)],
+            run_at: Some(YEAR_2096),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+
     let mut queue = s.queue().await;
     let st = queue
         .get_queue_stats(GetQueueStatsRequest {})
@@ -622,8 +706,14 @@ async fn actions_jobs_and_queue() {
     assert!(v.as_array().unwrap().iter().any(|s| s["name"] == "agq_jobs"
         && s["labels"]["status"] == "cancelled"
         && s["value"] == 1.0));
+    s.stop().await;
+}
 
-    // DeletePlan refused while jobs are pending
+#[tokio::test]
+async fn delete_plan_is_refused_while_jobs_are_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(&dir).await;
+    submit_p(&s, 1).await;
     let e = s
         .plans()
         .await
@@ -739,23 +829,28 @@ fn tokens() -> Authenticator {
     .unwrap()
 }
 
+/// A call of the auth matrix.
+#[derive(Debug, Clone, Copy)]
+enum AuthCall {
+    /// PlanService.ListPlans: a client call.
+    ListPlans,
+    /// WorkerService.ListWorkers: a client call on the worker service.
+    ListWorkers,
+    /// WorkerService.RegisterWorker of this id: a worker call.
+    Register(&'static str),
+    /// WorkerService.UnregisterWorker of this id: a worker call.
+    Unregister(&'static str),
+}
+
 #[tokio::test]
 async fn auth_matrix() {
+    const CLIENT: Option<&str> = Some("client-token-0123456789");
+    const ADMIN: Option<&str> = Some("admin-token-0123456789");
+    const WORKER_W1: Option<&str> = Some("worker-token-0123456789");
+    use AuthCall::*;
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), tokens(), None).await;
     let ch = s.channel().await;
-    let plans = |t: Option<&str>| {
-        plan_service_client::PlanServiceClient::with_interceptor(
-            ch.clone(),
-            Bearer(t.map(Into::into)),
-        )
-    };
-    let workers = |t: Option<&str>| {
-        worker_service_client::WorkerServiceClient::with_interceptor(
-            ch.clone(),
-            Bearer(t.map(Into::into)),
-        )
-    };
     let reg = |id: &str| RegisterWorkerRequest {
         worker_id: id.into(),
         hostname: "h".into(),
@@ -766,86 +861,87 @@ async fn auth_matrix() {
         }),
         ..Default::default()
     };
-    let list = || ListPlansRequest::default();
 
-    // no token, wrong token
-    assert_eq!(
-        plans(None).list_plans(list()).await.unwrap_err().code(),
-        Code::Unauthenticated
-    );
-    assert_eq!(
-        plans(Some("wrong-token-0123456789"))
-            .list_plans(list())
-            .await
-            .unwrap_err()
-            .code(),
-        Code::Unauthenticated
-    );
-    assert_eq!(
-        workers(None)
-            .register_worker(reg("w1"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::Unauthenticated
-    );
-    // client: client calls yes, worker calls no
-    plans(Some("client-token-0123456789"))
-        .list_plans(list())
-        .await
-        .unwrap();
-    assert_eq!(
-        workers(Some("client-token-0123456789"))
-            .register_worker(reg("w1"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    workers(Some("client-token-0123456789"))
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap();
-    // worker: its own worker calls yes, another worker's and client calls no
-    workers(Some("worker-token-0123456789"))
-        .register_worker(reg("w1"))
-        .await
-        .unwrap();
-    assert_eq!(
-        workers(Some("worker-token-0123456789"))
-            .register_worker(reg("w2"))
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    assert_eq!(
-        workers(Some("worker-token-0123456789"))
-            .unregister_worker(UnregisterWorkerRequest {
-                worker_id: "w2".into()
-            })
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    assert_eq!(
-        plans(Some("worker-token-0123456789"))
-            .list_plans(list())
-            .await
-            .unwrap_err()
-            .code(),
-        Code::PermissionDenied
-    );
-    // admin: everything
-    plans(Some("admin-token-0123456789"))
-        .list_plans(list())
-        .await
-        .unwrap();
-    workers(Some("admin-token-0123456789"))
-        .register_worker(reg("w2"))
-        .await
-        .unwrap();
+    // (case, token, call, refused with this code or allowed), in order
+    let matrix: [(&str, Option<&str>, AuthCall, Option<Code>); 12] = [
+        // no token, wrong token
+        ("no token", None, ListPlans, Some(Code::Unauthenticated)),
+        (
+            "wrong token",
+            Some("wrong-token-0123456789"),
+            ListPlans,
+            Some(Code::Unauthenticated),
+        ),
+        (
+            "no token",
+            None,
+            Register("w1"),
+            Some(Code::Unauthenticated),
+        ),
+        // client: client calls yes, worker calls no
+        ("client", CLIENT, ListPlans, None),
+        (
+            "client",
+            CLIENT,
+            Register("w1"),
+            Some(Code::PermissionDenied),
+        ),
+        ("client", CLIENT, ListWorkers, None),
+        // worker: its own worker calls yes, another worker's and client calls no
+        ("worker w1", WORKER_W1, Register("w1"), None),
+        (
+            "worker w1",
+            WORKER_W1,
+            Register("w2"),
+            Some(Code::PermissionDenied),
+        ),
+        (
+            "worker w1",
+            WORKER_W1,
+            Unregister("w2"),
+            Some(Code::PermissionDenied),
+        ),
+        (
+            "worker w1",
+            WORKER_W1,
+            ListPlans,
+            Some(Code::PermissionDenied),
+        ),
+        // admin: everything
+        ("admin", ADMIN, ListPlans, None),
+        ("admin", ADMIN, Register("w2"), None),
+    ];
+    for (who, token, call, want) in matrix {
+        let bearer = Bearer(token.map(Into::into));
+        let mut plans =
+            plan_service_client::PlanServiceClient::with_interceptor(ch.clone(), bearer.clone());
+        let mut workers =
+            worker_service_client::WorkerServiceClient::with_interceptor(ch.clone(), bearer);
+        let got = match call {
+            ListPlans => plans
+                .list_plans(ListPlansRequest::default())
+                .await
+                .map(drop),
+            ListWorkers => workers
+                .list_workers(ListWorkersRequest::default())
+                .await
+                .map(drop),
+            Register(id) => workers.register_worker(reg(id)).await.map(drop),
+            Unregister(id) => workers
+                .unregister_worker(UnregisterWorkerRequest {
+                    worker_id: id.into(),
+                })
+                .await
+                .map(drop),
+        };
+        match (want, got) {
+            (None, Ok(())) => {}
+            (None, Err(e)) => panic!("{who} {call:?}: refused: {e:?}"),
+            (Some(code), Ok(())) => panic!("{who} {call:?}: allowed, want {code:?}"),
+            (Some(code), Err(e)) => assert_eq!(e.code(), code, "{who} {call:?}: {}", e.message()),
+        }
+    }
+
     // health and reflection need no token
     let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
     let h = health

@@ -6,31 +6,25 @@
 //!
 //! `AGQ_CRASH_KILLS` sets the number of kills (default 20).
 
+mod process;
+
 use std::{
     collections::{HashMap, HashSet},
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
 };
 
 use agq::pb::{self, *};
+use process::{AgqServe, Serve};
 use rand::Rng;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{wrappers::ReceiverStream, StreamExt};
 use tonic::{transport::Endpoint, Code};
 
-const AGQ: &str = env!("CARGO_BIN_EXE_agq");
-
-fn spawn_server(db: &std::path::Path, port: u16) -> Child {
-    let mut child = Command::new(AGQ)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
+/// Starts `agq serve` on `db` at `listen` (killed when dropped).
+fn spawn_server(db: &std::path::Path, listen: &str) -> AgqServe {
+    Serve::new(db)
+        .listen(listen)
         .args([
             "--heartbeat-interval-ms",
             "200",
@@ -41,22 +35,10 @@ fn spawn_server(db: &std::path::Path, port: u16) -> Child {
             "--retry-backoff-max-ms",
             "500",
         ])
-        .arg("--db")
-        .arg(db)
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .kill_on_drop()
         .spawn()
-        .expect("spawn agq");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.starts_with("listening on"),
-        "agq did not start: {line:?}"
-    );
-    child
+        .unwrap_or_else(|e| panic!("agq did not start: {e:?}"))
 }
 
 #[derive(Default)]
@@ -230,14 +212,9 @@ impl Drop for AbortOnDrop {
 
 /// Starts `agq serve` on `db` at a free port and stores the one-task
 /// `cat` plan the load uses; returns the process, its port and its URL.
-async fn start_with_plan(db: &std::path::Path) -> (Child, u16, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
-    let server = spawn_server(db, port);
+async fn start_with_plan(db: &std::path::Path) -> (AgqServe, String, String) {
+    let server = spawn_server(db, "127.0.0.1:0");
+    let (addr, url) = (server.addr.clone(), server.url());
     let ch = channel(&url).await.expect("connect");
     let plan = pb::Plan {
         plan_id: "crash".into(),
@@ -256,7 +233,7 @@ async fn start_with_plan(db: &std::path::Path) -> (Child, u16, String) {
         .submit_plan(SubmitPlanRequest { plan: Some(plan) })
         .await
         .unwrap();
-    (server, port, url)
+    (server, addr, url)
 }
 
 /// The number in environment variable `name`, or `default`.
@@ -272,7 +249,7 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
     let kills: u32 = env_or("AGQ_CRASH_KILLS", 20);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let (mut server, port, url) = start_with_plan(&db).await;
+    let (mut server, addr, url) = start_with_plan(&db).await;
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -291,9 +268,8 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
     for _ in 0..kills {
         let wait = rand::rng().random_range(100..400);
         tokio::time::sleep(Duration::from_millis(wait)).await;
-        server.kill().unwrap(); // SIGKILL
-        server.wait().unwrap();
-        server = spawn_server(&db, port);
+        server.kill(); // SIGKILL
+        server = spawn_server(&db, &addr);
     }
     // stop submitting, let the workers finish the backlog
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -394,8 +370,7 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         l.acked.len()
     );
     drop(l);
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill();
     let conn = rusqlite::Connection::open(&db).unwrap();
     let check: String = conn
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))

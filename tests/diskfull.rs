@@ -17,11 +17,12 @@
 //! skip).
 
 mod common;
+mod process;
 
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::Duration,
 };
 
@@ -90,36 +91,25 @@ impl Drop for Tmpfs {
 }
 
 /// A real `agw` process, killed when dropped.
-struct Agw(Child);
+struct Agw(#[allow(dead_code)] process::AgwProc);
 
 impl Agw {
     fn start(server: &TestServer, id: &str) -> Agw {
-        let child = Command::new(env!("CARGO_BIN_EXE_agw"))
-            .args(["--server", &server.url()])
+        let agw = process::Agw::new(&server.url(), id)
             .args(["--tools", "echo,tee"])
             // The side effect this test counts is a write outside the job's
             // scratch directory, which the sandbox forbids (tests/sandbox.rs);
             // these workers run without it. Tasks still run unprivileged,
             // hence the world-writable log.
-            .arg("--insecure-no-sandbox")
-            .args(["--worker-id", id])
+            .args(["--insecure-no-sandbox"])
             .args(["--max-concurrent-jobs", "4"])
             .env(
                 "RUST_LOG",
-                std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "error".into()),
+                &std::env::var("AGW_TEST_LOG").unwrap_or_else(|_| "error".into()),
             )
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start agw");
-        Agw(child)
-    }
-}
-
-impl Drop for Agw {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+            .kill_on_drop()
+            .spawn();
+        Agw(agw)
     }
 }
 

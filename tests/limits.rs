@@ -12,7 +12,7 @@ use std::{collections::HashMap, time::Duration};
 use agq::{
     config::EngineConfig,
     pb::{
-        self, ActionInput, GetPlanRequest, GetQueueStatsRequest, JobStatus, ListPlansRequest,
+        ActionInput, GetPlanRequest, GetQueueStatsRequest, JobStatus, ListPlansRequest,
         SubmitActionRequest, SubmitPlanRequest, TaskResult, UpdateJobRequest, WatchActionRequest,
     },
 };
@@ -172,28 +172,22 @@ async fn list_plans_speaks_one_glob_dialect() {
                 .map(|r| r.into_inner())
         }
     };
-    let ids = |r: pb::ListPlansResponse| r.plan_ids;
-    assert_eq!(
-        ids(list("[!a]*", 0, String::new()).await.unwrap()),
-        ["banana", "cherry"]
-    );
-    assert_eq!(
-        ids(list("[^a]*", 0, String::new()).await.unwrap()),
-        ["a.b", "apple", "avocado"]
-    );
-    assert_eq!(
-        ids(list("a*", 0, String::new()).await.unwrap()),
-        ["a.b", "apple", "avocado"]
-    );
-    assert_eq!(
-        ids(list("*o", 0, String::new()).await.unwrap()),
-        ["avocado"]
-    );
-    assert_eq!(
-        ids(list("?????", 0, String::new()).await.unwrap()),
-        ["apple"]
-    );
-    assert_eq!(ids(list("a[.]b", 0, String::new()).await.unwrap()), ["a.b"]);
+    // (pattern, the ids it matches, in order)
+    let cases: [(&str, &[&str]); 6] = [
+        ("[!a]*", &["banana", "cherry"]),
+        ("[^a]*", &["a.b", "apple", "avocado"]),
+        ("a*", &["a.b", "apple", "avocado"]),
+        ("*o", &["avocado"]),
+        ("?????", &["apple"]),
+        ("a[.]b", &["a.b"]),
+    ];
+    for (pattern, want) in cases {
+        let got = list(pattern, 0, String::new())
+            .await
+            .unwrap_or_else(|e| panic!("pattern {pattern:?}: {e:?}"))
+            .plan_ids;
+        assert_eq!(got, want, "pattern {pattern:?}");
+    }
     let e = list("**********a", 0, String::new()).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     // Paging one id at a time returns the same matches.

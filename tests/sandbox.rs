@@ -9,14 +9,14 @@
 //! (mode 0666 in 0777/0755 directories), so only the sandbox, not the file
 //! permissions, stands between a task and them.
 
+mod process;
+
 use std::{
     collections::HashMap,
-    io::{BufRead, BufReader, Read},
     net::{TcpListener, UdpSocket},
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::Arc,
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -26,6 +26,7 @@ use agq::pb::{
     ActionInput, GetJobRequest, GetWorkerRequest, Job, JobStatus, Plan, SubmitActionRequest,
     SubmitPlanRequest, Task,
 };
+use process::{clean_command, AgqServe, Agw, AgwProc, Serve, AGW};
 use tonic::transport::Channel;
 
 /// How long any wait in these tests may take.
@@ -40,86 +41,32 @@ const TOOLS: &str = "cat,sort,uniq,tr,head,wc,echo,awk,sed,xargs,tee,date,perl,j
 
 // ---------------------------------------------------------------- helpers --
 
-/// A child process killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `agq serve` on an ephemeral loopback port; returns it and its URL.
-fn start_server(dir: &Path) -> (Proc, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agq"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--db")
-        .arg(dir.join("agq.db"))
+/// Starts `agq serve` on an ephemeral loopback port (killed when
+/// dropped); returns it and its URL.
+fn start_server(dir: &Path) -> (AgqServe, String) {
+    let server = Serve::new(dir.join("agq.db"))
         // Generous: the fork bomb attempt loads the machine for seconds.
         .args(["--heartbeat-interval-ms", "2000"])
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .kill_on_drop()
         .spawn()
-        .expect("start agq");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let first = lines.next().expect("agq printed nothing").expect("read");
-    let addr = first
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
-        .to_owned();
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), format!("http://{addr}"))
+        .unwrap_or_else(|e| panic!("agq did not start: {e:?}"));
+    let url = server.url();
+    (server, url)
 }
 
-/// Starts `agw` with `args` and `env`; waits for its `agw: registered`
-/// line, or returns its exit status and stderr when it exits first.
-fn start_agw(url: &str, id: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Proc, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agw"))
-        .args(["--server", url, "--worker-id", id])
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start agw");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with("agw: registered") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    let err_text = Arc::new(std::sync::Mutex::new(String::new()));
-    let sink = Arc::clone(&err_text);
-    std::thread::spawn(move || {
-        let mut buf = String::new();
-        let _ = stderr.read_to_string(&mut buf);
-        sink.lock().unwrap().push_str(&buf);
-    });
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if rx.try_recv().is_ok() {
-            return Ok(Proc(child));
-        }
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            // Let the stderr reader finish.
-            std::thread::sleep(Duration::from_millis(200));
-            return Err(format!("{status}: {}", err_text.lock().unwrap()));
-        }
-        assert!(Instant::now() < deadline, "agw did not register in time");
-        std::thread::sleep(Duration::from_millis(50));
+/// Starts `agw` with `args` and `env` (killed when dropped); waits for its
+/// `agw: registered` line, or returns its exit status and stderr when it
+/// exits first.
+fn start_agw(url: &str, id: &str, args: &[&str], env: &[(&str, &str)]) -> Result<AgwProc, String> {
+    let mut agw = Agw::new(url, id).args(args).env("RUST_LOG", "warn");
+    for (k, v) in env {
+        agw = agw.env(k, v);
+    }
+    let mut agw = agw.kill_on_drop().spawn();
+    match agw.registered() {
+        Ok(_) => Ok(agw),
+        Err(e) => Err(format!("{}: {}", e.status.expect("agw exited"), e.log)),
     }
 }
 
@@ -389,7 +336,7 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
         &[("AGW_TOKEN", TOKEN)],
     )
     .expect("agw starts with the sandbox on this kernel");
-    let agw_pid = agw.0.id().to_string();
+    let agw_pid = agw.pid().to_string();
     let mut c = Clients::connect(&url).await;
     assert!(
         c.sandboxed("sandboxed-1").await,
@@ -775,7 +722,7 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
     // The worker is still alive, registered and sandboxed; the escape
     // attempts left no scratch directory behind.
     let mut agw = agw;
-    assert!(agw.0.try_wait().expect("try_wait").is_none(), "agw died");
+    assert!(agw.try_wait().is_none(), "agw died");
     assert!(c.sandboxed("sandboxed-1").await);
 
     // Ordinary pipelines still work under the sandbox.
@@ -942,7 +889,7 @@ async fn without_landlock_agw_refuses_to_start_unless_told_to_run_unsandboxed() 
 
 #[test]
 fn the_token_on_the_command_line_is_refused() {
-    let out = Command::new(env!("CARGO_BIN_EXE_agw"))
+    let out = clean_command(AGW)
         .args(["--token", "a-token-on-the-command-line", "--tools", "cat"])
         .output()
         .expect("run agw");

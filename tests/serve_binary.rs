@@ -1,31 +1,22 @@
 //! The `agq serve` binary: secure by default, clean exit on SIGTERM, and
 //! state that survives a restart of the process.
 
-use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
-    time::Duration,
-};
+mod process;
 
-const AGQ: &str = env!("CARGO_BIN_EXE_agq");
+use std::time::Duration;
+
+use process::{Serve, WAIT};
 
 #[test]
 fn refuses_a_public_listen_address_without_auth() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(AGQ)
-        .args([
-            "serve",
-            "--listen",
-            "0.0.0.0:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--db",
-        ])
-        .arg(dir.path().join("agq.db"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let exited = Serve::new(dir.path().join("agq.db"))
+        .listen("0.0.0.0:0")
+        .spawn()
+        .err()
+        .expect("agq serve started on 0.0.0.0 without auth");
+    assert!(exited.status.is_some_and(|st| !st.success()), "{exited:?}");
+    let err = exited.log;
     assert!(
         err.contains("refusing to listen on 0.0.0.0:0 without authentication"),
         "{err}"
@@ -42,22 +33,13 @@ fn rejects_a_bad_auth_file_without_echoing_tokens() {
         "[[tokens]]\ntoken = \"tiny-secret\"\nrole = \"client\"\n",
     )
     .unwrap();
-    let out = Command::new(AGQ)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--auth-file",
-        ])
-        .arg(&auth)
-        .arg("--db")
-        .arg(dir.path().join("agq.db"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let exited = Serve::new(dir.path().join("agq.db"))
+        .args(["--auth-file".as_ref(), auth.as_os_str()])
+        .spawn()
+        .err()
+        .expect("agq serve started with a bad auth file");
+    assert!(exited.status.is_some_and(|st| !st.success()), "{exited:?}");
+    let err = exited.log;
     assert!(err.contains("at least 16 characters"), "{err}");
     assert!(
         !err.contains("tiny-secret"),
@@ -68,35 +50,18 @@ fn rejects_a_bad_auth_file_without_echoing_tokens() {
 #[test]
 fn sigterm_closes_the_database_and_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(AGQ)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--db",
-        ])
-        .arg(dir.path().join("data/agq.db"))
+    // The default log level: "database closed" is an info line.
+    let mut server = Serve::new(dir.path().join("data/agq.db"))
         .env("AGQ_HEARTBEAT_INTERVAL_SECS", "5")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .env_remove("RUST_LOG")
         .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.starts_with("listening on 127.0.0.1:"), "{line}");
+        .unwrap_or_else(|e| panic!("agq serve did not start: {e:?}"));
+    assert!(server.addr.starts_with("127.0.0.1:"), "{}", server.addr);
     std::thread::sleep(Duration::from_millis(200));
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "exit status {:?}", out.status);
-    let err = String::from_utf8_lossy(&out.stderr);
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = server.wait_exit(WAIT);
+    assert!(status.success(), "exit status {status:?}");
+    let err = server.log();
     assert!(err.contains("database closed"), "{err}");
     assert!(dir.path().join("data/agq.db").exists());
     assert!(

@@ -29,6 +29,7 @@ use super::{
 use crate::{
     auth::Authenticator,
     config::EngineConfig,
+    local::LocalServer,
     pb::{self, JobStatus},
     server::{self, ServerOptions},
 };
@@ -375,14 +376,6 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         .clone()
         .unwrap_or_else(|| scratch.path().join("agq.db"));
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| CliError::Failed(format!("cannot listen on 127.0.0.1: {e}")))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| CliError::Failed(e.to_string()))?;
-    let url = format!("http://{addr}");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let opts = ServerOptions {
         db: db.clone(),
         sqlite_synchronous: Default::default(),
@@ -391,16 +384,10 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         tls: None,
         shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
     };
-    let server = server::run(
-        listener,
-        None,
-        opts,
-        async {
-            let _ = stop_rx.await;
-        },
-        |_| {},
-    );
-    tokio::pin!(server);
+    let mut server = LocalServer::start(opts, None, false)
+        .await
+        .map_err(|e| CliError::Failed(format!("the server did not start: {e}")))?;
+    let url = server.url();
     emit_line(&format!(
         "AGQ demo: server on {url} (database {}), {} agw worker{}, {} file{}",
         db.display(),
@@ -421,7 +408,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         &mut workers,
     );
     let outcome = tokio::select! {
-        r = &mut server => Err(CliError::Failed(match r {
+        r = server.wait() => Err(CliError::Failed(match r {
             Ok(()) => "the server stopped unexpectedly".into(),
             Err(e) => format!("the server failed: {e}"),
         })),
@@ -431,8 +418,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
 
     // Clean shutdown, whatever happened: workers drain and leave, then the server stops.
     let problems = stop_workers(&mut workers).await;
-    let _ = stop_tx.send(());
-    let served = tokio::time::timeout(Duration::from_secs(30), &mut server).await;
+    let served = tokio::time::timeout(Duration::from_secs(30), server.stop()).await;
     drop(scratch);
     if !workers.is_empty() && problems.is_empty() {
         emit_line(&format!(

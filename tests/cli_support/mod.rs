@@ -3,40 +3,28 @@
 //! built `agq` binary that captures stdout, stderr and the exit code.
 #![allow(dead_code)]
 
+#[path = "../process/mod.rs"]
+pub mod process;
+
 use std::{
-    io::{BufRead, BufReader, Write},
+    io::Write,
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
-/// The `agq` binary under test.
-pub const AGQ: &str = env!("CARGO_BIN_EXE_agq");
-/// The `agw` binary of the same build.
-pub const AGW: &str = env!("CARGO_BIN_EXE_agw");
+pub use process::{clean_command, AGQ, WAIT};
+use process::{AgqServe, Agw, AgwProc, Serve};
 
-/// How long any wait in these tests may take.
-pub const WAIT: Duration = Duration::from_secs(60);
-
-/// A command without the caller's `AGQ_*` / `AGW_*` variables.
-pub fn clean_command(program: &str) -> Command {
-    let mut cmd = Command::new(program);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("AGQ_") || k.starts_with("AGW_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd
-}
-
-/// A running `agq serve` child process; stopped with SIGTERM on drop.
+/// A running `agq serve` child process and its `agw` workers; all stopped
+/// with SIGTERM on drop, the workers first.
 pub struct Server {
-    child: Child,
+    workers: Vec<AgwProc>,
+    child: AgqServe,
     /// `127.0.0.1:<port>`.
     pub addr: String,
     /// Its temporary directory (database, logs).
     pub dir: tempfile::TempDir,
-    workers: Vec<Child>,
 }
 
 impl Server {
@@ -65,18 +53,8 @@ impl Server {
             <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
         )
         .expect("chmod");
-        let db = dir.path().join("agq.db");
-        let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let mut child = clean_command(AGQ);
-        child
+        let mut serve = Serve::new(dir.path().join("agq.db"))
             .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--db",
-                db.to_str().expect("utf-8 path"),
                 "--heartbeat-interval-ms",
                 "300",
                 "--lease-grace-ms",
@@ -87,29 +65,16 @@ impl Server {
                 "200",
             ])
             .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log));
+            .log_to(dir.path().join("server.log"));
         if default_level {
-            child.env_remove("RUST_LOG");
+            serve = serve.env_remove("RUST_LOG");
         }
-        let mut child = child.spawn().expect("spawn agq serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let first = lines
-            .next()
-            .and_then(Result::ok)
-            .unwrap_or_else(|| panic!("agq serve printed nothing; log: {}", log_of(dir.path())));
-        let addr = first
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
-            .trim()
-            .to_owned();
-        // Keep reading so the server never writes into a closed pipe.
-        std::thread::spawn(move || for _ in lines {});
+        let child = serve
+            .spawn()
+            .unwrap_or_else(|e| panic!("agq serve did not start: {e:?}"));
         Server {
+            addr: child.addr.clone(),
             child,
-            addr,
             dir,
             workers: Vec::new(),
         }
@@ -117,7 +82,7 @@ impl Server {
 
     /// `http://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.child.url()
     }
 
     /// Runs `agq --server <url> ARGS`.
@@ -159,50 +124,28 @@ impl Server {
     /// (`AGW_TOKEN`). Tasks may read this session's directory; their
     /// scratch directories are under it too.
     pub fn start_worker_env(&mut self, id: &str, extra: &[&str], env: &[(&str, &str)]) {
-        let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
-        let mut child = clean_command(AGW)
-            .arg("--read-path")
-            .arg(self.dir.path())
-            .arg("--scratch-dir")
-            .arg(self.dir.path().join(format!("scratch-{id}")))
-            .envs(env.iter().copied())
+        let mut agw = Agw::new(&self.url(), id)
             .args([
-                "--server",
-                &self.url(),
-                "--worker-id",
-                id,
-                "--max-concurrent-jobs",
-                "2",
-                "--drain-timeout-secs",
-                "5",
+                "--read-path".as_ref(),
+                self.dir.path().as_os_str(),
+                "--scratch-dir".as_ref(),
+                self.dir.path().join(format!("scratch-{id}")).as_os_str(),
             ])
+            .args(["--max-concurrent-jobs", "2", "--drain-timeout-secs", "5"])
             .args(extra)
             .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn agw");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.starts_with("agw: registered") => break,
-                Some(Ok(_)) => {}
-                _ => panic!(
-                    "agw {id} exited before registering; log: {}",
-                    std::fs::read_to_string(self.dir.path().join(format!("{id}.log")))
-                        .unwrap_or_default()
-                ),
-            }
+            .log_to(self.dir.path().join(format!("{id}.log")));
+        for (k, v) in env {
+            agw = agw.env(k, v);
         }
-        std::thread::spawn(move || for _ in lines {});
-        self.workers.push(child);
+        let mut agw = agw.spawn();
+        agw.wait_registered();
+        self.workers.push(agw);
     }
 
     /// The server's log so far.
     pub fn log(&self) -> String {
-        log_of(self.dir.path())
+        self.child.log()
     }
 
     /// Runs `agq ARGS` until `check` accepts its parsed JSON output or
@@ -227,34 +170,12 @@ impl Server {
     }
 }
 
-fn log_of(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("server.log")).unwrap_or_default()
-}
-
-fn terminate(child: &mut Child) {
-    if let Ok(pid) = i32::try_from(child.id()) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-    }
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 impl Drop for Server {
     fn drop(&mut self) {
+        // Workers first (they drain and unregister), then the server.
         for w in &mut self.workers {
-            terminate(w);
+            w.terminate();
         }
-        terminate(&mut self.child);
     }
 }
 

@@ -12,13 +12,11 @@ use std::{
 use agq::{
     auth::Authenticator,
     config::EngineConfig,
+    local::LocalServer,
     pb::{self, *},
-    server::{self, ServerOptions},
+    server::ServerOptions,
 };
-use tokio::{
-    sync::{mpsc, oneshot},
-    task::JoinHandle,
-};
+use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::{wrappers::ReceiverStream, StreamExt};
 use tonic::{
     metadata::MetadataValue, service::interceptor::InterceptedService, transport::Channel, Request,
@@ -37,14 +35,13 @@ pub fn fast_config() -> EngineConfig {
     }
 }
 
-/// A running server.
+/// A running server: an [`agq::local::LocalServer`] and its database.
 pub struct TestServer {
     pub addr: SocketAddr,
     /// Address of `GET /metrics`, when started with one.
     pub metrics_addr: Option<SocketAddr>,
     pub db: PathBuf,
-    stop: Option<oneshot::Sender<()>>,
-    handle: Option<JoinHandle<agq::error::Result<()>>>,
+    server: LocalServer,
 }
 
 impl TestServer {
@@ -75,63 +72,31 @@ impl TestServer {
         addr: Option<SocketAddr>,
         metrics: bool,
     ) -> TestServer {
-        let listener =
-            tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
-                .await
-                .expect("bind");
-        let addr = listener.local_addr().unwrap();
-        let metrics_listener = if metrics {
-            Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
-        } else {
-            None
-        };
-        let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
-        let (stop, stop_rx) = oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = oneshot::channel::<()>();
         let opts = ServerOptions {
             sqlite_synchronous: Default::default(),
             db: db.to_path_buf(),
             engine: cfg,
             auth,
             tls: None,
-            shutdown_grace: std::time::Duration::from_secs(2),
+            shutdown_grace: Duration::from_secs(2),
         };
-        let handle = tokio::spawn(async move {
-            server::run(
-                listener,
-                metrics_listener,
-                opts,
-                async move {
-                    let _ = stop_rx.await;
-                },
-                move |_| {
-                    let _ = ready_tx.send(());
-                },
-            )
+        let server = LocalServer::start(opts, addr, metrics)
             .await
-        });
-        ready_rx.await.expect("server failed to start");
+            .unwrap_or_else(|e| panic!("server failed to start: {e}"));
         TestServer {
-            addr,
-            metrics_addr,
+            addr: server.addr(),
+            metrics_addr: server.metrics_addr(),
             db: db.to_path_buf(),
-            stop: Some(stop),
-            handle: Some(handle),
+            server,
         }
     }
 
     /// Stops the server gracefully and waits until the database is closed.
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(h) = self.handle.take() {
-            tokio::time::timeout(Duration::from_secs(20), h)
-                .await
-                .expect("server did not stop in time")
-                .expect("server task panicked")
-                .expect("server returned an error");
-        }
+    pub async fn stop(self) {
+        tokio::time::timeout(Duration::from_secs(20), self.server.stop())
+            .await
+            .expect("server did not stop in time")
+            .expect("server returned an error");
     }
 
     pub fn url(&self) -> String {
