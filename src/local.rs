@@ -9,12 +9,12 @@
 //! `run` ended. Dropping a [`LocalServer`] without stopping it also begins a
 //! graceful shutdown, without waiting for it.
 
-use std::{net::SocketAddr, sync::Arc};
+use std::net::SocketAddr;
 
 use tokio::{runtime::Handle, sync::oneshot, task::JoinHandle};
 
 use crate::{
-    core::Engine,
+    core::SharedEngine,
     error::{Error, Result},
     server::{self, ServerOptions},
 };
@@ -23,7 +23,7 @@ use crate::{
 pub struct LocalServer {
     addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
-    engine: Arc<Engine>,
+    engine: SharedEngine,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<()>>>,
 }
@@ -78,7 +78,7 @@ impl LocalServer {
             None => None,
         };
         let (stop, stop_rx) = oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = oneshot::channel::<Arc<Engine>>();
+        let (ready_tx, ready_rx) = oneshot::channel::<SharedEngine>();
         let task = runtime.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener)
                 .map_err(|e| Error::Internal(format!("listener: {e}")))?;
@@ -134,7 +134,7 @@ impl LocalServer {
 
     /// The engine behind the services, as `run`'s `ready` callback gave it:
     /// for in-process observers such as the benchmark's commit counters.
-    pub fn engine(&self) -> &Arc<Engine> {
+    pub fn engine(&self) -> &SharedEngine {
         &self.engine
     }
 
