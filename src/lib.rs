@@ -5,11 +5,26 @@
 //! (`agw`) register, keep a bidirectional heartbeat stream open and receive
 //! job **leases** over a server stream. State lives in SQLite.
 //!
-//! - [`server::run`] starts the whole server on a listener;
-//!   [`local::LocalServer`] starts it inside the calling process.
-//! - [`core`] holds validation, the job state machine, scheduler and reaper.
-//! - [`store`] holds every SQL statement.
-//! - [`service`] holds the thin tonic services; [`pb`] the generated code.
+//! The intended API of this library, for the `agq` and `agw` binaries, the
+//! benchmark (`agq-bench`) and the tests:
+//!
+//! - [`server::run`] starts the whole server on a listener with
+//!   [`server::ServerOptions`]; [`local::LocalServer`] starts it inside the
+//!   calling process (tests, the bench, `agq demo`).
+//! - [`core`] is the engine-neutral core: the domain types
+//!   ([`core::model`]), the engine interface the services call
+//!   ([`core::Engine`]), validation, pagination.
+//! - [`store`] holds the engines behind that interface and all their SQL:
+//!   [`store::sqlite::SqliteEngine`] is the embedded default.
+//! - [`pb`] is the generated `agq.v1` code; [`config`] the command-line
+//!   settings; [`auth`] the tokens and roles; [`error`] the one error type;
+//!   [`metrics`] the Prometheus registry.
+//! - [`worker`] is `agw` (connection, heartbeat, leases, sandboxed
+//!   executor); [`cli`] the client subcommands of `agq`.
+//!
+//! The gRPC services (`service`: decode, call the engine, encode) and the
+//! time conversions are internal. `docs/architecture.md` walks a job
+//! through the files.
 
 pub mod auth;
 pub mod cli;
@@ -20,7 +35,7 @@ pub mod local;
 pub mod metrics;
 pub mod pb;
 pub mod server;
-pub mod service;
+pub(crate) mod service;
 pub mod store;
-pub mod time;
+pub(crate) mod time;
 pub mod worker;

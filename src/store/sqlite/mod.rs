@@ -12,8 +12,10 @@
 mod jobs;
 mod loops;
 mod scheduler;
-pub mod sql;
+pub(crate) mod sql;
 mod state;
+#[cfg(test)]
+mod tests;
 mod workers;
 mod writer;
 

@@ -642,3 +642,69 @@ pub fn count_by_status(conn: &Connection) -> Result<HashMap<i32, i64>> {
     let rows = stmt.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SyncMode;
+
+    /// A job inserted running its first attempt under lease `L1` of `w1`.
+    fn leased_job() -> (tempfile::TempDir, Connection, i64) {
+        let dir = tempfile::tempdir().unwrap();
+        let (conn, _pool) =
+            super::super::open(&dir.path().join("agq.db"), SyncMode::Normal).unwrap();
+        conn.execute(
+            "INSERT INTO plans (plan_id, description, body, created_at_ms) VALUES ('p', '', x'', 0)",
+            [],
+        )
+        .unwrap();
+        assert!(insert_action(&conn, "a", "p", 1, 3, None, 0).unwrap());
+        let lease = FirstLease {
+            worker_id: "w1",
+            lease_id: "L1",
+            expires_at_ms: i64::MAX,
+        };
+        let row = insert_job(&conn, "j", "a", "p", "{}", 3, 0, 0, Some(lease)).unwrap();
+        (dir, conn, row)
+    }
+
+    fn status(conn: &Connection, row: i64) -> JobStatus {
+        get_by_row(conn, row, false).unwrap().unwrap().status
+    }
+
+    /// The fencing in SQL, on its own: an outcome recorded with a stale
+    /// lease id, or by another worker with the right one, changes no row
+    /// and the job keeps running; the holder's outcome changes exactly one,
+    /// once.
+    #[test]
+    fn outcomes_under_a_stale_lease_change_no_row() {
+        let (_dir, conn, row) = leased_job();
+        let stale = Fence {
+            lease_id: "L0",
+            worker_id: "w1",
+        };
+        let thief = Fence {
+            lease_id: "L1",
+            worker_id: "w2",
+        };
+        for fence in [stale, thief] {
+            assert!(!complete(&conn, row, fence, 1).unwrap(), "{fence:?}");
+            assert!(!fail_attempt(&conn, row, fence, true, "x", 1, 1, true).unwrap());
+            assert!(!set_progress(&conn, row, fence, 1, 50).unwrap());
+            assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
+        }
+        let job = get_by_row(&conn, row, false).unwrap().unwrap();
+        assert_eq!((job.progress_percent, job.error.as_str()), (0, ""));
+        let holder = Fence {
+            lease_id: "L1",
+            worker_id: "w1",
+        };
+        assert!(set_progress(&conn, row, holder, 1, 50).unwrap());
+        assert!(complete(&conn, row, holder, 1).unwrap());
+        assert_eq!(status(&conn, row), JobStatus::Completed);
+        // The attempt has ended: even its own lease records nothing more.
+        assert!(!complete(&conn, row, holder, 2).unwrap());
+        assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
+        assert_eq!(status(&conn, row), JobStatus::Completed);
+    }
+}

@@ -267,6 +267,30 @@ pub fn store_fault(e: &rusqlite::Error) -> Option<&'static str> {
 mod tests {
     use super::*;
 
+    /// A full disk, an I/O error or a read-only file is a store fault
+    /// naming its cause (UNAVAILABLE to clients); a constraint failure (a
+    /// bug) is none (INTERNAL).
+    #[test]
+    fn sqlite_errors_name_store_faults() {
+        let err = |code| {
+            Error::from(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(code),
+                None,
+            ))
+        };
+        for (code, cause) in [
+            (rusqlite::ffi::SQLITE_FULL, "database or disk is full"),
+            (rusqlite::ffi::SQLITE_IOERR, "disk I/O error"),
+            (
+                rusqlite::ffi::SQLITE_READONLY,
+                "the database file is read-only",
+            ),
+        ] {
+            assert_eq!(err(code).store_fault(), Some(cause));
+        }
+        assert_eq!(err(rusqlite::ffi::SQLITE_CONSTRAINT).store_fault(), None);
+    }
+
     /// A database left at schema version 2 by an older agq is brought to
     /// the current version with its rows kept, the job indexes no query
     /// uses are gone, and actions whose jobs all ended have a finish time

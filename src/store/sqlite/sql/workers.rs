@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use prost::Message;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection};
 
 use crate::{
     core::model::{Worker, WorkerCapabilities, WorkerState, WorkerStats},
@@ -178,17 +178,6 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
         });
     }
     Ok(out)
-}
-
-/// True when a worker row exists.
-///
-/// Errors: [`Error::Storage`].
-pub fn exists(conn: &Connection, worker_id: &str) -> Result<bool> {
-    Ok(conn
-        .prepare_cached("SELECT 1 FROM workers WHERE worker_id = ?1")?
-        .query_row([worker_id], |_| Ok(()))
-        .optional()?
-        .is_some())
 }
 
 /// Deletes a worker row and its tools.

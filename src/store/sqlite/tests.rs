@@ -1,0 +1,294 @@
+//! Unit tests of the scheduler and the job state machine, through the
+//! engine interface with no gRPC: leases arrive on in-process channels.
+
+use std::{collections::HashMap, time::Duration};
+
+use tokio::sync::mpsc;
+
+use super::SqliteEngine;
+use crate::{
+    config::{EngineConfig, SyncMode},
+    core::{
+        engine::{ActionRequest, HeartbeatEvent},
+        model::{
+            JobLease, JobReport, JobStatus, Plan, Registration, Task, WorkerCapabilities,
+            WorkerCommand,
+        },
+        SharedEngine,
+    },
+    error::Error,
+    metrics::Metrics,
+};
+
+/// An engine on a fresh database: heartbeat 100 ms (stale after 300 ms),
+/// no grace, no backoff.
+async fn engine(dir: &tempfile::TempDir) -> SharedEngine {
+    let cfg = EngineConfig {
+        heartbeat_interval: Duration::from_millis(100),
+        lease_grace: Duration::ZERO,
+        retry_backoff_base: Duration::ZERO,
+        retry_backoff_max: Duration::ZERO,
+        ..EngineConfig::default()
+    };
+    SqliteEngine::open(
+        &dir.path().join("agq.db"),
+        SyncMode::Normal,
+        cfg,
+        std::sync::Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap()
+}
+
+fn plan(id: &str, tools: &[&str]) -> Plan {
+    Plan {
+        plan_id: id.into(),
+        tasks: tools
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Task {
+                task_number: i as u32 + 1,
+                command: (*t).into(),
+                timeout_secs: 10,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A worker with both streams open, as agw keeps them.
+struct Worker {
+    id: String,
+    leases: mpsc::UnboundedReceiver<JobLease>,
+    commands: mpsc::UnboundedReceiver<HeartbeatEvent>,
+}
+
+impl Worker {
+    async fn start(e: &SharedEngine, id: &str, tools: &[&str], max: u32) -> Worker {
+        e.register_worker(Registration {
+            worker_id: id.into(),
+            hostname: "h".into(),
+            agw_version: "t".into(),
+            capabilities: WorkerCapabilities {
+                tools: tools.iter().map(|t| t.to_string()).collect(),
+                agentic_units: vec![],
+            },
+            max_concurrent_jobs: max,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let (htx, commands) = mpsc::unbounded_channel();
+        e.open_heartbeat(id.into(), htx).await.unwrap();
+        let (ltx, leases) = mpsc::unbounded_channel();
+        e.open_lease_stream(id.into(), ltx).await.unwrap();
+        Worker {
+            id: id.into(),
+            leases,
+            commands,
+        }
+    }
+
+    async fn lease_within(&mut self, ms: u64) -> Option<JobLease> {
+        tokio::time::timeout(Duration::from_millis(ms), self.leases.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    fn report(&self, lease: &JobLease, status: JobStatus) -> JobReport {
+        JobReport {
+            job_id: lease.job.job_id.clone(),
+            worker_id: self.id.clone(),
+            lease_id: lease.lease_id.clone(),
+            status: Some(status),
+            ..Default::default()
+        }
+    }
+}
+
+async fn submit(e: &SharedEngine, plan_id: &str, n: usize, attempts: u32) -> Vec<String> {
+    e.submit_action(ActionRequest {
+        plan_id: plan_id.into(),
+        inputs: (0..n).map(|_| HashMap::new()).collect(),
+        max_attempts: attempts,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .job_ids
+}
+
+/// Leases go to capable workers only, up to their slots, oldest job
+/// first; a job nobody can take waits and says why.
+#[tokio::test]
+async fn leases_go_fifo_to_capable_workers_up_to_their_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("sorter", &["sort"])).await.unwrap();
+    let mut cat = Worker::start(&e, "w-cat", &["cat"], 4).await;
+    let mut sort = Worker::start(&e, "w-sort", &["sort", "uniq"], 2).await;
+    let ids = submit(&e, "sorter", 3, 3).await;
+    let first = sort.lease_within(2000).await.expect("first lease");
+    let second = sort.lease_within(2000).await.expect("second lease");
+    assert_eq!(
+        [first.job.job_id.as_str(), second.job.job_id.as_str()],
+        [ids[0].as_str(), ids[1].as_str()],
+        "FIFO"
+    );
+    assert_eq!(first.job.status, JobStatus::Running);
+    assert_eq!(first.attempt, 1);
+    assert!(sort.lease_within(200).await.is_none(), "only 2 slots");
+    assert!(cat.lease_within(50).await.is_none(), "w-cat lacks sort");
+    let waiting = e.get_job(ids[2].clone()).await.unwrap();
+    assert_eq!(waiting.status, JobStatus::Pending);
+    assert!(
+        waiting.waiting_reason.contains("busy"),
+        "{}",
+        waiting.waiting_reason
+    );
+    // A freed slot takes the next job.
+    let done = e
+        .update_job(sort.report(&first, JobStatus::Completed))
+        .await
+        .unwrap();
+    assert_eq!(done, JobStatus::Completed);
+    let third = sort.lease_within(2000).await.expect("third lease");
+    assert_eq!(third.job.job_id, ids[2]);
+}
+
+/// A worker whose heartbeat went stale (3 x the interval) gets no lease,
+/// and the waiting job says no fresh worker has its tools.
+#[tokio::test]
+async fn a_stale_worker_gets_no_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    let mut w = Worker::start(&e, "w1", &["sort"], 1).await;
+    // No heartbeat for well past 300 ms.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let ids = submit(&e, "p", 1, 3).await;
+    assert!(w.lease_within(300).await.is_none());
+    let job = e.get_job(ids[0].clone()).await.unwrap();
+    assert!(
+        job.waiting_reason.contains("no fresh worker"),
+        "{}",
+        job.waiting_reason
+    );
+}
+
+/// Reports are fenced: a stale lease id is FAILED_PRECONDITION, another
+/// worker's report PERMISSION_DENIED, and neither changes the job; a
+/// repeated final report is acknowledged; failures retry until dead;
+/// retry and cancel follow the state rules.
+#[tokio::test]
+async fn the_state_machine_fences_reports_and_follows_its_transitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    let mut w = Worker::start(&e, "w1", &["sort"], 1).await;
+    let other = Worker::start(&e, "w2", &["cat"], 1).await;
+    let ids = submit(&e, "p", 1, 2).await;
+    let lease = w.lease_within(2000).await.unwrap();
+
+    let mut stale = w.report(&lease, JobStatus::Completed);
+    stale.lease_id = "not-the-lease".into();
+    let err = e.update_job(stale).await.unwrap_err();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    let err = e
+        .update_job(other.report(&lease, JobStatus::Completed))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    let mut bad = w.report(&lease, JobStatus::Completed);
+    bad.status = None;
+    let err = e.update_job(bad).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert_eq!(
+        e.get_job(ids[0].clone()).await.unwrap().status,
+        JobStatus::Running
+    );
+
+    // Attempt 1 fails: with no backoff the job is pending and leased again.
+    let after = e
+        .update_job(w.report(&lease, JobStatus::Failed))
+        .await
+        .unwrap();
+    assert!(matches!(after, JobStatus::Pending | JobStatus::Failed));
+    let again = w.lease_within(2000).await.unwrap();
+    assert_eq!(
+        (again.attempt, again.job.job_id.as_str()),
+        (2, ids[0].as_str())
+    );
+    assert_ne!(again.lease_id, lease.lease_id, "a new fencing token");
+    // The first attempt's lease is stale now.
+    let err = e
+        .update_job(w.report(&lease, JobStatus::Completed))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    // Attempt 2 of 2 fails: dead, and a repeat of that report is acknowledged.
+    let report = w.report(&again, JobStatus::Failed);
+    assert_eq!(e.update_job(report.clone()).await.unwrap(), JobStatus::Dead);
+    assert_eq!(e.update_job(report).await.unwrap(), JobStatus::Dead);
+    assert!(matches!(
+        e.cancel_job(ids[0].clone()).await.unwrap_err(),
+        Error::FailedPrecondition(_)
+    ));
+    // Retry brings it back with a fresh budget (and, a worker being
+    // free, it may be leased in the same commit).
+    let retried = e.retry_job(ids[0].clone()).await.unwrap();
+    assert!(
+        matches!(retried.status, JobStatus::Pending | JobStatus::Running),
+        "{retried:?}"
+    );
+    let third = w.lease_within(2000).await.unwrap();
+    assert_eq!(third.attempt, 1);
+    assert!(matches!(
+        e.retry_job(ids[0].clone()).await.unwrap_err(),
+        Error::FailedPrecondition(_)
+    ));
+    // Cancelling a running job tells its holder over the heartbeat stream.
+    let cancelled = e.cancel_job(ids[0].clone()).await.unwrap();
+    assert_eq!(cancelled.status, JobStatus::Cancelled);
+    let told = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match w.commands.recv().await {
+                Some(HeartbeatEvent::Reply(r)) => {
+                    if let Some(c) = r.command {
+                        return Some(c);
+                    }
+                }
+                _ => return None,
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten();
+    assert_eq!(told, Some(WorkerCommand::CancelJob(ids[0].clone())));
+    let err = e
+        .update_job(w.report(&third, JobStatus::Completed))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    e.close().await;
+}
+
+/// A worker that unregisters gives its leases back: the job goes to the
+/// next capable worker with a new lease.
+#[tokio::test]
+async fn leases_of_an_unregistered_worker_are_requeued() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    let mut a = Worker::start(&e, "a", &["sort"], 1).await;
+    let ids = submit(&e, "p", 1, 3).await;
+    let first = a.lease_within(2000).await.unwrap();
+    let mut b = Worker::start(&e, "b", &["sort"], 1).await;
+    assert_eq!(e.unregister_worker("a".into()).await.unwrap(), 1);
+    let second = b.lease_within(2000).await.expect("re-leased to b");
+    assert_eq!(second.job.job_id, ids[0]);
+    assert_ne!(second.lease_id, first.lease_id);
+}
