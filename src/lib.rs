@@ -22,8 +22,11 @@
 //! - [`worker`] is `agw` (connection, heartbeat, leases, sandboxed
 //!   executor); [`cli`] the client subcommands of `agq`.
 //!
-//! The gRPC services (`service`: decode, call the engine, encode) and the
-//! time conversions are internal. `docs/architecture.md` walks a job
+//! - [`service`] holds the gRPC services, which are internal, and two
+//!   public parts: the protobuf ↔ domain conversions
+//!   ([`service::convert`]) and the error → status table
+//!   ([`service::status`]), for code that drives the engine the way the
+//!   services do (the fuzz targets). `docs/architecture.md` walks a job
 //! through the files.
 
 pub mod auth;
@@ -35,7 +38,7 @@ pub mod local;
 pub mod metrics;
 pub mod pb;
 pub mod server;
-pub(crate) mod service;
+pub mod service;
 pub mod store;
 pub(crate) mod time;
 pub mod worker;

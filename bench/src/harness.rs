@@ -1,6 +1,7 @@
-//! The AGQ server under test: [`agq::server::run`] on 127.0.0.1:0 with a
-//! temporary database, on its own tokio runtime whose threads are named
-//! `agq-srv` so its CPU time can be told apart from the simulated clients'.
+//! The AGQ server under test: [`agq::local::LocalServer`] on 127.0.0.1:0
+//! with a temporary database, on its own tokio runtime whose threads are
+//! named `agq-srv` so its CPU time can be told apart from the simulated
+//! clients'; or the real `agq serve` as a child process.
 
 use std::{
     net::SocketAddr,
@@ -9,14 +10,13 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::oneshot;
 use tonic::transport::{Channel, Endpoint};
 
 use super::BenchError;
 use agq::{
     auth::Authenticator,
     config::{EngineConfig, SyncMode},
-    core::SharedEngine,
+    local::LocalServer,
     server::{self, ServerOptions},
 };
 
@@ -55,9 +55,7 @@ pub struct Harness {
     /// Its gRPC address.
     pub addr: SocketAddr,
     rt: Option<tokio::runtime::Runtime>,
-    stop: Option<oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<agq::error::Result<()>>>,
-    engine: Option<SharedEngine>,
+    server: Option<LocalServer>,
     child: Option<std::process::Child>,
     dir: TempDir,
 }
@@ -81,16 +79,6 @@ impl Harness {
             .enable_all()
             .build()
             .map_err(|e| BenchError::Setup(format!("server runtime: {e}")))?;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")
-            .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| BenchError::Setup(e.to_string()))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| BenchError::Setup(e.to_string()))?;
-        let (stop, stop_rx) = oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = oneshot::channel::<SharedEngine>();
         let opts = ServerOptions {
             db: dir.path().join("agq.db"),
             sqlite_synchronous: sync,
@@ -99,37 +87,17 @@ impl Harness {
             tls: None,
             shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
         };
-        let done = rt.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener)
-                .map_err(|e| agq::error::Error::Internal(e.to_string()))?;
-            server::run(
-                listener,
-                None,
-                opts,
-                async move {
-                    let _ = stop_rx.await;
-                },
-                move |engine| {
-                    let _ = ready_tx.send(engine.clone());
-                },
-            )
-            .await
-        });
-        let Ok(engine) = ready_rx.await else {
-            let err = match done.await {
-                Ok(Err(e)) => e.to_string(),
-                Ok(Ok(())) => "the server stopped at once".to_string(),
-                Err(e) => e.to_string(),
-            };
-            rt.shutdown_background();
-            return Err(BenchError::Setup(format!("AGQ did not start: {err}")));
+        let server = match LocalServer::start_on(rt.handle(), opts, None, false).await {
+            Ok(server) => server,
+            Err(e) => {
+                rt.shutdown_background();
+                return Err(BenchError::Setup(format!("AGQ did not start: {e}")));
+            }
         };
         Ok(Harness {
-            addr,
+            addr: server.addr(),
             rt: Some(rt),
-            stop: Some(stop),
-            done: Some(done),
-            engine: Some(engine),
+            server: Some(server),
             child: None,
             dir,
         })
@@ -185,9 +153,7 @@ impl Harness {
         let mut h = Harness {
             addr,
             rt: None,
-            stop: None,
-            done: None,
-            engine: None,
+            server: None,
             child: Some(child),
             dir,
         };
@@ -223,10 +189,10 @@ impl Harness {
     /// (commits, operations committed) so far, from the server's
     /// `commit_batch_ops` histogram: how well group commit batches (in-process only).
     pub fn commits(&self) -> (u64, u64) {
-        let Some(engine) = &self.engine else {
+        let Some(server) = &self.server else {
             return (0, 0);
         };
-        let text = engine.metrics().encode();
+        let text = server.engine().metrics().encode();
         let find = |suffix: &str| {
             text.lines()
                 .filter(|l| !l.starts_with('#'))
@@ -252,16 +218,14 @@ impl Harness {
     ///
     /// Errors: the server returned an error or did not stop within 60 s.
     pub async fn stop(mut self) -> Result<(), BenchError> {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let result = match self.done.take() {
-            Some(h) => match tokio::time::timeout(Duration::from_secs(60), h).await {
-                Ok(Ok(Ok(()))) => Ok(()),
-                Ok(Ok(Err(e))) => Err(BenchError::Failed(format!("AGQ stopped with: {e}"))),
-                Ok(Err(e)) => Err(BenchError::Failed(format!("AGQ task failed: {e}"))),
-                Err(_) => Err(BenchError::Failed("AGQ did not stop within 60 s".into())),
-            },
+        let result = match self.server.take() {
+            Some(server) => {
+                match tokio::time::timeout(Duration::from_secs(60), server.stop()).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(BenchError::Failed(format!("AGQ stopped with: {e}"))),
+                    Err(_) => Err(BenchError::Failed("AGQ did not stop within 60 s".into())),
+                }
+            }
             None => Ok(()),
         };
         if let Some(rt) = self.rt.take() {
@@ -292,9 +256,8 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+        // Dropping the server starts its graceful shutdown.
+        drop(self.server.take());
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
