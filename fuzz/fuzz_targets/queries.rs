@@ -1,21 +1,26 @@
 //! The read RPCs: the first byte picks the message, the rest is decoded
-//! with prost and handed to the `Engine` call its service makes.
+//! with prost, converted as its service converts it (`service::convert`)
+//! and handed to the `Engine` call its service makes; outcomes are
+//! compared by gRPC code.
 //!
 //! - ListPlansRequest: a pattern the validating glob dialect refuses gets
 //!   INVALID_ARGUMENT; a page is sorted, unique, at most page_size long,
 //!   holds only ids the pattern matches, and a whole listing holds every
 //!   fixture plan it matches; the next page starts after the last id.
-//! - SearchJobsRequest / ListJobsRequest: filters, page sizes and page
-//!   tokens (built as the JobService builds them).
+//! - SearchJobsRequest / ListJobsRequest: filters (status, ids, created
+//!   timestamps; ListJobs requires an action id), page sizes and page
+//!   tokens (converted by `convert::search_jobs_query` / `list_jobs_query`
+//!   as the JobService converts them).
 //! - PeekQueueRequest: queue name and count.
 //! - GetJobRequest: its id goes through GetJob, GetAction, GetPlan and
 //!   GetWorker; a malformed id gets INVALID_ARGUMENT from each.
 #![no_main]
 
-use agq::{core::validate, error::Error, pb, store::jobs::JobFilter, time::ms_of};
-use agq_fuzz::{harness, is_invalid, Harness, LISTED_PLANS, PLAN_ID};
+use agq::{core::validate, pb, service::convert::time_field};
+use agq_fuzz::{code, harness, is_invalid, Harness, LISTED_PLANS, PLAN_ID};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
+use tonic::{Code, Status};
 
 fn page_limit(n: u32) -> Option<usize> {
     match n {
@@ -29,7 +34,7 @@ fn list_plans(h: &Harness, req: pb::ListPlansRequest) {
     let pattern_ok = req.pattern.len() <= 256
         && !req.pattern.contains('\0')
         && (req.pattern.is_empty() || glob::Pattern::new(&req.pattern).is_ok());
-    let res = h.rt.block_on(h.engine.list_plans(req.clone()));
+    let res = h.list_plans(req.clone());
     if !pattern_ok || page_limit(req.page_size).is_none() {
         assert!(is_invalid(&res), "a refused listing got {res:?}");
         return;
@@ -70,11 +75,11 @@ fn list_plans(h: &Harness, req: pb::ListPlansRequest) {
         }
     }
     if !page.next_page_token.is_empty() {
-        let next =
-            h.rt.block_on(h.engine.list_plans(pb::ListPlansRequest {
+        let next = h
+            .list_plans(pb::ListPlansRequest {
                 page_token: page.next_page_token.clone(),
                 ..req
-            }))
+            })
             .expect("the next page of a token the server issued");
         if let (Some(last), Some(first)) = (page.plan_ids.last(), next.plan_ids.first()) {
             assert!(first > last, "pages overlap: {last:?} then {first:?}");
@@ -82,35 +87,34 @@ fn list_plans(h: &Harness, req: pb::ListPlansRequest) {
     }
 }
 
-fn search(h: &Harness, filter: JobFilter, page_size: u32, token: String) {
-    let refused = page_limit(page_size).is_none()
-        || filter
-            .status
-            .is_some_and(|s| pb::JobStatus::try_from(s).is_err())
-        || filter
-            .action_id
-            .as_ref()
+/// The filters a SearchJobs or ListJobs request carries.
+struct Filter<'a> {
+    status: i32,
+    action_id: Option<&'a str>,
+    plan_id: Option<&'a str>,
+    page_size: u32,
+}
+
+/// Checks one SearchJobs/ListJobs outcome: what a rule refuses (`refused`
+/// covers the checks only one of the two RPCs has) gets INVALID_ARGUMENT,
+/// a page is at most page_size long.
+fn check_search(f: Filter, refused: bool, res: Result<Vec<String>, Status>) {
+    let refused = refused
+        || page_limit(f.page_size).is_none()
+        || (f.status != 0 && pb::JobStatus::try_from(f.status).is_err())
+        || f.action_id
             .is_some_and(|a| validate::object_id("action_id", a).is_err())
-        || filter
-            .plan_id
-            .as_ref()
+        || f.plan_id
             .is_some_and(|p| validate::object_id("plan_id", p).is_err());
-    let res =
-        h.rt.block_on(h.engine.search_jobs(filter, page_size, token));
     if refused {
         assert!(is_invalid(&res), "a refused search got {res:?}");
         return;
     }
-    match res {
-        Ok((ids, _)) => assert!(ids.len() <= page_limit(page_size).unwrap()),
-        Err(Error::InvalidArgument(_) | Error::NotFound(_)) => {}
-        Err(e) => panic!("search failed: {e:?}"),
+    match (code(&res), res) {
+        (_, Ok(ids)) => assert!(ids.len() <= page_limit(f.page_size).unwrap()),
+        (Code::InvalidArgument | Code::NotFound, Err(_)) => {}
+        (_, Err(e)) => panic!("search failed: {e:?}"),
     }
-}
-
-/// The JobService's timestamp filter: an out-of-range timestamp is refused.
-fn time_filter(t: Option<prost_types::Timestamp>) -> Result<Option<i64>, ()> {
-    t.map(|t| ms_of(&t).ok_or(())).transpose()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -128,44 +132,42 @@ fuzz_target!(|data: &[u8]| {
             let Ok(r) = pb::SearchJobsRequest::decode(bytes) else {
                 return;
             };
-            let (Ok(after), Ok(before)) =
-                (time_filter(r.created_after), time_filter(r.created_before))
-            else {
-                return;
-            };
-            let filter = JobFilter {
+            // The JobService's timestamp filters: one out of range is refused.
+            let bad_time = time_field("created_after", r.created_after).is_err()
+                || time_field("created_before", r.created_before).is_err();
+            let res = h.search_jobs(r.clone()).map(|p| p.job_ids);
+            let filter = Filter {
+                status: r.status,
                 action_id: None,
-                status: (r.status != 0).then_some(r.status),
-                plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id),
-                created_after_ms: after,
-                created_before_ms: before,
+                plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id.as_str()),
+                page_size: r.page_size,
             };
-            search(h, filter, r.page_size, r.page_token);
+            check_search(filter, bad_time, res);
         }
         2 => {
             let Ok(r) = pb::ListJobsRequest::decode(bytes) else {
                 return;
             };
-            if r.action_id.is_empty() {
-                return;
-            }
-            let filter = JobFilter {
-                action_id: Some(r.action_id),
-                status: (r.status != 0).then_some(r.status),
-                ..Default::default()
+            let res = h.list_jobs(r.clone()).map(|p| p.job_ids);
+            let filter = Filter {
+                status: r.status,
+                action_id: Some(r.action_id.as_str()),
+                plan_id: None,
+                page_size: r.page_size,
             };
-            search(h, filter, r.page_size, r.page_token);
+            // ListJobs requires an action id (validated by object_id too).
+            check_search(filter, r.action_id.is_empty(), res);
         }
         3 => {
             let Ok(r) = pb::PeekQueueRequest::decode(bytes) else {
                 return;
             };
             let refused = r.count > 1000 || !["", "ready", "scheduled"].contains(&r.queue.as_str());
-            let res = h.rt.block_on(h.engine.peek_queue(r.queue, r.count));
+            let res = h.peek_queue(r.clone());
             if refused {
                 assert!(is_invalid(&res), "a refused peek got {res:?}");
             } else {
-                let ids = res.expect("peek");
+                let ids = res.expect("peek").job_ids;
                 assert!(ids.len() <= if r.count == 0 { 10 } else { r.count as usize });
             }
         }
@@ -175,9 +177,13 @@ fuzz_target!(|data: &[u8]| {
             };
             let id = r.job_id;
             let bad_object = validate::object_id("id", &id).is_err();
-            let job = h.rt.block_on(h.engine.get_job(id.clone()));
-            let action = h.rt.block_on(h.engine.get_action(id.clone()));
-            let plan = h.rt.block_on(h.engine.get_plan(id.clone()));
+            let job = h.get_job(pb::GetJobRequest { job_id: id.clone() });
+            let action = h.get_action(pb::GetActionRequest {
+                action_id: id.clone(),
+            });
+            let plan = h.get_plan(pb::GetPlanRequest {
+                plan_id: id.clone(),
+            });
             for (what, invalid) in [
                 ("GetJob", is_invalid(&job)),
                 ("GetAction", is_invalid(&action)),
@@ -185,7 +191,9 @@ fuzz_target!(|data: &[u8]| {
             ] {
                 assert_eq!(invalid, bad_object, "{what} of {id:?}");
             }
-            let worker = h.rt.block_on(h.engine.get_worker(id.clone()));
+            let worker = h.get_worker(pb::GetWorkerRequest {
+                worker_id: id.clone(),
+            });
             assert_eq!(
                 is_invalid(&worker),
                 validate::worker_id(&id).is_err(),

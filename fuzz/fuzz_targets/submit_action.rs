@@ -1,17 +1,19 @@
 //! ActionService/SubmitAction: a `SubmitActionRequest` decoded from the
-//! fuzzer's bytes goes through `Engine::submit_action`, the call the
-//! service makes (id, input, limit, max_attempts and run_at validation,
-//! then the write). A request one of the pure checks refuses must get
+//! fuzzer's bytes goes through the service's path: `convert::action_request`
+//! (run_at to milliseconds), then `Engine::submit_action` (id, input,
+//! limit, max_attempts and run_at validation by `validate::action`, then
+//! the write). A request one of the pure checks refuses must get
 //! INVALID_ARGUMENT; an accepted one must create one job per input, each
 //! reading back with its input unchanged, rendering the plan's arguments
 //! exactly when the input has every variable they use (the worker's
 //! templating), and cancellable.
 #![no_main]
 
-use agq::{core::validate, error::Error, pb, time::ms_of, worker::template};
-use agq_fuzz::{check_render, fixture_plan, harness, is_invalid, FIXTURE_VARIABLES, PLAN_ID};
+use agq::{core::validate, pb, service::convert::time_field, worker::template};
+use agq_fuzz::{check_render, code, fixture_plan, harness, is_invalid, FIXTURE_VARIABLES, PLAN_ID};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
+use tonic::Code;
 
 /// Jobs whose details are read back per accepted action (all are cancelled).
 const CHECKED_JOBS: usize = 8;
@@ -27,7 +29,7 @@ fn refused_by_pure_checks(req: &pb::SubmitActionRequest, max_inputs: usize) -> b
             .enumerate()
             .any(|(i, input)| validate::action_input(i, &input.values).is_err())
         || req.max_attempts > validate::MAX_ATTEMPTS
-        || req.run_at.as_ref().is_some_and(|t| ms_of(t).is_none())
+        || time_field("run_at", req.run_at.clone()).is_err()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -36,17 +38,21 @@ fuzz_target!(|data: &[u8]| {
     };
     let h = harness();
     let refused = refused_by_pure_checks(&req, h.engine.config().max_inputs_per_action);
-    let res = h.rt.block_on(h.engine.submit_action(req.clone()));
+    let res = h.submit_action(req.clone());
     if refused {
         assert!(is_invalid(&res), "a refused action got {res:?}");
         return;
     }
-    let (action_id, job_ids) = match res {
-        Ok(ok) => ok,
-        Err(Error::NotFound(_) | Error::AlreadyExists(_)) => return,
+    let (action_id, job_ids) = match code(&res) {
+        Code::Ok => {
+            let ok = res.unwrap();
+            assert_eq!(ok.jobs_created as usize, ok.job_ids.len());
+            (ok.action_id, ok.job_ids)
+        }
+        Code::NotFound | Code::AlreadyExists => return,
         // Rules may only be added to the engine, never dropped.
-        Err(Error::InvalidArgument(_)) => return,
-        Err(e) => panic!("an action that passed validation failed: {e:?}"),
+        Code::InvalidArgument => return,
+        _ => panic!("an action that passed validation failed: {res:?}"),
     };
     if !req.action_id.is_empty() {
         assert_eq!(action_id, req.action_id);
@@ -58,9 +64,13 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(sorted.len(), job_ids.len(), "job ids are not unique");
     let plan = (req.plan_id == PLAN_ID).then(fixture_plan);
     for (job_id, input) in job_ids.iter().zip(&req.inputs).take(CHECKED_JOBS) {
-        let job =
-            h.rt.block_on(h.engine.get_job(job_id.clone()))
-                .expect("read back a new job");
+        let job = h
+            .get_job(pb::GetJobRequest {
+                job_id: job_id.clone(),
+            })
+            .expect("read back a new job")
+            .job
+            .expect("GetJob returns the job");
         assert_eq!(job.input, input.values, "the stored input differs");
         assert_eq!(job.action_id, action_id);
         assert_eq!(job.plan_id, req.plan_id);
@@ -85,14 +95,20 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for job_id in &job_ids {
-        let job =
-            h.rt.block_on(h.engine.cancel_job(job_id.clone()))
-                .expect("cancel a new job");
+        let job = h
+            .cancel_job(pb::CancelJobRequest {
+                job_id: job_id.clone(),
+            })
+            .expect("cancel a new job")
+            .job
+            .expect("CancelJob returns the job");
         assert_eq!(job.status, pb::JobStatus::Cancelled as i32);
     }
-    let status =
-        h.rt.block_on(h.engine.get_action(action_id))
-            .expect("read back the action");
+    let status = h
+        .get_action(pb::GetActionRequest { action_id })
+        .expect("read back the action")
+        .action
+        .expect("GetAction returns the action");
     assert_eq!(status.total_jobs as usize, job_ids.len());
     assert_eq!(status.cancelled as usize, job_ids.len());
 });

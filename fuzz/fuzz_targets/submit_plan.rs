@@ -1,57 +1,72 @@
 //! PlanService/SubmitPlan: a `SubmitPlanRequest` decoded from the fuzzer's
-//! bytes goes through `validate::plan` and then `Engine::submit_plan`, the
-//! call the service makes. What validation accepts is accepted again after
-//! an encode/decode round trip (idempotent), reads back unchanged through
-//! GetPlan, is found by ListPlans and is deleted by DeletePlan; what it
-//! refuses the engine refuses with INVALID_ARGUMENT.
+//! bytes goes through the service's path (the plan converted to
+//! `core::model::Plan`, then `Engine::submit_plan`); `validate::plan` on
+//! the converted plan is the oracle. What validation accepts is accepted
+//! again after an encode/decode round trip (idempotent), reads back
+//! unchanged through GetPlan, is found by ListPlans and is deleted by
+//! DeletePlan; what it refuses (or a request without a plan) the RPC
+//! refuses with INVALID_ARGUMENT.
 #![no_main]
 
-use agq::{core::validate, error::Error, pb};
-use agq_fuzz::{harness, is_invalid};
+use agq::{
+    core::{model::Plan, validate},
+    pb,
+};
+use agq_fuzz::{code, harness, is_invalid};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
+use tonic::Code;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(req) = pb::SubmitPlanRequest::decode(data) else {
         return;
     };
     let h = harness();
-    let valid = req.plan.as_ref().map(validate::plan);
+    let valid = req.plan.clone().map(|p| validate::plan(&Plan::from(p)));
     if let (Some(Ok(())), Some(p)) = (&valid, &req.plan) {
         let again = pb::Plan::decode(p.encode_to_vec().as_slice()).expect("re-decode");
         assert_eq!(&again, p);
         assert!(
-            validate::plan(&again).is_ok(),
+            validate::plan(&Plan::from(again)).is_ok(),
             "validation is not idempotent"
         );
-        let tools = validate::plan_tools(p);
+        let tools = validate::plan_tools(&Plan::from(p.clone()));
         assert!(
             tools.windows(2).all(|w| w[0] < w[1]),
             "tools not sorted/unique"
         );
         assert!(p.tasks.iter().all(|t| tools.contains(&t.command)));
     }
-    let res = h.rt.block_on(h.engine.submit_plan(req.plan.clone()));
-    match (&valid, &res) {
-        (None | Some(Err(_)), r) => assert!(is_invalid(r), "refused plan got {r:?}"),
-        (Some(Ok(())), Err(Error::AlreadyExists(_))) => {}
-        (Some(Ok(())), Ok(id)) => {
+    let res = h.submit_plan(req.clone());
+    match (&valid, code(&res)) {
+        (None | Some(Err(_)), _) => assert!(is_invalid(&res), "refused plan got {res:?}"),
+        (Some(Ok(())), Code::AlreadyExists) => {}
+        (Some(Ok(())), Code::Ok) => {
             let p = req.plan.as_ref().unwrap();
-            assert_eq!(id, &p.plan_id);
-            let got = h.rt.block_on(h.engine.get_plan(id.clone()));
-            assert_eq!(got.as_ref().ok(), Some(p), "the stored plan differs");
-            let listed = h.rt.block_on(h.engine.list_plans(pb::ListPlansRequest {
+            let id = res.unwrap().plan_id;
+            assert_eq!(id, p.plan_id);
+            let got = h.get_plan(pb::GetPlanRequest {
+                plan_id: id.clone(),
+            });
+            assert_eq!(
+                got.as_ref().ok().and_then(|g| g.plan.as_ref()),
+                Some(p),
+                "the stored plan differs"
+            );
+            let listed = h.list_plans(pb::ListPlansRequest {
                 pattern: id.clone(),
                 page_size: 0,
                 page_token: String::new(),
-            }));
+            });
             let listed = listed.expect("list by the plan's own id");
             assert_eq!(listed.plan_ids, vec![id.clone()], "ListPlans by id");
-            h.rt.block_on(h.engine.delete_plan(id.clone()))
-                .expect("delete the new plan");
-            let gone = h.rt.block_on(h.engine.get_plan(id.clone()));
-            assert!(matches!(gone, Err(Error::NotFound(_))), "{gone:?}");
+            h.delete_plan(pb::DeletePlanRequest {
+                plan_id: id.clone(),
+            })
+            .expect("delete the new plan");
+            let gone = h.get_plan(pb::GetPlanRequest { plan_id: id });
+            assert_eq!(code(&gone), Code::NotFound, "{gone:?}");
         }
-        (Some(Ok(())), Err(e)) => panic!("a valid plan was refused: {e:?}"),
+        (Some(Ok(())), _) => panic!("a valid plan was refused: {res:?}"),
     }
 });

@@ -1,10 +1,11 @@
 //! The worker RPCs that carry data: the first byte picks the message, the
-//! rest is decoded with prost and handed to the `Engine` call its service
-//! makes.
+//! rest is decoded with prost, converted as its service converts it
+//! (`service::convert`: `Registration`, `JobReport`) and handed to the
+//! `Engine` call its service makes; outcomes are compared by gRPC code.
 //!
-//! - RegisterWorkerRequest: `validate::registration` is idempotent (its
-//!   output validates to itself) and bounds what it accepts; the engine
-//!   refuses exactly what it refuses.
+//! - RegisterWorkerRequest: `validate::registration` (on the converted
+//!   `Registration`) is idempotent (its output validates to itself) and
+//!   bounds what it accepts; the RPC refuses exactly what it refuses.
 //! - UpdateJobRequest / BatchUpdateJobsRequest: a report refused by the
 //!   request checks gets INVALID_ARGUMENT. Reports whose job_id is "JOB"
 //!   (and lease_id "LEASE") are pointed at a lease the harness's worker
@@ -13,39 +14,52 @@
 //!   status each accepted report returns is the job's status read back.
 #![no_main]
 
-use agq::{core::validate, error::Error, pb, pb::JobStatus};
-use agq_fuzz::{harness, is_invalid, Harness, JOB_MAGIC, LEASE_MAGIC, WORKER_ID};
+use agq::{
+    core::{model::Registration, validate},
+    pb,
+    pb::JobStatus,
+};
+use agq_fuzz::{
+    batch_result, code, harness, is_invalid, Harness, JOB_MAGIC, LEASE_MAGIC, WORKER_ID,
+};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
+use tonic::{Code, Status};
 
 fn register(h: &Harness, req: pb::RegisterWorkerRequest) {
-    let checked = validate::registration(&req);
+    let checked = validate::registration(Registration::from(req.clone()));
     if let Ok(r) = &checked {
         assert_eq!(
-            validate::registration(r).ok().as_ref(),
+            validate::registration(r.clone()).ok().as_ref(),
             Some(r),
             "registration is not idempotent"
         );
         assert!((1..=validate::MAX_CONCURRENT_JOBS).contains(&r.max_concurrent_jobs));
-        let tools = &r.capabilities.as_ref().expect("capabilities").tools;
+        let tools = &r.capabilities.tools;
         assert!(
             tools.windows(2).all(|w| w[0] < w[1]),
             "tools not sorted/unique"
         );
     }
-    let res = h.rt.block_on(h.engine.register_worker(req.clone()));
-    match (&checked, &res) {
-        (Err(_), r) => assert!(is_invalid(r), "a refused registration got {r:?}"),
-        (Ok(_), Ok(_)) => {
-            let w =
-                h.rt.block_on(h.engine.get_worker(req.worker_id.clone()))
-                    .expect("read back the worker");
+    let res = h.register_worker(req.clone());
+    match (&checked, code(&res)) {
+        (Err(_), _) => assert!(is_invalid(&res), "a refused registration got {res:?}"),
+        (Ok(_), Code::Ok) => {
+            let w = h
+                .get_worker(pb::GetWorkerRequest {
+                    worker_id: req.worker_id.clone(),
+                })
+                .expect("read back the worker")
+                .worker
+                .expect("GetWorker returns the worker");
             assert_eq!(w.worker_id, req.worker_id);
-            h.rt.block_on(h.engine.unregister_worker(req.worker_id))
-                .expect("unregister");
+            h.unregister_worker(pb::UnregisterWorkerRequest {
+                worker_id: req.worker_id,
+            })
+            .expect("unregister");
         }
-        (Ok(_), Err(Error::AlreadyExists(_))) => {}
-        (Ok(_), Err(e)) => panic!("a valid registration failed: {e:?}"),
+        (Ok(_), Code::AlreadyExists) => {}
+        (Ok(_), _) => panic!("a valid registration failed: {res:?}"),
     }
 }
 
@@ -76,7 +90,7 @@ fn check_outcome(
     h: &Harness,
     r: &pb::UpdateJobRequest,
     real: Option<&String>,
-    res: &Result<JobStatus, Error>,
+    res: &Result<JobStatus, Status>,
 ) {
     if refused_by_request_checks(r) {
         assert!(is_invalid(res), "a refused report got {res:?}");
@@ -90,8 +104,8 @@ fn check_outcome(
         );
         return;
     };
-    match res {
-        Ok(after) => {
+    match (res, code(res)) {
+        (Ok(after), _) => {
             let reported = JobStatus::try_from(r.status).unwrap_or(JobStatus::Unspecified);
             let allowed: &[JobStatus] = match reported {
                 JobStatus::Running => &[JobStatus::Running],
@@ -105,27 +119,32 @@ fn check_outcome(
                 "{reported:?} report left the job {after:?}"
             );
         }
-        Err(
-            Error::InvalidArgument(_)
-            | Error::PermissionDenied(_)
-            | Error::FailedPrecondition(_)
-            | Error::NotFound(_),
+        (
+            Err(_),
+            Code::InvalidArgument
+            | Code::PermissionDenied
+            | Code::FailedPrecondition
+            | Code::NotFound,
         ) => {}
-        Err(e) => panic!("a report failed unexpectedly: {e:?}"),
+        (Err(e), _) => panic!("a report failed unexpectedly: {e:?}"),
     }
     // The harness keeps only leases whose attempt is still running.
-    let job =
-        h.rt.block_on(h.engine.get_job(job_id.to_string()))
-            .expect("read back a leased job");
-    if job.status != JobStatus::Running as i32 {
+    if get_job(h, job_id).status != JobStatus::Running as i32 {
         h.drop_lease(job_id);
     }
 }
 
+fn get_job(h: &Harness, job_id: &str) -> pb::Job {
+    h.get_job(pb::GetJobRequest {
+        job_id: job_id.to_string(),
+    })
+    .expect("read back a leased job")
+    .job
+    .expect("GetJob returns the job")
+}
+
 fn read_back(h: &Harness, job_id: &str, last: JobStatus) {
-    let job =
-        h.rt.block_on(h.engine.get_job(job_id.to_string()))
-            .expect("read back a leased job");
+    let job = get_job(h, job_id);
     assert_eq!(
         job.status, last as i32,
         "report said {last:?}, job is {job:?}"
@@ -148,7 +167,9 @@ fuzz_target!(|data: &[u8]| {
                 return;
             };
             let real = substitute(h, &mut r);
-            let res = h.rt.block_on(h.engine.update_job(r.clone()));
+            let res = h
+                .update_job(r.clone())
+                .map(|ok| JobStatus::try_from(ok.status).expect("UpdateJob returns a job status"));
             check_outcome(h, &r, real.as_ref(), &res);
             if let (Some(job_id), Ok(after)) = (&real, &res) {
                 read_back(h, job_id, *after);
@@ -165,15 +186,15 @@ fuzz_target!(|data: &[u8]| {
                 || b.requests
                     .iter()
                     .any(|r| !r.worker_id.is_empty() && r.worker_id != b.worker_id);
-            let res =
-                h.rt.block_on(h.engine.batch_update_jobs(&b.worker_id, b.requests.clone()));
+            let res = h.batch_update_jobs(b.clone());
             if refused {
                 assert!(is_invalid(&res), "a refused batch got {res:?}");
                 return;
             }
-            let results = res.expect("a well-formed batch");
+            let results = res.expect("a well-formed batch").results;
             assert_eq!(results.len(), b.requests.len(), "one result per report");
             for ((r, job), res) in b.requests.iter_mut().zip(&real).zip(&results) {
+                let res = &batch_result(res);
                 if r.worker_id.is_empty() {
                     r.worker_id = b.worker_id.clone();
                 }

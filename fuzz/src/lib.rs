@@ -2,11 +2,16 @@
 //!
 //! Every target decodes the fuzzer's bytes with prost into a real
 //! `agq.v1` request message and hands it to the same code the gRPC
-//! services call: the pure checks of `agq::core::validate` and the
-//! `agq::core::Engine` methods behind each RPC, on a real engine (SQLite
-//! in a private directory under /dev/shm, removed at exit). The worker's
-//! argument templating (`agq::worker::template`) is fuzzed on decoded job
-//! leases. Each target asserts properties, not only "no panic".
+//! service of that RPC runs: the request conversions of
+//! `agq::service::convert`, then the `agq::core::Engine` method behind the
+//! RPC, on a real engine (`agq::store::sqlite::SqliteEngine` in a private
+//! directory under /dev/shm, removed at exit); errors become statuses
+//! through `agq::service::status`, so outcomes are compared by their gRPC
+//! code. [`Harness`]'s RPC methods do what each service method does, minus
+//! the role check. The pure checks of `agq::core::validate` serve as the
+//! targets' oracles. The worker's argument templating
+//! (`agq::worker::template`) is fuzzed on decoded job leases. Each target
+//! asserts properties, not only "no panic".
 
 use std::{
     collections::HashMap,
@@ -17,13 +22,20 @@ use std::{
 
 use agq::{
     config::{EngineConfig, SyncMode},
-    core::Engine,
+    core::{
+        engine::{HeartbeatEvent, PlanQuery, QueueName},
+        model::{JobLease, JobReport, Plan},
+        SharedEngine,
+    },
     error::Error,
     metrics::Metrics,
     pb,
+    service::convert::{action_request, list_jobs_query, search_jobs_query},
+    store::sqlite::SqliteEngine,
     worker::template,
 };
 use tokio::sync::mpsc;
+use tonic::{Code, Status};
 
 /// The plan every harness has; its tasks use `{{file}}` and `{{ key }}`.
 pub const PLAN_ID: &str = "fuzz-plan";
@@ -73,10 +85,10 @@ pub const LISTED_PLANS: [&str; 13] = [
 
 /// One engine per fuzz process.
 pub struct Harness {
-    /// Runs the engine's async API (and its reaper).
+    /// Runs the engine's async API (and its background loops).
     pub rt: tokio::runtime::Runtime,
-    /// The real core every service calls.
-    pub engine: Arc<Engine>,
+    /// The real engine every service calls.
+    pub engine: SharedEngine,
     worker: OnceLock<Worker>,
 }
 
@@ -121,36 +133,248 @@ pub fn harness() -> &'static Harness {
             .enable_all()
             .build()
             .expect("tokio runtime");
-        let cfg = EngineConfig {
-            synchronous: SyncMode::Normal,
-            ..EngineConfig::default()
-        };
-        let engine = rt
-            .block_on(Engine::open(
+        let engine: SharedEngine = rt
+            .block_on(SqliteEngine::open(
                 &dir.join("agq.db"),
-                cfg,
+                SyncMode::Normal,
+                EngineConfig::default(),
                 Arc::new(Metrics::new()),
             ))
             .expect("open the engine");
-        rt.block_on(engine.submit_plan(Some(fixture_plan())))
-            .expect("submit the fixture plan");
-        for id in LISTED_PLANS {
-            let mut p = fixture_plan();
-            p.plan_id = id.into();
-            rt.block_on(engine.submit_plan(Some(p)))
-                .expect("submit a listed plan");
-        }
-        Harness {
+        let h = Harness {
             rt,
             engine,
             worker: OnceLock::new(),
+        };
+        h.submit_plan(pb::SubmitPlanRequest {
+            plan: Some(fixture_plan()),
+        })
+        .expect("submit the fixture plan");
+        for id in LISTED_PLANS {
+            let mut p = fixture_plan();
+            p.plan_id = id.into();
+            h.submit_plan(pb::SubmitPlanRequest { plan: Some(p) })
+                .expect("submit a listed plan");
         }
+        h
     })
 }
 
-/// True when `r` is the error every refused request must get.
-pub fn is_invalid<T>(r: &Result<T, Error>) -> bool {
-    matches!(r, Err(Error::InvalidArgument(_)))
+/// The gRPC code of an RPC's outcome (`OK` for a reply).
+pub fn code<T>(r: &Result<T, Status>) -> Code {
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// True when `r` is the status every refused request must get.
+pub fn is_invalid<T>(r: &Result<T, Status>) -> bool {
+    code(r) == Code::InvalidArgument
+}
+
+/// The RPCs the targets call: each does what its service method does
+/// (`src/service/*.rs`) after the role check, on the harness's engine:
+/// convert the request (`agq::service::convert`), call the engine, convert
+/// the reply; an error becomes its status (`agq::service::status`).
+impl Harness {
+    fn call<T>(&self, f: impl std::future::Future<Output = Result<T, Error>>) -> Result<T, Status> {
+        self.rt.block_on(f).map_err(Status::from)
+    }
+
+    /// PlanService/SubmitPlan.
+    pub fn submit_plan(
+        &self,
+        req: pb::SubmitPlanRequest,
+    ) -> Result<pb::SubmitPlanResponse, Status> {
+        let plan = req.plan.ok_or_else(|| Error::invalid("plan is required"))?;
+        let plan_id = self.call(self.engine.submit_plan(Plan::from(plan)))?;
+        Ok(pb::SubmitPlanResponse { plan_id })
+    }
+
+    /// PlanService/GetPlan.
+    pub fn get_plan(&self, req: pb::GetPlanRequest) -> Result<pb::GetPlanResponse, Status> {
+        let plan = self.call(self.engine.get_plan(req.plan_id))?;
+        Ok(pb::GetPlanResponse {
+            plan: Some(pb::Plan::from(&plan)),
+        })
+    }
+
+    /// PlanService/ListPlans.
+    pub fn list_plans(&self, r: pb::ListPlansRequest) -> Result<pb::ListPlansResponse, Status> {
+        let page = self.call(self.engine.list_plans(PlanQuery {
+            pattern: r.pattern,
+            page_size: r.page_size,
+            page_token: r.page_token,
+        }))?;
+        Ok(pb::ListPlansResponse {
+            plan_ids: page.items,
+            next_page_token: page.next_page_token,
+        })
+    }
+
+    /// PlanService/DeletePlan.
+    pub fn delete_plan(
+        &self,
+        req: pb::DeletePlanRequest,
+    ) -> Result<pb::DeletePlanResponse, Status> {
+        self.call(self.engine.delete_plan(req.plan_id))?;
+        Ok(pb::DeletePlanResponse { deleted: true })
+    }
+
+    /// ActionService/SubmitAction.
+    pub fn submit_action(
+        &self,
+        req: pb::SubmitActionRequest,
+    ) -> Result<pb::SubmitActionResponse, Status> {
+        let action = action_request(req)?;
+        let done = self.call(self.engine.submit_action(action))?;
+        Ok(pb::SubmitActionResponse {
+            action_id: done.action_id,
+            jobs_created: done.job_ids.len() as u32,
+            job_ids: done.job_ids,
+        })
+    }
+
+    /// ActionService/GetAction.
+    pub fn get_action(&self, req: pb::GetActionRequest) -> Result<pb::GetActionResponse, Status> {
+        let action = self.call(self.engine.get_action(req.action_id))?;
+        Ok(pb::GetActionResponse {
+            action: Some(action.into()),
+        })
+    }
+
+    /// JobService/GetJob.
+    pub fn get_job(&self, req: pb::GetJobRequest) -> Result<pb::GetJobResponse, Status> {
+        let job = self.call(self.engine.get_job(req.job_id))?;
+        Ok(pb::GetJobResponse {
+            job: Some(job.into()),
+        })
+    }
+
+    /// JobService/ListJobs.
+    pub fn list_jobs(&self, req: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, Status> {
+        let page = self.call(self.engine.search_jobs(list_jobs_query(req)?))?;
+        Ok(pb::ListJobsResponse {
+            job_ids: page.items,
+            next_page_token: page.next_page_token,
+        })
+    }
+
+    /// JobService/SearchJobs.
+    pub fn search_jobs(
+        &self,
+        req: pb::SearchJobsRequest,
+    ) -> Result<pb::SearchJobsResponse, Status> {
+        let page = self.call(self.engine.search_jobs(search_jobs_query(req)?))?;
+        Ok(pb::SearchJobsResponse {
+            job_ids: page.items,
+            next_page_token: page.next_page_token,
+        })
+    }
+
+    /// JobService/CancelJob.
+    pub fn cancel_job(&self, req: pb::CancelJobRequest) -> Result<pb::CancelJobResponse, Status> {
+        let job = self.call(self.engine.cancel_job(req.job_id))?;
+        Ok(pb::CancelJobResponse {
+            job: Some(job.into()),
+        })
+    }
+
+    /// QueueService/PeekQueue.
+    pub fn peek_queue(&self, r: pb::PeekQueueRequest) -> Result<pb::PeekQueueResponse, Status> {
+        let queue = match r.queue.as_str() {
+            "" | "ready" => QueueName::Ready,
+            "scheduled" => QueueName::Scheduled,
+            q => {
+                return Err(Error::invalid(format!(
+                    "queue must be \"ready\" or \"scheduled\", got {q:?}"
+                ))
+                .into())
+            }
+        };
+        let job_ids = self.call(self.engine.peek_queue(queue, r.count))?;
+        Ok(pb::PeekQueueResponse { job_ids })
+    }
+
+    /// WorkerService/RegisterWorker.
+    pub fn register_worker(
+        &self,
+        r: pb::RegisterWorkerRequest,
+    ) -> Result<pb::RegisterWorkerResponse, Status> {
+        let worker_id = r.worker_id.clone();
+        let done = self.call(self.engine.register_worker(r.into()))?;
+        let interval = done.heartbeat_interval;
+        Ok(pb::RegisterWorkerResponse {
+            worker_id,
+            resumed: done.resumed,
+            heartbeat_interval_secs: interval.as_secs_f64().ceil() as u32,
+            heartbeat_interval_ms: interval.as_millis().min(u32::MAX as u128) as u32,
+        })
+    }
+
+    /// WorkerService/UpdateJob.
+    pub fn update_job(&self, req: pb::UpdateJobRequest) -> Result<pb::UpdateJobResponse, Status> {
+        let status = self.call(self.engine.update_job(req.into()))?;
+        Ok(pb::UpdateJobResponse {
+            status: pb::JobStatus::from(status) as i32,
+        })
+    }
+
+    /// WorkerService/BatchUpdateJobs.
+    pub fn batch_update_jobs(
+        &self,
+        r: pb::BatchUpdateJobsRequest,
+    ) -> Result<pb::BatchUpdateJobsResponse, Status> {
+        let reports: Vec<JobReport> = r.requests.into_iter().map(Into::into).collect();
+        let results = self
+            .call(self.engine.batch_update_jobs(r.worker_id, reports))?
+            .into_iter()
+            .map(|r| match r {
+                Ok(status) => pb::UpdateJobResult {
+                    code: 0,
+                    message: String::new(),
+                    status: pb::JobStatus::from(status) as i32,
+                },
+                Err(e) => {
+                    let st = Status::from(e);
+                    pb::UpdateJobResult {
+                        code: st.code() as i32,
+                        message: st.message().to_string(),
+                        status: 0,
+                    }
+                }
+            })
+            .collect();
+        Ok(pb::BatchUpdateJobsResponse { results })
+    }
+
+    /// WorkerService/UnregisterWorker.
+    pub fn unregister_worker(
+        &self,
+        req: pb::UnregisterWorkerRequest,
+    ) -> Result<pb::UnregisterWorkerResponse, Status> {
+        let requeued_jobs = self.call(self.engine.unregister_worker(req.worker_id))?;
+        Ok(pb::UnregisterWorkerResponse { requeued_jobs })
+    }
+
+    /// WorkerService/GetWorker.
+    pub fn get_worker(&self, req: pb::GetWorkerRequest) -> Result<pb::GetWorkerResponse, Status> {
+        let worker = self.call(self.engine.get_worker(req.worker_id))?;
+        Ok(pb::GetWorkerResponse {
+            worker: Some(worker.into()),
+        })
+    }
+}
+
+/// One report's outcome in a BatchUpdateJobsResponse, as a client reads
+/// it: the job's status after the report, or the report's status.
+pub fn batch_result(r: &pb::UpdateJobResult) -> Result<pb::JobStatus, Status> {
+    if r.code == Code::Ok as i32 {
+        Ok(pb::JobStatus::try_from(r.status).expect("an accepted report returns a job status"))
+    } else {
+        Err(Status::new(Code::from_i32(r.code), r.message.clone()))
+    }
 }
 
 /// Checks one `render` call against the documented rules:
@@ -189,11 +413,12 @@ pub fn check_render(arg: &str, input: &HashMap<String, String>) {
 }
 
 /// The harness's worker: registered with the fixture plan's tools, with a
-/// heartbeat and a lease stream open, and the leases it holds.
+/// heartbeat and a lease stream open, and the leases it holds (as the
+/// LeaseJobs stream sends them).
 pub struct Worker {
     leases: Mutex<Vec<pb::JobLease>>,
-    lease_rx: Mutex<mpsc::UnboundedReceiver<Result<pb::JobLease, tonic::Status>>>,
-    heartbeat_rx: Mutex<mpsc::UnboundedReceiver<Result<pb::HeartbeatResponse, tonic::Status>>>,
+    lease_rx: Mutex<mpsc::UnboundedReceiver<JobLease>>,
+    heartbeat_rx: Mutex<mpsc::UnboundedReceiver<HeartbeatEvent>>,
     last_heartbeat: Mutex<Instant>,
     last_submit: Mutex<Option<Instant>>,
 }
@@ -214,9 +439,7 @@ impl Harness {
                 }),
                 ..Default::default()
             };
-            self.rt
-                .block_on(e.register_worker(req))
-                .expect("register the fuzz worker");
+            self.register_worker(req).expect("register the fuzz worker");
             let (htx, hrx) = mpsc::unbounded_channel();
             self.rt
                 .block_on(e.open_heartbeat(WORKER_ID.into(), htx))
@@ -253,12 +476,13 @@ impl Harness {
         }
         let mut rx = w.lease_rx.lock().unwrap();
         let mut leases = w.leases.lock().unwrap();
-        let take = |l: pb::JobLease, leases: &mut Vec<pb::JobLease>| {
+        let take = |l: JobLease, leases: &mut Vec<pb::JobLease>| {
+            let l = pb::JobLease::from(l);
             let job = l.job.as_ref().map(|j| j.job_id.clone());
             leases.retain(|h| h.job.as_ref().map(|j| &j.job_id) != job.as_ref());
             leases.push(l);
         };
-        while let Ok(Ok(l)) = rx.try_recv() {
+        while let Ok(l) = rx.try_recv() {
             take(l, &mut leases);
         }
         let mut last_submit = w.last_submit.lock().unwrap();
@@ -280,16 +504,15 @@ impl Harness {
                 max_attempts: 2,
                 ..Default::default()
             };
-            self.rt
-                .block_on(self.engine.submit_action(req))
+            self.submit_action(req)
                 .expect("submit an action for the fuzz worker");
             let got = self
                 .rt
                 .block_on(async { tokio::time::timeout(Duration::from_secs(2), rx.recv()).await });
-            if let Ok(Some(Ok(l))) = got {
+            if let Ok(Some(l)) = got {
                 take(l, &mut leases);
             }
-            while let Ok(Ok(l)) = rx.try_recv() {
+            while let Ok(l) = rx.try_recv() {
                 take(l, &mut leases);
             }
         }
