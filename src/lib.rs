@@ -18,7 +18,8 @@
 //!   [`store::sqlite::SqliteEngine`] is the embedded default.
 //! - [`pb`] is the generated `agq.v1` code; [`config`] the command-line
 //!   settings; [`auth`] the tokens and roles; [`error`] the one error type;
-//!   [`metrics`] the Prometheus registry.
+//!   [`metrics`] the Prometheus registry; [`telemetry`] the logs and the
+//!   optional OpenTelemetry tracing of both binaries.
 //! - [`worker`] is `agw` (connection, heartbeat, leases, sandboxed
 //!   executor); [`cli`] the client subcommands of `agq`.
 //!
@@ -40,5 +41,6 @@ pub mod pb;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod telemetry;
 pub(crate) mod time;
 pub mod worker;
