@@ -122,7 +122,10 @@ pub fn init(
     let otel = provider.as_ref().map(|p| layer(p, service));
     tracing_subscriber::registry().with(fmt).with(otel).init();
     if let Some(e) = otlp_endpoint {
-        tracing::info!(endpoint = e, "OpenTelemetry: exporting traces over OTLP/gRPC");
+        tracing::info!(
+            endpoint = e,
+            "OpenTelemetry: exporting traces over OTLP/gRPC"
+        );
     }
     Ok(Telemetry { provider })
 }
@@ -204,7 +207,8 @@ pub fn inject<T>(request: &mut tonic::Request<T>, traceparent: Option<&str>) {
     if let Some(tp) = traceparent {
         let cx = context_of(tp);
         if cx.span().span_context().is_valid() {
-            TraceContextPropagator::new().inject_context(&cx, &mut MetadataWriter(request.metadata_mut()));
+            TraceContextPropagator::new()
+                .inject_context(&cx, &mut MetadataWriter(request.metadata_mut()));
         }
     }
 }
@@ -220,7 +224,10 @@ mod tests {
         let mut req = tonic::Request::new(());
         inject(&mut req, Some(TP));
         assert_eq!(req.metadata().get(TRACEPARENT).unwrap(), TP);
-        assert_eq!(traceparent_of(&extract(req.metadata())).as_deref(), Some(TP));
+        assert_eq!(
+            traceparent_of(&extract(req.metadata())).as_deref(),
+            Some(TP)
+        );
     }
 
     #[test]

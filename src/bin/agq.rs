@@ -32,7 +32,6 @@ enum Command {
     Demo(DemoArgs),
 }
 
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = match signal(SignalKind::terminate()) {

@@ -6,9 +6,9 @@
 
 use std::process::ExitCode;
 
+use agq::telemetry;
 use agq::worker::{self, AgwArgs, Exit, LogFormat};
 use clap::Parser;
-use agq::telemetry;
 use tokio::signal::unix::{signal, SignalKind};
 
 fn main() -> ExitCode {
@@ -32,7 +32,11 @@ fn main() -> ExitCode {
     let endpoint = telemetry::endpoint(args.otlp_endpoint.as_deref());
     let tel = {
         let _rt = runtime.enter();
-        telemetry::init("agw", args.log_format == LogFormat::Json, endpoint.as_deref())
+        telemetry::init(
+            "agw",
+            args.log_format == LogFormat::Json,
+            endpoint.as_deref(),
+        )
     };
     let tel = match tel {
         Ok(t) => t,

@@ -385,7 +385,9 @@ pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<Val
 pub fn traceparent(value: &str) -> bool {
     let parts: Vec<&str> = value.split('-').collect();
     let hex = |s: &str, n: usize| {
-        s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     };
     let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
     matches!(parts.as_slice(), [v, t, s, f]

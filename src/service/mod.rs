@@ -18,7 +18,9 @@ use std::future::Future;
 use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
-pub(crate) use self::{action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi};
+pub(crate) use self::{
+    action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi,
+};
 use crate::core::SharedEngine;
 
 /// Runs one RPC body inside a span named after `method`, records its status

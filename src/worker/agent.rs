@@ -48,12 +48,12 @@ use super::{
     reporter::Reporter,
     stats::{JobCounters, StatsCollector},
 };
-use crate::telemetry;
 use crate::pb::{
     heartbeat_response::Command, DrainWorkerRequest, HeartbeatRequest, HeartbeatResponse,
     HeldLeases, JobLease, JobStatus, LeaseJobsRequest, RegisterWorkerRequest,
     UnregisterWorkerRequest, UpdateJobRequest, WorkerCapabilities,
 };
+use crate::telemetry;
 
 /// Largest total of captured output sent in one final report, in bytes:
 /// stays under the 4 MiB gRPC message limit servers use by default.
@@ -447,7 +447,6 @@ async fn run_job(
         span.record("error", outcome.error.as_str());
         info!(job_id = %ids.job_id, error = %outcome.error, "job failed");
     }
-    drop(span);
     let mut req = shared.update(
         &ids,
         if outcome.success {
@@ -466,8 +465,12 @@ async fn run_job(
     req.task_results = outcome.task_results;
     fit_to_budget(&mut req.task_results, REPORT_BUDGET_BYTES);
     shared.reporting(&ids.job_id, &ids.lease_id);
-    report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some()).await;
+    report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some())
+        .instrument(span.clone())
+        .await;
     shared.finish_job(&ids.job_id, &ids.lease_id);
+    // The job span ends once the server has the result.
+    drop(span);
 }
 
 /// Sends `RUNNING` with the current task each time one starts. Progress is

@@ -110,8 +110,7 @@ async fn send_loop(
             send_each(&mut client, batch, call_timeout).await;
             continue;
         }
-        let (reqs, replies): (Vec<_>, Vec<_>) =
-            batch.into_iter().map(|p| (p.req, p.reply)).unzip();
+        let (reqs, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.req, p.reply)).unzip();
         let call = client.batch_update_jobs(BatchUpdateJobsRequest {
             worker_id: worker_id.clone(),
             requests: reqs,
