@@ -28,7 +28,7 @@
 //!   ([`service::convert`]) and the error → status table
 //!   ([`service::status`]), for code that drives the engine the way the
 //!   services do (the fuzz targets). `docs/architecture.md` walks a job
-//! through the files.
+//!   through the files.
 
 pub mod auth;
 pub mod cli;

@@ -91,6 +91,7 @@ pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> 
 /// Inserts an action row. Returns false when the id is taken.
 ///
 /// Errors: [`Error::Storage`].
+#[allow(clippy::too_many_arguments)]
 pub fn insert_action(
     conn: &Connection,
     action_id: &str,
