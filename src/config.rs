@@ -118,6 +118,11 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// OpenTelemetry collector to send traces to over OTLP/gRPC (e.g.
+    /// `http://localhost:4317`); unset: `OTEL_EXPORTER_OTLP_ENDPOINT`, and
+    /// when that is unset too, no traces are sent (the default).
+    #[arg(long, env = "AGQ_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl ServeArgs {

@@ -18,7 +18,8 @@
 //!   [`store::sqlite::SqliteEngine`] is the embedded default.
 //! - [`pb`] is the generated `agq.v1` code; [`config`] the command-line
 //!   settings; [`auth`] the tokens and roles; [`error`] the one error type;
-//!   [`metrics`] the Prometheus registry.
+//!   [`metrics`] the Prometheus registry; [`telemetry`] the logs and the
+//!   optional OpenTelemetry tracing of both binaries.
 //! - [`worker`] is `agw` (connection, heartbeat, leases, sandboxed
 //!   executor); [`cli`] the client subcommands of `agq`.
 //!
@@ -27,7 +28,7 @@
 //!   ([`service::convert`]) and the error → status table
 //!   ([`service::status`]), for code that drives the engine the way the
 //!   services do (the fuzz targets). `docs/architecture.md` walks a job
-//! through the files.
+//!   through the files.
 
 pub mod auth;
 pub mod cli;
@@ -40,5 +41,6 @@ pub mod pb;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod telemetry;
 pub(crate) mod time;
 pub mod worker;

@@ -756,7 +756,8 @@ async fn agw_reporter_batches_queued_reports() {
         .collect();
     reqs[4].lease_id = "stale".into();
     // One thread: every send is queued before the sender task runs.
-    let outcomes = futures_util::future::join_all(reqs.into_iter().map(|r| reporter.send(r))).await;
+    let outcomes =
+        futures_util::future::join_all(reqs.into_iter().map(|r| reporter.send(r, None))).await;
     let codes: Vec<Code> = outcomes
         .iter()
         .map(|r| r.as_ref().err().map_or(Code::Ok, |e| e.code()))
@@ -796,7 +797,7 @@ async fn agw_reporter_batches_queued_reports() {
     let last = &leases[4];
     let mut r = batched(last, JobStatus::Completed);
     r.worker_id = "w1".into();
-    reporter.send(r).await.unwrap();
+    reporter.send(r, None).await.unwrap();
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }

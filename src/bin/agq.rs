@@ -9,6 +9,7 @@ use agq::{
     cli::{demo::DemoArgs, ClientCommand, ClientOptions},
     config::{LogFormat, ServeArgs},
     server::{self, ServerOptions, TlsFiles},
+    telemetry,
 };
 
 /// AGQ: a durable gRPC job queue for fanning Unix pipelines out to workers.
@@ -29,18 +30,6 @@ enum Command {
     Client(ClientCommand),
     /// Run AGQ and two agw workers locally and count words in real files.
     Demo(DemoArgs),
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
 }
 
 async fn shutdown_signal() {
@@ -129,13 +118,26 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Serve(args) => {
-            init_tracing(args.log_format);
-            runtime.block_on(serve(args))
+            let endpoint = telemetry::endpoint(args.otlp_endpoint.as_deref());
+            let json = args.log_format == LogFormat::Json;
+            let tel = {
+                let _rt = runtime.enter();
+                telemetry::init("agq", json, endpoint.as_deref())
+            };
+            match tel {
+                Ok(tel) => {
+                    let r = runtime.block_on(serve(args));
+                    tel.shutdown();
+                    r
+                }
+                Err(e) => Err(e),
+            }
         }
         Command::Client(cmd) => client_exit(runtime.block_on(agq::cli::run(&cli.client, cmd))),
         Command::Demo(args) => {
             if std::env::var_os("RUST_LOG").is_some() {
-                init_tracing(LogFormat::Text);
+                // Logs only: the demo exports no spans.
+                let _ = telemetry::init("agq", false, None);
             }
             client_exit(runtime.block_on(agq::cli::demo::run(args)))
         }

@@ -6,10 +6,10 @@
 
 use std::process::ExitCode;
 
+use agq::telemetry;
 use agq::worker::{self, AgwArgs, Exit, LogFormat};
 use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     // Before anything reads a secret: tasks running as this user must not
@@ -19,14 +19,6 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let args = AgwArgs::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match args.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -34,6 +26,22 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("agw: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let endpoint = telemetry::endpoint(args.otlp_endpoint.as_deref());
+    let tel = {
+        let _rt = runtime.enter();
+        telemetry::init(
+            "agw",
+            args.log_format == LogFormat::Json,
+            endpoint.as_deref(),
+        )
+    };
+    let tel = match tel {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("agw: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -57,6 +65,8 @@ fn main() -> ExitCode {
         let cfg = args.into_config()?;
         worker::run(cfg, rx).await
     });
+    // Before the runtime goes: the exporter sends the last spans on it.
+    tel.shutdown();
     match result {
         Ok(Exit::Drained) => {
             // Do not wait for blocking threads (stats readers) to wind down.

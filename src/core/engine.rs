@@ -66,6 +66,12 @@ pub struct ActionRequest {
     pub run_at_ms: Option<i64>,
     /// Attempts per job; 0 means the default (3).
     pub max_attempts: u32,
+    /// W3C trace context of the submission (a `traceparent` header value,
+    /// `00-<trace id>-<span id>-<flags>`), kept with the action and handed
+    /// to the worker with each lease so its spans join the submitter's
+    /// trace. `None`: not traced. A malformed value is dropped, never an
+    /// error.
+    pub traceparent: Option<String>,
 }
 
 /// What submitting an action created.

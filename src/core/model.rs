@@ -355,6 +355,10 @@ pub struct JobLease {
     pub attempt: u32,
     /// When the lease expires (the job timeout), ms.
     pub expires_at_ms: i64,
+    /// W3C `traceparent` of the submission that created the job (see
+    /// [`crate::core::engine::ActionRequest::traceparent`]); `None`: not
+    /// traced.
+    pub traceparent: Option<std::sync::Arc<str>>,
 }
 
 /// A command for a worker, sent over its heartbeat stream.

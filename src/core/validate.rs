@@ -321,6 +321,8 @@ pub struct ValidAction {
     pub run_at_ms: Option<i64>,
     /// Attempts per job, 1..=[`MAX_ATTEMPTS`].
     pub max_attempts: u32,
+    /// The submission's W3C `traceparent`, when well-formed.
+    pub traceparent: Option<String>,
 }
 
 /// Validates a SubmitAction (the ACTION.SUBMIT command) at `now_ms`: ids,
@@ -372,7 +374,24 @@ pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<Val
         inputs: req.inputs,
         run_at_ms: req.run_at_ms,
         max_attempts,
+        traceparent: req.traceparent.filter(|t| traceparent(t)),
     })
+}
+
+/// True for a well-formed W3C `traceparent` value: `version-traceid-spanid-flags`
+/// in lowercase hex (2, 32, 16 and 2 digits), version not `ff`, ids not all
+/// zeros. Only the 55 bytes of version 00 are taken; tracing never fails a
+/// request, so callers drop what this refuses.
+pub fn traceparent(value: &str) -> bool {
+    let parts: Vec<&str> = value.split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+    matches!(parts.as_slice(), [v, t, s, f]
+        if hex(v, 2) && *v != "ff" && hex(t, 32) && nonzero(t) && hex(s, 16) && nonzero(s) && hex(f, 2))
 }
 
 /// Validates a worker's report (the JOB.UPDATE command) before the lease
@@ -543,6 +562,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn traceparent_format() {
+        assert!(traceparent(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        ] {
+            assert!(!traceparent(bad), "{bad:?} accepted");
         }
     }
 }

@@ -7,12 +7,13 @@ use std::pin::Pin;
 use futures_util::Stream;
 use tonic::{Request, Response, Status};
 
-use super::rpc;
+use super::{rpc, rpc_traced};
 use crate::{
     auth::{identity, require_client},
     core::{model::ActionStatus, SharedEngine},
     pb::{self, action_service_server::ActionService},
     service::convert::action_request,
+    telemetry,
 };
 
 /// The ActionService implementation.
@@ -33,9 +34,15 @@ impl ActionService for ActionApi {
         &self,
         req: Request<pb::SubmitActionRequest>,
     ) -> Result<Response<pb::SubmitActionResponse>, Status> {
-        rpc(&self.engine, "ActionService/SubmitAction", async {
+        let remote = telemetry::extract(req.metadata());
+        let passed_on = telemetry::traceparent_of(&remote);
+        rpc_traced(&self.engine, "ActionService/SubmitAction", remote, async {
             require_client(&identity(&req))?;
-            let action = action_request(req.into_inner())?;
+            let mut action = action_request(req.into_inner())?;
+            // The jobs' trace context: this RPC's span when spans are
+            // exported, else the caller's context passed on unchanged.
+            action.traceparent =
+                telemetry::span_traceparent(&tracing::Span::current()).or(passed_on);
             let done = self.engine.submit_action(action).await?;
             Ok(pb::SubmitActionResponse {
                 action_id: done.action_id,

@@ -296,6 +296,7 @@ impl From<JobLease> for pb::JobLease {
             plan: Some(pb::Plan::from(&*l.plan)),
             attempt: l.attempt,
             expires_at: Some(ts(l.expires_at_ms)),
+            traceparent: l.traceparent.as_deref().unwrap_or_default().to_owned(),
         }
     }
 }
@@ -343,6 +344,7 @@ pub fn action_request(r: pb::SubmitActionRequest) -> Result<ActionRequest> {
         plan_id: r.plan_id,
         inputs: r.inputs.into_iter().map(|i| i.values).collect(),
         max_attempts: r.max_attempts,
+        traceparent: None,
     })
 }
 

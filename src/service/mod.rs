@@ -18,7 +18,9 @@ use std::future::Future;
 use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
-pub(crate) use self::{action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi};
+pub(crate) use self::{
+    action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi,
+};
 use crate::core::SharedEngine;
 
 /// Runs one RPC body inside a span named after `method`, records its status
@@ -28,7 +30,29 @@ async fn rpc<T>(
     method: &'static str,
     body: impl Future<Output = Result<T, Status>>,
 ) -> Result<Response<T>, Status> {
-    let span = tracing::info_span!("rpc", method, code = tracing::field::Empty);
+    rpc_traced(engine, method, opentelemetry::Context::new(), body).await
+}
+
+/// [`rpc`], its span a child of the caller's trace context `parent` (from
+/// its `traceparent` metadata, [`crate::telemetry::extract`]) when that
+/// holds a span. Exported as an OpenTelemetry server span named `method`
+/// when tracing is on.
+async fn rpc_traced<T>(
+    engine: &SharedEngine,
+    method: &'static str,
+    parent: opentelemetry::Context,
+    body: impl Future<Output = Result<T, Status>>,
+) -> Result<Response<T>, Status> {
+    let span = tracing::info_span!(
+        "rpc",
+        method,
+        code = tracing::field::Empty,
+        otel.name = method,
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        rpc.system = "grpc",
+    );
+    crate::telemetry::set_parent(&span, parent);
     let started = std::time::Instant::now();
     let result = body.instrument(span.clone()).await;
     let code = match &result {
@@ -36,6 +60,9 @@ async fn rpc<T>(
         Err(s) => s.code(),
     };
     span.record("code", tracing::field::debug(code));
+    if code != Code::Ok {
+        span.record("otel.status_code", "ERROR");
+    }
     engine.metrics().rpc(method, code, started.elapsed());
     match &result {
         Ok(_) => tracing::debug!(parent: &span, "ok"),

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{convert::state_filter, rpc};
+use super::{convert::state_filter, rpc, rpc_traced};
 use crate::{
     auth::{identity, require_client, require_worker},
     core::{
@@ -26,7 +26,32 @@ use crate::{
     },
     error::Error,
     pb::{self, worker_service_server::WorkerService},
+    telemetry,
 };
+
+/// The lease as sent to the worker. A traced job gets a `lease` span (a
+/// child of its SubmitAction, ended as the lease is sent) whose context
+/// replaces the lease's `traceparent`, so the worker's job span hangs
+/// under it; without exported spans the submission's context goes as is.
+fn traced_lease(l: JobLease) -> pb::JobLease {
+    let Some(tp) = l.traceparent.clone() else {
+        return l.into();
+    };
+    let span = tracing::info_span!(
+        "lease",
+        otel.kind = "producer",
+        job_id = %l.job.job_id,
+        lease_id = %l.lease_id,
+        worker_id = %l.job.worker_id,
+        attempt = l.attempt,
+    );
+    telemetry::set_parent(&span, telemetry::context_of(&tp));
+    let mut lease = pb::JobLease::from(l);
+    if let Some(own) = telemetry::span_traceparent(&span) {
+        lease.traceparent = own;
+    }
+    lease
+}
 
 /// The WorkerService implementation.
 pub struct WorkerApi {
@@ -175,7 +200,7 @@ impl WorkerService for WorkerApi {
             let (tx, rx) = mpsc::unbounded_channel();
             let sid = self.engine.open_lease_stream(worker_id.clone(), tx).await?;
             let engine = self.engine.clone();
-            let leases = UnboundedReceiverStream::new(rx).map(|l: JobLease| Ok(l.into()));
+            let leases = UnboundedReceiverStream::new(rx).map(|l: JobLease| Ok(traced_lease(l)));
             let stream: BoxStream<pb::JobLease> = Box::pin(ClosingStream {
                 inner: until_shutdown(leases, self.shutdown.clone()),
                 on_close: Some(Box::new(move || {
@@ -191,7 +216,8 @@ impl WorkerService for WorkerApi {
         &self,
         req: Request<pb::UpdateJobRequest>,
     ) -> Result<Response<pb::UpdateJobResponse>, Status> {
-        rpc(&self.engine, "WorkerService/UpdateJob", async {
+        let remote = telemetry::extract(req.metadata());
+        rpc_traced(&self.engine, "WorkerService/UpdateJob", remote, async {
             require_worker(&identity(&req), &req.get_ref().worker_id)?;
             let status = self.engine.update_job(req.into_inner().into()).await?;
             Ok(pb::UpdateJobResponse {

@@ -37,7 +37,7 @@ use tokio::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, warn, Instrument};
 
 use super::{
     backoff::Backoff,
@@ -53,6 +53,7 @@ use crate::pb::{
     HeldLeases, JobLease, JobStatus, LeaseJobsRequest, RegisterWorkerRequest,
     UnregisterWorkerRequest, UpdateJobRequest, WorkerCapabilities,
 };
+use crate::telemetry;
 
 /// Largest total of captured output sent in one final report, in bytes:
 /// stays under the 4 MiB gRPC message limit servers use by default.
@@ -365,6 +366,10 @@ impl Shared {
 struct LeaseIds {
     job_id: String,
     lease_id: String,
+    /// W3C `traceparent` sent as metadata with this attempt's reports: the
+    /// job span's when spans are exported, else the lease's; `None`: not
+    /// traced.
+    traceparent: Option<String>,
 }
 
 /// Runs one leased job and reports it.
@@ -374,9 +379,26 @@ async fn run_job(
     abort: tokio::sync::watch::Receiver<Option<AbortReason>>,
 ) {
     let job = lease.job.unwrap_or_default();
+    // The job's span: a child of the lease's trace context when it has one.
+    let span = tracing::info_span!(
+        "job",
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        job_id = %job.job_id,
+        lease_id = %lease.lease_id,
+        attempt = lease.attempt,
+        plan_id = %job.plan_id,
+        tasks = lease.plan.as_ref().map_or(0, |p| p.tasks.len()),
+        error = tracing::field::Empty,
+    );
+    let leased = Some(lease.traceparent).filter(|t| !t.is_empty());
+    if let Some(tp) = &leased {
+        telemetry::set_parent(&span, telemetry::context_of(tp));
+    }
     let ids = LeaseIds {
         job_id: job.job_id.clone(),
         lease_id: lease.lease_id.clone(),
+        traceparent: telemetry::span_traceparent(&span).or(leased),
     };
     let expires_at = lease.expires_at.and_then(|t| SystemTime::try_from(t).ok());
     let outcome = match lease.plan {
@@ -392,6 +414,7 @@ async fn run_job(
                 .run(&plan, &job.input, abort, |s| {
                     progress_tx.send_replace(Some(s));
                 })
+                .instrument(span.clone())
                 .await;
             drop(progress_tx);
             // Let an in-flight progress report land before the final one,
@@ -420,6 +443,8 @@ async fn run_job(
     if outcome.success {
         info!(job_id = %ids.job_id, ms = outcome.duration.as_millis() as u64, "job completed");
     } else {
+        span.record("otel.status_code", "ERROR");
+        span.record("error", outcome.error.as_str());
         info!(job_id = %ids.job_id, error = %outcome.error, "job failed");
     }
     let mut req = shared.update(
@@ -440,8 +465,12 @@ async fn run_job(
     req.task_results = outcome.task_results;
     fit_to_budget(&mut req.task_results, REPORT_BUDGET_BYTES);
     shared.reporting(&ids.job_id, &ids.lease_id);
-    report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some()).await;
+    report_final(&shared, &ids, req, expires_at, outcome.aborted.is_some())
+        .instrument(span.clone())
+        .await;
     shared.finish_job(&ids.job_id, &ids.lease_id);
+    // The job span ends once the server has the result.
+    drop(span);
 }
 
 /// Sends `RUNNING` with the current task each time one starts. Progress is
@@ -460,6 +489,8 @@ async fn report_progress(
         let mut req = shared.update(&ids, JobStatus::Running);
         req.current_task = s.task_number;
         req.progress_percent = s.progress_percent;
+        let mut req = tonic::Request::new(req);
+        telemetry::inject(&mut req, ids.traceparent.as_deref());
         match timeout(CALL_TIMEOUT, client.update_job(req)).await {
             Ok(Ok(_)) => debug!(job_id = %ids.job_id, task = s.task_number, "progress reported"),
             Ok(Err(st)) if lease_gone(st.code()) => {
@@ -498,7 +529,11 @@ async fn report_final(
     let mut stripped = false;
     let mut told_expired = false;
     loop {
-        let st = match shared.reporter.send(req.clone()).await {
+        let st = match shared
+            .reporter
+            .send(req.clone(), ids.traceparent.clone())
+            .await
+        {
             Ok(()) => {
                 debug!(job_id = %ids.job_id, "result reported");
                 return;

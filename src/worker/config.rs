@@ -148,6 +148,13 @@ pub struct AgwArgs {
     /// Log format (logs go to stderr; RUST_LOG sets the filter).
     #[arg(long, env = "AGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// OpenTelemetry collector to send traces to over OTLP/gRPC (e.g.
+    /// `http://localhost:4317`): a span per job and per task, joined to the
+    /// trace of the job's SubmitAction. Unset: `OTEL_EXPORTER_OTLP_ENDPOINT`,
+    /// and when that is unset too, no traces are sent (the default).
+    #[arg(long, env = "AGW_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The long help of `--tools`: the rule and every default tool, from

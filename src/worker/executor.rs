@@ -46,6 +46,7 @@ use super::{
     tools::ToolSet,
 };
 use crate::pb::{Plan, TaskResult};
+use tracing::Instrument;
 
 /// Default cap on the captured stdout and on the captured stderr of one task,
 /// in bytes (1 MiB each).
@@ -481,9 +482,28 @@ impl Executor {
                 },
                 None => None,
             };
+            // One span per task, a child of the caller's (the job's) span.
+            let span = tracing::info_span!(
+                "task",
+                task_number = task.task_number,
+                command = %task.command,
+                args = task.args.len(),
+                exit_code = tracing::field::Empty,
+                duration_ms = tracing::field::Empty,
+                end = tracing::field::Empty,
+                otel.status_code = tracing::field::Empty,
+            );
             let run = self
                 .run_task(task, stdin, keep_full, jail, &mut abort)
+                .instrument(span.clone())
                 .await;
+            span.record("exit_code", run.result.exit_code);
+            span.record("duration_ms", run.result.duration_ms);
+            span.record("end", tracing::field::debug(&run.end));
+            if !matches!(run.end, TaskEnd::Exited(0)) {
+                span.record("otel.status_code", "ERROR");
+            }
+            drop(span);
             // Free outputs no later task needs.
             outputs.retain(|from, _| last_use.get(from).is_some_and(|&last| last > i));
             let error = match &run.end {

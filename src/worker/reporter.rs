@@ -34,6 +34,8 @@ pub const MAX_BATCH_BYTES: usize = 3584 * 1024;
 /// A report and where its outcome goes.
 struct Pending {
     req: UpdateJobRequest,
+    /// W3C `traceparent` metadata for a report sent alone.
+    traceparent: Option<String>,
     reply: oneshot::Sender<Result<(), Status>>,
 }
 
@@ -51,15 +53,25 @@ impl Reporter {
         Reporter { tx }
     }
 
-    /// Sends `req` (in the next call) and returns its outcome.
+    /// Sends `req` (in the next call) and returns its outcome. A report
+    /// sent alone (a plain `UpdateJob`) carries `traceparent` as metadata,
+    /// so the server's span joins the job's trace; a batch carries none.
     ///
     /// Errors: the `Status` the server gave this report (as `UpdateJob`
     /// would), `DEADLINE_EXCEEDED` when the call timed out, or the call's
     /// transport error (`UNAVAILABLE`, ...).
-    pub async fn send(&self, req: UpdateJobRequest) -> Result<(), Status> {
+    pub async fn send(
+        &self,
+        req: UpdateJobRequest,
+        traceparent: Option<String>,
+    ) -> Result<(), Status> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Pending { req, reply })
+            .send(Pending {
+                req,
+                traceparent,
+                reply,
+            })
             .map_err(|_| Status::unavailable("the report sender has stopped"))?;
         rx.await
             .unwrap_or_else(|_| Err(Status::unavailable("the report sender has stopped")))
@@ -141,7 +153,9 @@ async fn send_loop(
 /// Sends each report as its own `UpdateJob`.
 async fn send_each(client: &mut WorkerClient, batch: Vec<Pending>, call_timeout: Duration) {
     for p in batch {
-        let r = match timeout(call_timeout, client.update_job(p.req)).await {
+        let mut req = tonic::Request::new(p.req);
+        crate::telemetry::inject(&mut req, p.traceparent.as_deref());
+        let r = match timeout(call_timeout, client.update_job(req)).await {
             Ok(r) => r.map(|_| ()),
             Err(_) => Err(Status::deadline_exceeded("UpdateJob timed out")),
         };

@@ -32,6 +32,8 @@ pub(super) struct NewAction {
     pub run_at_ms: Option<i64>,
     /// Attempts per job.
     pub max_attempts: u32,
+    /// W3C `traceparent` of the submission, sent with each lease.
+    pub traceparent: Option<String>,
 }
 
 /// One job of a [`NewAction`], prepared before it reaches the writer thread
@@ -123,6 +125,7 @@ impl State {
             total,
             a.max_attempts,
             a.run_at_ms,
+            a.traceparent.as_deref(),
             now_ms,
         )? {
             return Err(Error::AlreadyExists(format!(
@@ -133,6 +136,7 @@ impl State {
         let plan_id = self.intern(&a.plan_id);
         let action_id = self.intern_action(&a.action_id);
         let runs_now = ready_at <= now_ms;
+        let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
         let mut ids = Vec::with_capacity(a.jobs.len());
         for NewJob {
             job_id,
@@ -146,6 +150,7 @@ impl State {
                 input,
                 max_attempts: a.max_attempts,
                 created_at_ms: now_ms,
+                traceparent: traceparent.clone(),
             };
             // Straight to an idle worker while nothing older waits: the row
             // is inserted leased (no second write to grant it).

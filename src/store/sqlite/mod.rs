@@ -187,6 +187,7 @@ impl Engine for SqliteEngine {
                 .collect::<Result<_>>()?,
             run_at_ms: v.run_at_ms,
             max_attempts: v.max_attempts,
+            traceparent: v.traceparent,
         };
         let job_ids = self
             .writer

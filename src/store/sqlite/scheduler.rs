@@ -31,6 +31,8 @@ struct NewLease<'a> {
     now_ms: i64,
     expires_at_ms: i64,
     results_stored: bool,
+    /// The action's W3C `traceparent`, for the lease.
+    traceparent: Option<Arc<str>>,
 }
 
 impl State {
@@ -89,19 +91,26 @@ impl State {
         // A new job's row is known without reading it (see FreshJob).
         let cached = self.ready.get_mut(&row).and_then(|w| {
             let f = w.fresh.take()?;
-            Some(jobs::inserted_view(
+            let view = jobs::inserted_view(
                 f.job_id,
                 &w.action_id,
                 &w.plan_id,
                 f.input,
                 f.max_attempts,
                 f.created_at_ms,
-            ))
+            );
+            Some((view, f.traceparent))
         });
         let fresh = cached.is_some();
-        let job = match cached {
-            Some(job) => Some(job),
-            None => jobs::get_by_row(conn, row, false)?,
+        let (job, traceparent) = match cached {
+            Some((job, traceparent)) => (Some(job), traceparent),
+            None => match jobs::get_by_row(conn, row, false)? {
+                Some(job) => {
+                    let traceparent = jobs::action_traceparent(conn, &job.action_id)?;
+                    (Some(job), traceparent.map(Arc::from))
+                }
+                None => (None, None),
+            },
         };
         let Some(job) = job else {
             self.dequeue(row);
@@ -141,6 +150,7 @@ impl State {
                 now_ms,
                 expires_at_ms,
                 results_stored: !fresh,
+                traceparent,
             },
         );
         Ok(())
@@ -191,6 +201,7 @@ impl State {
             }),
         )?;
         let now_ms = job.created_at_ms;
+        let traceparent = job.traceparent.clone();
         let view = jobs::inserted_view(
             job.job_id,
             &action_id,
@@ -213,6 +224,7 @@ impl State {
                 now_ms,
                 expires_at_ms,
                 results_stored: false,
+                traceparent,
             },
         );
         Ok(row)
@@ -267,6 +279,7 @@ impl State {
                     plan,
                     attempt: l.attempt,
                     expires_at_ms: l.expires_at_ms,
+                    traceparent: l.traceparent,
                 };
                 self.outbox
                     .push(Effect::Lease(slot.tx.clone(), Box::new(lease)));

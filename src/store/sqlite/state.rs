@@ -156,6 +156,8 @@ pub(super) struct FreshJob {
     pub(super) max_attempts: u32,
     /// Creation time, ms since the epoch.
     pub(super) created_at_ms: i64,
+    /// The action's W3C `traceparent` (shared by its jobs).
+    pub(super) traceparent: Option<Arc<str>>,
 }
 
 /// Most queued jobs that keep a [`FreshJob`] (a few MiB).

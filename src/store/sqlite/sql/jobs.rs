@@ -91,6 +91,7 @@ pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> 
 /// Inserts an action row. Returns false when the id is taken.
 ///
 /// Errors: [`Error::Storage`].
+#[allow(clippy::too_many_arguments)]
 pub fn insert_action(
     conn: &Connection,
     action_id: &str,
@@ -98,15 +99,28 @@ pub fn insert_action(
     total_jobs: u32,
     max_attempts: u32,
     run_at_ms: Option<i64>,
+    traceparent: Option<&str>,
     now_ms: i64,
 ) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, created_at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, created_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?
-        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, now_ms])?;
+        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, now_ms])?;
     Ok(n == 1)
+}
+
+/// The W3C `traceparent` the action was submitted with; `None` when it
+/// was not traced (or is gone).
+///
+/// Errors: [`Error::Storage`].
+pub fn action_traceparent(conn: &Connection, action_id: &str) -> Result<Option<String>> {
+    Ok(conn
+        .prepare_cached("SELECT traceparent FROM actions WHERE action_id = ?1")?
+        .query_row(params![action_id], |r| r.get::<_, Option<String>>(0))
+        .optional()?
+        .flatten())
 }
 
 /// The lease a new job is inserted with when it is granted in the
@@ -658,7 +672,7 @@ mod tests {
             [],
         )
         .unwrap();
-        assert!(insert_action(&conn, "a", "p", 1, 3, None, 0).unwrap());
+        assert!(insert_action(&conn, "a", "p", 1, 3, None, None, 0).unwrap());
         let lease = FirstLease {
             worker_id: "w1",
             lease_id: "L1",

@@ -303,10 +303,17 @@ class JobLease(_message.Message):
     PLAN_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """Fencing token of this attempt; UpdateJob must carry it."""
     attempt: _builtins.int
     """Attempt number of this lease, 1-based."""
+    traceparent: _builtins.str
+    """W3C trace context of the job (a `traceparent` value,
+    `00-<trace id>-<span id>-<flags>`) when its SubmitAction was traced:
+    the worker makes its job span a child of it and sends it back as
+    `traceparent` metadata on the final UpdateJob. Empty: not traced.
+    """
     @_builtins.property
     def job(self) -> _common_pb2.Job:
         """The job, with its input."""
@@ -327,10 +334,11 @@ class JobLease(_message.Message):
         plan: _common_pb2.Plan | None = ...,
         attempt: _builtins.int = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "job", b"job", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expires_at", b"expires_at", "job", b"job", "lease_id", b"lease_id", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expires_at", b"expires_at", "job", b"job", "lease_id", b"lease_id", "plan", b"plan", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
