@@ -10,17 +10,17 @@
 //! - One module per command group: [`plan`], [`action`], [`job`],
 //!   [`worker`], [`queue`]; [`demo`] for `agq demo`.
 
-pub mod action;
-pub mod client;
+pub(crate) mod action;
+pub(crate) mod client;
 pub mod demo;
-pub mod error;
-pub mod job;
-pub mod plan;
-pub mod queue;
-pub mod table;
-pub mod time;
-pub mod view;
-pub mod worker;
+pub(crate) mod error;
+pub(crate) mod job;
+pub(crate) mod plan;
+pub(crate) mod queue;
+pub(crate) mod table;
+pub(crate) mod time;
+pub(crate) mod view;
+pub(crate) mod worker;
 
 use std::{path::PathBuf, time::Duration};
 

@@ -36,11 +36,6 @@ impl Table {
         self.rows.push(cells);
     }
 
-    /// True when no row was added.
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-
     /// The table as text, one line per row (more where a cell wraps on a
     /// terminal), ending with a newline.
     pub fn render(&self) -> String {

@@ -90,11 +90,6 @@ pub fn rfc3339(ts: Option<&prost_types::Timestamp>) -> Option<String> {
     timestamp(ts).map(|t| format!("{t:.3}"))
 }
 
-/// RFC 3339 text (UTC, whole seconds) for tables; `-` when unset.
-pub fn rfc3339_short(ts: Option<&prost_types::Timestamp>) -> String {
-    timestamp(ts).map_or_else(|| "-".into(), |t| format!("{t:.0}"))
-}
-
 /// How long ago a timestamp was, for people ("3s ago", "2m05s ago",
 /// "1h02m ago"); `-` when unset, `just now` for a time in the future.
 pub fn ago(ts: Option<&prost_types::Timestamp>) -> String {
@@ -237,13 +232,11 @@ mod tests {
             nanos: 5_000_000,
         };
         assert_eq!(rfc3339(Some(&ts)).unwrap(), "2025-01-31T12:00:00.005Z");
-        assert_eq!(rfc3339_short(Some(&ts)), "2025-01-31T12:00:00Z");
         let whole = prost_types::Timestamp {
             seconds: 1_738_324_800,
             nanos: 0,
         };
         assert_eq!(rfc3339(Some(&whole)).unwrap(), "2025-01-31T12:00:00.000Z");
         assert_eq!(rfc3339(None), None);
-        assert_eq!(rfc3339_short(None), "-");
     }
 }
