@@ -1,5 +1,5 @@
 //! Configuration of `agq serve`: clap flags, each also readable from an
-//! `AGQ_*` environment variable, and the plain [`EngineConfig`] the core uses.
+//! `AGQ_*` environment variable, and the plain [`EngineConfig`] the engine uses.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 

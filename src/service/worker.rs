@@ -63,7 +63,7 @@ pub struct WorkerApi {
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// A server stream that tells the core when it is dropped (the client went
+/// A server stream that tells the engine when it is dropped (the client went
 /// away or the server ended it).
 struct ClosingStream<T> {
     inner: BoxStream<T>,

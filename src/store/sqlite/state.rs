@@ -180,7 +180,7 @@ fn intern_in(map: &mut HashMap<String, std::sync::Weak<str>>, s: &str) -> Arc<st
     a
 }
 
-/// The in-memory state of the core. See the module docs.
+/// The in-memory state of the SQLite engine. See the module docs.
 pub(super) struct State {
     /// Settings.
     pub(super) cfg: EngineConfig,

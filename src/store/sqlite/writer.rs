@@ -1,4 +1,4 @@
-//! The single writer: one thread owns the write connection and the core's
+//! The single writer: one thread owns the write connection and the engine's
 //! in-memory state, and runs every state change as an operation. Operations
 //! that arrive together share one transaction and one commit (group commit);
 //! each runs inside its own savepoint so a failing one changes nothing.
