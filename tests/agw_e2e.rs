@@ -862,7 +862,14 @@ async fn leases_run_concurrently_up_to_max_concurrent_jobs() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(running.len(), 3, "running at once: {running:?}");
+    if running.len() != 3 {
+        let mut seen = Vec::new();
+        for id in &ids {
+            let j = c.job(id).await;
+            seen.push((j.status, j.attempt, j.worker_id, j.error, j.waiting_reason));
+        }
+        panic!("running at once: {running:?}; jobs (status, attempt, worker, error, waiting): {seen:?}");
+    }
     // ...and the fourth waits for a free slot.
     let fourth = ids.iter().find(|id| !running.contains(id)).unwrap();
     assert_eq!(c.job(fourth).await.status, JobStatus::Pending as i32);
