@@ -141,11 +141,11 @@ async fn list_actions_filters_orders_newest_first_and_pages() {
     assert_eq!(open_of_a.len(), 3, "{open_of_a:?}");
 
     // A time range splits the listing at the creation time of an action.
-    let pivot = all[3].created_at.clone();
+    let pivot = all[3].created_at;
     let after = all_pages(
         &s,
         ListActionsRequest {
-            created_after: pivot.clone(),
+            created_after: pivot,
             ..Default::default()
         },
     )
@@ -153,7 +153,7 @@ async fn list_actions_filters_orders_newest_first_and_pages() {
     let before = all_pages(
         &s,
         ListActionsRequest {
-            created_before: pivot.clone(),
+            created_before: pivot,
             ..Default::default()
         },
     )
@@ -185,8 +185,8 @@ async fn list_actions_filters_orders_newest_first_and_pages() {
             ..Default::default()
         },
         ListActionsRequest {
-            created_after: pivot.clone(),
-            created_before: pivot.clone(),
+            created_after: pivot,
+            created_before: pivot,
             ..Default::default()
         },
     ];
