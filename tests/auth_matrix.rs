@@ -17,7 +17,7 @@ type Ch = InterceptedService<Channel, Bearer>;
 enum Kind {
     /// Plans, actions, jobs, queue, worker listing.
     Client,
-    /// Worker calls naming worker "w1".
+    /// Worker calls naming worker "w1" (and DrainWorker, ForgetWorker).
     Worker,
 }
 
@@ -147,6 +147,27 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        "ForgetWorker" => w
+            .forget_worker(ForgetWorkerRequest {
+                worker_id: worker.into(),
+            })
+            .await
+            .map(|_| ()),
+        "ListActions" => a
+            .list_actions(ListActionsRequest::default())
+            .await
+            .map(|_| ()),
+        "CancelAction" => a
+            .cancel_action(CancelActionRequest { action_id: id() })
+            .await
+            .map(|_| ()),
+        "RetryAction" => a
+            .retry_action(RetryActionRequest {
+                action_id: id(),
+                status: 0,
+            })
+            .await
+            .map(|_| ()),
         other => panic!("unknown rpc {other}"),
     }
 }
@@ -159,6 +180,9 @@ const RPCS: &[(&str, Kind)] = &[
     ("SubmitAction", Kind::Client),
     ("GetAction", Kind::Client),
     ("WatchAction", Kind::Client),
+    ("ListActions", Kind::Client),
+    ("CancelAction", Kind::Client),
+    ("RetryAction", Kind::Client),
     ("GetJob", Kind::Client),
     ("ListJobs", Kind::Client),
     ("SearchJobs", Kind::Client),
@@ -176,6 +200,9 @@ const RPCS: &[(&str, Kind)] = &[
     ("BatchUpdateJobs", Kind::Worker),
     ("UnregisterWorker", Kind::Worker),
     ("DrainWorker", Kind::Worker),
+    // An operator action on a worker's record: the worker's own (or its
+    // pool's) token or an admin's, as DrainWorker; never a client token.
+    ("ForgetWorker", Kind::Worker),
 ];
 
 #[tokio::test]
@@ -253,7 +280,7 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 24);
+    assert_eq!(checked, 28);
     s.stop().await;
 }
 
@@ -340,7 +367,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 24);
+    assert_eq!(checked, 28);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

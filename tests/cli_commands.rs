@@ -881,3 +881,120 @@ fn tokens_and_input_values_stay_out_of_the_logs() {
         }
     }
 }
+
+#[test]
+fn action_list_cancel_retry_and_bulk_job_commands() {
+    let s = Server::start();
+    s.agq(&["plan", "submit", &example_plan()]).assert_ok();
+    // No worker runs: every job stays pending.
+    for id in ["older", "newer"] {
+        s.agq(&[
+            "action",
+            "submit",
+            "--plan",
+            "word-frequency",
+            "--input",
+            "file=/a",
+            "--action-id",
+            id,
+        ])
+        .assert_ok();
+    }
+    let all = s.json(&["action", "list"]);
+    assert_eq!(ids(&all, "actions", "action_id"), ["newer", "older"]);
+    assert_eq!(all["actions"][0]["pending"], 1);
+    assert_eq!(all["next_page_token"], "");
+    let first = s.json(&["action", "list", "--limit", "1"]);
+    assert_eq!(ids(&first, "actions", "action_id"), ["newer"]);
+    let token = first["next_page_token"].as_str().unwrap().to_owned();
+    assert!(!token.is_empty());
+    let second = s.json(&["action", "list", "--limit", "1", "--page-token", &token]);
+    assert_eq!(ids(&second, "actions", "action_id"), ["older"]);
+    let table = s.agq(&["action", "list", "--limit", "1"]);
+    table.assert_ok();
+    assert!(table.stdout.contains("ACTION"), "{}", table.stdout);
+    assert!(table.stdout.contains("newer"), "{}", table.stdout);
+    assert!(table.stderr.contains("--page-token"), "{}", table.stderr);
+
+    // The bulk forms: cancel the pending jobs of one action, retry none.
+    let cancelled = s.json(&["job", "cancel", "--action", "older", "--status", "pending"]);
+    assert_eq!(cancelled["change"], "cancelled");
+    assert_eq!(cancelled["jobs"], 1);
+    assert_eq!(cancelled["action"]["cancelled"], 1);
+    let retried = s.json(&["job", "retry", "--action", "older", "--status", "dead"]);
+    assert_eq!(retried["jobs"], 0);
+    let finished = s.json(&["action", "list", "--state", "finished"]);
+    assert_eq!(ids(&finished, "actions", "action_id"), ["older"]);
+    let open = s.json(&[
+        "action",
+        "list",
+        "--plan",
+        "word-frequency",
+        "--state",
+        "open",
+        "--since",
+        "1h ago",
+    ]);
+    assert_eq!(ids(&open, "actions", "action_id"), ["newer"]);
+    let none = s.json(&["action", "list", "--until", "2001-01-01T00:00:00Z"]);
+    assert_eq!(ids(&none, "actions", "action_id"), Vec::<String>::new());
+    let c = s.json(&["action", "cancel", "newer"]);
+    assert_eq!(
+        (c["jobs"].as_u64(), c["action"]["done"].as_bool()),
+        (Some(1), Some(true))
+    );
+    let r = s.json(&["action", "retry", "newer", "--status", "failed"]);
+    assert_eq!(r["change"], "retried");
+    assert_eq!(r["jobs"], 0);
+    s.agq(&["action", "cancel", "nope"])
+        .assert_err(1, "agq: NOT_FOUND: ");
+    s.agq(&[
+        "job",
+        "cancel",
+        "--action",
+        "older",
+        "--status",
+        "completed",
+    ])
+    .assert_err(1, "--status must be pending, running or failed");
+    s.agq(&["job", "retry"]).assert_err(2, "Usage");
+}
+
+#[test]
+fn worker_forget_removes_a_departed_worker_only() {
+    let s = Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = s.url();
+    rt.block_on(async {
+        let mut w = agq::pb::worker_service_client::WorkerServiceClient::connect(url)
+            .await
+            .unwrap();
+        for id in ["gone-w", "live-w"] {
+            w.register_worker(agq::pb::RegisterWorkerRequest {
+                worker_id: id.into(),
+                hostname: "h".into(),
+                agw_version: "test".into(),
+                max_concurrent_jobs: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+        w.unregister_worker(agq::pb::UnregisterWorkerRequest {
+            worker_id: "gone-w".into(),
+        })
+        .await
+        .unwrap();
+    });
+    s.agq(&["worker", "forget", "live-w"])
+        .assert_err(1, "agq: FAILED_PRECONDITION: ");
+    let r = s.agq(&["worker", "forget", "gone-w"]);
+    r.assert_ok();
+    assert_eq!(r.stdout.trim(), "worker gone-w forgotten");
+    s.agq(&["worker", "get", "gone-w"])
+        .assert_err(1, "agq: NOT_FOUND: ");
+    s.agq(&["-o", "json", "worker", "forget", "gone-w"])
+        .assert_err(1, "agq: NOT_FOUND: ");
+    let listed = s.json(&["worker", "list"]);
+    assert_eq!(ids(&listed, "workers", "worker_id"), ["live-w"]);
+}

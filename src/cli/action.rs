@@ -1,7 +1,8 @@
-//! `agq action submit|status`: fanning a Plan out over inputs (a JSON
+//! `agq action submit|status|list|cancel|retry`: fanning a Plan out over inputs (a JSON
 //! file, `--input key=value` pairs, or one job per file matched by
 //! `--files`), and watching an Action with a live progress bar driven by
-//! the `WatchAction` server stream.
+//! the `WatchAction` server stream; listing Actions newest first, and
+//! cancelling or retrying all of an Action's jobs at once.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -17,7 +18,7 @@ use super::{
     print_json,
     table::{emit, emit_line, key_values},
     time::{parse_time, to_timestamp},
-    view::ActionView,
+    view::{ActionChangeView, ActionPage, ActionStateArg, ActionView, RetryStatusArg},
     CliError, Clients, OutputFormat,
 };
 use crate::pb;
@@ -36,6 +37,44 @@ pub enum ActionCommand {
         /// any job ended dead or cancelled.
         #[arg(long, short = 'w')]
         watch: bool,
+    },
+    /// List Actions, newest first, with their job counts.
+    List {
+        /// Only Actions of this Plan.
+        #[arg(long, value_name = "PLAN_ID")]
+        plan: Option<String>,
+        /// Only open Actions (a job pending, running or failed), finished
+        /// ones (every job completed, dead or cancelled), or those with a
+        /// dead job.
+        #[arg(long, value_enum)]
+        state: Option<ActionStateArg>,
+        /// Only Actions created at or after this time (RFC 3339, or "2h ago").
+        #[arg(long, value_name = "TIME", value_parser = parse_time)]
+        since: Option<SystemTime>,
+        /// Only Actions created before this time (RFC 3339, or "2h ago").
+        #[arg(long, value_name = "TIME", value_parser = parse_time)]
+        until: Option<SystemTime>,
+        /// Actions per page, 1..=1000 [server default: 100].
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: Option<u32>,
+        /// Token of the page to fetch (printed after a partial page).
+        #[arg(long)]
+        page_token: Option<String>,
+    },
+    /// Cancel every pending, running or failed job of an Action at once
+    /// (running ones are killed on their workers).
+    Cancel {
+        /// Action id.
+        action_id: String,
+    },
+    /// Put the Action's failed and dead jobs (or only those in --status)
+    /// back to pending with a fresh attempt budget, at once.
+    Retry {
+        /// Action id.
+        action_id: String,
+        /// Only jobs in this status.
+        #[arg(long, value_enum)]
+        status: Option<RetryStatusArg>,
     },
 }
 
@@ -316,6 +355,110 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(
                 OutputFormat::Table => emit(&view.table()),
             }
         }
+        ActionCommand::List {
+            plan,
+            state,
+            since,
+            until,
+            limit,
+            page_token,
+        } => {
+            let r = c
+                .action
+                .clone()
+                .list_actions(pb::ListActionsRequest {
+                    plan_id: plan.unwrap_or_default(),
+                    state: state.map_or(0, |s| pb::ActionState::from(s) as i32),
+                    created_after: since.map(to_timestamp),
+                    created_before: until.map(to_timestamp),
+                    page_size: limit.unwrap_or(0),
+                    page_token: page_token.unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            let page = ActionPage {
+                actions: r.actions.iter().map(ActionView::from).collect(),
+                next_page_token: r.next_page_token,
+            };
+            match out {
+                OutputFormat::Json => print_json(&page),
+                OutputFormat::Table => {
+                    emit(&page.table())?;
+                    if !page.next_page_token.is_empty() {
+                        eprintln!("more results: pass --page-token {}", page.next_page_token);
+                    }
+                    Ok(())
+                }
+            }
+        }
+        ActionCommand::Cancel { action_id } => cancel_action(c, out, action_id).await,
+        ActionCommand::Retry { action_id, status } => retry_action(c, out, action_id, status).await,
+    }
+}
+
+/// Cancels every open job of `action_id` (CancelAction) and prints the
+/// count and the Action.
+///
+/// # Errors
+///
+/// See [`super::run`].
+pub async fn cancel_action(
+    c: &Clients,
+    out: OutputFormat,
+    action_id: String,
+) -> Result<(), CliError> {
+    let r = c
+        .action
+        .clone()
+        .cancel_action(pb::CancelActionRequest { action_id })
+        .await?
+        .into_inner();
+    show_change("cancelled", r.cancelled, r.action.unwrap_or_default(), out)
+}
+
+/// Retries the failed and dead jobs of `action_id` (only `status` when
+/// given) with RetryAction and prints the count and the Action.
+///
+/// # Errors
+///
+/// See [`super::run`].
+pub async fn retry_action(
+    c: &Clients,
+    out: OutputFormat,
+    action_id: String,
+    status: Option<RetryStatusArg>,
+) -> Result<(), CliError> {
+    let r = c
+        .action
+        .clone()
+        .retry_action(pb::RetryActionRequest {
+            action_id,
+            status: status.map_or(0, |s| pb::JobStatus::from(s) as i32),
+        })
+        .await?
+        .into_inner();
+    show_change("retried", r.retried, r.action.unwrap_or_default(), out)
+}
+
+/// Prints how many jobs a bulk change touched and the Action after it.
+///
+/// # Errors
+///
+/// [`CliError::Output`] when printing fails.
+pub fn show_change(
+    change: &str,
+    jobs: u32,
+    action: pb::ActionStatus,
+    out: OutputFormat,
+) -> Result<(), CliError> {
+    let view = ActionChangeView {
+        change: change.into(),
+        jobs,
+        action: ActionView::from(&action),
+    };
+    match out {
+        OutputFormat::Json => print_json(&view),
+        OutputFormat::Table => emit(&view.table()),
     }
 }
 

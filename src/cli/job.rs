@@ -1,14 +1,18 @@
 //! `agq job status|list|search|retry|cancel`. Listing RPCs return job ids;
 //! the client fetches each job (a few at a time) so that tables and JSON
-//! show status, attempts, worker and errors.
+//! show status, attempts, worker and errors. `retry` and `cancel` also
+//! take `--action` (and `--status`) to act on many jobs of an Action: over
+//! RetryAction and CancelAction (one transaction each) where the filter is
+//! what those RPCs do, and job by job otherwise.
 
 use std::time::SystemTime;
 
 use super::{
+    action::{cancel_action, retry_action, show_change},
     collect_pages, fetch_each, more_hint, print_json,
     table::emit,
     time::{parse_time, to_timestamp},
-    view::{JobPage, JobSummary, JobView, StatusArg},
+    view::{JobPage, JobSummary, JobView, RetryStatusArg, StatusArg},
     CliError, Clients, OutputFormat, PageArgs,
 };
 use crate::pb::{self, JobStatus};
@@ -51,15 +55,34 @@ pub enum JobCommand {
         #[command(flatten)]
         page: PageArgs,
     },
-    /// Put a failed or dead job back to pending with a fresh attempt budget.
+    /// Put a failed or dead job back to pending with a fresh attempt
+    /// budget; with --action, every failed and dead job of the Action (or
+    /// those in --status) at once (RetryAction).
     Retry {
         /// Job id.
-        job_id: String,
+        #[arg(required_unless_present = "action", conflicts_with = "action")]
+        job_id: Option<String>,
+        /// Retry the jobs of this Action instead of one job.
+        #[arg(long, value_name = "ACTION_ID")]
+        action: Option<String>,
+        /// With --action: only jobs in this status.
+        #[arg(long, value_enum, requires = "action")]
+        status: Option<RetryStatusArg>,
     },
-    /// Cancel a pending or running job (a running one is killed on its worker).
+    /// Cancel a pending, running or failed job (a running one is killed on
+    /// its worker); with --action, every such job of the Action at once
+    /// (CancelAction), or with --status only those in that status (one
+    /// CancelJob each, not atomic).
     Cancel {
         /// Job id.
-        job_id: String,
+        #[arg(required_unless_present = "action", conflicts_with = "action")]
+        job_id: Option<String>,
+        /// Cancel the jobs of this Action instead of one job.
+        #[arg(long, value_name = "ACTION_ID")]
+        action: Option<String>,
+        /// With --action: only jobs in this status (pending, running or failed).
+        #[arg(long, value_enum, requires = "action")]
+        status: Option<StatusArg>,
     },
 }
 
@@ -132,7 +155,23 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: JobCommand) -> Result<(), 
             .await?;
             show_jobs(c, ids, out).await
         }
-        JobCommand::Retry { job_id } => {
+        JobCommand::Retry {
+            action: Some(action_id),
+            status,
+            ..
+        } => retry_action(c, out, action_id, status).await,
+        JobCommand::Cancel {
+            action: Some(action_id),
+            status: None,
+            ..
+        } => cancel_action(c, out, action_id).await,
+        JobCommand::Cancel {
+            action: Some(action_id),
+            status: Some(status),
+            ..
+        } => cancel_by_status(c, out, action_id, status).await,
+        JobCommand::Retry { job_id, .. } => {
+            let job_id = job_id.unwrap_or_default();
             let job = c
                 .job
                 .clone()
@@ -143,7 +182,8 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: JobCommand) -> Result<(), 
                 .unwrap_or_default();
             show_job(JobView::from(job), out, false)
         }
-        JobCommand::Cancel { job_id } => {
+        JobCommand::Cancel { job_id, .. } => {
+            let job_id = job_id.unwrap_or_default();
             let job = c
                 .job
                 .clone()
@@ -155,6 +195,76 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: JobCommand) -> Result<(), 
             show_job(JobView::from(job), out, false)
         }
     }
+}
+
+/// Cancels the jobs of `action_id` in `status`, one CancelJob each, page
+/// by page of ListJobs; jobs that ended meanwhile are skipped. Prints the
+/// count and the Action.
+///
+/// # Errors
+///
+/// [`CliError::Input`] for a status no job can be cancelled from; the
+/// first server error other than a job that ended meanwhile.
+async fn cancel_by_status(
+    c: &Clients,
+    out: OutputFormat,
+    action_id: String,
+    status: StatusArg,
+) -> Result<(), CliError> {
+    if !matches!(
+        status,
+        StatusArg::Pending | StatusArg::Running | StatusArg::Failed
+    ) {
+        return Err(CliError::Input(
+            "--status must be pending, running or failed: only those jobs can be cancelled".into(),
+        ));
+    }
+    let mut cancelled = 0;
+    let mut page_token = String::new();
+    // Each page moves the token forward (ids in row order): at most one
+    // pass over the Action's jobs.
+    loop {
+        let r = c
+            .job
+            .clone()
+            .list_jobs(pb::ListJobsRequest {
+                action_id: action_id.clone(),
+                status: JobStatus::from(status) as i32,
+                page_size: 1000,
+                page_token,
+            })
+            .await?
+            .into_inner();
+        for job_id in r.job_ids {
+            match c
+                .job
+                .clone()
+                .cancel_job(pb::CancelJobRequest { job_id })
+                .await
+            {
+                Ok(_) => cancelled += 1,
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::FailedPrecondition | tonic::Code::NotFound
+                    ) => {}
+                Err(s) => return Err(s.into()),
+            }
+        }
+        if r.next_page_token.is_empty() {
+            break;
+        }
+        page_token = r.next_page_token;
+    }
+    let action = c
+        .action
+        .clone()
+        .get_action(pb::GetActionRequest { action_id })
+        .await?
+        .into_inner()
+        .action
+        .unwrap_or_default();
+    show_change("cancelled", cancelled, action, out)
 }
 
 fn show_job(view: JobView, out: OutputFormat, full: bool) -> Result<(), CliError> {

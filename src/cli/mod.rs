@@ -98,13 +98,13 @@ pub enum ClientCommand {
     /// Store, show, list and delete Plans.
     #[command(subcommand)]
     Plan(plan::PlanCommand),
-    /// Submit Actions (a Plan over many inputs) and watch them.
+    /// Submit, list, watch, cancel and retry Actions (a Plan over many inputs).
     #[command(subcommand)]
     Action(action::ActionCommand),
     /// Inspect, list, search, retry and cancel Jobs.
     #[command(subcommand)]
     Job(job::JobCommand),
-    /// List, inspect and drain workers.
+    /// List, inspect, drain and forget workers.
     #[command(subcommand)]
     Worker(worker::WorkerCommand),
     /// Queue depth and the next jobs in line.

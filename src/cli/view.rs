@@ -328,6 +328,112 @@ impl ActionView {
     }
 }
 
+/// A page of Actions (`agq action list`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ActionPage {
+    /// The Actions, newest first.
+    pub actions: Vec<ActionView>,
+    /// Token of the next page; empty on the last page.
+    pub next_page_token: String,
+}
+
+impl ActionPage {
+    /// One row per Action: id, plan, job counts, creation time.
+    pub fn table(&self) -> String {
+        let mut t = Table::new([
+            "ACTION",
+            "PLAN",
+            "JOBS",
+            "PENDING",
+            "RUNNING",
+            "COMPLETED",
+            "FAILED",
+            "DEAD",
+            "CANCELLED",
+            "CREATED",
+        ]);
+        for a in &self.actions {
+            t.row([
+                a.action_id.clone(),
+                a.plan_id.clone(),
+                a.total_jobs.to_string(),
+                a.pending.to_string(),
+                a.running.to_string(),
+                a.completed.to_string(),
+                a.failed.to_string(),
+                a.dead.to_string(),
+                a.cancelled.to_string(),
+                a.created_at.clone().unwrap_or_else(|| "-".into()),
+            ]);
+        }
+        t.render()
+    }
+}
+
+/// The outcome of a bulk change of an Action's jobs (`agq action
+/// cancel|retry`, `agq job cancel|retry --action`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ActionChangeView {
+    /// What was done: "cancelled" or "retried".
+    pub change: String,
+    /// How many jobs it changed.
+    pub jobs: u32,
+    /// The Action after the change.
+    pub action: ActionView,
+}
+
+impl ActionChangeView {
+    /// A `<change> N jobs` line, then the Action's `key value` lines.
+    pub fn table(&self) -> String {
+        format!(
+            "{} {} job(s)\n{}",
+            self.change,
+            self.jobs,
+            self.action.table()
+        )
+    }
+}
+
+/// A job status of `agq action retry --status` and `agq job retry
+/// --action`: the statuses RetryAction accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RetryStatusArg {
+    /// Failed jobs waiting for their next attempt.
+    Failed,
+    /// Dead jobs (every attempt failed).
+    Dead,
+}
+
+impl From<RetryStatusArg> for JobStatus {
+    fn from(s: RetryStatusArg) -> Self {
+        match s {
+            RetryStatusArg::Failed => JobStatus::Failed,
+            RetryStatusArg::Dead => JobStatus::Dead,
+        }
+    }
+}
+
+/// An Action state of `agq action list --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ActionStateArg {
+    /// Some job is pending, running or failed.
+    Open,
+    /// Every job is completed, dead or cancelled.
+    Finished,
+    /// At least one job is dead.
+    HasDead,
+}
+
+impl From<ActionStateArg> for pb::ActionState {
+    fn from(s: ActionStateArg) -> Self {
+        match s {
+            ActionStateArg::Open => pb::ActionState::Open,
+            ActionStateArg::Finished => pb::ActionState::Finished,
+            ActionStateArg::HasDead => pb::ActionState::HasDead,
+        }
+    }
+}
+
 /// Outcome of one task.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct TaskResultView {

@@ -1,4 +1,4 @@
-//! `agq worker list|get|drain`.
+//! `agq worker list|get|drain|forget`.
 
 use super::{
     print_json,
@@ -24,6 +24,12 @@ pub enum WorkerCommand {
     },
     /// Put a worker in DRAINING: it finishes its jobs and takes no new ones.
     Drain {
+        /// Worker id.
+        worker_id: String,
+    },
+    /// Delete the record of a DEAD or UNREGISTERED worker now (they are
+    /// otherwise listed for 24 hours). Needs the worker's or an admin token.
+    Forget {
         /// Worker id.
         worker_id: String,
     },
@@ -75,5 +81,20 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
             .await?
             .into_inner()
             .worker),
+        WorkerCommand::Forget { worker_id } => {
+            c.worker
+                .clone()
+                .forget_worker(pb::ForgetWorkerRequest {
+                    worker_id: worker_id.clone(),
+                })
+                .await?;
+            match out {
+                OutputFormat::Json => print_json(&serde_json::json!({
+                    "worker_id": worker_id,
+                    "forgotten": true,
+                })),
+                OutputFormat::Table => emit(&format!("worker {worker_id} forgotten\n")),
+            }
+        }
     }
 }

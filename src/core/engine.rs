@@ -123,6 +123,35 @@ pub struct JobQuery {
     pub page_token: String,
 }
 
+/// Which actions an [`ActionQuery`] returns, by their jobs' statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActionState {
+    /// Some job is pending, running or failed (waiting for its next attempt).
+    Open,
+    /// Every job is completed, dead or cancelled.
+    Finished,
+    /// At least one job is dead.
+    HasDead,
+}
+
+/// An action listing (ListActions, an AGQ addition); `None` fields match
+/// everything. Newest first.
+#[derive(Debug, Clone, Default)]
+pub struct ActionQuery {
+    /// Only this plan's actions.
+    pub plan_id: Option<String>,
+    /// Only actions in this state.
+    pub state: Option<ActionState>,
+    /// Created at or after, ms since the epoch.
+    pub created_after_ms: Option<i64>,
+    /// Created before, ms since the epoch.
+    pub created_before_ms: Option<i64>,
+    /// Page size; 0 means 100, at most 1000.
+    pub page_size: u32,
+    /// Token from the previous page; empty for the first.
+    pub page_token: String,
+}
+
 /// Which queue [`Engine::peek_queue`] reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueName {
@@ -189,6 +218,35 @@ pub trait Engine: Send + Sync {
         action_id: &str,
         connection: Option<SocketAddr>,
     ) -> Result<WatchSubscription>;
+
+    /// Actions by plan, state and creation time, newest first (creation
+    /// time, then submission order), paginated (ListActions).
+    ///
+    /// Errors: `InvalidArgument` (plan id, page size, token, an empty time
+    /// range).
+    async fn list_actions(&self, query: ActionQuery) -> Result<Page<ActionStatus>>;
+
+    /// Cancels every pending, running or failed job of an action in one
+    /// transaction, each as by [`Engine::cancel_job`] (the holders of
+    /// running ones are told over their heartbeat streams). Returns how
+    /// many were cancelled and the action's status after it.
+    ///
+    /// Errors: `InvalidArgument`, `NotFound`.
+    async fn cancel_action(&self, action_id: String) -> Result<(u32, ActionStatus)>;
+
+    /// Puts every failed and dead job of an action (only those in `status`
+    /// when given) back to pending in one transaction, each as by
+    /// [`Engine::retry_job`]. Returns how many and the action's status
+    /// after it.
+    ///
+    /// Errors: `InvalidArgument` (a status other than failed or dead),
+    /// `NotFound`, `FailedPrecondition` (the plan was deleted while a job
+    /// would be retried; nothing changes).
+    async fn retry_action(
+        &self,
+        action_id: String,
+        status: Option<JobStatus>,
+    ) -> Result<(u32, ActionStatus)>;
 
     // ---- jobs ----
 
@@ -283,6 +341,13 @@ pub trait Engine: Send + Sync {
     /// Puts a worker in DRAINING and tells it over its heartbeat stream.
     /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition`.
     async fn drain_worker(&self, worker_id: String) -> Result<Worker>;
+
+    /// Deletes the record of a DEAD or UNREGISTERED worker (ForgetWorker,
+    /// an AGQ addition); the id may register again.
+    ///
+    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition` while
+    /// the worker is ACTIVE or DRAINING.
+    async fn forget_worker(&self, worker_id: String) -> Result<()>;
 
     /// Workers, of one state when given, by id (the `KEYS worker:*:alive`
     /// command).

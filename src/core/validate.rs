@@ -7,8 +7,8 @@
 use std::collections::HashMap;
 
 use super::{
-    engine::ActionRequest,
-    model::{JobReport, Plan, Registration},
+    engine::{ActionQuery, ActionRequest},
+    model::{JobReport, JobStatus, Plan, Registration},
     page::MAX_PAGE,
 };
 use crate::{
@@ -42,6 +42,38 @@ pub const MAX_ATTEMPTS: u32 = 100;
 fn id_chars(s: &str, extra: &[char]) -> bool {
     s.chars()
         .all(|c| c.is_ascii_alphanumeric() || extra.contains(&c))
+}
+
+/// Checks the filters of an action listing: the plan id when given, and
+/// that a time range given at both ends is not empty. (Page size and token
+/// are checked by [`super::page`].)
+///
+/// Errors: `InvalidArgument` naming the field.
+pub fn action_query(q: &ActionQuery) -> Result<()> {
+    if let Some(p) = &q.plan_id {
+        object_id("plan_id", p)?;
+    }
+    if let (Some(a), Some(b)) = (q.created_after_ms, q.created_before_ms) {
+        if a >= b {
+            return Err(Error::invalid(
+                "created_after must be before created_before (the range is empty)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the status filter of a RetryAction: failed, dead or none (both).
+///
+/// Errors: `InvalidArgument` for any other status.
+pub fn retry_filter(status: Option<JobStatus>) -> Result<()> {
+    match status {
+        None | Some(JobStatus::Failed | JobStatus::Dead) => Ok(()),
+        Some(s) => Err(Error::invalid(format!(
+            "status must be JOB_STATUS_FAILED, JOB_STATUS_DEAD or unspecified (both), not {}",
+            s.name()
+        ))),
+    }
 }
 
 /// Checks an id of plans, actions and jobs: `[A-Za-z0-9._-]{1,128}`, not

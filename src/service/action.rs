@@ -12,7 +12,7 @@ use crate::{
     auth::{identity, require_client},
     core::{model::ActionStatus, SharedEngine},
     pb::{self, action_service_server::ActionService},
-    service::convert::action_request,
+    service::convert::{action_request, list_actions_query, status_filter},
     telemetry,
 };
 
@@ -61,6 +61,59 @@ impl ActionService for ActionApi {
             require_client(&identity(&req))?;
             let action = self.engine.get_action(req.into_inner().action_id).await?;
             Ok(pb::GetActionResponse {
+                action: Some(action.into()),
+            })
+        })
+        .await
+    }
+
+    async fn list_actions(
+        &self,
+        req: Request<pb::ListActionsRequest>,
+    ) -> Result<Response<pb::ListActionsResponse>, Status> {
+        rpc(&self.engine, "ActionService/ListActions", async {
+            require_client(&identity(&req))?;
+            let page = self
+                .engine
+                .list_actions(list_actions_query(req.into_inner())?)
+                .await?;
+            Ok(pb::ListActionsResponse {
+                actions: page.items.into_iter().map(Into::into).collect(),
+                next_page_token: page.next_page_token,
+            })
+        })
+        .await
+    }
+
+    async fn cancel_action(
+        &self,
+        req: Request<pb::CancelActionRequest>,
+    ) -> Result<Response<pb::CancelActionResponse>, Status> {
+        rpc(&self.engine, "ActionService/CancelAction", async {
+            require_client(&identity(&req))?;
+            let (cancelled, action) = self
+                .engine
+                .cancel_action(req.into_inner().action_id)
+                .await?;
+            Ok(pb::CancelActionResponse {
+                cancelled,
+                action: Some(action.into()),
+            })
+        })
+        .await
+    }
+
+    async fn retry_action(
+        &self,
+        req: Request<pb::RetryActionRequest>,
+    ) -> Result<Response<pb::RetryActionResponse>, Status> {
+        rpc(&self.engine, "ActionService/RetryAction", async {
+            require_client(&identity(&req))?;
+            let r = req.into_inner();
+            let status = status_filter(r.status)?;
+            let (retried, action) = self.engine.retry_action(r.action_id, status).await?;
+            Ok(pb::RetryActionResponse {
+                retried,
                 action: Some(action.into()),
             })
         })

@@ -7,7 +7,7 @@
 
 use crate::{
     core::{
-        engine::{ActionRequest, JobQuery},
+        engine::{ActionQuery, ActionRequest, ActionState, JobQuery},
         model::{
             ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
             Registration, Task, TaskResult, Worker, WorkerCapabilities, WorkerCommand, WorkerState,
@@ -372,6 +372,27 @@ pub fn search_jobs_query(r: pb::SearchJobsRequest) -> Result<JobQuery> {
         action_id: None,
         status: status_filter(r.status)?,
         plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id),
+        created_after_ms: time_field("created_after", r.created_after)?,
+        created_before_ms: time_field("created_before", r.created_before)?,
+        page_size: r.page_size,
+        page_token: r.page_token,
+    })
+}
+
+/// The engine's query for a ListActions call.
+///
+/// Errors: `InvalidArgument` (unknown state, timestamps out of range).
+pub fn list_actions_query(r: pb::ListActionsRequest) -> Result<ActionQuery> {
+    let state = match pb::ActionState::try_from(r.state) {
+        Ok(pb::ActionState::Unspecified) => None,
+        Ok(pb::ActionState::Open) => Some(ActionState::Open),
+        Ok(pb::ActionState::Finished) => Some(ActionState::Finished),
+        Ok(pb::ActionState::HasDead) => Some(ActionState::HasDead),
+        Err(_) => return Err(Error::invalid(format!("unknown action state {}", r.state))),
+    };
+    Ok(ActionQuery {
+        plan_id: (!r.plan_id.is_empty()).then_some(r.plan_id),
+        state,
         created_after_ms: time_field("created_after", r.created_after)?,
         created_before_ms: time_field("created_before", r.created_before)?,
         page_size: r.page_size,

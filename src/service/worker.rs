@@ -318,4 +318,20 @@ impl WorkerService for WorkerApi {
         })
         .await
     }
+
+    async fn forget_worker(
+        &self,
+        req: Request<pb::ForgetWorkerRequest>,
+    ) -> Result<Response<pb::ForgetWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/ForgetWorker", async {
+            // The same token as DrainWorker: the worker's own (or its
+            // pool's) or an admin's; a client token may only read workers.
+            require_worker(&identity(&req), &req.get_ref().worker_id)?;
+            self.engine
+                .forget_worker(req.into_inner().worker_id)
+                .await?;
+            Ok(pb::ForgetWorkerResponse {})
+        })
+        .await
+    }
 }

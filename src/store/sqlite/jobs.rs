@@ -338,19 +338,113 @@ impl State {
                 )))
             }
         }
-        jobs::cancel(conn, key.row, now_ms())?;
+        self.cancel_row(conn, key.row, job_id, now_ms())?;
+        let action = self.intern_action(&key.action_id);
+        self.touch(&action);
+        Ok(key.row)
+    }
+
+    /// Cancels the open job at `row` (public id `job_id`): the row, the
+    /// queues, and the lease, whose holder is told.
+    fn cancel_row(&mut self, conn: &Connection, row: i64, job_id: &str, now_ms: i64) -> Result<()> {
+        jobs::cancel(conn, row, now_ms)?;
         self.metrics.transition(JobStatus::Cancelled);
-        self.dequeue(key.row);
-        if let Some(lease) = self.leases.get(&key.row).cloned() {
+        self.dequeue(row);
+        if let Some(lease) = self.leases.get(&row).cloned() {
             self.command(
                 &lease.worker_id,
                 WorkerCommand::CancelJob(job_id.to_string()),
             );
-            self.release(key.row, &lease.worker_id);
+            self.release(row, &lease.worker_id);
         }
-        let action = self.intern_action(&key.action_id);
+        Ok(())
+    }
+
+    /// Cancels every pending, running or failed job of `action_id`, each
+    /// as [`State::cancel_job`] does. Returns how many.
+    ///
+    /// Errors: `NotFound` (action), storage errors.
+    pub(super) fn cancel_action(&mut self, conn: &Connection, action_id: &str) -> Result<u32> {
+        if !jobs::action_exists(conn, action_id)? {
+            return Err(Error::not_found(format!("action {action_id} not found")));
+        }
+        let open = jobs::jobs_of_action(
+            conn,
+            action_id,
+            &[JobStatus::Pending, JobStatus::Running, JobStatus::Failed],
+        )?;
+        let now_ms = now_ms();
+        for (row, job_id) in &open {
+            self.cancel_row(conn, *row, job_id, now_ms)?;
+        }
+        if !open.is_empty() {
+            let action = self.intern_action(action_id);
+            self.touch(&action);
+        }
+        Ok(open.len() as u32)
+    }
+
+    /// Puts every failed and dead job of `action_id` (of `status` only,
+    /// when given: failed or dead) back to pending, each as
+    /// [`State::retry_job`] does. Returns how many.
+    ///
+    /// Errors: `NotFound` (action), `FailedPrecondition` (a job matches but
+    /// the plan is gone; nothing changes), storage errors.
+    pub(super) fn retry_action(
+        &mut self,
+        conn: &Connection,
+        action_id: &str,
+        status: Option<JobStatus>,
+    ) -> Result<u32> {
+        let plan_id = jobs::action_plan(conn, action_id)?
+            .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))?;
+        let statuses = match status {
+            Some(s) => vec![s],
+            None => vec![JobStatus::Failed, JobStatus::Dead],
+        };
+        let matching = jobs::jobs_of_action(conn, action_id, &statuses)?;
+        if matching.is_empty() {
+            return Ok(0);
+        }
+        if !self.plans.contains_key(&plan_id) {
+            return Err(Error::precondition(format!(
+                "plan {plan_id} no longer exists"
+            )));
+        }
+        let now_ms = now_ms();
+        let plan = self.intern(&plan_id);
+        let action = self.intern_action(action_id);
+        for (row, _) in &matching {
+            self.retry_row(conn, *row, plan.clone(), action.clone(), now_ms)?;
+        }
+        // The action is open again: clear its finish time.
+        retention::mark_finished(conn, &action, now_ms)?;
         self.touch(&action);
-        Ok(key.row)
+        Ok(matching.len() as u32)
+    }
+
+    /// Puts the failed or dead job at `row` back to pending and in the
+    /// ready queue.
+    fn retry_row(
+        &mut self,
+        conn: &Connection,
+        row: i64,
+        plan_id: Arc<str>,
+        action_id: Arc<str>,
+        now_ms: i64,
+    ) -> Result<()> {
+        jobs::retry(conn, row, now_ms)?;
+        self.metrics.transition(JobStatus::Pending);
+        self.dequeue(row);
+        let waiting = Waiting {
+            plan_id,
+            action_id,
+            since_ms: now_ms,
+            status: JobStatus::Pending,
+            fresh: None,
+        };
+        self.enqueue(row, waiting, now_ms);
+        Ok(())
     }
 
     /// Puts a failed or dead job back to pending with a fresh attempt
@@ -373,18 +467,9 @@ impl State {
             )));
         }
         let now_ms = now_ms();
-        jobs::retry(conn, key.row, now_ms)?;
-        self.metrics.transition(JobStatus::Pending);
-        self.dequeue(key.row);
-        let waiting = Waiting {
-            plan_id: self.intern(&key.plan_id),
-            action_id: self.intern_action(&key.action_id),
-            since_ms: now_ms,
-            status: JobStatus::Pending,
-            fresh: None,
-        };
-        let action = waiting.action_id.clone();
-        self.enqueue(key.row, waiting, now_ms);
+        let plan = self.intern(&key.plan_id);
+        let action = self.intern_action(&key.action_id);
+        self.retry_row(conn, key.row, plan, action.clone(), now_ms)?;
         // The action is open again: clear its finish time.
         retention::mark_finished(conn, &action, now_ms)?;
         self.touch(&action);

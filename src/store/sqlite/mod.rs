@@ -33,8 +33,8 @@ use crate::{
     config::{EngineConfig, SyncMode},
     core::{
         engine::{
-            ActionRequest, Engine, EventTx, HeartbeatEvent, JobQuery, Page, PlanQuery, QueueName,
-            StreamKind, SubmittedAction,
+            ActionQuery, ActionRequest, Engine, EventTx, HeartbeatEvent, JobQuery, Page, PlanQuery,
+            QueueName, StreamKind, SubmittedAction,
         },
         model::{
             ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
@@ -138,6 +138,18 @@ impl SqliteEngine {
     }
 }
 
+/// The cursor in an action page token's value, `created_at_ms:rowid`.
+///
+/// Errors: `InvalidArgument` for any other value.
+fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
+    let bad = || Error::invalid("page_token is not a token this server issued");
+    let (t, r) = v.split_once(':').ok_or_else(bad)?;
+    Ok(jstore::ActionCursor {
+        created_at_ms: t.parse().map_err(|_| bad())?,
+        rowid: r.parse().map_err(|_| bad())?,
+    })
+}
+
 #[async_trait::async_trait]
 impl Engine for SqliteEngine {
     async fn submit_plan(&self, plan: Plan) -> Result<String> {
@@ -206,6 +218,59 @@ impl Engine for SqliteEngine {
                 .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))
         })
         .await
+    }
+
+    async fn list_actions(&self, q: ActionQuery) -> Result<Page<ActionStatus>> {
+        let limit = page::page_size(q.page_size)?;
+        validate::action_query(&q)?;
+        let after = match page::decode_token("action", &q.page_token)? {
+            None => None,
+            Some(v) => Some(action_cursor(&v)?),
+        };
+        let items = self
+            .read(move |c| {
+                let found = jstore::list_actions(c, &q, after, limit + 1)?;
+                let (found, next) = page::split_page(found, limit, "action", |(k, _)| {
+                    format!("{}:{}", k.created_at_ms, k.rowid)
+                });
+                // An action deleted by retention between the two reads is
+                // left out.
+                let mut items = Vec::with_capacity(found.len());
+                for (_, id) in found {
+                    items.extend(jstore::action_status(c, &id)?);
+                }
+                Ok(Page {
+                    items,
+                    next_page_token: next,
+                })
+            })
+            .await?;
+        Ok(items)
+    }
+
+    async fn cancel_action(&self, action_id: String) -> Result<(u32, ActionStatus)> {
+        validate::object_id("action_id", &action_id)?;
+        let id = action_id.clone();
+        let n = self
+            .writer
+            .write(move |s, c| s.cancel_action(c, &id))
+            .await?;
+        Ok((n, self.get_action(action_id).await?))
+    }
+
+    async fn retry_action(
+        &self,
+        action_id: String,
+        status: Option<JobStatus>,
+    ) -> Result<(u32, ActionStatus)> {
+        validate::object_id("action_id", &action_id)?;
+        validate::retry_filter(status)?;
+        let id = action_id.clone();
+        let n = self
+            .writer
+            .write(move |s, c| s.retry_action(c, &id, status))
+            .await?;
+        Ok((n, self.get_action(action_id).await?))
     }
 
     fn watch_action(
@@ -349,6 +414,11 @@ impl Engine for SqliteEngine {
     async fn drain_worker(&self, worker_id: String) -> Result<Worker> {
         validate::worker_id(&worker_id)?;
         self.writer.write(move |s, c| s.drain(c, &worker_id)).await
+    }
+
+    async fn forget_worker(&self, worker_id: String) -> Result<()> {
+        validate::worker_id(&worker_id)?;
+        self.writer.write(move |s, c| s.forget(c, &worker_id)).await
     }
 
     async fn list_workers(&self, state: Option<WorkerState>) -> Result<Vec<Worker>> {

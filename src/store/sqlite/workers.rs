@@ -356,6 +356,29 @@ impl State {
         self.worker_view(id)
     }
 
+    /// Deletes the record of a DEAD or UNREGISTERED worker now, as
+    /// [`State::tick`] does after [`DEPARTED_RETENTION_MS`] (ForgetWorker).
+    ///
+    /// Errors: `NotFound`, `FailedPrecondition` while ACTIVE or DRAINING,
+    /// storage errors.
+    pub(super) fn forget(&mut self, conn: &Connection, id: &str) -> Result<()> {
+        let w = self
+            .workers
+            .get(id)
+            .ok_or_else(|| Error::not_found(format!("worker {id} is not registered")))?;
+        if w.state.is_live() {
+            return Err(Error::precondition(format!(
+                "worker {id} is {}; only a DEAD or UNREGISTERED worker can be forgotten \
+                 (drain and unregister it first)",
+                w.state.name()
+            )));
+        }
+        wstore::delete(conn, id)?;
+        self.workers.remove(id);
+        tracing::info!(worker_id = %id, "worker forgotten");
+        Ok(())
+    }
+
     /// The reaper: promotes due jobs, fails expired leases, re-queues the
     /// leases of workers suspect past the grace, marks stale workers DEAD,
     /// flushes heartbeats to the database now and then.

@@ -9,7 +9,7 @@ use rusqlite::{params, types::Type, Connection, OptionalExtension, Row};
 
 use crate::{
     core::{
-        engine::JobQuery,
+        engine::{ActionQuery, ActionState, JobQuery},
         model::{ActionStatus, Job, JobStatus, TaskResult},
     },
     error::{Error, Result},
@@ -590,6 +590,111 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<Action
         status.completed_jobs_at_ms = last_done;
     }
     Ok(Some(status))
+}
+
+/// Where a page of an action listing starts: after the action created at
+/// `created_at_ms` with row id `rowid` (newest first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActionCursor {
+    /// Creation time of the last action of the previous page, ms.
+    pub created_at_ms: i64,
+    /// Its row id (submission order among equal times).
+    pub rowid: i64,
+}
+
+/// Up to `limit` actions matching `q`, newest first, after `after` when
+/// given: each with its cursor. The statement holds only the filters in
+/// use, so SQLite walks `actions_by_plan` or `actions_by_created`
+/// backwards with no sort (see migration 0008).
+///
+/// Errors: [`Error::Storage`].
+pub fn list_actions(
+    conn: &Connection,
+    q: &ActionQuery,
+    after: Option<ActionCursor>,
+    limit: usize,
+) -> Result<Vec<(ActionCursor, String)>> {
+    let mut sql =
+        String::from("SELECT a.rowid, a.created_at_ms, a.action_id FROM actions a WHERE 1");
+    let mut args: Vec<rusqlite::types::Value> = Vec::new();
+    let mut arg = |sql: &mut String, clause: &str, v: rusqlite::types::Value| {
+        args.push(v);
+        sql.push_str(&clause.replace('?', &format!("?{}", args.len())));
+    };
+    if let Some(p) = &q.plan_id {
+        arg(&mut sql, " AND a.plan_id = ?", p.clone().into());
+    }
+    if let Some(t) = q.created_after_ms {
+        arg(&mut sql, " AND a.created_at_ms >= ?", t.into());
+    }
+    if let Some(t) = q.created_before_ms {
+        arg(&mut sql, " AND a.created_at_ms < ?", t.into());
+    }
+    if let Some(c) = after {
+        arg(
+            &mut sql,
+            " AND (a.created_at_ms < ?",
+            c.created_at_ms.into(),
+        );
+        arg(&mut sql, " OR (a.created_at_ms = ?", c.created_at_ms.into());
+        arg(&mut sql, " AND a.rowid < ?))", c.rowid.into());
+    }
+    match q.state {
+        None => {}
+        Some(ActionState::Open) => sql.push_str(" AND a.finished_at_ms IS NULL"),
+        Some(ActionState::Finished) => sql.push_str(" AND a.finished_at_ms IS NOT NULL"),
+        // The literal status lets SQLite use the partial index of dead jobs.
+        Some(ActionState::HasDead) => sql.push_str(&format!(
+            " AND EXISTS (SELECT 1 FROM jobs j WHERE j.action_id = a.action_id AND j.status = {DEAD})"
+        )),
+    }
+    arg(
+        &mut sql,
+        " ORDER BY a.created_at_ms DESC, a.rowid DESC LIMIT ?",
+        (limit as i64).into(),
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
+        Ok((
+            ActionCursor {
+                rowid: r.get(0)?,
+                created_at_ms: r.get(1)?,
+            },
+            r.get(2)?,
+        ))
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// (row, job_id) of the jobs of `action_id` in one of `statuses`, in row
+/// order.
+///
+/// Errors: [`Error::Storage`].
+pub fn jobs_of_action(
+    conn: &Connection,
+    action_id: &str,
+    statuses: &[JobStatus],
+) -> Result<Vec<(i64, String)>> {
+    let list = statuses
+        .iter()
+        .map(|s| (*s as i32).to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT id, job_id FROM jobs WHERE action_id = ?1 AND status IN ({list}) ORDER BY id"
+    ))?;
+    let rows = stmt.query_map([action_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// The plan of action `action_id`; `None` when there is no such action.
+///
+/// Errors: [`Error::Storage`].
+pub fn action_plan(conn: &Connection, action_id: &str) -> Result<Option<String>> {
+    Ok(conn
+        .prepare_cached("SELECT plan_id FROM actions WHERE action_id = ?1")?
+        .query_row([action_id], |r| r.get(0))
+        .optional()?)
 }
 
 /// True when the action exists.

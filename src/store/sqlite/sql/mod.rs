@@ -30,6 +30,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0005_worker_instance.sql"),
     include_str!("migrations/0006_worker_sandboxed.sql"),
     include_str!("migrations/0007_action_traceparent.sql"),
+    include_str!("migrations/0008_action_listing.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -294,7 +295,8 @@ mod tests {
 
     /// A database left at schema version 2 by an older agq is brought to
     /// the current version with its rows kept, the job indexes no query
-    /// uses are gone, and actions whose jobs all ended have a finish time
+    /// uses are gone, the action listing indexes are there, and actions
+    /// whose jobs all ended have a finish time
     /// (the last job's) for retention; a database newer than this agq is
     /// refused.
     #[test]
@@ -325,7 +327,26 @@ mod tests {
             .unwrap()
             .collect::<rusqlite::Result<_>>()
             .unwrap();
-        assert_eq!(indexes, ["jobs_by_action", "jobs_by_status"]);
+        assert_eq!(
+            indexes,
+            ["jobs_by_action", "jobs_by_status", "jobs_dead_by_action"]
+        );
+        // Version 8: the indexes ListActions walks.
+        let action_indexes: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'actions' AND sql IS NOT NULL ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            action_indexes,
+            [
+                "actions_by_created",
+                "actions_by_finished",
+                "actions_by_plan"
+            ]
+        );
         let job: String = conn
             .query_row("SELECT job_id FROM jobs", [], |r| r.get(0))
             .unwrap();

@@ -9,6 +9,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,6 +20,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ActionState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ActionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACTION_STATE_UNSPECIFIED: _ActionState.ValueType  # 0
+    """Every Action."""
+    ACTION_STATE_OPEN: _ActionState.ValueType  # 1
+    """Some job is pending, running or failed (waiting for its next attempt)."""
+    ACTION_STATE_FINISHED: _ActionState.ValueType  # 2
+    """Every job is completed, dead or cancelled."""
+    ACTION_STATE_HAS_DEAD: _ActionState.ValueType  # 3
+    """At least one job is dead."""
+
+class ActionState(_ActionState, metaclass=_ActionStateEnumTypeWrapper):
+    """Which Actions ListActions returns, by the statuses of their jobs."""
+
+ACTION_STATE_UNSPECIFIED: ActionState.ValueType  # 0
+"""Every Action."""
+ACTION_STATE_OPEN: ActionState.ValueType  # 1
+"""Some job is pending, running or failed (waiting for its next attempt)."""
+ACTION_STATE_FINISHED: ActionState.ValueType  # 2
+"""Every job is completed, dead or cancelled."""
+ACTION_STATE_HAS_DEAD: ActionState.ValueType  # 3
+"""At least one job is dead."""
+Global___ActionState: _TypeAlias = ActionState  # noqa: Y015
 
 @_typing.final
 class SubmitActionRequest(_message.Message):
@@ -185,3 +214,187 @@ class WatchActionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchActionResponse: _TypeAlias = WatchActionResponse  # noqa: Y015
+
+@_typing.final
+class ListActionsRequest(_message.Message):
+    """Request of ListActions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CREATED_AFTER_FIELD_NUMBER: _builtins.int
+    CREATED_BEFORE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    plan_id: _builtins.str
+    """Only Actions of this Plan; empty: every Plan."""
+    state: Global___ActionState.ValueType
+    """Only Actions in this state; ACTION_STATE_UNSPECIFIED: all."""
+    page_size: _builtins.int
+    """Maximum Actions per page; 0 means 100, at most 1000."""
+    page_token: _builtins.str
+    """next_page_token of the previous page; empty for the first page. The
+    other fields must be the same as for the first page.
+    """
+    @_builtins.property
+    def created_after(self) -> _timestamp_pb2.Timestamp:
+        """Only Actions created at or after this time; unset: no lower bound."""
+
+    @_builtins.property
+    def created_before(self) -> _timestamp_pb2.Timestamp:
+        """Only Actions created before this time; unset: no upper bound."""
+
+    def __init__(
+        self,
+        *,
+        plan_id: _builtins.str = ...,
+        state: Global___ActionState.ValueType = ...,
+        created_after: _timestamp_pb2.Timestamp | None = ...,
+        created_before: _timestamp_pb2.Timestamp | None = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "page_size", b"page_size", "page_token", b"page_token", "plan_id", b"plan_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListActionsRequest: _TypeAlias = ListActionsRequest  # noqa: Y015
+
+@_typing.final
+class ListActionsResponse(_message.Message):
+    """Response of ListActions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty when this is the last page."""
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ActionStatus]:
+        """The Actions of this page, newest first (by creation time, then by
+        submission order).
+        """
+
+    def __init__(
+        self,
+        *,
+        actions: _abc.Iterable[_common_pb2.ActionStatus] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListActionsResponse: _TypeAlias = ListActionsResponse  # noqa: Y015
+
+@_typing.final
+class CancelActionRequest(_message.Message):
+    """Request of CancelAction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    """Id of the Action whose open jobs are cancelled."""
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelActionRequest: _TypeAlias = CancelActionRequest  # noqa: Y015
+
+@_typing.final
+class CancelActionResponse(_message.Message):
+    """Response of CancelAction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.int
+    """Number of jobs cancelled."""
+    @_builtins.property
+    def action(self) -> _common_pb2.ActionStatus:
+        """Aggregate status after the change."""
+
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.int = ...,
+        action: _common_pb2.ActionStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelActionResponse: _TypeAlias = CancelActionResponse  # noqa: Y015
+
+@_typing.final
+class RetryActionRequest(_message.Message):
+    """Request of RetryAction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    """Id of the Action whose jobs are retried."""
+    status: _common_pb2.JobStatus.ValueType
+    """Only jobs in this status: JOB_STATUS_FAILED or JOB_STATUS_DEAD;
+    JOB_STATUS_UNSPECIFIED: both.
+    """
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+        status: _common_pb2.JobStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryActionRequest: _TypeAlias = RetryActionRequest  # noqa: Y015
+
+@_typing.final
+class RetryActionResponse(_message.Message):
+    """Response of RetryAction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETRIED_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    retried: _builtins.int
+    """Number of jobs put back to pending."""
+    @_builtins.property
+    def action(self) -> _common_pb2.ActionStatus:
+        """Aggregate status after the change."""
+
+    def __init__(
+        self,
+        *,
+        retried: _builtins.int = ...,
+        action: _common_pb2.ActionStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "retried", b"retried"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryActionResponse: _TypeAlias = RetryActionResponse  # noqa: Y015

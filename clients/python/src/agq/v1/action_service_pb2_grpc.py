@@ -56,6 +56,21 @@ class ActionServiceStub:
                 request_serializer=agq_dot_v1_dot_action__service__pb2.WatchActionRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_action__service__pb2.WatchActionResponse.FromString,
                 _registered_method=True)
+        self.ListActions = channel.unary_unary(
+                '/agq.v1.ActionService/ListActions',
+                request_serializer=agq_dot_v1_dot_action__service__pb2.ListActionsRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_action__service__pb2.ListActionsResponse.FromString,
+                _registered_method=True)
+        self.CancelAction = channel.unary_unary(
+                '/agq.v1.ActionService/CancelAction',
+                request_serializer=agq_dot_v1_dot_action__service__pb2.CancelActionRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_action__service__pb2.CancelActionResponse.FromString,
+                _registered_method=True)
+        self.RetryAction = channel.unary_unary(
+                '/agq.v1.ActionService/RetryAction',
+                request_serializer=agq_dot_v1_dot_action__service__pb2.RetryActionRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_action__service__pb2.RetryActionResponse.FromString,
+                _registered_method=True)
 
 
 class ActionServiceServicer:
@@ -97,6 +112,39 @@ class ActionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListActions(self, request, context):
+        """Actions by plan, state and creation time, newest first, paginated (an
+        AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
+        plan id, unknown state, page_size over 1000, a page_token this server
+        did not issue, created_after not before created_before).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelAction(self, request, context):
+        """Cancels every open job (pending, running or failed and waiting) of an
+        Action in one transaction; the workers running them are told over their
+        heartbeat streams, as by CancelJob (an AGQ addition). An Action with no
+        open job is left as it is (cancelled = 0). Errors: INVALID_ARGUMENT,
+        NOT_FOUND (unknown action).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryAction(self, request, context):
+        """Puts every failed and dead job of an Action (or only those in `status`)
+        back to pending with a fresh attempt budget in one transaction, as by
+        RetryJob (an AGQ addition). No matching job: nothing changes
+        (retried = 0). Errors: INVALID_ARGUMENT (status other than FAILED or
+        DEAD), NOT_FOUND (unknown action), FAILED_PRECONDITION (a job would be
+        retried but its Plan was deleted; nothing is retried).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ActionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +162,21 @@ def add_ActionServiceServicer_to_server(servicer, server):
                     servicer.WatchAction,
                     request_deserializer=agq_dot_v1_dot_action__service__pb2.WatchActionRequest.FromString,
                     response_serializer=agq_dot_v1_dot_action__service__pb2.WatchActionResponse.SerializeToString,
+            ),
+            'ListActions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListActions,
+                    request_deserializer=agq_dot_v1_dot_action__service__pb2.ListActionsRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_action__service__pb2.ListActionsResponse.SerializeToString,
+            ),
+            'CancelAction': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelAction,
+                    request_deserializer=agq_dot_v1_dot_action__service__pb2.CancelActionRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_action__service__pb2.CancelActionResponse.SerializeToString,
+            ),
+            'RetryAction': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryAction,
+                    request_deserializer=agq_dot_v1_dot_action__service__pb2.RetryActionRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_action__service__pb2.RetryActionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -204,6 +267,87 @@ class ActionService:
             '/agq.v1.ActionService/WatchAction',
             agq_dot_v1_dot_action__service__pb2.WatchActionRequest.SerializeToString,
             agq_dot_v1_dot_action__service__pb2.WatchActionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListActions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.ActionService/ListActions',
+            agq_dot_v1_dot_action__service__pb2.ListActionsRequest.SerializeToString,
+            agq_dot_v1_dot_action__service__pb2.ListActionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelAction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.ActionService/CancelAction',
+            agq_dot_v1_dot_action__service__pb2.CancelActionRequest.SerializeToString,
+            agq_dot_v1_dot_action__service__pb2.CancelActionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryAction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.ActionService/RetryAction',
+            agq_dot_v1_dot_action__service__pb2.RetryActionRequest.SerializeToString,
+            agq_dot_v1_dot_action__service__pb2.RetryActionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,27 @@ class ActionServiceStub:
     status; the stream ends after the message in which every job is
     terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
+    ListActions: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]
+    """Actions by plan, state and creation time, newest first, paginated (an
+    AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
+    plan id, unknown state, page_size over 1000, a page_token this server
+    did not issue, created_after not before created_before).
+    """
+    CancelAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]
+    """Cancels every open job (pending, running or failed and waiting) of an
+    Action in one transaction; the workers running them are told over their
+    heartbeat streams, as by CancelJob (an AGQ addition). An Action with no
+    open job is left as it is (cancelled = 0). Errors: INVALID_ARGUMENT,
+    NOT_FOUND (unknown action).
+    """
+    RetryAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.RetryActionRequest, _action_service_pb2.RetryActionResponse]
+    """Puts every failed and dead job of an Action (or only those in `status`)
+    back to pending with a fresh attempt budget in one transaction, as by
+    RetryJob (an AGQ addition). No matching job: nothing changes
+    (retried = 0). Errors: INVALID_ARGUMENT (status other than FAILED or
+    DEAD), NOT_FOUND (unknown action), FAILED_PRECONDITION (a job would be
+    retried but its Plan was deleted; nothing is retried).
+    """
 
 @_typing.type_check_only
 class ActionServiceAsyncStub(ActionServiceStub):
@@ -86,6 +107,27 @@ class ActionServiceAsyncStub(ActionServiceStub):
     """Streams the Action's status now and after every change of a job's
     status; the stream ends after the message in which every job is
     terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
+    ListActions: _aio.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]  # type: ignore[assignment]
+    """Actions by plan, state and creation time, newest first, paginated (an
+    AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
+    plan id, unknown state, page_size over 1000, a page_token this server
+    did not issue, created_after not before created_before).
+    """
+    CancelAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]  # type: ignore[assignment]
+    """Cancels every open job (pending, running or failed and waiting) of an
+    Action in one transaction; the workers running them are told over their
+    heartbeat streams, as by CancelJob (an AGQ addition). An Action with no
+    open job is left as it is (cancelled = 0). Errors: INVALID_ARGUMENT,
+    NOT_FOUND (unknown action).
+    """
+    RetryAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.RetryActionRequest, _action_service_pb2.RetryActionResponse]  # type: ignore[assignment]
+    """Puts every failed and dead job of an Action (or only those in `status`)
+    back to pending with a fresh attempt budget in one transaction, as by
+    RetryJob (an AGQ addition). No matching job: nothing changes
+    (retried = 0). Errors: INVALID_ARGUMENT (status other than FAILED or
+    DEAD), NOT_FOUND (unknown action), FAILED_PRECONDITION (a job would be
+    retried but its Plan was deleted; nothing is retried).
     """
 
 class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -131,6 +173,45 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams the Action's status now and after every change of a job's
         status; the stream ends after the message in which every job is
         terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def ListActions(
+        self,
+        request: _action_service_pb2.ListActionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_action_service_pb2.ListActionsResponse, _abc.Awaitable[_action_service_pb2.ListActionsResponse]]:
+        """Actions by plan, state and creation time, newest first, paginated (an
+        AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
+        plan id, unknown state, page_size over 1000, a page_token this server
+        did not issue, created_after not before created_before).
+        """
+
+    @_abc_1.abstractmethod
+    def CancelAction(
+        self,
+        request: _action_service_pb2.CancelActionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_action_service_pb2.CancelActionResponse, _abc.Awaitable[_action_service_pb2.CancelActionResponse]]:
+        """Cancels every open job (pending, running or failed and waiting) of an
+        Action in one transaction; the workers running them are told over their
+        heartbeat streams, as by CancelJob (an AGQ addition). An Action with no
+        open job is left as it is (cancelled = 0). Errors: INVALID_ARGUMENT,
+        NOT_FOUND (unknown action).
+        """
+
+    @_abc_1.abstractmethod
+    def RetryAction(
+        self,
+        request: _action_service_pb2.RetryActionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_action_service_pb2.RetryActionResponse, _abc.Awaitable[_action_service_pb2.RetryActionResponse]]:
+        """Puts every failed and dead job of an Action (or only those in `status`)
+        back to pending with a fresh attempt budget in one transaction, as by
+        RetryJob (an AGQ addition). No matching job: nothing changes
+        (retried = 0). Errors: INVALID_ARGUMENT (status other than FAILED or
+        DEAD), NOT_FOUND (unknown action), FAILED_PRECONDITION (a job would be
+        retried but its Plan was deleted; nothing is retried).
         """
 
 def add_ActionServiceServicer_to_server(servicer: ActionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

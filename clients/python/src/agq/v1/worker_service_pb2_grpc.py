@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class WorkerServiceStub:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -83,11 +83,16 @@ class WorkerServiceStub:
                 request_serializer=agq_dot_v1_dot_worker__service__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_worker__service__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.ForgetWorker = channel.unary_unary(
+                '/agq.v1.WorkerService/ForgetWorker',
+                request_serializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -187,6 +192,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetWorker(self, request, context):
+        """Deletes the record of a DEAD or UNREGISTERED worker now rather than
+        after the 24 hours departed workers stay listed (an AGQ addition). The
+        id may register again later. Takes the same token as DrainWorker.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+        while the worker is ACTIVE or DRAINING (unregister or drain it first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +251,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=agq_dot_v1_dot_worker__service__pb2.DrainWorkerRequest.FromString,
                     response_serializer=agq_dot_v1_dot_worker__service__pb2.DrainWorkerResponse.SerializeToString,
             ),
+            'ForgetWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetWorker,
+                    request_deserializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'agq.v1.WorkerService', rpc_method_handlers)
@@ -245,7 +266,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -483,6 +504,33 @@ class WorkerService:
             '/agq.v1.WorkerService/DrainWorker',
             agq_dot_v1_dot_worker__service__pb2.DrainWorkerRequest.SerializeToString,
             agq_dot_v1_dot_worker__service__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.WorkerService/ForgetWorker',
+            agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.SerializeToString,
+            agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,7 +28,7 @@ GRPC_VERSION: str
 
 class WorkerServiceStub:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -95,11 +95,18 @@ class WorkerServiceStub:
     is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
     when the worker is DEAD or UNREGISTERED.
     """
+    ForgetWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]
+    """Deletes the record of a DEAD or UNREGISTERED worker now rather than
+    after the 24 hours departed workers stay listed (an AGQ addition). The
+    id may register again later. Takes the same token as DrainWorker.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+    while the worker is ACTIVE or DRAINING (unregister or drain it first).
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -163,10 +170,17 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
     when the worker is DEAD or UNREGISTERED.
     """
+    ForgetWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]  # type: ignore[assignment]
+    """Deletes the record of a DEAD or UNREGISTERED worker now rather than
+    after the 24 hours departed workers stay listed (an AGQ addition). The
+    id may register again later. Takes the same token as DrainWorker.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+    while the worker is ACTIVE or DRAINING (unregister or drain it first).
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker and UnregisterWorker take a worker token
+    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
     bound to the same worker_id (or an admin token) when auth is on;
     ListWorkers and GetWorker take a client or admin token.
     """
@@ -281,6 +295,19 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Puts a worker in DRAINING: it keeps its leases but gets no new ones, and
         is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
         when the worker is DEAD or UNREGISTERED.
+        """
+
+    @_abc_1.abstractmethod
+    def ForgetWorker(
+        self,
+        request: _worker_service_pb2.ForgetWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.ForgetWorkerResponse, _abc.Awaitable[_worker_service_pb2.ForgetWorkerResponse]]:
+        """Deletes the record of a DEAD or UNREGISTERED worker now rather than
+        after the 24 hours departed workers stay listed (an AGQ addition). The
+        id may register again later. Takes the same token as DrainWorker.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+        while the worker is ACTIVE or DRAINING (unregister or drain it first).
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
