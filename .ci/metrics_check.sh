@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --locked --bins
+cargo build --locked --workspace --bins
 deps="${AGQ_METRICS_CI_DEPS:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/agq-metrics-ci/deps}"
 if ! PYTHONPATH="$deps" python3 -c 'import prometheus_client' 2>/dev/null; then
   mkdir -p "$deps"

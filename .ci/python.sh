@@ -17,7 +17,7 @@ t() { echo "[$(( $(date +%s) - start )) s]"; }
 if [ -z "${AGQ_BIN:-}" ]; then
     AGQ_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/agq"
     if [ ! -x "$AGQ_BIN" ]; then
-        cargo build --locked --bin agq
+        cargo build --locked --workspace --bins
     fi
 fi
 export AGQ_BIN
