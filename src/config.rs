@@ -76,6 +76,16 @@ pub struct ServeArgs {
     /// 0.0.4, by the `Accept` header). Port 6381: 9090 is Prometheus's own.
     #[arg(long, env = "AGQ_METRICS_LISTEN", default_value = "127.0.0.1:6381")]
     pub metrics_listen: SocketAddr,
+    /// HTTP listen address of the web console (`agq serve` serves it on
+    /// its own listener, not the metrics one: the console shows job inputs
+    /// and outputs and can retry, cancel and drain, so it needs the API's
+    /// tokens and loopback rule, while /metrics is scraped without a token).
+    /// Without --auth-file only a loopback address is accepted.
+    #[arg(long, env = "AGQ_CONSOLE_LISTEN", default_value = crate::console::DEFAULT_CONSOLE_LISTEN)]
+    pub console_listen: SocketAddr,
+    /// Do not serve the web console.
+    #[arg(long, env = "AGQ_NO_CONSOLE", default_value_t = false)]
+    pub no_console: bool,
     /// Server TLS certificate (PEM); enables TLS together with --tls-key.
     #[arg(long, env = "AGQ_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

@@ -33,6 +33,7 @@
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod core;
 pub mod error;
 pub mod local;

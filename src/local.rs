@@ -23,6 +23,7 @@ use crate::{
 pub struct LocalServer {
     addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
+    console_addr: Option<SocketAddr>,
     engine: SharedEngine,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<()>>>,
@@ -59,6 +60,21 @@ impl LocalServer {
         listen: Option<SocketAddr>,
         with_metrics: bool,
     ) -> Result<LocalServer> {
+        Self::start_with(runtime, opts, listen, with_metrics, false).await
+    }
+
+    /// Like [`LocalServer::start_on`], and when `with_console` also serving
+    /// the web console ([`crate::console`]) on `127.0.0.1:0`
+    /// ([`LocalServer::console_url`]).
+    ///
+    /// Errors: as [`LocalServer::start`].
+    pub async fn start_with(
+        runtime: &Handle,
+        opts: ServerOptions,
+        listen: Option<SocketAddr>,
+        with_metrics: bool,
+        with_console: bool,
+    ) -> Result<LocalServer> {
         let listen = listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
         // Bound with std here, registered with the server's runtime in its task.
         let listener = bind(listen)?;
@@ -77,6 +93,18 @@ impl LocalServer {
             ),
             None => None,
         };
+        let console_listener = if with_console {
+            Some(bind(SocketAddr::from(([127, 0, 0, 1], 0)))?)
+        } else {
+            None
+        };
+        let console_addr = match &console_listener {
+            Some(l) => Some(
+                l.local_addr()
+                    .map_err(|e| Error::Internal(format!("local address of the console: {e}")))?,
+            ),
+            None => None,
+        };
         let (stop, stop_rx) = oneshot::channel::<()>();
         let (ready_tx, ready_rx) = oneshot::channel::<SharedEngine>();
         let task = runtime.spawn(async move {
@@ -86,9 +114,14 @@ impl LocalServer {
                 .map(tokio::net::TcpListener::from_std)
                 .transpose()
                 .map_err(|e| Error::Internal(format!("metrics listener: {e}")))?;
+            let console_listener = console_listener
+                .map(tokio::net::TcpListener::from_std)
+                .transpose()
+                .map_err(|e| Error::Internal(format!("console listener: {e}")))?;
             server::run(
                 listener,
                 metrics_listener,
+                console_listener,
                 opts,
                 async move {
                     // A dropped sender (the LocalServer was dropped) stops it too.
@@ -111,6 +144,7 @@ impl LocalServer {
         Ok(LocalServer {
             addr,
             metrics_addr,
+            console_addr,
             engine,
             stop: Some(stop),
             task: Some(task),
@@ -125,6 +159,11 @@ impl LocalServer {
     /// The address of `GET /metrics`, when started with it.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// `http://ADDR` of the web console, when started with it.
+    pub fn console_url(&self) -> Option<String> {
+        self.console_addr.map(|a| format!("http://{a}"))
     }
 
     /// `http://ADDR`, for clients.

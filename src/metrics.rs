@@ -80,6 +80,9 @@ pub struct Metrics {
     pub enqueue_to_lease: Histogram,
     /// Seconds from lease to the completed or failed report.
     pub job_duration: Histogram,
+    /// Sum (µs) and count of the enqueue-to-lease observations, for
+    /// in-process readers (the console's overview); not exported.
+    lease_wait: (std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64),
     /// Leases lost and re-queued (or sent to dead), by reason.
     pub requeues: Family<ReasonLabel, Counter>,
     /// UpdateJob calls rejected by fencing (stale lease or another worker).
@@ -231,6 +234,7 @@ impl Metrics {
             queue_depth,
             enqueue_to_lease,
             job_duration,
+            lease_wait: Default::default(),
             requeues,
             fencing_rejections,
             workers,
@@ -248,6 +252,26 @@ impl Metrics {
                 status: status.name().into(),
             })
             .inc();
+    }
+
+    /// Records a job's wait from ready to leased, in ms: the
+    /// `enqueue_to_lease_seconds` histogram and [`Metrics::lease_wait`].
+    pub fn lease_waited(&self, ms: i64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ms = ms.max(0);
+        self.enqueue_to_lease.observe(ms as f64 / 1000.0);
+        self.lease_wait.0.fetch_add(ms as u64 * 1000, Relaxed);
+        self.lease_wait.1.fetch_add(1, Relaxed);
+    }
+
+    /// Total seconds jobs waited from ready to leased, and how many leases
+    /// that covers, since the start.
+    pub fn lease_wait(&self) -> (f64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.lease_wait.0.load(Relaxed) as f64 / 1e6,
+            self.lease_wait.1.load(Relaxed),
+        )
     }
 
     /// Counts a lost lease.

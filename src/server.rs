@@ -64,7 +64,8 @@ pub struct ServerOptions {
 /// Default of [`ServerOptions::shutdown_grace`]: 10 seconds.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Runs AGQ on `listener` (and `GET /metrics` on `metrics_listener`) until
+/// Runs AGQ on `listener` (and `GET /metrics` on `metrics_listener`, the
+/// web console on `console_listener`, [`crate::console`]) until
 /// `shutdown` resolves. On shutdown, health turns NOT_SERVING, open streams
 /// end, in-flight calls finish, then the database is closed cleanly.
 /// `ready` is called with the engine once the database is open and health
@@ -75,6 +76,7 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub async fn run(
     listener: TcpListener,
     metrics_listener: Option<TcpListener>,
+    console_listener: Option<TcpListener>,
     opts: ServerOptions,
     shutdown: impl Future<Output = ()> + Send,
     ready: impl FnOnce(&SharedEngine),
@@ -209,6 +211,19 @@ pub async fn run(
         ))
     });
 
+    let console_task = console_listener.map(|l| {
+        let mut stop = stop_rx.clone();
+        tokio::spawn(crate::console::serve(
+            l,
+            engine.clone(),
+            opts.auth.clone(),
+            stop_rx.clone(),
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        ))
+    });
+
     ready(&engine);
     let reporter = health_reporter.clone();
     let health_task = store_health_task;
@@ -254,6 +269,13 @@ pub async fn run(
     };
     if let Some(t) = metrics_task {
         let _ = t.await;
+    }
+    if let Some(t) = console_task {
+        match t.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "console listener ended with an error"),
+            Err(e) => tracing::warn!(error = %e, "console task failed"),
+            Ok(Ok(())) => {}
+        }
     }
     engine.close().await;
     tracing::info!("database closed");

@@ -25,7 +25,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the AGQ server.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     #[command(flatten)]
     Client(ClientCommand),
     /// Run AGQ and two agw workers locally and count words in real files.
@@ -60,6 +60,13 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
+    if auth.is_disabled() && !args.no_console && !args.console_listen.ip().is_loopback() {
+        return Err(format!(
+            "refusing to serve the console on {} without authentication: pass --auth-file \
+             (AGQ_AUTH_FILE), a loopback --console-listen, or --no-console",
+            args.console_listen
+        ));
+    }
     if auth.is_disabled() {
         tracing::warn!("no --auth-file: every caller is trusted");
     }
@@ -69,6 +76,24 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
         .await
         .map_err(|e| format!("cannot listen on {} for metrics: {e}", args.metrics_listen))?;
+    let console_listener = if args.no_console {
+        None
+    } else {
+        Some(
+            tokio::net::TcpListener::bind(args.console_listen)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "cannot listen on {} for the console: {e} (pass --console-listen ADDR or --no-console)",
+                        args.console_listen
+                    )
+                })?,
+        )
+    };
+    let caddr = console_listener
+        .as_ref()
+        .map(|l| l.local_addr().map_err(|e| e.to_string()))
+        .transpose()?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let maddr = metrics_listener.local_addr().map_err(|e| e.to_string())?;
     let opts = ServerOptions {
@@ -91,6 +116,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     server::run(
         listener,
         Some(metrics_listener),
+        console_listener,
         opts,
         shutdown_signal(),
         |_| {
@@ -100,6 +126,9 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             let mut out = std::io::stdout();
             let _ = writeln!(out, "listening on {addr}");
             let _ = writeln!(out, "metrics on http://{maddr}/metrics");
+            if let Some(c) = caddr {
+                let _ = writeln!(out, "console on http://{c}/");
+            }
             let _ = out.flush();
         },
     )
@@ -126,7 +155,7 @@ fn main() -> ExitCode {
             };
             match tel {
                 Ok(tel) => {
-                    let r = runtime.block_on(serve(args));
+                    let r = runtime.block_on(serve(*args));
                     tel.shutdown();
                     r
                 }

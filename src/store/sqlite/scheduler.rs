@@ -235,9 +235,7 @@ impl State {
     /// `job` is the row as it was before the grant.
     fn lease_out(&mut self, row: i64, mut job: Job, plan: Arc<Plan>, l: NewLease<'_>) {
         let worker_id = l.worker_id;
-        self.metrics
-            .enqueue_to_lease
-            .observe((l.now_ms - l.waiting_since_ms).max(0) as f64 / 1000.0);
+        self.metrics.lease_waited(l.now_ms - l.waiting_since_ms);
         self.metrics.transition(JobStatus::Running);
         self.lease_seq += 1;
         let seq = self.lease_seq;

@@ -1,0 +1,585 @@
+//! The console's pages (static shells), their fragments (the live regions,
+//! rendered from the API) and its buttons (POSTs that call the API).
+
+use std::sync::Arc;
+
+use axum::{
+    extract::{Path, Query, RawQuery, State},
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+};
+use minijinja::context;
+use serde::Deserialize;
+
+use super::{
+    grpc,
+    view::{ActionRow, Diagram, JobDetail, JobRow, Sample, Throughput, WorkerRow},
+    Console, Refusal, PAGE_SIZE,
+};
+use crate::pb::{
+    self, action_service_server::ActionService, job_service_server::JobService,
+    plan_service_server::PlanService, queue_service_server::QueueService,
+    worker_service_server::WorkerService,
+};
+
+type Con = State<Arc<Console>>;
+type Page = Result<Response, Refusal>;
+
+/// A page's static shell: the navigation, the token field, the alert area
+/// and a live region that loads `fragment` (with the page's own query).
+fn shell(c: &Console, title: &str, nav: &str, fragment: String, query: Option<String>) -> Page {
+    let fragment = match query {
+        Some(q) if !q.is_empty() => format!("{fragment}?{q}"),
+        _ => fragment,
+    };
+    c.render(
+        "shell.html",
+        context! { title, nav, fragment, auth_on => !c.auth.is_disabled() },
+    )
+}
+
+/// `GET /`: the overview.
+pub async fn overview_page(State(c): Con) -> Page {
+    shell(
+        &c,
+        "Overview",
+        "overview",
+        "/fragments/overview".into(),
+        None,
+    )
+}
+
+/// `GET /actions`: the list of actions.
+pub async fn actions_page(State(c): Con, RawQuery(q): RawQuery) -> Page {
+    shell(&c, "Actions", "actions", "/fragments/actions".into(), q)
+}
+
+/// `GET /actions/{id}`: one action and its jobs.
+pub async fn action_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQuery) -> Page {
+    let title = format!("Action {id}");
+    shell(
+        &c,
+        &title,
+        "actions",
+        format!("/fragments/actions/{}", enc(&id)),
+        q,
+    )
+}
+
+/// `GET /jobs/{id}`: one job.
+pub async fn job_page(State(c): Con, Path(id): Path<String>) -> Page {
+    let title = format!("Job {id}");
+    shell(
+        &c,
+        &title,
+        "actions",
+        format!("/fragments/jobs/{}", enc(&id)),
+        None,
+    )
+}
+
+/// `GET /workers`: the fleet.
+pub async fn workers_page(State(c): Con) -> Page {
+    shell(&c, "Workers", "workers", "/fragments/workers".into(), None)
+}
+
+/// `GET /plans`: the plans.
+pub async fn plans_page(State(c): Con, RawQuery(q): RawQuery) -> Page {
+    shell(&c, "Plans", "plans", "/fragments/plans".into(), q)
+}
+
+/// `GET /plans/{id}`: one plan as a pipeline diagram.
+pub async fn plan_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQuery) -> Page {
+    let title = format!("Plan {id}");
+    shell(
+        &c,
+        &title,
+        "plans",
+        format!("/fragments/plans/{}", enc(&id)),
+        q,
+    )
+}
+
+/// A path segment, percent-encoded.
+fn enc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `GET /fragments/overview`: queue depths, throughput and latency of the
+/// last minutes, workers by state and freshness, recent dead jobs.
+pub async fn overview(State(c): Con, headers: HeaderMap) -> Page {
+    let id = c.caller(&headers)?;
+    let q = c
+        .queue
+        .get_queue_stats(grpc(&id, pb::GetQueueStatsRequest {}))
+        .await?
+        .into_inner();
+    let workers = c
+        .workers
+        .list_workers(grpc(&id, pb::ListWorkersRequest::default()))
+        .await?
+        .into_inner()
+        .workers;
+    let mut by_state = std::collections::BTreeMap::<&str, (u32, u32)>::new();
+    for w in &workers {
+        let e = by_state
+            .entry(super::view::worker_state(w.state))
+            .or_default();
+        if w.fresh {
+            e.0 += 1;
+        } else {
+            e.1 += 1;
+        }
+    }
+    let dead_ids = c
+        .jobs
+        .search_jobs(grpc(
+            &id,
+            pb::SearchJobsRequest {
+                status: pb::JobStatus::Dead as i32,
+                page_size: 10,
+                ..Default::default()
+            },
+        ))
+        .await?
+        .into_inner()
+        .job_ids;
+    let dead = jobs_of(&c, &id, dead_ids).await?;
+    let samples: Vec<Sample> = c
+        .samples
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .copied()
+        .collect();
+    let chart = Throughput::new(&samples, Sample::take(c.engine.metrics()));
+    c.render(
+        "overview.html",
+        context! {
+            q => context! {
+                ready => q.ready_length, scheduled => q.scheduled_length,
+                running => q.running_length, oldest_ready_age_secs => q.oldest_ready_age_secs,
+                next_scheduled_due_in_secs => q.next_scheduled_due_in_secs,
+                workers_total => q.workers_total, workers_active => q.workers_active,
+                workers_idle => q.workers_idle, workers_stale => q.workers_stale,
+            },
+            by_state => by_state.into_iter().map(|(s, (fresh, stale))| context!{ state => s, fresh, stale }).collect::<Vec<_>>(),
+            dead,
+            chart,
+            stale_after => super::view::span(stale_ms(&c)),
+        },
+    )
+}
+
+/// Three heartbeat intervals, in ms: a worker silent longer is stale.
+fn stale_ms(c: &Console) -> i64 {
+    (c.engine.config().heartbeat_interval.as_millis() as i64).saturating_mul(3)
+}
+
+/// Fetches the jobs `ids` (at most one page) as rows.
+async fn jobs_of(
+    c: &Console,
+    id: &crate::auth::Identity,
+    ids: Vec<String>,
+) -> Result<Vec<JobRow>, Refusal> {
+    let mut rows = Vec::with_capacity(ids.len());
+    for job_id in ids.into_iter().take(PAGE_SIZE as usize) {
+        match c.jobs.get_job(grpc(id, pb::GetJobRequest { job_id })).await {
+            Ok(r) => {
+                if let Some(j) = r.into_inner().job {
+                    rows.push(JobRow::from(&j));
+                }
+            }
+            // Deleted between the listing and now (retention): skip it.
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(s.into()),
+        }
+    }
+    Ok(rows)
+}
+
+/// Filters of the actions list.
+#[derive(Debug, Deserialize, Default)]
+pub struct ActionsQuery {
+    #[serde(default)]
+    plan: String,
+    /// `open`, `finished`, `has_dead` or empty (all).
+    #[serde(default)]
+    state: String,
+    #[serde(default)]
+    page_token: String,
+}
+
+/// `GET /fragments/actions`: actions, newest first, one page.
+pub async fn actions(State(c): Con, headers: HeaderMap, Query(f): Query<ActionsQuery>) -> Page {
+    let id = c.caller(&headers)?;
+    let state = match f.state.as_str() {
+        "" | "all" => pb::ActionState::Unspecified,
+        "open" => pb::ActionState::Open,
+        "finished" => pb::ActionState::Finished,
+        "has_dead" => pb::ActionState::HasDead,
+        other => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                format!("Invalid request. state must be open, finished or has_dead, not {other:?}"),
+            ))
+        }
+    };
+    let r = c
+        .actions
+        .list_actions(grpc(
+            &id,
+            pb::ListActionsRequest {
+                plan_id: f.plan.clone(),
+                state: state as i32,
+                page_size: PAGE_SIZE,
+                page_token: f.page_token.clone(),
+                ..Default::default()
+            },
+        ))
+        .await?
+        .into_inner();
+    let rows: Vec<ActionRow> = r.actions.iter().map(ActionRow::from).collect();
+    c.render(
+        "actions.html",
+        context! {
+            rows,
+            plan => f.plan, state => f.state,
+            next => r.next_page_token, paged => !f.page_token.is_empty(),
+        },
+    )
+}
+
+/// Filters of an action's jobs.
+#[derive(Debug, Deserialize, Default)]
+pub struct JobsQuery {
+    /// A job status name (`dead`) or empty (all).
+    #[serde(default)]
+    status: String,
+    #[serde(default)]
+    page_token: String,
+}
+
+/// A job status from its name; empty is "any".
+fn status_of(name: &str) -> Result<pb::JobStatus, Refusal> {
+    Ok(match name {
+        "" | "all" => pb::JobStatus::Unspecified,
+        "pending" => pb::JobStatus::Pending,
+        "running" => pb::JobStatus::Running,
+        "completed" => pb::JobStatus::Completed,
+        "failed" => pb::JobStatus::Failed,
+        "dead" => pb::JobStatus::Dead,
+        "cancelled" => pb::JobStatus::Cancelled,
+        other => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                format!("Invalid request. unknown job status {other:?}"),
+            ))
+        }
+    })
+}
+
+/// `GET /fragments/actions/{id}`: an action's counts and one page of its
+/// jobs (status, worker, attempts, waiting reason).
+pub async fn action(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(action_id): Path<String>,
+    Query(f): Query<JobsQuery>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    let status = status_of(&f.status)?;
+    let a = c
+        .actions
+        .get_action(grpc(
+            &id,
+            pb::GetActionRequest {
+                action_id: action_id.clone(),
+            },
+        ))
+        .await?
+        .into_inner()
+        .action
+        .unwrap_or_default();
+    let page = c
+        .jobs
+        .list_jobs(grpc(
+            &id,
+            pb::ListJobsRequest {
+                action_id: action_id.clone(),
+                status: status as i32,
+                page_size: PAGE_SIZE,
+                page_token: f.page_token.clone(),
+            },
+        ))
+        .await?
+        .into_inner();
+    let jobs = jobs_of(&c, &id, page.job_ids).await?;
+    c.render(
+        "action.html",
+        context! {
+            a => ActionRow::from(&a),
+            action_path => enc(&action_id),
+            jobs, status => f.status,
+            next => page.next_page_token, paged => !f.page_token.is_empty(),
+        },
+    )
+}
+
+/// `GET /fragments/jobs/{id}`: a job in full.
+pub async fn job(State(c): Con, headers: HeaderMap, Path(job_id): Path<String>) -> Page {
+    let id = c.caller(&headers)?;
+    let j = c
+        .jobs
+        .get_job(grpc(&id, pb::GetJobRequest { job_id }))
+        .await?
+        .into_inner()
+        .job
+        .unwrap_or_default();
+    c.render(
+        "job.html",
+        context! { j => JobDetail::from(&j), job_path => enc(&j.job_id), action_path => enc(&j.action_id) },
+    )
+}
+
+/// `GET /fragments/workers`: every worker with its tools, tags, load and
+/// heartbeat age against the stale threshold.
+pub async fn workers(State(c): Con, headers: HeaderMap) -> Page {
+    let id = c.caller(&headers)?;
+    let list = c
+        .workers
+        .list_workers(grpc(&id, pb::ListWorkersRequest::default()))
+        .await?
+        .into_inner()
+        .workers;
+    let now = crate::time::now_ms();
+    let stale = stale_ms(&c);
+    let rows: Vec<WorkerRow> = list.iter().map(|w| WorkerRow::new(w, now, stale)).collect();
+    c.render(
+        "workers.html",
+        context! { rows, stale_after => super::view::span(stale) },
+    )
+}
+
+/// Paging of the plans list.
+#[derive(Debug, Deserialize, Default)]
+pub struct PlansQuery {
+    #[serde(default)]
+    page_token: String,
+}
+
+/// `GET /fragments/plans`: plan ids with their descriptions, one page.
+pub async fn plans(State(c): Con, headers: HeaderMap, Query(f): Query<PlansQuery>) -> Page {
+    let id = c.caller(&headers)?;
+    let r = c
+        .plans
+        .list_plans(grpc(
+            &id,
+            pb::ListPlansRequest {
+                pattern: String::new(),
+                page_size: PAGE_SIZE,
+                page_token: f.page_token.clone(),
+            },
+        ))
+        .await?
+        .into_inner();
+    let mut rows = Vec::with_capacity(r.plan_ids.len());
+    for plan_id in r.plan_ids {
+        match c
+            .plans
+            .get_plan(grpc(
+                &id,
+                pb::GetPlanRequest {
+                    plan_id: plan_id.clone(),
+                },
+            ))
+            .await
+        {
+            Ok(p) => {
+                let p = p.into_inner().plan.unwrap_or_default();
+                rows.push(context! {
+                    plan_id, path => enc(&p.plan_id), description => p.plan_description,
+                    tasks => p.tasks.len(), require_sandbox => p.require_sandbox,
+                });
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(s.into()),
+        }
+    }
+    c.render(
+        "plans.html",
+        context! { rows, next => r.next_page_token, paged => !f.page_token.is_empty() },
+    )
+}
+
+/// `GET /fragments/plans/{id}`: a plan's tasks and their pipeline diagram.
+pub async fn plan(State(c): Con, headers: HeaderMap, Path(plan_id): Path<String>) -> Page {
+    let id = c.caller(&headers)?;
+    let p = c
+        .plans
+        .get_plan(grpc(&id, pb::GetPlanRequest { plan_id }))
+        .await?
+        .into_inner()
+        .plan
+        .unwrap_or_default();
+    let tasks: Vec<_> = p
+        .tasks
+        .iter()
+        .map(|t| {
+            context! {
+                task_number => t.task_number, command => t.command.clone(),
+                args => shlex::try_join(t.args.iter().map(String::as_str)).unwrap_or_else(|_| t.args.join(" ")),
+                timeout_secs => t.timeout_secs, input_from_task => t.input_from_task,
+            }
+        })
+        .collect();
+    c.render(
+        "plan.html",
+        context! {
+            plan_id => p.plan_id.clone(), description => p.plan_description.clone(),
+            require_sandbox => p.require_sandbox, tasks, diagram => Diagram::new(&p.tasks),
+        },
+    )
+}
+
+/// A button's answer: a short message for the alert area, and an
+/// `agq-refresh` event that makes the live region reload at once.
+fn done(message: String) -> Response {
+    (
+        [
+            ("hx-trigger", "agq-refresh"),
+            ("content-type", "text/plain; charset=utf-8"),
+        ],
+        message,
+    )
+        .into_response()
+}
+
+/// Which jobs an action's retry button retries.
+#[derive(Debug, Deserialize, Default)]
+pub struct RetryQuery {
+    /// `dead` or `failed`; empty retries both (the API's default).
+    #[serde(default)]
+    status: String,
+}
+
+/// `POST /api/actions/{id}/retry[?status=dead|failed]`: RetryAction.
+pub async fn retry_action(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(action_id): Path<String>,
+    Query(f): Query<RetryQuery>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    let status = status_of(&f.status)?;
+    let r = c
+        .actions
+        .retry_action(grpc(
+            &id,
+            pb::RetryActionRequest {
+                action_id,
+                status: status as i32,
+            },
+        ))
+        .await?
+        .into_inner();
+    Ok(done(format!(
+        "Retried {} job{}.",
+        r.retried,
+        if r.retried == 1 { "" } else { "s" }
+    )))
+}
+
+/// `POST /api/actions/{id}/cancel`: CancelAction.
+pub async fn cancel_action(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(action_id): Path<String>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    let r = c
+        .actions
+        .cancel_action(grpc(&id, pb::CancelActionRequest { action_id }))
+        .await?
+        .into_inner();
+    Ok(done(format!(
+        "Cancelled {} job{}.",
+        r.cancelled,
+        if r.cancelled == 1 { "" } else { "s" }
+    )))
+}
+
+/// `POST /api/jobs/{id}/retry`: RetryJob.
+pub async fn retry_job(State(c): Con, headers: HeaderMap, Path(job_id): Path<String>) -> Page {
+    let id = c.caller(&headers)?;
+    c.jobs
+        .retry_job(grpc(
+            &id,
+            pb::RetryJobRequest {
+                job_id: job_id.clone(),
+            },
+        ))
+        .await?;
+    Ok(done(format!("Job {job_id} is pending again.")))
+}
+
+/// `POST /api/jobs/{id}/cancel`: CancelJob.
+pub async fn cancel_job(State(c): Con, headers: HeaderMap, Path(job_id): Path<String>) -> Page {
+    let id = c.caller(&headers)?;
+    c.jobs
+        .cancel_job(grpc(
+            &id,
+            pb::CancelJobRequest {
+                job_id: job_id.clone(),
+            },
+        ))
+        .await?;
+    Ok(done(format!("Job {job_id} is cancelled.")))
+}
+
+/// `POST /api/workers/{id}/drain`: DrainWorker (admin or the worker's token).
+pub async fn drain_worker(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(worker_id): Path<String>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    c.workers
+        .drain_worker(grpc(
+            &id,
+            pb::DrainWorkerRequest {
+                worker_id: worker_id.clone(),
+            },
+        ))
+        .await?;
+    Ok(done(format!(
+        "Worker {worker_id} is draining: it finishes its jobs and takes no new ones."
+    )))
+}
+
+/// `POST /api/workers/{id}/forget`: ForgetWorker (dead or unregistered
+/// workers only).
+pub async fn forget_worker(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(worker_id): Path<String>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    c.workers
+        .forget_worker(grpc(
+            &id,
+            pb::ForgetWorkerRequest {
+                worker_id: worker_id.clone(),
+            },
+        ))
+        .await?;
+    Ok(done(format!("Worker {worker_id} is forgotten.")))
+}
