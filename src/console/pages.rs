@@ -28,13 +28,46 @@ type Page = Result<Response, Refusal>;
 /// A page's static shell: the navigation, the token field, the alert area
 /// and a live region that loads `fragment` (with the page's own query).
 fn shell(c: &Console, title: &str, nav: &str, fragment: String, query: Option<String>) -> Page {
+    shell_with(c, title, nav, fragment, query, &[])
+}
+
+/// A button of a page's shell: a POST to `url` (the API decides whether
+/// it is allowed now and for this token).
+struct Button {
+    id: &'static str,
+    label: &'static str,
+    url: String,
+    confirm: Option<&'static str>,
+    danger: bool,
+}
+
+/// [`shell`] with buttons above the live region. The buttons are part of
+/// the static page, so a refresh never moves the keyboard focus, and they
+/// are there even when the data cannot be shown (no token yet).
+fn shell_with(
+    c: &Console,
+    title: &str,
+    nav: &str,
+    fragment: String,
+    query: Option<String>,
+    buttons: &[Button],
+) -> Page {
     let fragment = match query {
         Some(q) if !q.is_empty() => format!("{fragment}?{q}"),
         _ => fragment,
     };
+    let buttons: Vec<_> = buttons
+        .iter()
+        .map(|b| {
+            context! {
+                id => b.id, label => b.label, url => b.url, confirm => b.confirm,
+                class => if b.danger { "danger" } else { "" },
+            }
+        })
+        .collect();
     c.render(
         "shell.html",
-        context! { title, nav, fragment, auth_on => !c.auth.is_disabled() },
+        context! { title, nav, fragment, buttons, auth_on => !c.auth.is_disabled() },
     )
 }
 

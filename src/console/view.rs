@@ -176,8 +176,6 @@ pub struct JobDetail {
     pub current_task: u32,
     pub progress_percent: u32,
     pub tasks: Vec<TaskRow>,
-    pub retryable: bool,
-    pub cancellable: bool,
 }
 
 /// One task result of a job.
@@ -195,7 +193,6 @@ pub struct TaskRow {
 
 impl From<&pb::Job> for JobDetail {
     fn from(j: &pb::Job) -> Self {
-        let status = pb::JobStatus::try_from(j.status).ok();
         JobDetail {
             row: JobRow::from(j),
             action_id: j.action_id.clone(),
@@ -226,14 +223,6 @@ impl From<&pb::Job> for JobDetail {
                     stderr_truncated: t.stderr_truncated,
                 })
                 .collect(),
-            retryable: matches!(
-                status,
-                Some(pb::JobStatus::Dead | pb::JobStatus::Failed | pb::JobStatus::Cancelled)
-            ),
-            cancellable: matches!(
-                status,
-                Some(pb::JobStatus::Pending | pb::JobStatus::Running | pb::JobStatus::Failed)
-            ),
         }
     }
 }

@@ -40,6 +40,8 @@ pub struct TestServer {
     pub addr: SocketAddr,
     /// Address of `GET /metrics`, when started with one.
     pub metrics_addr: Option<SocketAddr>,
+    /// `http://ADDR` of the web console, when started with it.
+    pub console_url: Option<String>,
     pub db: PathBuf,
     server: LocalServer,
 }
@@ -57,12 +59,22 @@ impl TestServer {
         auth: Authenticator,
         addr: Option<SocketAddr>,
     ) -> TestServer {
-        Self::start_full(db, cfg, auth, addr, false).await
+        Self::start_full(db, cfg, auth, addr, false, false).await
+    }
+
+    /// Starts a server that also serves `GET /metrics` and the web console
+    /// on 127.0.0.1:0.
+    pub async fn start_with_console(
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+    ) -> TestServer {
+        Self::start_full(db, cfg, auth, None, true, true).await
     }
 
     /// Starts a server that also serves `GET /metrics` on 127.0.0.1:0.
     pub async fn start_with_metrics(db: &Path, cfg: EngineConfig) -> TestServer {
-        Self::start_full(db, cfg, Authenticator::default(), None, true).await
+        Self::start_full(db, cfg, Authenticator::default(), None, true, false).await
     }
 
     async fn start_full(
@@ -71,6 +83,7 @@ impl TestServer {
         auth: Authenticator,
         addr: Option<SocketAddr>,
         metrics: bool,
+        console: bool,
     ) -> TestServer {
         let opts = ServerOptions {
             sqlite_synchronous: Default::default(),
@@ -80,12 +93,14 @@ impl TestServer {
             tls: None,
             shutdown_grace: Duration::from_secs(2),
         };
-        let server = LocalServer::start(opts, addr, metrics)
+        let handle = tokio::runtime::Handle::current();
+        let server = LocalServer::start_with(&handle, opts, addr, metrics, console)
             .await
             .unwrap_or_else(|e| panic!("server failed to start: {e}"));
         TestServer {
             addr: server.addr(),
             metrics_addr: server.metrics_addr(),
+            console_url: server.console_url(),
             db: db.to_path_buf(),
             server,
         }
