@@ -59,10 +59,10 @@ pub const DEFAULT_CONSOLE_LISTEN: &str = "127.0.0.1:6382";
 /// Rows per page of every console list (actions, jobs, plans).
 pub const PAGE_SIZE: u32 = 50;
 
-/// How often the overview samples throughput and latency, and how many
-/// samples it keeps (5 s × 72 = the last 6 minutes).
-const SAMPLE_EVERY: Duration = Duration::from_secs(5);
-const SAMPLES_KEPT: usize = 72;
+/// How often the overview samples throughput and latency.
+pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// How many samples the overview keeps: 72 × 5 s = the last 6 minutes.
+pub(crate) const SAMPLES_KEPT: usize = 72;
 
 /// The console's shared state: the services it calls, the token table, the
 /// templates and the overview's samples.

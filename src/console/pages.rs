@@ -90,25 +90,56 @@ pub async fn actions_page(State(c): Con, RawQuery(q): RawQuery) -> Page {
 /// `GET /actions/{id}`: one action and its jobs.
 pub async fn action_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQuery) -> Page {
     let title = format!("Action {id}");
-    shell(
-        &c,
-        &title,
-        "actions",
-        format!("/fragments/actions/{}", enc(&id)),
-        q,
-    )
+    let path = enc(&id);
+    let buttons = [
+        Button {
+            id: "retry-action",
+            label: "Retry dead jobs",
+            url: format!("/api/actions/{path}/retry?status=dead"),
+            confirm: None,
+            danger: false,
+        },
+        Button {
+            id: "retry-failed",
+            label: "Retry failed jobs now",
+            url: format!("/api/actions/{path}/retry?status=failed"),
+            confirm: None,
+            danger: false,
+        },
+        Button {
+            id: "cancel-action",
+            label: "Cancel action",
+            url: format!("/api/actions/{path}/cancel"),
+            confirm: Some("Cancel every open job of this action?"),
+            danger: true,
+        },
+    ];
+    let fragment = format!("/fragments/actions/{path}");
+    shell_with(&c, &title, "actions", fragment, q, &buttons)
 }
 
 /// `GET /jobs/{id}`: one job.
 pub async fn job_page(State(c): Con, Path(id): Path<String>) -> Page {
     let title = format!("Job {id}");
-    shell(
-        &c,
-        &title,
-        "actions",
-        format!("/fragments/jobs/{}", enc(&id)),
-        None,
-    )
+    let path = enc(&id);
+    let buttons = [
+        Button {
+            id: "retry-job",
+            label: "Retry job",
+            url: format!("/api/jobs/{path}/retry"),
+            confirm: None,
+            danger: false,
+        },
+        Button {
+            id: "cancel-job",
+            label: "Cancel job",
+            url: format!("/api/jobs/{path}/cancel"),
+            confirm: Some("Cancel this job?"),
+            danger: true,
+        },
+    ];
+    let fragment = format!("/fragments/jobs/{path}");
+    shell_with(&c, &title, "actions", fragment, None, &buttons)
 }
 
 /// `GET /workers`: the fleet.
@@ -193,7 +224,8 @@ pub async fn overview(State(c): Con, headers: HeaderMap) -> Page {
         .iter()
         .copied()
         .collect();
-    let chart = Throughput::new(&samples, Sample::take(c.engine.metrics()));
+    let now = Sample::take(c.engine.metrics());
+    let chart = Throughput::new(&samples, now, super::SAMPLES_KEPT);
     c.render(
         "overview.html",
         context! {

@@ -434,8 +434,9 @@ const BAR_W: u32 = 8;
 
 impl Throughput {
     /// The chart of consecutive `samples` (oldest first) and the current
-    /// reading `now`.
-    pub fn new(samples: &[Sample], now: Sample) -> Self {
+    /// reading `now`, with room for `capacity` bars: the newest bar is at
+    /// the right edge, so the time axis does not stretch while it fills.
+    pub fn new(samples: &[Sample], now: Sample, capacity: usize) -> Self {
         let mut all: Vec<Sample> = samples.to_vec();
         all.push(now);
         let rates: Vec<(f64, i64)> = all
@@ -449,6 +450,8 @@ impl Throughput {
             })
             .collect();
         let peak = rates.iter().map(|r| r.0).fold(0.0_f64, f64::max);
+        let slots = capacity.max(rates.len()) as u32;
+        let first_slot = slots - rates.len() as u32;
         let bars = rates
             .iter()
             .enumerate()
@@ -459,7 +462,7 @@ impl Throughput {
                     0
                 };
                 Bar {
-                    x: i as u32 * BAR_W,
+                    x: (first_slot + i as u32) * BAR_W,
                     y: CHART_H - h,
                     h,
                     label: format!(
@@ -474,7 +477,7 @@ impl Throughput {
         let lease_n = now.lease_count.saturating_sub(first.lease_count);
         let lease_sum = (now.lease_sum_s - first.lease_sum_s).max(0.0);
         Throughput {
-            width: (rates.len().max(1) as u32) * BAR_W,
+            width: slots.max(1) * BAR_W,
             minutes: ((now.at_ms - first.at_ms).max(0) as f64 / 60_000.0 * 10.0).round() / 10.0,
             peak_per_s: format!("{peak:.1}"),
             last_per_s: format!("{:.1}", rates.last().map_or(0.0, |r| r.0)),
@@ -538,13 +541,19 @@ mod tests {
         let t = Throughput::new(
             &[s(0, 0, 0, 0.0), s(5000, 50, 10, 0.02)],
             s(10_000, 150, 20, 0.04),
+            4,
         );
         assert_eq!(t.points, 2);
         assert_eq!(t.peak_per_s, "20.0");
         assert_eq!(t.last_per_s, "20.0");
         assert_eq!(t.bars[0].h, CHART_H / 2);
+        assert_eq!(
+            (t.width, t.bars[0].x, t.bars[1].x),
+            (32, 16, 24),
+            "newest at the right"
+        );
         assert_eq!(t.mean_lease_ms, "2.0 ms");
-        let empty = Throughput::new(&[], s(1, 0, 0, 0.0));
+        let empty = Throughput::new(&[], s(1, 0, 0, 0.0), 4);
         assert_eq!((empty.points, empty.mean_lease_ms.as_str()), (0, "—"));
     }
 
