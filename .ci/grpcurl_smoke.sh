@@ -12,7 +12,7 @@ cargo build --locked --workspace --bins
 tmp=$(mktemp -d)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 addr="127.0.0.1:$port"
-./target/debug/agq serve --listen "$addr" --metrics-listen 127.0.0.1:0 --db "$tmp/agq.db" \
+./target/debug/agq serve --listen "$addr" --metrics-listen 127.0.0.1:0 --console-listen 127.0.0.1:0 --db "$tmp/agq.db" \
   >"$tmp/agq.out" 2>"$tmp/agq.err" &
 agq_pid=$!
 agw_pid=""

@@ -18,7 +18,7 @@ if ! PYTHONPATH="$deps" python3 -c 'import prometheus_client' 2>/dev/null; then
 fi
 
 tmp=$(mktemp -d)
-./target/debug/agq serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --db "$tmp/agq.db" \
+./target/debug/agq serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --console-listen 127.0.0.1:0 --db "$tmp/agq.db" \
   >"$tmp/agq.out" 2>"$tmp/agq.err" &
 agq_pid=$!
 cleanup() { kill "$agq_pid" 2>/dev/null || true; wait "$agq_pid" 2>/dev/null || true; rm -rf "$tmp"; }

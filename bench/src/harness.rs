@@ -131,6 +131,7 @@ impl Harness {
                 &addr.to_string(),
                 "--metrics-listen",
                 "127.0.0.1:0",
+                "--no-console",
             ])
             .arg("--db")
             .arg(dir.path().join("agq.db"))

@@ -77,7 +77,7 @@ wait_line() {
     return 1
 }
 
-"$bin/agq" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+"$bin/agq" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --console-listen 127.0.0.1:0 \
     --db "$work/agq.db" >"$work/agq.out" 2>"$work/agq.out.err" &
 agq_pid=$!
 wait_line "$work/agq.out" "listening on " "$agq_pid"

@@ -292,6 +292,7 @@ impl Serve {
         let mut cmd = clean_command(AGQ);
         cmd.arg("serve")
             .args(["--listen", &self.listen, "--metrics-listen", "127.0.0.1:0"])
+            .args(["--console-listen", "127.0.0.1:0"])
             .arg("--db")
             .arg(&self.db)
             .args(&self.args);

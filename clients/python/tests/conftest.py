@@ -48,6 +48,7 @@ class Server:
                 AGQ_BIN, "serve",
                 "--listen", listen,
                 "--metrics-listen", "127.0.0.1:0",
+                "--console-listen", "127.0.0.1:0",
                 "--db", str(tmp / "agq.db"),
                 "--heartbeat-interval-ms", "500",
                 # Re-queue a dead worker's leases soon, and retry soon.
