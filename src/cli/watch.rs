@@ -241,13 +241,11 @@ pub fn counts_text(a: &pb::ActionStatus, sep: &str) -> String {
     parts.join(sep)
 }
 
-/// The message beside the progress bar:
-/// `completed 120 · dead 3 · running 8 · pending 69 · 14.2 jobs/s · ETA 6s`.
-pub fn bar_message(a: &pb::ActionStatus, per_sec: Option<f64>) -> String {
+/// The rate and the ETA: `14.2 jobs/s · ETA 6s`.
+pub fn rate_and_eta(a: &pb::ActionStatus, per_sec: Option<f64>) -> String {
     let remaining = a.total_jobs.saturating_sub(finished(a));
     format!(
-        "{} · {} · {}",
-        counts_text(a, " · "),
+        "{} · {}",
         rate_text(per_sec),
         eta_text(eta(remaining, per_sec))
     )
@@ -274,13 +272,7 @@ fn line_head(now: &str, a: &pb::ActionStatus) -> String {
 /// `2025-01-31T12:00:05Z action A 123/200 finished (61 %): completed 120,
 /// dead 3, running 8, pending 69 · 14.2 jobs/s · ETA 6s`, on one line.
 pub fn progress_line(now: &str, a: &pb::ActionStatus, per_sec: Option<f64>) -> String {
-    let remaining = a.total_jobs.saturating_sub(finished(a));
-    format!(
-        "{} · {} · {}",
-        line_head(now, a),
-        rate_text(per_sec),
-        eta_text(eta(remaining, per_sec))
-    )
+    format!("{} · {}", line_head(now, a), rate_and_eta(a, per_sec))
 }
 
 /// The last progress line, once every job is terminal: the counts and how
@@ -293,11 +285,20 @@ pub fn final_line(now: &str, a: &pb::ActionStatus) -> String {
     }
 }
 
-/// A progress bar for `total` jobs on stderr.
+/// A progress bar for `total` jobs on stderr, on two lines so that the
+/// bar keeps its width on a narrow terminal:
+///
+/// ```text
+/// ⠙ 00:00:14 [=============>        ] 123/200 jobs · 14.2 jobs/s · ETA 6s
+///   completed 120 · dead 3 · running 8 · pending 69
+/// ```
+///
+/// The rate and the ETA are its prefix, the counts its message
+/// ([`update_bar`]).
 pub fn progress_bar(total: u32) -> ProgressBar {
     let bar = ProgressBar::new(u64::from(total));
     let style = ProgressStyle::with_template(
-        "{spinner:.green} {elapsed_precise} [{wide_bar:.cyan/blue}] {pos}/{len} jobs  {msg}",
+        "{spinner:.green} {elapsed_precise} [{wide_bar:.cyan/blue}] {pos}/{len} jobs · {prefix}\n  {msg}",
     )
     .unwrap_or_else(|_| ProgressStyle::default_bar())
     .progress_chars("=> ");
@@ -306,12 +307,13 @@ pub fn progress_bar(total: u32) -> ProgressBar {
     bar
 }
 
-/// Moves `bar` to the terminal jobs of `a` and shows the counts, the rate
-/// and the ETA beside it.
+/// Moves `bar` to the terminal jobs of `a` and shows the rate and the ETA
+/// beside it, the counts (dead apart from completed) under it.
 pub fn update_bar(bar: &ProgressBar, a: &pb::ActionStatus, per_sec: Option<f64>) {
     bar.set_length(u64::from(a.total_jobs));
     bar.set_position(u64::from(finished(a)));
-    bar.set_message(bar_message(a, per_sec));
+    bar.set_prefix(rate_and_eta(a, per_sec));
+    bar.set_message(counts_text(a, " · "));
 }
 
 /// True for the errors that another try may fix: the server unreachable,
@@ -699,17 +701,19 @@ mod tests {
     fn bar_shows_dead_apart_with_rate_and_eta() {
         let a = status(120, 3, 8, 69);
         assert_eq!(
-            bar_message(&a, Some(14.2)),
-            "completed 120 · dead 3 · running 8 · pending 69 · 14.2 jobs/s · ETA 6s"
+            counts_text(&a, " · "),
+            "completed 120 · dead 3 · running 8 · pending 69"
         );
+        assert_eq!(rate_and_eta(&a, Some(14.2)), "14.2 jobs/s · ETA 6s");
         let mut b = status(1, 0, 0, 1);
         b.failed = 2;
         b.cancelled = 1;
         b.total_jobs = 5;
         assert_eq!(
-            bar_message(&b, None),
-            "completed 1 · dead 0 · running 0 · pending 1 · retrying 2 · cancelled 1 · - jobs/s · ETA -"
+            counts_text(&b, " · "),
+            "completed 1 · dead 0 · running 0 · pending 1 · retrying 2 · cancelled 1"
         );
+        assert_eq!(rate_and_eta(&b, None), "- jobs/s · ETA -");
     }
 
     #[test]
