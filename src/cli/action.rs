@@ -1,16 +1,15 @@
 //! `agq action submit|status|list|cancel|retry`: fanning a Plan out over inputs (a JSON
 //! file, `--input key=value` pairs, or one job per file matched by
-//! `--files`), and watching an Action with a live progress bar driven by
-//! the `WatchAction` server stream; listing Actions newest first, and
-//! cancelling or retrying all of an Action's jobs at once.
+//! `--files`), and watching an Action to its end (`--watch`, see
+//! [`super::watch`]); listing Actions newest first, and cancelling or
+//! retrying all of an Action's jobs at once.
 
 use std::{
     collections::{BTreeSet, HashMap},
     path::{Path, PathBuf},
-    time::{Duration, SystemTime},
+    time::SystemTime,
 };
 
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::{
@@ -19,6 +18,7 @@ use super::{
     table::{emit, emit_line, key_values},
     time::{parse_time, to_timestamp},
     view::{ActionChangeView, ActionPage, ActionStateArg, ActionView, RetryStatusArg},
+    watch::{watch, WatchArgs, WatchOptions},
     CliError, Clients, OutputFormat,
 };
 use crate::pb;
@@ -32,11 +32,9 @@ pub enum ActionCommand {
     Status {
         /// Action id.
         action_id: String,
-        /// Follow the Action live until every job is terminal (a progress
-        /// bar; one JSON line per update with --output json). Exits 1 when
-        /// any job ended dead or cancelled.
-        #[arg(long, short = 'w')]
-        watch: bool,
+        /// --watch and its settings.
+        #[command(flatten)]
+        follow: WatchArgs,
     },
     /// List Actions, newest first, with their job counts.
     List {
@@ -112,9 +110,10 @@ pub struct SubmitArgs {
     /// with any offset) or +DURATION from now (+10m).
     #[arg(long, value_name = "TIME", value_parser = parse_time)]
     pub run_at: Option<SystemTime>,
-    /// After submitting, follow the Action like `action status --watch`.
-    #[arg(long, short = 'w')]
-    pub watch: bool,
+    /// --watch (after submitting, follow the Action like `action status
+    /// --watch`) and its settings.
+    #[command(flatten)]
+    pub follow: WatchArgs,
 }
 
 /// Parses `key=value`.
@@ -313,7 +312,7 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(
                 job_ids: resp.job_ids,
             };
             match out {
-                OutputFormat::Json if args.watch => emit_line(&compact(&view)?)?,
+                OutputFormat::Json if args.follow.watch => emit_line(&compact(&view)?)?,
                 OutputFormat::Json => print_json(&view)?,
                 OutputFormat::Table => {
                     let mut pairs = vec![
@@ -329,17 +328,17 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(
                     emit(&key_values(&pairs))?;
                 }
             }
-            if args.watch {
+            if args.follow.watch {
                 if out == OutputFormat::Table {
                     emit_line("")?;
                 }
-                finish_watch(c, &view.action_id, out).await?;
+                finish_watch(c, &view.action_id, out, (&args.follow).into()).await?;
             }
             Ok(())
         }
-        ActionCommand::Status { action_id, watch } => {
-            if watch {
-                return finish_watch(c, &action_id, out).await;
+        ActionCommand::Status { action_id, follow } => {
+            if follow.watch {
+                return finish_watch(c, &action_id, out, (&follow).into()).await;
             }
             let a = c
                 .action
@@ -469,8 +468,13 @@ fn compact<T: Serialize>(v: &T) -> Result<String, CliError> {
 
 /// Watches to the end, prints the final status (table mode) and turns dead
 /// or cancelled jobs into [`CliError::Failed`].
-async fn finish_watch(c: &Clients, action_id: &str, out: OutputFormat) -> Result<(), CliError> {
-    let last = watch(c, action_id, out).await?;
+async fn finish_watch(
+    c: &Clients,
+    action_id: &str,
+    out: OutputFormat,
+    opts: WatchOptions,
+) -> Result<(), CliError> {
+    let last = watch(c, action_id, out, opts).await?;
     if out == OutputFormat::Table {
         emit(&ActionView::from(&last).table())?;
     }
@@ -481,93 +485,6 @@ async fn finish_watch(c: &Clients, action_id: &str, out: OutputFormat) -> Result
         )));
     }
     Ok(())
-}
-
-/// A progress bar for `total` jobs on stderr (hidden when stderr is not a
-/// terminal).
-pub fn progress_bar(total: u32) -> ProgressBar {
-    let bar = ProgressBar::new(u64::from(total));
-    let style = ProgressStyle::with_template(
-        "{spinner:.green} {elapsed_precise} [{wide_bar:.cyan/blue}] {pos}/{len} jobs  {msg}",
-    )
-    .unwrap_or_else(|_| ProgressStyle::default_bar())
-    .progress_chars("=> ");
-    bar.set_style(style);
-    bar.enable_steady_tick(Duration::from_millis(120));
-    bar
-}
-
-/// Moves `bar` to the terminal jobs of `a` and shows the other counts.
-pub fn update_bar(bar: &ProgressBar, a: &pb::ActionStatus) {
-    bar.set_length(u64::from(a.total_jobs));
-    bar.set_position(u64::from(a.completed + a.dead + a.cancelled));
-    let mut msg = format!(
-        "completed {} · running {} · pending {}",
-        a.completed, a.running, a.pending
-    );
-    for (n, name) in [
-        (a.failed, "retrying"),
-        (a.dead, "dead"),
-        (a.cancelled, "cancelled"),
-    ] {
-        if n > 0 {
-            msg.push_str(&format!(" · {name} {n}"));
-        }
-    }
-    bar.set_message(msg);
-}
-
-/// Follows an Action over `WatchAction` until every job is terminal: a
-/// progress bar in table mode, one JSON line per update in JSON mode.
-/// Returns the last status.
-///
-/// # Errors
-///
-/// The server's status (`NOT_FOUND`, or `UNAVAILABLE` when it shuts down
-/// mid-watch); [`CliError::Failed`] when the stream ends early.
-pub async fn watch(
-    c: &Clients,
-    action_id: &str,
-    out: OutputFormat,
-) -> Result<pb::ActionStatus, CliError> {
-    let mut stream = c
-        .action
-        .clone()
-        .watch_action(pb::WatchActionRequest {
-            action_id: action_id.to_owned(),
-        })
-        .await?
-        .into_inner();
-    let bar = (out == OutputFormat::Table).then(|| progress_bar(0));
-    let mut last: Option<pb::ActionStatus> = None;
-    let result = loop {
-        match stream.message().await {
-            Ok(Some(msg)) => {
-                let Some(a) = msg.action else { continue };
-                match &bar {
-                    Some(bar) => update_bar(bar, &a),
-                    None => {
-                        if let Err(e) = emit_line(&compact(&ActionView::from(&a))?) {
-                            break Err(e);
-                        }
-                    }
-                }
-                last = Some(a);
-            }
-            Ok(None) => break Ok(()),
-            Err(status) => break Err(CliError::from(status)),
-        }
-    };
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
-    result?;
-    match last {
-        Some(a) if super::view::action_done(&a) => Ok(a),
-        _ => Err(CliError::Failed(format!(
-            "the watch of action {action_id} ended before every job was terminal"
-        ))),
-    }
 }
 
 #[cfg(test)]

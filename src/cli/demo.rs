@@ -19,11 +19,11 @@ use tokio::{
 };
 
 use super::{
-    action::watch,
     fetch_each,
     table::{emit, emit_line, key_values},
     time::human_duration,
     view::job_status_name,
+    watch::{watch, WatchOptions},
     CliError, ClientOptions, Clients, OutputFormat,
 };
 use crate::{
@@ -508,7 +508,13 @@ async fn demo_flow(
         "plan {PLAN_ID} submitted; action {} created {} jobs\n",
         submitted.action_id, submitted.jobs_created
     ))?;
-    watch(&clients, &submitted.action_id, OutputFormat::Table).await?;
+    watch(
+        &clients,
+        &submitted.action_id,
+        OutputFormat::Table,
+        WatchOptions::default(),
+    )
+    .await?;
     let wall = started.elapsed();
 
     let jobs = fetch_each(submitted.job_ids.clone(), |job_id| {

@@ -9,6 +9,8 @@
 //! - [`view`]: the serde structs `--output json` prints, and their tables.
 //! - One module per command group: [`plan`], [`action`], [`job`],
 //!   [`worker`], [`queue`]; [`demo`] for `agq demo`.
+//! - [`watch`]: `--watch`, following an Action to its end (progress bar or
+//!   progress lines, jobs/s and ETA, reconnecting after a server restart).
 
 pub(crate) mod action;
 pub(crate) mod client;
@@ -20,6 +22,7 @@ pub(crate) mod queue;
 pub(crate) mod table;
 pub(crate) mod time;
 pub(crate) mod view;
+pub(crate) mod watch;
 pub(crate) mod worker;
 
 use std::{path::PathBuf, time::Duration};

@@ -90,6 +90,26 @@ pub fn rfc3339(ts: Option<&prost_types::Timestamp>) -> Option<String> {
     timestamp(ts).map(|t| format!("{t:.3}"))
 }
 
+/// The time from `from` to `to`; `None` when either is unset or out of
+/// range, or `to` is before `from`.
+pub fn between(
+    from: Option<&prost_types::Timestamp>,
+    to: Option<&prost_types::Timestamp>,
+) -> Option<Duration> {
+    let d = timestamp(to)?.duration_since(timestamp(from)?);
+    Duration::try_from(d).ok()
+}
+
+/// The time now, UTC, to the second: `2025-01-31T12:00:05Z`.
+pub fn now_utc() -> String {
+    utc_seconds(Timestamp::now())
+}
+
+/// `t` in UTC to the second (truncated): `2025-01-31T12:00:05Z`.
+pub fn utc_seconds(t: Timestamp) -> String {
+    format!("{t:.0}")
+}
+
 /// How long ago a timestamp was, for people ("3s ago", "2m05s ago",
 /// "1h02m ago"); `-` when unset, `just now` for a time in the future.
 pub fn ago(ts: Option<&prost_types::Timestamp>) -> String {
@@ -119,7 +139,7 @@ pub fn human_duration(d: Duration) -> String {
 /// `d` in its two largest units, hours and minutes or minutes and seconds,
 /// the second unit zero-padded: `5s`, `2m05s`, `1h02m`. The units come from
 /// jiff's span balancing, truncated to the smaller unit shown.
-fn clock(d: Duration) -> String {
+pub fn clock(d: Duration) -> String {
     let Ok(d) = SignedDuration::try_from(d) else {
         return format!("{}s", d.as_secs());
     };
@@ -223,6 +243,17 @@ mod tests {
         assert_eq!(ago_secs(-60), "just now");
         assert!(ago_secs(3).ends_with("s ago"), "{}", ago_secs(3));
         assert_eq!(ago_secs(3 * 3600 + 120), "3h02m ago");
+    }
+
+    #[test]
+    fn measures_between_timestamps() {
+        let at = |seconds, nanos| prost_types::Timestamp { seconds, nanos };
+        let d = between(Some(&at(100, 0)), Some(&at(225, 500_000_000)));
+        assert_eq!(d, Some(Duration::from_millis(125_500)));
+        assert_eq!(between(Some(&at(200, 0)), Some(&at(100, 0))), None);
+        assert_eq!(between(None, Some(&at(100, 0))), None);
+        let t = Timestamp::new(1_738_324_805, 999_000_000).unwrap();
+        assert_eq!(utc_seconds(t), "2025-01-31T12:00:05Z");
     }
 
     #[test]
