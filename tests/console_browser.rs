@@ -1,6 +1,6 @@
 //! The web console in a real headless browser (Debian's `chromium`, driven
-//! through `chromedriver` with fantoccini), against a real server and a
-//! real `agw` process: an operator follows a 200-job action to 100 %,
+//! through `chromedriver` with fantoccini), against a real `agq serve`
+//! process with an auth file and a real `agw` process: an operator follows a 200-job action to 100 %,
 //! reads a dead job's stderr, is refused a retry without a token, retries
 //! with an admin token and gets the job back, and drains the worker.
 //!
@@ -20,11 +20,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agq::{
-    auth::{AuthFile, Authenticator, Role, TokenEntry},
-    pb::{self, ActionInput, SubmitActionRequest, SubmitPlanRequest},
-};
-use common::{fast_config, Bearer, TestServer};
+use agq::pb::{self, ActionInput, SubmitActionRequest, SubmitPlanRequest};
+use common::Bearer;
 use fantoccini::{Client, ClientBuilder, Locator};
 
 const ADMIN: &str = "admin-token-0123456789abcdef";
@@ -189,26 +186,6 @@ impl Page {
     }
 }
 
-fn auth() -> Authenticator {
-    let entry = |token: &str, role, worker_id: Option<&str>| TokenEntry {
-        token: token.into(),
-        role,
-        worker_id: worker_id.map(Into::into),
-        worker_id_prefix: None,
-    };
-    Authenticator::from_file(
-        "test",
-        AuthFile {
-            tokens: vec![
-                entry(ADMIN, Role::Admin, None),
-                entry(CLIENT, Role::Client, None),
-                entry(WORKER, Role::Worker, Some(WORKER_ID)),
-            ],
-        },
-    )
-    .expect("auth")
-}
-
 /// Where the screenshots go: `<target>/ui-screenshots`.
 fn screenshot_dir() -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -233,16 +210,53 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
     }
     let missing = input.join(format!("f{:03}.txt", JOBS - 1));
 
-    // A real agw under a loaded CI machine: a 1 s heartbeat (stale after
-    // 3 s) and a long grace, so that no lease is lost to a slow heartbeat.
-    let cfg = agq::config::EngineConfig {
-        heartbeat_interval: Duration::from_secs(1),
-        lease_grace: Duration::from_secs(10),
-        ..fast_config()
-    };
-    let s = TestServer::start_with_console(&dir.path().join("agq.db"), cfg, auth()).await;
-    let console = s.console_url.clone().expect("console url");
-    let channel = s.channel().await;
+    // A real `agq serve` with an auth file; a 1 s heartbeat (stale after
+    // 3 s) and a long grace, so that a loaded CI machine loses no lease to
+    // a slow heartbeat.
+    let auth_file = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth_file,
+        format!(
+            "[[tokens]]\ntoken = \"{ADMIN}\"\nrole = \"admin\"\n\n\
+             [[tokens]]\ntoken = \"{CLIENT}\"\nrole = \"client\"\n\n\
+             [[tokens]]\ntoken = \"{WORKER}\"\nrole = \"worker\"\nworker_id = \"{WORKER_ID}\"\n"
+        ),
+    )
+    .unwrap();
+    let serve = process::Serve::new(dir.path().join("agq.db"))
+        .args(["--auth-file".as_ref(), auth_file.as_os_str()])
+        .args([
+            "--heartbeat-interval-ms",
+            "1000",
+            "--lease-grace-ms",
+            "10000",
+        ])
+        .args([
+            "--retry-backoff-base-ms",
+            "50",
+            "--retry-backoff-max-ms",
+            "200",
+        ])
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("agq serve starts");
+    let mut console = None;
+    let deadline = Instant::now() + WAIT;
+    while console.is_none() {
+        let line = serve
+            .next_line_async(deadline)
+            .await
+            .expect("agq serve prints its console address");
+        console = line
+            .strip_prefix("console on ")
+            .map(|u| u.trim_end_matches('/').to_owned());
+    }
+    let console = console.unwrap();
+    let channel = tonic::transport::Channel::from_shared(serve.url())
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to agq serve");
     let admin = Bearer(Some(ADMIN.into()));
     let mut plans = pb::plan_service_client::PlanServiceClient::with_interceptor(
         channel.clone(),
@@ -256,7 +270,7 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
         pb::worker_service_client::WorkerServiceClient::with_interceptor(channel.clone(), admin);
 
     let scratch = dir.path().join("jobs");
-    let mut agw = process::Agw::new(&s.url(), WORKER_ID)
+    let mut agw = process::Agw::new(&serve.url(), WORKER_ID)
         .args(["--tools", "cat,tr,sort,uniq", "--max-concurrent-jobs", "8"])
         .args(["--read-path".as_ref(), dir.path().as_os_str()])
         .args(["--scratch-dir".as_ref(), scratch.as_os_str()])
@@ -543,5 +557,9 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
 
     page.b.close().await.expect("close the browser");
     drop(agw);
-    s.stop().await;
+    let mut serve = serve;
+    assert!(
+        serve.terminate().is_some_and(|st| st.success()),
+        "agq serve stops cleanly on SIGTERM"
+    );
 }
