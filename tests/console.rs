@@ -155,6 +155,23 @@ async fn a_20000_job_action_is_shown_one_page_at_a_time() {
         .await
         .expect("20,000-job action");
 
+    // Whatever a client stores is shown as text, never as markup.
+    let mut hostile = plan("xss", &["cat"]);
+    hostile.plan_description = "<img src=x onerror=alert(1)>".into();
+    s.plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(hostile),
+        })
+        .await
+        .expect("plan xss");
+    let plans = http(&console, "GET", "/fragments/plans", &[]).await;
+    assert!(
+        plans.body.contains("&lt;img src=x onerror=alert(1)&gt;") && !plans.body.contains("<img"),
+        "{}",
+        plans.body
+    );
+
     // The actions list shows counts from the action, loading no job.
     let before = rpc_count(&s, "JobService/GetJob").await;
     let list = http(&console, "GET", "/fragments/actions", &[]).await;

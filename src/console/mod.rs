@@ -225,12 +225,16 @@ impl Console {
                  \u{201c}Token\u{201d} above.",
             ));
         };
-        let token = value.as_bytes().strip_prefix(b"Bearer ").ok_or_else(|| {
-            Refusal::new(
-                StatusCode::UNAUTHORIZED,
-                "Refused: the Authorization header must be `Bearer <token>`.",
-            )
-        })?;
+        let value = value.as_bytes();
+        let token = value
+            .strip_prefix(b"Bearer ")
+            .or_else(|| value.strip_prefix(b"bearer "))
+            .ok_or_else(|| {
+                Refusal::new(
+                    StatusCode::UNAUTHORIZED,
+                    "Refused: the Authorization header must be `Bearer <token>`.",
+                )
+            })?;
         self.auth.identify(token).ok_or_else(|| {
             Refusal::new(
                 StatusCode::UNAUTHORIZED,

@@ -409,10 +409,21 @@ pub async fn job(State(c): Con, headers: HeaderMap, Path(job_id): Path<String>) 
         .into_inner()
         .job
         .unwrap_or_default();
-    c.render(
+    let terminal = matches!(
+        pb::JobStatus::try_from(j.status),
+        Ok(pb::JobStatus::Completed | pb::JobStatus::Dead | pb::JobStatus::Cancelled)
+    );
+    let mut page = c.render(
         "job.html",
         context! { j => JobDetail::from(&j), job_path => enc(&j.job_id), action_path => enc(&j.action_id) },
-    )
+    )?;
+    if terminal {
+        // htmx's "stop polling" status: a finished job does not change by
+        // itself, and its output may be megabytes. The page still reloads
+        // after its own buttons (the agq-refresh event).
+        *page.status_mut() = StatusCode::from_u16(286).unwrap_or(StatusCode::OK);
+    }
+    Ok(page)
 }
 
 /// `GET /fragments/workers`: every worker with its tools, tags, load and
