@@ -468,6 +468,42 @@ async fn pipeline_matches_the_shell_pipeline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_exit_code_makes_the_job_dead_after_one_attempt() {
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-perm", &[]).await;
+    // `grep` exits 1 when nothing matches and 2 on an error (a missing
+    // file): 2 is permanent here, 1 is retried.
+    let mut t = task(1, "grep", &["needle", "{{file}}"], 30, None);
+    t.permanent_exit_codes = vec![2];
+    c.plan("grep-perm", vec![t]).await;
+    let missing = dir.path().join("missing.txt").display().to_string();
+    let job_id = c.submit("grep-perm", &[("file", &missing)], 5).await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert_eq!(job.attempt, 1, "not retried: {job:#?}");
+    assert!(
+        job.error.contains("permanent failure, not retried")
+            && job
+                .error
+                .contains("exited with code 2 (one of its permanent_exit_codes)"),
+        "{}",
+        job.error
+    );
+    assert_eq!(job.task_results[0].exit_code, 2);
+    // Exit code 1 (no match) is not listed: that failure is retried.
+    let haystack = dir.path().join("haystack.txt");
+    std::fs::write(&haystack, "hay\n").unwrap();
+    std::fs::set_permissions(&haystack, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let job_id = c
+        .submit("grep-perm", &[("file", &haystack.display().to_string())], 2)
+        .await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert_eq!(job.attempt, 2, "retried until its attempts ran out");
+    assert!(!job.error.contains("permanent"), "{}", job.error);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn templating_fills_args_from_the_job_input() {
     let dir = test_dir();
     let server = Server::start(dir.path());

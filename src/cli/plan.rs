@@ -63,6 +63,7 @@ impl From<PlanView> for pb::Plan {
                     timeout_secs: t.timeout_secs,
                     input_from_task: t.input_from_task,
                     allow_option_values: t.allow_option_values,
+                    permanent_exit_codes: t.permanent_exit_codes,
                 })
                 .collect(),
             require_sandbox: p.require_sandbox,

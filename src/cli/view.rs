@@ -132,6 +132,13 @@ pub struct TaskView {
         skip_serializing_if = "std::ops::Not::not"
     )]
     pub allow_option_values: bool,
+    /// Exit codes after which the job is not retried (it goes dead).
+    #[serde(
+        default,
+        alias = "permanentExitCodes",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub permanent_exit_codes: Vec<i32>,
 }
 
 /// A Plan, printed by `agq plan get` and read by `agq plan submit`.
@@ -171,6 +178,7 @@ impl From<pb::Plan> for PlanView {
                     timeout_secs: t.timeout_secs,
                     input_from_task: t.input_from_task,
                     allow_option_values: t.allow_option_values,
+                    permanent_exit_codes: t.permanent_exit_codes,
                 })
                 .collect(),
             require_sandbox: p.require_sandbox,

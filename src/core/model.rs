@@ -117,6 +117,9 @@ pub struct Task {
     pub input_from_task: Option<u32>,
     /// Whether a substituted value may start with `-`.
     pub allow_option_values: bool,
+    /// Exit codes (1..=255) after which the job is not retried: the worker
+    /// reports the failure as permanent ([`JobReport::permanent`]).
+    pub permanent_exit_codes: Vec<i32>,
 }
 
 /// A reusable pipeline of tasks.
@@ -340,6 +343,8 @@ pub struct JobReport {
     pub task_results: Vec<TaskResult>,
     /// Why the attempt failed.
     pub error: String,
+    /// With FAILED: retrying cannot help; the job goes to DEAD at once.
+    pub permanent: bool,
 }
 
 /// A lease pushed to a worker's lease stream.

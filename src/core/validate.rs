@@ -18,6 +18,8 @@ use crate::{
 
 /// Most tasks in one plan.
 pub const MAX_TASKS: usize = 100;
+/// Most `permanent_exit_codes` of one task.
+pub const MAX_PERMANENT_EXIT_CODES: usize = 32;
 /// Most reports in one BatchUpdateJobs call.
 pub const MAX_BATCH_REPORTS: usize = 1024;
 /// Largest `timeout_secs` of a task (one day).
@@ -213,6 +215,24 @@ pub fn plan(plan: &Plan) -> Result<()> {
                 "task {n}: timeout_secs must be in 1..={MAX_TASK_TIMEOUT_SECS}, got {}",
                 task.timeout_secs
             )));
+        }
+        if task.permanent_exit_codes.len() > MAX_PERMANENT_EXIT_CODES {
+            return Err(Error::invalid(format!(
+                "task {n}: at most {MAX_PERMANENT_EXIT_CODES} permanent_exit_codes, got {}",
+                task.permanent_exit_codes.len()
+            )));
+        }
+        for (j, code) in task.permanent_exit_codes.iter().enumerate() {
+            if !(1..=255).contains(code) {
+                return Err(Error::invalid(format!(
+                    "task {n}: permanent_exit_codes must be in 1..=255 (0 is success), got {code}"
+                )));
+            }
+            if task.permanent_exit_codes[..j].contains(code) {
+                return Err(Error::invalid(format!(
+                    "task {n}: permanent_exit_codes lists {code} twice"
+                )));
+            }
         }
         if let Some(from) = task.input_from_task {
             if from == 0 || from >= n {

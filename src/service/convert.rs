@@ -28,6 +28,7 @@ impl From<&Task> for pb::Task {
             timeout_secs: t.timeout_secs,
             input_from_task: t.input_from_task,
             allow_option_values: t.allow_option_values,
+            permanent_exit_codes: t.permanent_exit_codes.clone(),
         }
     }
 }
@@ -41,6 +42,7 @@ impl From<pb::Task> for Task {
             timeout_secs: t.timeout_secs,
             input_from_task: t.input_from_task,
             allow_option_values: t.allow_option_values,
+            permanent_exit_codes: t.permanent_exit_codes,
         }
     }
 }
@@ -284,6 +286,7 @@ impl From<pb::UpdateJobRequest> for JobReport {
             progress_percent: r.progress_percent,
             task_results: r.task_results.into_iter().map(Into::into).collect(),
             error: r.error,
+            permanent: r.permanent,
         }
     }
 }

@@ -433,6 +433,7 @@ async fn run_job(
             error: "the lease carries no plan".into(),
             task_results: Vec::new(),
             aborted: None,
+            permanent: false,
             duration: Duration::ZERO,
         },
     };
@@ -462,6 +463,7 @@ async fn run_job(
         .unwrap_or(0);
     req.progress_percent = if outcome.success { 100 } else { 0 };
     req.error = outcome.error;
+    req.permanent = outcome.permanent;
     req.task_results = outcome.task_results;
     fit_to_budget(&mut req.task_results, REPORT_BUDGET_BYTES);
     shared.reporting(&ids.job_id, &ids.lease_id);

@@ -131,6 +131,9 @@ pub struct JobOutcome {
     pub task_results: Vec<TaskResult>,
     /// Set when the job was stopped from outside.
     pub aborted: Option<AbortReason>,
+    /// The failing task exited with one of its `permanent_exit_codes`:
+    /// the failure is reported as permanent (not retried).
+    pub permanent: bool,
     /// Wall-clock time of the whole job.
     pub duration: Duration,
 }
@@ -142,6 +145,7 @@ impl JobOutcome {
             error,
             task_results,
             aborted: None,
+            permanent: false,
             duration: start.elapsed(),
         }
     }
@@ -218,6 +222,7 @@ struct Prepared {
     args: Vec<String>,
     timeout: Duration,
     input_from: Option<u32>,
+    permanent_exit_codes: Vec<i32>,
 }
 
 /// Runs plans with a fixed tool set and output cap.
@@ -384,6 +389,7 @@ impl Executor {
                 args,
                 timeout: Duration::from_secs(u64::from(secs)),
                 input_from: t.input_from_task,
+                permanent_exit_codes: t.permanent_exit_codes.clone(),
             });
         }
         Ok(prepared)
@@ -506,12 +512,20 @@ impl Executor {
             drop(span);
             // Free outputs no later task needs.
             outputs.retain(|from, _| last_use.get(from).is_some_and(|&last| last > i));
+            let permanent = matches!(&run.end,
+                TaskEnd::Exited(code) if *code != 0 && task.permanent_exit_codes.contains(code));
             let error = match &run.end {
                 TaskEnd::Exited(0) => None,
                 TaskEnd::Exited(code) => Some(with_stderr(
                     format!(
-                        "task {} ({}) exited with code {code}",
-                        task.task_number, task.command
+                        "task {} ({}) exited with code {code}{}",
+                        task.task_number,
+                        task.command,
+                        if permanent {
+                            " (one of its permanent_exit_codes)"
+                        } else {
+                            ""
+                        }
                     ),
                     &run.result.stderr,
                 )),
@@ -548,6 +562,7 @@ impl Executor {
             if let Some(error) = error {
                 let mut out = JobOutcome::failed(error, results, start);
                 out.aborted = aborted;
+                out.permanent = permanent;
                 return out;
             }
             if let Some(full) = run.full_stdout {
@@ -559,6 +574,7 @@ impl Executor {
             error: String::new(),
             task_results: results,
             aborted: None,
+            permanent: false,
             duration: start.elapsed(),
         }
     }

@@ -267,6 +267,11 @@ impl State {
         if req.progress_percent > 100 {
             return Err(Error::invalid("progress_percent must be in 0..=100"));
         }
+        if req.permanent && status != Some(JobStatus::Failed) {
+            return Err(Error::invalid(
+                "permanent is for JOB_STATUS_FAILED reports only",
+            ));
+        }
         let now_ms = now_ms();
         let fence = jobs::Fence {
             lease_id: &lease.lease_id,
@@ -305,7 +310,7 @@ impl State {
                 } else {
                     req.error.clone()
                 };
-                let after = self.end_attempt(conn, row, &lease, &error, true)?;
+                let after = self.end_attempt(conn, row, &lease, &error, true, req.permanent)?;
                 jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
                 self.metrics
                     .job_duration

@@ -315,7 +315,7 @@ impl State {
         let Some(lease) = self.leases.get(&row).cloned() else {
             return Ok(());
         };
-        self.end_attempt(conn, row, &lease, reason, false)?;
+        self.end_attempt(conn, row, &lease, reason, false, false)?;
         self.metrics.requeue(label);
         if label != "job_failed" {
             self.command(
@@ -331,7 +331,8 @@ impl State {
     /// re-queues it with backoff or sends it to dead. Returns the job's
     /// status now: Failed (backing off), Pending (no backoff) or Dead.
     /// `reported`: the worker reported the failure (its lease id is kept
-    /// to recognise a repeat of the report).
+    /// to recognise a repeat of the report). `permanent`: the worker said
+    /// retrying cannot help; the job goes to Dead whatever attempts are left.
     pub(super) fn end_attempt(
         &mut self,
         conn: &Connection,
@@ -339,19 +340,27 @@ impl State {
         lease: &Lease,
         error: &str,
         reported: bool,
+        permanent: bool,
     ) -> Result<JobStatus> {
         let now_ms = now_ms();
-        let dead = lease.attempt >= lease.max_attempts;
+        let dead = permanent || lease.attempt >= lease.max_attempts;
         let ready_at = now_ms
             + if dead {
                 0
             } else {
                 self.backoff_ms(lease.attempt)
             };
-        let error = format!(
-            "attempt {} of {}: {error}",
-            lease.attempt, lease.max_attempts
-        );
+        let error = if permanent {
+            format!(
+                "attempt {} of {}: permanent failure, not retried: {error}",
+                lease.attempt, lease.max_attempts
+            )
+        } else {
+            format!(
+                "attempt {} of {}: {error}",
+                lease.attempt, lease.max_attempts
+            )
+        };
         let fence = jobs::Fence {
             lease_id: &lease.lease_id,
             worker_id: &lease.worker_id,

@@ -108,6 +108,7 @@ class Task(_message.Message):
     TIMEOUT_SECS_FIELD_NUMBER: _builtins.int
     INPUT_FROM_TASK_FIELD_NUMBER: _builtins.int
     ALLOW_OPTION_VALUES_FIELD_NUMBER: _builtins.int
+    PERMANENT_EXIT_CODES_FIELD_NUMBER: _builtins.int
     task_number: _builtins.int
     """1-based position of the task in its Plan; task numbers are contiguous."""
     command: _builtins.str
@@ -135,6 +136,15 @@ class Task(_message.Message):
         a literal "--" argument: input values are data, not options.
         """
 
+    @_builtins.property
+    def permanent_exit_codes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Exit codes of this task that mean "retrying cannot help" (bad input,
+        say): when the task exits with one of them the worker reports the
+        failure as permanent and the job goes straight to JOB_STATUS_DEAD,
+        whatever attempts are left. 1..=255, at most 32, no repeats; 0 is
+        success and cannot be listed. RetryJob still brings such a job back.
+        """
+
     def __init__(
         self,
         *,
@@ -144,10 +154,11 @@ class Task(_message.Message):
         timeout_secs: _builtins.int = ...,
         input_from_task: _builtins.int | None = ...,
         allow_option_values: _builtins.bool = ...,
+        permanent_exit_codes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_input_from_task", b"_input_from_task", "input_from_task", b"input_from_task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_input_from_task", b"_input_from_task", "allow_option_values", b"allow_option_values", "args", b"args", "command", b"command", "input_from_task", b"input_from_task", "task_number", b"task_number", "timeout_secs", b"timeout_secs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_input_from_task", b"_input_from_task", "allow_option_values", b"allow_option_values", "args", b"args", "command", b"command", "input_from_task", b"input_from_task", "permanent_exit_codes", b"permanent_exit_codes", "task_number", b"task_number", "timeout_secs", b"timeout_secs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__input_from_task: _TypeAlias = _typing.Literal["input_from_task"]  # noqa: Y015
     _WhichOneofArgType__input_from_task: _TypeAlias = _typing.Literal["_input_from_task", b"_input_from_task"]  # noqa: Y015

@@ -26,7 +26,7 @@ from agq.v1 import common_pb2 as agq_dot_v1_dot_common__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gq/v1/worker_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x02\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0b\x61gw_version\x18\x04 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1a.agq.v1.WorkerCapabilities\x12\x1b\n\x13max_concurrent_jobs\x18\x06 \x01(\r\x12\x35\n\x04tags\x18\x07 \x03(\x0b\x32\'.agq.v1.RegisterWorkerRequest.TagsEntry\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x11\n\tsandboxed\x18\t \x01(\x08\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"|\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1f\n\x17heartbeat_interval_secs\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\"\x1f\n\nHeldLeases\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"r\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.agq.v1.WorkerStats\x12\'\n\x0bheld_leases\x18\x03 \x01(\x0b\x32\x12.agq.v1.HeldLeases\"\x1e\n\x0c\x44rainCommand\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x91\x01\n\x11HeartbeatResponse\x12\x31\n\rnext_deadline\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x05\x64rain\x18\x02 \x01(\x0b\x32\x14.agq.v1.DrainCommandH\x00\x12\x17\n\rcancel_job_id\x18\x03 \x01(\tH\x00\x42\t\n\x07\x63ommand\"%\n\x10LeaseJobsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\xa8\x01\n\x08JobLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x18\n\x03job\x18\x02 \x01(\x0b\x32\x0b.agq.v1.Job\x12\x1a\n\x04plan\x18\x03 \x01(\x0b\x32\x0c.agq.v1.Plan\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12.\n\nexpires_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"\xd3\x01\n\x10UpdateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12!\n\x06status\x18\x04 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x14\n\x0c\x63urrent_task\x18\x05 \x01(\r\x12\x18\n\x10progress_percent\x18\x06 \x01(\r\x12(\n\x0ctask_results\x18\x07 \x03(\x0b\x32\x12.agq.v1.TaskResult\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"6\n\x11UpdateJobResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.agq.v1.JobStatus\"W\n\x16\x42\x61tchUpdateJobsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x08requests\x18\x02 \x03(\x0b\x32\x18.agq.v1.UpdateJobRequest\"S\n\x0fUpdateJobResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12!\n\x06status\x18\x03 \x01(\x0e\x32\x11.agq.v1.JobStatus\"C\n\x17\x42\x61tchUpdateJobsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.agq.v1.UpdateJobResult\",\n\x17UnregisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"1\n\x18UnregisterWorkerResponse\x12\x15\n\rrequeued_jobs\x18\x01 \x01(\r\"8\n\x12ListWorkersRequest\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.agq.v1.WorkerState\"6\n\x13ListWorkersResponse\x12\x1f\n\x07workers\x18\x01 \x03(\x0b\x32\x0e.agq.v1.Worker\"%\n\x10GetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"3\n\x11GetWorkerResponse\x12\x1e\n\x06worker\x18\x01 \x01(\x0b\x32\x0e.agq.v1.Worker\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"5\n\x13\x44rainWorkerResponse\x12\x1e\n\x06worker\x18\x01 \x01(\x0b\x32\x0e.agq.v1.Worker\"(\n\x13\x46orgetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x16\n\x14\x46orgetWorkerResponse2\xeb\x05\n\rWorkerService\x12O\n\x0eRegisterWorker\x12\x1d.agq.v1.RegisterWorkerRequest\x1a\x1e.agq.v1.RegisterWorkerResponse\x12\x44\n\tHeartbeat\x12\x18.agq.v1.HeartbeatRequest\x1a\x19.agq.v1.HeartbeatResponse(\x01\x30\x01\x12\x39\n\tLeaseJobs\x12\x18.agq.v1.LeaseJobsRequest\x1a\x10.agq.v1.JobLease0\x01\x12@\n\tUpdateJob\x12\x18.agq.v1.UpdateJobRequest\x1a\x19.agq.v1.UpdateJobResponse\x12R\n\x0f\x42\x61tchUpdateJobs\x12\x1e.agq.v1.BatchUpdateJobsRequest\x1a\x1f.agq.v1.BatchUpdateJobsResponse\x12U\n\x10UnregisterWorker\x12\x1f.agq.v1.UnregisterWorkerRequest\x1a .agq.v1.UnregisterWorkerResponse\x12\x46\n\x0bListWorkers\x12\x1a.agq.v1.ListWorkersRequest\x1a\x1b.agq.v1.ListWorkersResponse\x12@\n\tGetWorker\x12\x18.agq.v1.GetWorkerRequest\x1a\x19.agq.v1.GetWorkerResponse\x12\x46\n\x0b\x44rainWorker\x12\x1a.agq.v1.DrainWorkerRequest\x1a\x1b.agq.v1.DrainWorkerResponse\x12I\n\x0c\x46orgetWorker\x12\x1b.agq.v1.ForgetWorkerRequest\x1a\x1c.agq.v1.ForgetWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gq/v1/worker_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x02\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0b\x61gw_version\x18\x04 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1a.agq.v1.WorkerCapabilities\x12\x1b\n\x13max_concurrent_jobs\x18\x06 \x01(\r\x12\x35\n\x04tags\x18\x07 \x03(\x0b\x32\'.agq.v1.RegisterWorkerRequest.TagsEntry\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x11\n\tsandboxed\x18\t \x01(\x08\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"|\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1f\n\x17heartbeat_interval_secs\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\"\x1f\n\nHeldLeases\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"r\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.agq.v1.WorkerStats\x12\'\n\x0bheld_leases\x18\x03 \x01(\x0b\x32\x12.agq.v1.HeldLeases\"\x1e\n\x0c\x44rainCommand\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x91\x01\n\x11HeartbeatResponse\x12\x31\n\rnext_deadline\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x05\x64rain\x18\x02 \x01(\x0b\x32\x14.agq.v1.DrainCommandH\x00\x12\x17\n\rcancel_job_id\x18\x03 \x01(\tH\x00\x42\t\n\x07\x63ommand\"%\n\x10LeaseJobsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\xa8\x01\n\x08JobLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x18\n\x03job\x18\x02 \x01(\x0b\x32\x0b.agq.v1.Job\x12\x1a\n\x04plan\x18\x03 \x01(\x0b\x32\x0c.agq.v1.Plan\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12.\n\nexpires_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"\xe6\x01\n\x10UpdateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12!\n\x06status\x18\x04 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x14\n\x0c\x63urrent_task\x18\x05 \x01(\r\x12\x18\n\x10progress_percent\x18\x06 \x01(\r\x12(\n\x0ctask_results\x18\x07 \x03(\x0b\x32\x12.agq.v1.TaskResult\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\tpermanent\x18\t \x01(\x08\"6\n\x11UpdateJobResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.agq.v1.JobStatus\"W\n\x16\x42\x61tchUpdateJobsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x08requests\x18\x02 \x03(\x0b\x32\x18.agq.v1.UpdateJobRequest\"S\n\x0fUpdateJobResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12!\n\x06status\x18\x03 \x01(\x0e\x32\x11.agq.v1.JobStatus\"C\n\x17\x42\x61tchUpdateJobsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.agq.v1.UpdateJobResult\",\n\x17UnregisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"1\n\x18UnregisterWorkerResponse\x12\x15\n\rrequeued_jobs\x18\x01 \x01(\r\"8\n\x12ListWorkersRequest\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.agq.v1.WorkerState\"6\n\x13ListWorkersResponse\x12\x1f\n\x07workers\x18\x01 \x03(\x0b\x32\x0e.agq.v1.Worker\"%\n\x10GetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"3\n\x11GetWorkerResponse\x12\x1e\n\x06worker\x18\x01 \x01(\x0b\x32\x0e.agq.v1.Worker\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"5\n\x13\x44rainWorkerResponse\x12\x1e\n\x06worker\x18\x01 \x01(\x0b\x32\x0e.agq.v1.Worker\"(\n\x13\x46orgetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x16\n\x14\x46orgetWorkerResponse2\xeb\x05\n\rWorkerService\x12O\n\x0eRegisterWorker\x12\x1d.agq.v1.RegisterWorkerRequest\x1a\x1e.agq.v1.RegisterWorkerResponse\x12\x44\n\tHeartbeat\x12\x18.agq.v1.HeartbeatRequest\x1a\x19.agq.v1.HeartbeatResponse(\x01\x30\x01\x12\x39\n\tLeaseJobs\x12\x18.agq.v1.LeaseJobsRequest\x1a\x10.agq.v1.JobLease0\x01\x12@\n\tUpdateJob\x12\x18.agq.v1.UpdateJobRequest\x1a\x19.agq.v1.UpdateJobResponse\x12R\n\x0f\x42\x61tchUpdateJobs\x12\x1e.agq.v1.BatchUpdateJobsRequest\x1a\x1f.agq.v1.BatchUpdateJobsResponse\x12U\n\x10UnregisterWorker\x12\x1f.agq.v1.UnregisterWorkerRequest\x1a .agq.v1.UnregisterWorkerResponse\x12\x46\n\x0bListWorkers\x12\x1a.agq.v1.ListWorkersRequest\x1a\x1b.agq.v1.ListWorkersResponse\x12@\n\tGetWorker\x12\x18.agq.v1.GetWorkerRequest\x1a\x19.agq.v1.GetWorkerResponse\x12\x46\n\x0b\x44rainWorker\x12\x1a.agq.v1.DrainWorkerRequest\x1a\x1b.agq.v1.DrainWorkerResponse\x12I\n\x0c\x46orgetWorker\x12\x1b.agq.v1.ForgetWorkerRequest\x1a\x1c.agq.v1.ForgetWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBLEASE']._serialized_start=909
   _globals['_JOBLEASE']._serialized_end=1077
   _globals['_UPDATEJOBREQUEST']._serialized_start=1080
-  _globals['_UPDATEJOBREQUEST']._serialized_end=1291
-  _globals['_UPDATEJOBRESPONSE']._serialized_start=1293
-  _globals['_UPDATEJOBRESPONSE']._serialized_end=1347
-  _globals['_BATCHUPDATEJOBSREQUEST']._serialized_start=1349
-  _globals['_BATCHUPDATEJOBSREQUEST']._serialized_end=1436
-  _globals['_UPDATEJOBRESULT']._serialized_start=1438
-  _globals['_UPDATEJOBRESULT']._serialized_end=1521
-  _globals['_BATCHUPDATEJOBSRESPONSE']._serialized_start=1523
-  _globals['_BATCHUPDATEJOBSRESPONSE']._serialized_end=1590
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=1592
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=1636
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=1638
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=1687
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1689
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1745
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1747
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1801
-  _globals['_GETWORKERREQUEST']._serialized_start=1803
-  _globals['_GETWORKERREQUEST']._serialized_end=1840
-  _globals['_GETWORKERRESPONSE']._serialized_start=1842
-  _globals['_GETWORKERRESPONSE']._serialized_end=1893
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1895
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1934
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=1936
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=1989
-  _globals['_FORGETWORKERREQUEST']._serialized_start=1991
-  _globals['_FORGETWORKERREQUEST']._serialized_end=2031
-  _globals['_FORGETWORKERRESPONSE']._serialized_start=2033
-  _globals['_FORGETWORKERRESPONSE']._serialized_end=2055
-  _globals['_WORKERSERVICE']._serialized_start=2058
-  _globals['_WORKERSERVICE']._serialized_end=2805
+  _globals['_UPDATEJOBREQUEST']._serialized_end=1310
+  _globals['_UPDATEJOBRESPONSE']._serialized_start=1312
+  _globals['_UPDATEJOBRESPONSE']._serialized_end=1366
+  _globals['_BATCHUPDATEJOBSREQUEST']._serialized_start=1368
+  _globals['_BATCHUPDATEJOBSREQUEST']._serialized_end=1455
+  _globals['_UPDATEJOBRESULT']._serialized_start=1457
+  _globals['_UPDATEJOBRESULT']._serialized_end=1540
+  _globals['_BATCHUPDATEJOBSRESPONSE']._serialized_start=1542
+  _globals['_BATCHUPDATEJOBSRESPONSE']._serialized_end=1609
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=1611
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=1655
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=1657
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=1706
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1708
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1764
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1766
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1820
+  _globals['_GETWORKERREQUEST']._serialized_start=1822
+  _globals['_GETWORKERREQUEST']._serialized_end=1859
+  _globals['_GETWORKERRESPONSE']._serialized_start=1861
+  _globals['_GETWORKERRESPONSE']._serialized_end=1912
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1914
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1953
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1955
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=2008
+  _globals['_FORGETWORKERREQUEST']._serialized_start=2010
+  _globals['_FORGETWORKERREQUEST']._serialized_end=2050
+  _globals['_FORGETWORKERRESPONSE']._serialized_start=2052
+  _globals['_FORGETWORKERRESPONSE']._serialized_end=2074
+  _globals['_WORKERSERVICE']._serialized_start=2077
+  _globals['_WORKERSERVICE']._serialized_end=2824
 # @@protoc_insertion_point(module_scope)

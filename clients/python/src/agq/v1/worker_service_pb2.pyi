@@ -358,6 +358,7 @@ class UpdateJobRequest(_message.Message):
     PROGRESS_PERCENT_FIELD_NUMBER: _builtins.int
     TASK_RESULTS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PERMANENT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The leased job."""
     worker_id: _builtins.str
@@ -372,6 +373,12 @@ class UpdateJobRequest(_message.Message):
     """Progress of the attempt, 0..=100."""
     error: _builtins.str
     """Why the attempt failed, with JOB_STATUS_FAILED."""
+    permanent: _builtins.bool
+    """With JOB_STATUS_FAILED: the failure is permanent (a task exited with
+    one of its permanent_exit_codes, or the worker knows that retrying
+    cannot help): the job goes to JOB_STATUS_DEAD at once instead of being
+    retried. Refused with INVALID_ARGUMENT with any other status.
+    """
     @_builtins.property
     def task_results(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskResult]:
         """Results of the tasks run so far."""
@@ -387,10 +394,11 @@ class UpdateJobRequest(_message.Message):
         progress_percent: _builtins.int = ...,
         task_results: _abc.Iterable[_common_pb2.TaskResult] | None = ...,
         error: _builtins.str = ...,
+        permanent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_task", b"current_task", "error", b"error", "job_id", b"job_id", "lease_id", b"lease_id", "progress_percent", b"progress_percent", "status", b"status", "task_results", b"task_results", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_task", b"current_task", "error", b"error", "job_id", b"job_id", "lease_id", b"lease_id", "permanent", b"permanent", "progress_percent", b"progress_percent", "status", b"status", "task_results", b"task_results", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
