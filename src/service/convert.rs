@@ -435,6 +435,7 @@ mod tests {
                 timeout_secs: 5,
                 input_from_task: None,
                 allow_option_values: true,
+                permanent_exit_codes: vec![2, 64],
             }],
             require_sandbox: true,
         };
