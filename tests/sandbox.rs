@@ -180,7 +180,7 @@ fn task(n: u32, cmd: &str, args: &[&str], from: Option<u32>) -> Task {
         args: args.iter().map(|a| (*a).to_owned()).collect(),
         timeout_secs: 20,
         input_from_task: from,
-        allow_option_values: false,
+        ..Default::default()
     }
 }
 
