@@ -235,6 +235,17 @@ pub fn require_client(id: &Identity) -> Result<(), Status> {
     }
 }
 
+/// Allows admins and anonymous callers (auth off) only.
+///
+/// Errors: `PERMISSION_DENIED` for client, worker and worker-pool tokens.
+#[allow(clippy::result_large_err)]
+pub fn require_admin(id: &Identity) -> Result<(), Status> {
+    match id {
+        Identity::Anonymous | Identity::Admin => Ok(()),
+        _ => Err(Status::permission_denied("this call needs an admin token")),
+    }
+}
+
 /// Allows the worker `worker_id` itself, a pool token whose prefix
 /// `worker_id` starts with, admins and anonymous callers.
 ///

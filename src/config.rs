@@ -125,6 +125,18 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_MAX_RUN_AT_AHEAD_SECS", default_value_t = DEFAULT_MAX_RUN_AT_AHEAD.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..=100 * 366 * 86_400))]
     pub max_run_at_ahead_secs: u64,
+    /// Quarantine a worker (no new leases until `agq worker release`) when
+    /// this many of its leases hit --job-timeout-secs within
+    /// --quarantine-window-secs while it keeps heartbeating: a hung worker.
+    /// 0 never quarantines.
+    #[arg(long, env = "AGQ_QUARANTINE_AFTER_TIMEOUTS", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub quarantine_after_timeouts: u32,
+    /// The window, in seconds, in which --quarantine-after-timeouts
+    /// timeouts quarantine a worker.
+    #[arg(long, env = "AGQ_QUARANTINE_WINDOW_SECS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(1..=30 * 86_400))]
+    pub quarantine_window_secs: u64,
     /// Log format.
     #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -157,6 +169,8 @@ impl ServeArgs {
             .unwrap_or(usize::MAX),
             max_report_bytes: usize::try_from(self.max_report_bytes).unwrap_or(usize::MAX),
             max_run_at_ahead: Duration::from_secs(self.max_run_at_ahead_secs),
+            quarantine_after_timeouts: self.quarantine_after_timeouts,
+            quarantine_window: Duration::from_secs(self.quarantine_window_secs),
         }
     }
 }
@@ -199,6 +213,12 @@ pub struct EngineConfig {
     pub max_report_bytes: usize,
     /// Furthest ahead of now a SubmitAction's `run_at` may be.
     pub max_run_at_ahead: Duration,
+    /// Leases of one worker that hit the job timeout within
+    /// [`EngineConfig::quarantine_window`] before it is QUARANTINED; 0
+    /// never quarantines.
+    pub quarantine_after_timeouts: u32,
+    /// The window the timeouts are counted in.
+    pub quarantine_window: Duration,
 }
 
 impl Default for EngineConfig {
@@ -215,6 +235,8 @@ impl Default for EngineConfig {
             max_watch_streams_per_connection: 100,
             max_report_bytes: DEFAULT_MAX_REPORT_BYTES as usize,
             max_run_at_ahead: DEFAULT_MAX_RUN_AT_AHEAD,
+            quarantine_after_timeouts: 3,
+            quarantine_window: Duration::from_secs(3600),
         }
     }
 }

@@ -98,6 +98,10 @@ pub struct Metrics {
     pub batch_size: Histogram,
     /// Finished jobs deleted by the retention sweep (counter).
     pub expired_jobs: Counter,
+    /// Workers quarantined after too many job timeouts (counter,
+    /// `agq_worker_quarantines_total`); the ones quarantined now are
+    /// `agq_workers{state="quarantined"}`.
+    pub worker_quarantines: Counter,
     /// Writes the store could not commit for a cause outside AGQ (disk
     /// full, I/O error): failed batch commits, failed probe commits and
     /// operations broken by such an error (counter,
@@ -199,6 +203,12 @@ impl Metrics {
             "Operations per SQLite commit",
             batch_size.clone(),
         );
+        let worker_quarantines = Counter::default();
+        registry.register(
+            "worker_quarantines",
+            "Workers quarantined after too many of their leases hit the job timeout",
+            worker_quarantines.clone(),
+        );
         let expired_jobs = Counter::default();
         registry.register(
             "expired_jobs",
@@ -242,6 +252,7 @@ impl Metrics {
             rpc_duration,
             batch_size,
             expired_jobs,
+            worker_quarantines,
         }
     }
 

@@ -19,6 +19,8 @@ enum Kind {
     Client,
     /// Worker calls naming worker "w1" (and DrainWorker, ForgetWorker).
     Worker,
+    /// Operator decisions only an admin token may make (ReleaseWorker).
+    Admin,
 }
 
 async fn call(ch: Ch, rpc: &str) -> Result<(), Status> {
@@ -153,6 +155,12 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        "ReleaseWorker" => w
+            .release_worker(ReleaseWorkerRequest {
+                worker_id: worker.into(),
+            })
+            .await
+            .map(|_| ()),
         "ListActions" => a
             .list_actions(ListActionsRequest::default())
             .await
@@ -203,6 +211,8 @@ const RPCS: &[(&str, Kind)] = &[
     // An operator action on a worker's record: the worker's own (or its
     // pool's) token or an admin's, as DrainWorker; never a client token.
     ("ForgetWorker", Kind::Worker),
+    // Ending a quarantine is an operator's decision, not the worker's own.
+    ("ReleaseWorker", Kind::Admin),
 ];
 
 #[tokio::test]
@@ -277,10 +287,19 @@ async fn every_rpc_under_every_identity() {
                     "w2's token on {rpc} for w1"
                 );
             }
+            Kind::Admin => {
+                for (who, r) in [("client", &client), ("w1", &own), ("w2", &other)] {
+                    assert_eq!(
+                        denied(r),
+                        Some(Code::PermissionDenied),
+                        "{who}'s token on {rpc}"
+                    );
+                }
+            }
         }
         checked += 1;
     }
-    assert_eq!(checked, 28);
+    assert_eq!(checked, 29);
     s.stop().await;
 }
 
@@ -338,7 +357,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         let outside = call_for(pool.clone(), rpc, "gpu-pod-1").await;
         let prefix_only = call_for(pool.clone(), rpc, "agw").await;
         match kind {
-            Kind::Client => {
+            Kind::Client | Kind::Admin => {
                 assert_eq!(
                     code(&inside),
                     Some(Code::PermissionDenied),
@@ -367,7 +386,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 28);
+    assert_eq!(checked, 29);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

@@ -82,6 +82,8 @@ pub enum StateArg {
     Dead,
     /// Left cleanly.
     Unregistered,
+    /// Flagged after too many job timeouts; no new leases until released.
+    Quarantined,
 }
 
 impl From<StateArg> for WorkerState {
@@ -91,6 +93,7 @@ impl From<StateArg> for WorkerState {
             StateArg::Draining => WorkerState::Draining,
             StateArg::Dead => WorkerState::Dead,
             StateArg::Unregistered => WorkerState::Unregistered,
+            StateArg::Quarantined => WorkerState::Quarantined,
         }
     }
 }
@@ -813,6 +816,9 @@ pub struct WorkerView {
     pub registered_at: Option<String>,
     /// Figures of the last heartbeat.
     pub stats: Option<WorkerStatsView>,
+    /// Why it is quarantined (empty: it is not).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub quarantine_reason: String,
     /// Raw timestamp of the last heartbeat, for "3s ago" in tables.
     #[serde(skip)]
     pub last_heartbeat_ts: Option<prost_types::Timestamp>,
@@ -848,6 +854,7 @@ impl From<pb::Worker> for WorkerView {
             agw_version: w.agw_version,
             max_concurrent_jobs: w.max_concurrent_jobs,
             active_leases: w.active_leases,
+            quarantine_reason: w.quarantine_reason,
         }
     }
 }
@@ -863,6 +870,11 @@ impl WorkerView {
         let mut pairs = vec![
             ("worker", self.worker_id.clone()),
             ("state", self.state.clone()),
+        ];
+        if !self.quarantine_reason.is_empty() {
+            pairs.push(("quarantined because", self.quarantine_reason.clone()));
+        }
+        pairs.extend([
             ("fresh", yes_no(self.fresh)),
             ("connected", yes_no(self.connected)),
             ("sandboxed", yes_no(self.sandboxed)),
@@ -874,7 +886,7 @@ impl WorkerView {
                 format!("{}/{}", self.active_leases, self.max_concurrent_jobs),
             ),
             ("tools", self.tools.join(" ")),
-        ];
+        ]);
         if !self.agentic_units.is_empty() {
             pairs.push(("agentic units", self.agentic_units.join(" ")));
         }

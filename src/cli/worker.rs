@@ -1,4 +1,4 @@
-//! `agq worker list|get|drain|forget`.
+//! `agq worker list|get|drain|forget|release`.
 
 use super::{
     print_json,
@@ -30,6 +30,12 @@ pub enum WorkerCommand {
     /// Delete the record of a DEAD or UNREGISTERED worker now (they are
     /// otherwise listed for 24 hours). Needs the worker's or an admin token.
     Forget {
+        /// Worker id.
+        worker_id: String,
+    },
+    /// End a worker's quarantine (too many job timeouts): it takes leases
+    /// again. Needs an admin token.
+    Release {
         /// Worker id.
         worker_id: String,
     },
@@ -78,6 +84,13 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
             .worker
             .clone()
             .drain_worker(pb::DrainWorkerRequest { worker_id })
+            .await?
+            .into_inner()
+            .worker),
+        WorkerCommand::Release { worker_id } => one(c
+            .worker
+            .clone()
+            .release_worker(pb::ReleaseWorkerRequest { worker_id })
             .await?
             .into_inner()
             .worker),

@@ -18,7 +18,7 @@
 //! Safety rules (fail closed):
 //! - with auth configured, every fragment and button needs a token with a
 //!   role the API accepts for that call (client: read, retry, cancel;
-//!   admin: also drain and forget workers); without a token a request is
+//!   admin: also drain, release and forget workers); without a token a request is
 //!   refused with 401 and a message saying what to enter;
 //! - without auth the console listens only on loopback (as the gRPC API),
 //!   and answers only requests whose `Host` is a loopback name (a page on
@@ -142,6 +142,7 @@ fn router(console: Arc<Console>) -> Router {
         .route("/api/jobs/{id}/cancel", post(pages::cancel_job))
         .route("/api/workers/{id}/drain", post(pages::drain_worker))
         .route("/api/workers/{id}/forget", post(pages::forget_worker))
+        .route("/api/workers/{id}/release", post(pages::release_worker))
         .route("/assets/{name}", get(asset))
         .fallback(|| async { Refusal::new(StatusCode::NOT_FOUND, "no such page") })
         .layer(middleware::from_fn_with_state(console.clone(), guard))
@@ -221,7 +222,7 @@ impl Console {
             return Err(Refusal::new(
                 StatusCode::UNAUTHORIZED,
                 "Refused: no token. This server requires one: enter a client token (read, \
-                 retry, cancel) or an admin token (also drain and forget workers) under \
+                 retry, cancel) or an admin token (also drain, release and forget workers) under \
                  \u{201c}Token\u{201d} above.",
             ));
         };

@@ -641,6 +641,26 @@ pub async fn drain_worker(
     )))
 }
 
+/// `POST /api/workers/{id}/release`: ReleaseWorker (admin only).
+pub async fn release_worker(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(worker_id): Path<String>,
+) -> Page {
+    let id = c.caller(&headers)?;
+    c.workers
+        .release_worker(grpc(
+            &id,
+            pb::ReleaseWorkerRequest {
+                worker_id: worker_id.clone(),
+            },
+        ))
+        .await?;
+    Ok(done(format!(
+        "Worker {worker_id} is released from quarantine and takes leases again."
+    )))
+}
+
 /// `POST /api/workers/{id}/forget`: ForgetWorker (dead or unregistered
 /// workers only).
 pub async fn forget_worker(

@@ -58,6 +58,7 @@ pub fn worker_state(state: i32) -> &'static str {
         Ok(pb::WorkerState::Draining) => "draining",
         Ok(pb::WorkerState::Dead) => "dead",
         Ok(pb::WorkerState::Unregistered) => "unregistered",
+        Ok(pb::WorkerState::Quarantined) => "quarantined",
         _ => "unknown",
     }
 }
@@ -249,6 +250,9 @@ pub struct WorkerRow {
     pub stale: bool,
     pub drainable: bool,
     pub forgettable: bool,
+    /// Quarantined now, or to be on its next registration.
+    pub releasable: bool,
+    pub quarantine_reason: String,
 }
 
 impl WorkerRow {
@@ -292,6 +296,9 @@ impl WorkerRow {
                 state,
                 Some(pb::WorkerState::Dead | pb::WorkerState::Unregistered)
             ),
+            releasable: !w.quarantine_reason.is_empty()
+                || state == Some(pb::WorkerState::Quarantined),
+            quarantine_reason: w.quarantine_reason.clone(),
         }
     }
 }

@@ -349,6 +349,14 @@ pub trait Engine: Send + Sync {
     /// the worker is ACTIVE or DRAINING.
     async fn forget_worker(&self, worker_id: String) -> Result<()>;
 
+    /// Ends a worker's quarantine (ReleaseWorker): ACTIVE again when it is
+    /// live, its timeout count cleared, its stored reason cleared so a
+    /// departed id comes back ACTIVE. Returns the worker.
+    ///
+    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition` when it
+    /// is not quarantined.
+    async fn release_worker(&self, worker_id: String) -> Result<Worker>;
+
     /// Workers, of one state when given, by id (the `KEYS worker:*:alive`
     /// command).
     async fn list_workers(&self, state: Option<WorkerState>) -> Result<Vec<Worker>>;

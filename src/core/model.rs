@@ -68,15 +68,19 @@ pub enum WorkerState {
     Dead = 3,
     /// It unregistered.
     Unregistered = 4,
+    /// Flagged for investigation after too many job timeouts: takes no
+    /// new leases until released.
+    Quarantined = 5,
 }
 
 impl WorkerState {
     /// Every state, in wire order.
-    pub const ALL: [WorkerState; 4] = [
+    pub const ALL: [WorkerState; 5] = [
         WorkerState::Active,
         WorkerState::Draining,
         WorkerState::Dead,
         WorkerState::Unregistered,
+        WorkerState::Quarantined,
     ];
 
     /// The state with wire/storage value `v`; `None` for 0 and unknown values.
@@ -92,13 +96,17 @@ impl WorkerState {
             WorkerState::Draining => "DRAINING",
             WorkerState::Dead => "DEAD",
             WorkerState::Unregistered => "UNREGISTERED",
+            WorkerState::Quarantined => "QUARANTINED",
         }
     }
 
-    /// True for ACTIVE and DRAINING: the worker process is expected to be
-    /// alive and may hold leases.
+    /// True for ACTIVE, DRAINING and QUARANTINED: the worker process is
+    /// expected to be alive and may hold leases.
     pub fn is_live(self) -> bool {
-        matches!(self, WorkerState::Active | WorkerState::Draining)
+        matches!(
+            self,
+            WorkerState::Active | WorkerState::Draining | WorkerState::Quarantined
+        )
     }
 }
 
@@ -287,6 +295,8 @@ pub struct Worker {
     pub sandboxed: bool,
     /// Random id of the agw process holding the worker id.
     pub instance_id: String,
+    /// Why it is quarantined; empty when it is not.
+    pub quarantine_reason: String,
 }
 
 /// A worker's registration, validated (see

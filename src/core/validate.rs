@@ -246,6 +246,26 @@ pub fn plan(plan: &Plan) -> Result<()> {
     Ok(())
 }
 
+/// Checks that no task of `plan` may run longer than a whole job attempt:
+/// such a task would always end in a lease timeout (and count towards its
+/// worker's quarantine) instead of its own, clearer, task timeout.
+///
+/// Errors: `InvalidArgument` naming the task, its timeout and `job_timeout`.
+pub fn task_timeouts(plan: &Plan, job_timeout: std::time::Duration) -> Result<()> {
+    for t in &plan.tasks {
+        if u64::from(t.timeout_secs) > job_timeout.as_secs() {
+            return Err(Error::invalid(format!(
+                "task {}: timeout_secs {} is longer than the server's job timeout ({} s, \
+                 --job-timeout-secs): the lease would expire first",
+                t.task_number,
+                t.timeout_secs,
+                job_timeout.as_secs()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The distinct tools (commands) a plan needs, sorted.
 pub fn plan_tools(plan: &Plan) -> Vec<String> {
     let mut tools: Vec<String> = plan.tasks.iter().map(|t| t.command.clone()).collect();

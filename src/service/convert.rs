@@ -119,6 +119,7 @@ impl From<WorkerState> for pb::WorkerState {
             WorkerState::Draining => pb::WorkerState::Draining,
             WorkerState::Dead => pb::WorkerState::Dead,
             WorkerState::Unregistered => pb::WorkerState::Unregistered,
+            WorkerState::Quarantined => pb::WorkerState::Quarantined,
         }
     }
 }
@@ -249,6 +250,7 @@ impl From<Worker> for pb::Worker {
             registered_at: Some(ts(w.registered_at_ms)),
             sandboxed: w.sandboxed,
             instance_id: w.instance_id,
+            quarantine_reason: w.quarantine_reason,
         }
     }
 }

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{convert::state_filter, rpc, rpc_traced};
 use crate::{
-    auth::{identity, require_client, require_worker},
+    auth::{identity, require_admin, require_client, require_worker},
     core::{
         engine::{HeartbeatEvent, StreamKind},
         model::{JobLease, JobReport},
@@ -331,6 +331,25 @@ impl WorkerService for WorkerApi {
                 .forget_worker(req.into_inner().worker_id)
                 .await?;
             Ok(pb::ForgetWorkerResponse {})
+        })
+        .await
+    }
+
+    async fn release_worker(
+        &self,
+        req: Request<pb::ReleaseWorkerRequest>,
+    ) -> Result<Response<pb::ReleaseWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/ReleaseWorker", async {
+            // An operator's decision: neither the worker itself nor a
+            // client may end a quarantine.
+            require_admin(&identity(&req))?;
+            let worker = self
+                .engine
+                .release_worker(req.into_inner().worker_id)
+                .await?;
+            Ok(pb::ReleaseWorkerResponse {
+                worker: Some(worker.into()),
+            })
         })
         .await
     }

@@ -154,6 +154,7 @@ fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
 impl Engine for SqliteEngine {
     async fn submit_plan(&self, plan: Plan) -> Result<String> {
         validate::plan(&plan)?;
+        validate::task_timeouts(&plan, self.config().job_timeout)?;
         self.writer.write(move |s, c| s.submit_plan(c, plan)).await
     }
 
@@ -419,6 +420,13 @@ impl Engine for SqliteEngine {
     async fn forget_worker(&self, worker_id: String) -> Result<()> {
         validate::worker_id(&worker_id)?;
         self.writer.write(move |s, c| s.forget(c, &worker_id)).await
+    }
+
+    async fn release_worker(&self, worker_id: String) -> Result<Worker> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .write(move |s, c| s.release_quarantine(c, &worker_id))
+            .await
     }
 
     async fn list_workers(&self, state: Option<WorkerState>) -> Result<Vec<Worker>> {

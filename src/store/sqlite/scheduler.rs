@@ -483,8 +483,20 @@ impl State {
             } else {
                 ""
             };
+            let quarantined = self
+                .workers
+                .values()
+                .filter(|w| w.state == WorkerState::Quarantined && plan.runs_on(w))
+                .count();
+            let quarantined = if quarantined > 0 {
+                format!(
+                    " ({quarantined} worker(s) that could are quarantined: agq worker list --state quarantined)"
+                )
+            } else {
+                String::new()
+            };
             return format!(
-                "no fresh worker has tools [{}]{sandbox}; start or repair a worker that advertises them",
+                "no fresh worker has tools [{}]{sandbox}; start or repair a worker that advertises them{quarantined}",
                 plan.tools.join(", ")
             );
         }

@@ -93,6 +93,9 @@ pub(super) struct WorkerEntry {
     pub(super) avail_key: Option<(u32, u64)>,
     /// Sequence number of its last lease, for round robin among equals.
     pub(super) last_lease_seq: u64,
+    /// When its recent leases hit the job timeout (ms, oldest first),
+    /// within the quarantine window; not persisted.
+    pub(super) timeouts: std::collections::VecDeque<i64>,
 }
 
 /// A granted lease.
@@ -322,6 +325,7 @@ impl State {
                 registered_at_ms: row.registered_at_ms,
                 avail_key: None,
                 last_lease_seq: 0,
+                timeouts: Default::default(),
             };
             if let Some(p) = prev {
                 entry.last_heartbeat = p.last_heartbeat;
@@ -363,9 +367,7 @@ impl State {
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
                     self.leases.insert(job.row, lease);
                     match self.workers.get_mut(&worker_id) {
-                        Some(w)
-                            if matches!(w.state, WorkerState::Active | WorkerState::Draining) =>
-                        {
+                        Some(w) if w.state.is_live() => {
                             w.leases.insert(job.row);
                         }
                         _ => orphaned.push(job.row),

@@ -33,7 +33,7 @@ impl State {
             .get(id)
             .ok_or_else(|| Error::not_found(format!("worker {id} is not registered")))?;
         match w.state {
-            WorkerState::Active | WorkerState::Draining => Ok(w),
+            s if s.is_live() => Ok(w),
             s => Err(Error::precondition(format!(
                 "worker {id} is {}; register it again",
                 s.name()
@@ -104,6 +104,18 @@ impl State {
             }
         }
         let now_ms = now_ms();
+        // A quarantined id stays quarantined across restarts and
+        // re-registrations until an admin releases it.
+        let quarantine_reason = self
+            .workers
+            .get(&req.worker_id)
+            .map(|w| w.info.quarantine_reason.clone())
+            .unwrap_or_default();
+        let state = if quarantine_reason.is_empty() {
+            WorkerState::Active
+        } else {
+            WorkerState::Quarantined
+        };
         let info = Worker {
             worker_id: req.worker_id.clone(),
             hostname: req.hostname,
@@ -112,7 +124,7 @@ impl State {
             capabilities: req.capabilities,
             max_concurrent_jobs: req.max_concurrent_jobs,
             tags: req.tags,
-            state: WorkerState::Active,
+            state,
             fresh: true,
             last_heartbeat_at_ms: now_ms,
             stats: WorkerStats::default(),
@@ -121,13 +133,14 @@ impl State {
             registered_at_ms: now_ms,
             sandboxed: req.sandboxed,
             instance_id: req.instance_id,
+            quarantine_reason,
         };
         wstore::upsert(conn, &info, now_ms)?;
         let tools: HashSet<String> = info.capabilities.tools.iter().cloned().collect();
         let entry = WorkerEntry {
             max: info.max_concurrent_jobs.max(1),
             info,
-            state: WorkerState::Active,
+            state,
             tools,
             leases: Default::default(),
             last_heartbeat: Instant::now(),
@@ -140,6 +153,7 @@ impl State {
             registered_at_ms: now_ms,
             avail_key: None,
             last_lease_seq: 0,
+            timeouts: Default::default(),
         };
         if let Some(old) = self.workers.insert(req.worker_id.clone(), entry) {
             if let Some((load, seq)) = old.avail_key {
@@ -147,7 +161,7 @@ impl State {
             }
         }
         self.refresh_available(&req.worker_id);
-        tracing::info!(worker_id = %req.worker_id, "worker registered");
+        tracing::info!(worker_id = %req.worker_id, state = state.name(), "worker registered");
         Ok(false)
     }
 
@@ -356,6 +370,82 @@ impl State {
         self.worker_view(id)
     }
 
+    /// Counts a lease of `id` that hit the job timeout at `now_ms`; at
+    /// [`EngineConfig::quarantine_after_timeouts`] within the window, an
+    /// ACTIVE worker is QUARANTINED: it keeps heartbeating (it is hung, not
+    /// gone) but gets no new leases until released.
+    ///
+    /// Errors: storage errors.
+    ///
+    /// [`EngineConfig::quarantine_after_timeouts`]: crate::config::EngineConfig::quarantine_after_timeouts
+    fn count_timeout(&mut self, conn: &Connection, id: &str, now_ms: i64) -> Result<()> {
+        let limit = self.cfg.quarantine_after_timeouts as usize;
+        let window_ms = self.cfg.quarantine_window.as_millis() as i64;
+        let Some(w) = self.workers.get_mut(id) else {
+            return Ok(());
+        };
+        w.timeouts.push_back(now_ms);
+        while w.timeouts.front().is_some_and(|t| *t <= now_ms - window_ms) {
+            w.timeouts.pop_front();
+        }
+        if limit == 0 || w.timeouts.len() < limit || w.state != WorkerState::Active {
+            return Ok(());
+        }
+        let reason = format!(
+            "{} leases hit the job timeout ({} s) within {} s, the last at {}; the worker \
+             kept heartbeating (hung?). Investigate it, then `agq worker release {id}`",
+            w.timeouts.len(),
+            self.cfg.job_timeout.as_secs(),
+            self.cfg.quarantine_window.as_secs(),
+            crate::time::rfc3339(now_ms)
+        );
+        wstore::set_quarantine(conn, id, WorkerState::Quarantined, &reason)?;
+        if let Some(w) = self.workers.get_mut(id) {
+            w.state = WorkerState::Quarantined;
+            w.info.state = WorkerState::Quarantined;
+            w.info.quarantine_reason = reason.clone();
+            w.timeouts.clear();
+        }
+        self.refresh_available(id);
+        self.metrics.worker_quarantines.inc();
+        tracing::warn!(worker_id = %id, reason, "worker quarantined");
+        Ok(())
+    }
+
+    /// Ends a quarantine (ReleaseWorker): a QUARANTINED worker is ACTIVE
+    /// again; a departed one keeps its state and registers ACTIVE next
+    /// time. Either way its reason is cleared and its timeouts forgotten.
+    ///
+    /// Errors: `NotFound`, `FailedPrecondition` when it is not
+    /// quarantined, storage errors.
+    pub(super) fn release_quarantine(&mut self, conn: &Connection, id: &str) -> Result<Worker> {
+        let w = self
+            .workers
+            .get(id)
+            .ok_or_else(|| Error::not_found(format!("worker {id} is not registered")))?;
+        if w.info.quarantine_reason.is_empty() && w.state != WorkerState::Quarantined {
+            return Err(Error::precondition(format!(
+                "worker {id} is {} and not quarantined",
+                w.state.name()
+            )));
+        }
+        let state = if w.state == WorkerState::Quarantined {
+            WorkerState::Active
+        } else {
+            w.state
+        };
+        wstore::set_quarantine(conn, id, state, "")?;
+        if let Some(w) = self.workers.get_mut(id) {
+            w.state = state;
+            w.info.state = state;
+            w.info.quarantine_reason.clear();
+            w.timeouts.clear();
+        }
+        self.refresh_available(id);
+        tracing::info!(worker_id = %id, "worker released from quarantine");
+        self.worker_view(id)
+    }
+
     /// Deletes the record of a DEAD or UNREGISTERED worker now, as
     /// [`State::tick`] does after [`DEPARTED_RETENTION_MS`] (ForgetWorker).
     ///
@@ -396,12 +486,16 @@ impl State {
             .collect();
         for row in expired {
             let secs = self.cfg.job_timeout.as_secs();
+            let holder = self.leases.get(&row).map(|l| l.worker_id.clone());
             self.lose_lease(
                 conn,
                 row,
                 &format!("job timed out: lease expired after {secs} s"),
                 "timeout",
             )?;
+            if let Some(worker_id) = holder {
+                self.count_timeout(conn, &worker_id, now_ms)?;
+            }
         }
         let mut stale = Vec::new();
         let mut suspect = Vec::new();

@@ -429,6 +429,17 @@ class Client:
         )
         return WorkerInfo.from_pb(resp.worker)
 
+    def release_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
+        """Ends a worker's quarantine (too many job timeouts): it is ACTIVE
+        again. Needs an admin token when auth is on.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (not quarantined), PERMISSION_DENIED."""
+        resp = call_unary(
+            "ReleaseWorker", self._workers.ReleaseWorker,
+            worker_service_pb2.ReleaseWorkerRequest(worker_id=worker_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return WorkerInfo.from_pb(resp.worker)
+
     # -- queue -----------------------------------------------------------
 
     def queue_stats(self, *, timeout: float | None = None) -> QueueStats:

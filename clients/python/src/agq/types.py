@@ -64,6 +64,9 @@ class WorkerState(enum.IntEnum):
     DEAD = 3
     #: Left cleanly through UnregisterWorker.
     UNREGISTERED = 4
+    #: Flagged for investigation after too many job timeouts; no new leases
+    #: until :meth:`agq.Client.release_worker`.
+    QUARANTINED = 5
 
     @classmethod
     def of(cls, value: int) -> WorkerState:
@@ -398,6 +401,8 @@ class WorkerInfo:
     connected: bool
     registered_at: datetime | None
     sandboxed: bool
+    #: Why it is quarantined; empty when it is not.
+    quarantine_reason: str = ""
 
     @classmethod
     def from_pb(cls, w: common_pb2.Worker) -> WorkerInfo:
@@ -418,6 +423,7 @@ class WorkerInfo:
             connected=w.connected,
             registered_at=optional_timestamp(w, "registered_at"),
             sandboxed=w.sandboxed,
+            quarantine_reason=w.quarantine_reason,
         )
 
 

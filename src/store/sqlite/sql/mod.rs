@@ -31,6 +31,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0006_worker_sandboxed.sql"),
     include_str!("migrations/0007_action_traceparent.sql"),
     include_str!("migrations/0008_action_listing.sql"),
+    include_str!("migrations/0010_worker_quarantine.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).

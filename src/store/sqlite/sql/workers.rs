@@ -33,12 +33,12 @@ pub fn upsert(conn: &Connection, w: &Worker, now_ms: i64) -> Result<()> {
     conn.prepare_cached(
         "INSERT INTO workers (worker_id, hostname, platform, agw_version, agentic_units, tags,
             max_concurrent_jobs, state, registered_at_ms, last_heartbeat_at_ms, stats, instance_id,
-            sandboxed)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, NULL, ?10, ?11)
+            sandboxed, quarantine_reason)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, NULL, ?10, ?11, ?12)
          ON CONFLICT(worker_id) DO UPDATE SET hostname = ?2, platform = ?3, agw_version = ?4,
             agentic_units = ?5, tags = ?6, max_concurrent_jobs = ?7, state = ?8,
             registered_at_ms = ?9, last_heartbeat_at_ms = ?9, stats = NULL, instance_id = ?10,
-            sandboxed = ?11",
+            sandboxed = ?11, quarantine_reason = ?12",
     )?
     .execute(params![
         w.worker_id,
@@ -51,7 +51,8 @@ pub fn upsert(conn: &Connection, w: &Worker, now_ms: i64) -> Result<()> {
         w.state as i32,
         now_ms,
         w.instance_id,
-        w.sandboxed
+        w.sandboxed,
+        w.quarantine_reason
     ])?;
     conn.prepare_cached("DELETE FROM worker_tools WHERE worker_id = ?1")?
         .execute([&w.worker_id])?;
@@ -69,6 +70,23 @@ pub fn upsert(conn: &Connection, w: &Worker, now_ms: i64) -> Result<()> {
 pub fn set_state(conn: &Connection, worker_id: &str, state: WorkerState) -> Result<()> {
     conn.prepare_cached("UPDATE workers SET state = ?2 WHERE worker_id = ?1")?
         .execute(params![worker_id, state as i32])?;
+    Ok(())
+}
+
+/// Sets the worker's state and quarantine reason (empty: not quarantined)
+/// in one statement.
+///
+/// Errors: [`Error::Storage`].
+pub fn set_quarantine(
+    conn: &Connection,
+    worker_id: &str,
+    state: WorkerState,
+    reason: &str,
+) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE workers SET state = ?2, quarantine_reason = ?3 WHERE worker_id = ?1",
+    )?
+    .execute(params![worker_id, state as i32, reason])?;
     Ok(())
 }
 
@@ -108,7 +126,8 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
     }
     let mut stmt = conn.prepare(
         "SELECT worker_id, hostname, platform, agw_version, agentic_units, tags, max_concurrent_jobs, state,
-                registered_at_ms, last_heartbeat_at_ms, stats, instance_id, sandboxed
+                registered_at_ms, last_heartbeat_at_ms, stats, instance_id, sandboxed,
+                quarantine_reason
          FROM workers ORDER BY worker_id",
     )?;
     let rows = stmt.query_map([], |r| {
@@ -126,6 +145,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             r.get::<_, Option<Vec<u8>>>(10)?,
             r.get::<_, String>(11)?,
             r.get::<_, bool>(12)?,
+            r.get::<_, String>(13)?,
         ))
     })?;
     let mut out = Vec::new();
@@ -144,6 +164,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             stats,
             instance,
             sandboxed,
+            quarantine_reason,
         ) = row?;
         let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
         let worker = Worker {
@@ -170,6 +191,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             worker_id: id,
             instance_id: instance,
             sandboxed,
+            quarantine_reason,
         };
         out.push(WorkerRow {
             worker,

@@ -80,6 +80,13 @@ class _WorkerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerSta
     """Missed heartbeats for 3 x the heartbeat interval; its leases were re-queued."""
     WORKER_STATE_UNREGISTERED: _WorkerState.ValueType  # 4
     """Left cleanly through UnregisterWorker."""
+    WORKER_STATE_QUARANTINED: _WorkerState.ValueType  # 5
+    """Flagged for investigation: too many of its leases hit the job timeout
+    within the quarantine window while it kept heartbeating (a hung
+    worker). It keeps its streams and may finish what it holds, but gets
+    no new leases until an admin calls ReleaseWorker; see
+    Worker.quarantine_reason.
+    """
 
 class WorkerState(_WorkerState, metaclass=_WorkerStateEnumTypeWrapper):
     """Lifecycle state of a Worker."""
@@ -94,6 +101,13 @@ WORKER_STATE_DEAD: WorkerState.ValueType  # 3
 """Missed heartbeats for 3 x the heartbeat interval; its leases were re-queued."""
 WORKER_STATE_UNREGISTERED: WorkerState.ValueType  # 4
 """Left cleanly through UnregisterWorker."""
+WORKER_STATE_QUARANTINED: WorkerState.ValueType  # 5
+"""Flagged for investigation: too many of its leases hit the job timeout
+within the quarantine window while it kept heartbeating (a hung
+worker). It keeps its streams and may finish what it holds, but gets
+no new leases until an admin calls ReleaseWorker; see
+Worker.quarantine_reason.
+"""
 Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
 
 @_typing.final
@@ -609,6 +623,7 @@ class Worker(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     SANDBOXED_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    QUARANTINE_REASON_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique id, [A-Za-z0-9_-]{1,64}."""
     hostname: _builtins.str
@@ -634,6 +649,11 @@ class Worker(_message.Message):
     instance_id: _builtins.str
     """Identity of the worker process that registered it (see
     RegisterWorkerRequest.instance_id); empty when it sent none.
+    """
+    quarantine_reason: _builtins.str
+    """Why the worker is quarantined (the timeouts that put it there, with
+    their time); empty when it is not. Kept while the worker is away, so
+    the same id comes back quarantined, until ReleaseWorker.
     """
     @_builtins.property
     def capabilities(self) -> Global___WorkerCapabilities:
@@ -674,10 +694,11 @@ class Worker(_message.Message):
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         sandboxed: _builtins.bool = ...,
         instance_id: _builtins.str = ...,
+        quarantine_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "last_heartbeat_at", b"last_heartbeat_at", "registered_at", b"registered_at", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "instance_id", b"instance_id", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "instance_id", b"instance_id", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "quarantine_reason", b"quarantine_reason", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -733,3 +733,49 @@ class ForgetWorkerResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ForgetWorkerResponse: _TypeAlias = ForgetWorkerResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseWorkerRequest(_message.Message):
+    """Request of ReleaseWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The quarantined worker."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseWorkerRequest: _TypeAlias = ReleaseWorkerRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseWorkerResponse(_message.Message):
+    """Response of ReleaseWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def worker(self) -> _common_pb2.Worker:
+        """The worker after its release."""
+
+    def __init__(
+        self,
+        *,
+        worker: _common_pb2.Worker | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseWorkerResponse: _TypeAlias = ReleaseWorkerResponse  # noqa: Y015

@@ -88,6 +88,11 @@ class WorkerServiceStub:
                 request_serializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.FromString,
                 _registered_method=True)
+        self.ReleaseWorker = channel.unary_unary(
+                '/agq.v1.WorkerService/ReleaseWorker',
+                request_serializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -203,6 +208,18 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseWorker(self, request, context):
+        """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
+        again and takes leases, its timeout count starts over; a departed
+        worker's id comes back ACTIVE when it registers again. Admin tokens
+        only (anyone when auth is off).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+        (not quarantined), PERMISSION_DENIED (not an admin token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +272,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ForgetWorker,
                     request_deserializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.FromString,
                     response_serializer=agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.SerializeToString,
+            ),
+            'ReleaseWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWorker,
+                    request_deserializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +553,33 @@ class WorkerService:
             '/agq.v1.WorkerService/ForgetWorker',
             agq_dot_v1_dot_worker__service__pb2.ForgetWorkerRequest.SerializeToString,
             agq_dot_v1_dot_worker__service__pb2.ForgetWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.WorkerService/ReleaseWorker',
+            agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.SerializeToString,
+            agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,14 @@ class WorkerServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     while the worker is ACTIVE or DRAINING (unregister or drain it first).
     """
+    ReleaseWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseWorkerRequest, _worker_service_pb2.ReleaseWorkerResponse]
+    """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
+    again and takes leases, its timeout count starts over; a departed
+    worker's id comes back ACTIVE when it registers again. Admin tokens
+    only (anyone when auth is off).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+    (not quarantined), PERMISSION_DENIED (not an admin token).
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -176,6 +184,14 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     id may register again later. Takes the same token as DrainWorker.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     while the worker is ACTIVE or DRAINING (unregister or drain it first).
+    """
+    ReleaseWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseWorkerRequest, _worker_service_pb2.ReleaseWorkerResponse]  # type: ignore[assignment]
+    """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
+    again and takes leases, its timeout count starts over; a departed
+    worker's id comes back ACTIVE when it registers again. Admin tokens
+    only (anyone when auth is off).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+    (not quarantined), PERMISSION_DENIED (not an admin token).
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -308,6 +324,20 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         id may register again later. Takes the same token as DrainWorker.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
         while the worker is ACTIVE or DRAINING (unregister or drain it first).
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseWorker(
+        self,
+        request: _worker_service_pb2.ReleaseWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.ReleaseWorkerResponse, _abc.Awaitable[_worker_service_pb2.ReleaseWorkerResponse]]:
+        """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
+        again and takes leases, its timeout count starts over; a departed
+        worker's id comes back ACTIVE when it registers again. Admin tokens
+        only (anyone when auth is off).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
+        (not quarantined), PERMISSION_DENIED (not an admin token).
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

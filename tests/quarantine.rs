@@ -1,0 +1,221 @@
+//! Hung workers are quarantined: a worker whose leases hit the job timeout
+//! K times within the window, while it keeps heartbeating, gets no new
+//! lease, is listed as QUARANTINED with a reason, is counted in the
+//! metrics, stays quarantined when it registers again, and takes work again
+//! once an admin releases it. A task longer than the job timeout is refused
+//! at plan submit.
+
+mod common;
+
+use std::time::Duration;
+
+use agq::{
+    auth::{AuthFile, Authenticator, Role, TokenEntry},
+    config::EngineConfig,
+    pb::{self, JobStatus, ReleaseWorkerRequest, SubmitPlanRequest, WorkerState},
+};
+use common::{eventually, fast_config, job, metric, plan, submit, worker, SimWorker, TestServer};
+use tonic::Code;
+
+/// A 1 s job timeout and quarantine after 2 timeouts within an hour.
+fn cfg() -> EngineConfig {
+    EngineConfig {
+        job_timeout: Duration::from_secs(1),
+        quarantine_after_timeouts: 2,
+        quarantine_window: Duration::from_secs(3600),
+        ..fast_config()
+    }
+}
+
+/// A one-task plan whose task may run 1 s (the job timeout).
+fn short_plan(id: &str) -> pb::Plan {
+    let mut p = plan(id, &["sleep"]);
+    p.tasks[0].timeout_secs = 1;
+    p
+}
+
+#[tokio::test]
+async fn a_worker_whose_leases_time_out_is_quarantined_until_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg()).await;
+    let (_, ids) = submit(&s, short_plan("hang"), 3, 5).await;
+    let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+
+    // It takes a lease and never reports: the lease times out, the job
+    // is retried, and it takes the next one (it still heartbeats).
+    let first = hung.lease().await;
+    let second = hung.lease_within(5_000).await.expect("a second lease");
+    assert_ne!(first.lease_id, second.lease_id);
+    eventually(10, "quarantined after 2 timeouts", || async {
+        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
+    })
+    .await;
+    let w = worker(&s, "w-hung").await;
+    assert!(w.fresh, "it kept heartbeating: hung, not gone");
+    assert!(
+        w.quarantine_reason
+            .starts_with("2 leases hit the job timeout (1 s) within 3600 s"),
+        "{}",
+        w.quarantine_reason
+    );
+    let listed = s
+        .workers()
+        .await
+        .list_workers(pb::ListWorkersRequest {
+            state: WorkerState::Quarantined as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(metric(&s, "agq_worker_quarantines_total").await, 1.0);
+
+    // No new lease while quarantined, though jobs are ready.
+    assert!(
+        hung.lease_within(1_500).await.is_none(),
+        "a quarantined worker gets no lease"
+    );
+    let waiting = job(&s, &ids[0]).await;
+    assert_eq!(waiting.status, JobStatus::Pending as i32);
+    assert!(
+        waiting
+            .waiting_reason
+            .contains("1 worker(s) that could are quarantined"),
+        "{}",
+        waiting.waiting_reason
+    );
+
+    // Going away and registering again does not end it.
+    hung.disconnect();
+    eventually(10, "stale, then DEAD", || async {
+        worker(&s, "w-hung").await.state == WorkerState::Dead as i32
+    })
+    .await;
+    assert!(!worker(&s, "w-hung").await.quarantine_reason.is_empty());
+    let mut again = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+    assert_eq!(
+        worker(&s, "w-hung").await.state,
+        WorkerState::Quarantined as i32,
+        "the quarantine survives a re-registration"
+    );
+    assert!(again.lease_within(800).await.is_none());
+
+    // Released, it is ACTIVE and takes work again.
+    let released = s
+        .workers()
+        .await
+        .release_worker(ReleaseWorkerRequest {
+            worker_id: "w-hung".into(),
+        })
+        .await
+        .expect("release")
+        .into_inner()
+        .worker
+        .unwrap();
+    assert_eq!(released.state, WorkerState::Active as i32);
+    assert!(released.quarantine_reason.is_empty());
+    let lease = again.lease_within(5_000).await.expect("leases again");
+    again.complete(&lease).await;
+
+    // Releasing a worker that is not quarantined changes nothing.
+    let err = s
+        .workers()
+        .await
+        .release_worker(ReleaseWorkerRequest {
+            worker_id: "w-hung".into(),
+        })
+        .await
+        .expect_err("not quarantined");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let err = s
+        .workers()
+        .await
+        .release_worker(ReleaseWorkerRequest {
+            worker_id: "nobody".into(),
+        })
+        .await
+        .expect_err("unknown");
+    assert_eq!(err.code(), Code::NotFound);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn only_an_admin_releases_and_zero_never_quarantines() {
+    let tokens = |t: &str, role| TokenEntry {
+        token: t.into(),
+        role,
+        worker_id: None,
+        worker_id_prefix: None,
+    };
+    let mut worker_token = tokens("worker-token-0123456789", Role::Worker);
+    worker_token.worker_id = Some("w1".into());
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![
+                tokens("admin-token-0123456789", Role::Admin),
+                tokens("client-token-0123456789", Role::Client),
+                worker_token,
+            ],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), cfg(), auth, None).await;
+    for (token, code) in [
+        (None, Code::Unauthenticated),
+        (Some("client-token-0123456789"), Code::PermissionDenied),
+        (Some("worker-token-0123456789"), Code::PermissionDenied),
+        (Some("admin-token-0123456789"), Code::NotFound),
+    ] {
+        let mut c = pb::worker_service_client::WorkerServiceClient::with_interceptor(
+            s.channel().await,
+            common::Bearer(token.map(Into::into)),
+        );
+        let err = c
+            .release_worker(ReleaseWorkerRequest {
+                worker_id: "w1".into(),
+            })
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), code, "{token:?}: {err:?}");
+    }
+    s.stop().await;
+
+    // quarantine_after_timeouts = 0: timeouts are retried, never quarantine.
+    let dir = tempfile::tempdir().unwrap();
+    let off = EngineConfig {
+        quarantine_after_timeouts: 0,
+        ..cfg()
+    };
+    let s = TestServer::start(&dir.path().join("agq.db"), off).await;
+    submit(&s, short_plan("hang"), 3, 5).await;
+    let mut w = SimWorker::start(&s, "w-slow", &["sleep"], 1).await;
+    for _ in 0..3 {
+        w.lease_within(5_000).await.expect("leased again and again");
+    }
+    assert_eq!(worker(&s, "w-slow").await.state, WorkerState::Active as i32);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_task_longer_than_the_job_timeout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg()).await;
+    let mut p = short_plan("long");
+    p.tasks[0].timeout_secs = 2;
+    let err = s
+        .plans()
+        .await
+        .submit_plan(SubmitPlanRequest { plan: Some(p) })
+        .await
+        .expect_err("2 s task, 1 s job timeout");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("longer than the server's job timeout (1 s"),
+        "{err:?}"
+    );
+    s.stop().await;
+}
