@@ -10,6 +10,14 @@
 # refuses without authentication. Provide an auth file (AGQ_AUTH_FILE, see
 # docs/deployment.md) or, on a trusted network only, AGQ_INSECURE=true.
 # A worker: docker run agq:0.1.0 agw (configured through AGW_* variables).
+#
+# The web console (docs/console.md) listens on 127.0.0.1:6382 by default,
+# inside the container, where `-p` cannot reach it. agq serves it on a
+# public address only with an auth file (its pages then need a client or
+# admin token), so to reach it add to the command above:
+#   -e AGQ_CONSOLE_LISTEN=0.0.0.0:6382 -p 6382:6382
+# Without an auth file it stays on the container's loopback; AGQ_NO_CONSOLE=true
+# turns it off.
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
@@ -36,7 +44,8 @@ COPY --from=build /usr/local/bin/agq /usr/local/bin/agw /usr/local/bin/
 USER 10001:10001
 WORKDIR /data
 VOLUME ["/data"]
-EXPOSE 6380 6381
+# gRPC, metrics, and the web console (with AGQ_CONSOLE_LISTEN, see above).
+EXPOSE 6380 6381 6382
 # tini reaps the worker's child processes and forwards SIGTERM, so agq
 # and agw can shut down (and drain) cleanly.
 ENTRYPOINT ["tini", "--"]

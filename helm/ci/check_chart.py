@@ -53,6 +53,7 @@ NAMESPACE = "agq-ci"
 FULLNAME = "agq-ci"  # the release name contains the chart name
 GRPC_PORT = 6380
 METRICS_PORT = 6381
+CONSOLE_PORT = 6382
 WATCHDOG_SECS = 300
 REPO = HERE.parent.parent
 DASHBOARD = CHART / "dashboards" / "agq.json"
@@ -302,7 +303,7 @@ def check_probes(objs: list[dict]) -> None:
 def check_ports(objs: list[dict]) -> None:
     sts = find(objs, "StatefulSet", FULLNAME)
     ports = {p["name"]: p["containerPort"] for p in container(sts, "agq")["ports"]}
-    expect(ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT},
+    expect(ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT, "console": CONSOLE_PORT},
            f"container ports {ports}")
     env = env_of(container(sts, "agq"))
     expect(env["AGQ_LISTEN"]["value"] == f"0.0.0.0:{GRPC_PORT}", "AGQ_LISTEN")
@@ -310,7 +311,8 @@ def check_ports(objs: list[dict]) -> None:
     expect(env["AGQ_JOB_RETENTION_SECS"]["value"] == "604800", "AGQ_JOB_RETENTION_SECS")
     svc = find(objs, "Service", FULLNAME)
     sports = {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}
-    expect(sports == {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")},
+    expect(sports == {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics"),
+                      "console": (CONSOLE_PORT, "console")},
            f"service ports {sports}")
     expect(svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"],
            "service selector differs from the StatefulSet's")
@@ -319,6 +321,53 @@ def check_ports(objs: list[dict]) -> None:
            and headless["spec"]["clusterIP"] == "None", "StatefulSet serviceName/headless")
     hports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
     expect(hports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"headless ports {hports}")
+
+
+def check_console(objs: list[dict], mode: str, service_port: int = CONSOLE_PORT) -> None:
+    """The web console's env, container port and Service port. mode:
+    "public" (auth on: 0.0.0.0:6382 behind the Service port `console`),
+    "loopback" (auth off: agq refuses a public console without tokens, so
+    it stays on the pod's loopback with no port anywhere), or "off"
+    (console.enabled=false: AGQ_NO_CONSOLE=true, no port)."""
+    sts = find(objs, "StatefulSet", FULLNAME)
+    agq = container(sts, "agq")
+    env = env_of(agq)
+    listen = env.get("AGQ_CONSOLE_LISTEN", {}).get("value")
+    no_console = env.get("AGQ_NO_CONSOLE", {}).get("value")
+    ports = {p["name"]: p["containerPort"] for p in agq["ports"]}
+    services = [o for o in objs if o["kind"] == "Service"]
+    expect(len(services) == 2, f"{len(services)} Services")
+    sports = {s["metadata"]["name"]: {p["name"]: p for p in s["spec"]["ports"]} for s in services}
+    headless = sports.pop(f"{FULLNAME}-headless")
+    expect("console" not in headless and CONSOLE_PORT not in {p["port"] for p in headless.values()},
+           "a console port on the headless Service")
+    svc = sports[FULLNAME]
+    if mode == "public":
+        expect("AGQ_AUTH_FILE" in env and "AGQ_INSECURE" not in env,
+               "console exposed without an auth file")
+        expect(listen == f"0.0.0.0:{CONSOLE_PORT}", f"AGQ_CONSOLE_LISTEN {listen!r}")
+        expect(no_console is None, "AGQ_NO_CONSOLE set while the console is on")
+        expect(ports.get("console") == CONSOLE_PORT, f"container ports {ports}")
+        c = svc.get("console")
+        expect(c and c["port"] == service_port and c["targetPort"] == "console"
+               and c.get("appProtocol") == "http",
+               f"Service console port {c}, want {service_port} -> console")
+        return
+    expect("console" not in ports and CONSOLE_PORT not in ports.values(),
+           f"a console container port in mode {mode}: {ports}")
+    expect("console" not in svc and service_port not in {p["port"] for p in svc.values()},
+           f"a console Service port in mode {mode}: {sorted(svc)}")
+    if mode == "loopback":
+        expect(env.get("AGQ_INSECURE", {}).get("value") == "true", "not the auth-off render")
+        expect(no_console is None, "AGQ_NO_CONSOLE set while console.enabled")
+        expect(listen == f"127.0.0.1:{CONSOLE_PORT}",
+               f"AGQ_CONSOLE_LISTEN {listen!r}, want the pod's loopback")
+    else:
+        expect(mode == "off", f"unknown mode {mode}")
+        expect(no_console == "true", f"AGQ_NO_CONSOLE {no_console!r}")
+        expect(listen is None, f"AGQ_CONSOLE_LISTEN {listen!r} with the console off")
+    extra = " ".join(str(a) for a in agq["args"])
+    expect("console" not in extra, f"console flags on the command line: {extra}")
 
 
 def check_security(objs: list[dict]) -> None:
@@ -531,10 +580,21 @@ def render_notes(helm: Helm, values: dict[str, Any] | None) -> str:
 def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
     want_all = [f"helm -n {NAMESPACE} test {RELEASE}", "agq job status",
                 f"svc/{FULLNAME} 6380:6380"]
+    console_public = [f"svc/{FULLNAME} 6380:6380 6381:6381 6382:{CONSOLE_PORT}",
+                      f"http://{FULLNAME}.{NAMESPACE}.svc:{CONSOLE_PORT}/",
+                      "http://localhost:6382/", "client", '"Token"']
+    console_loopback = [f"port-forward pod/{FULLNAME}-0 6382", "loopback only",
+                        "http://localhost:6382/"]
     cases = [
-        (None, ["worker-pool token", "data-agq-ci-0"], ["WARNING"]),
-        (auth_values, ["on claim agq-data", "3 replicas"], ["WARNING"]),
-        ({"auth": {"enabled": False}}, ["WARNING", "AGQ_INSECURE=true"], ["get secret"]),
+        (None, ["worker-pool token", "data-agq-ci-0", *console_public],
+         ["WARNING", "loopback", "pod/"]),
+        (auth_values, ["on claim agq-data", "3 replicas", *console_public], ["WARNING"]),
+        ({"auth": {"enabled": False}}, ["WARNING", "AGQ_INSECURE=true", *console_loopback],
+         ["get secret", "6382:", "Console: http"]),
+        (CONSOLE_OFF, [f"svc/{FULLNAME} 6380:6380 6381:6381\n"], ["6382", "onsole"]),
+        (CONSOLE_OFF_INSECURE, ["WARNING"], ["6382", "onsole"]),
+        (CONSOLE_PORT_VALUES, [f"6382:{CONSOLE_PORT_VALUES['service']['consolePort']}",
+                               f".svc:{CONSOLE_PORT_VALUES['service']['consolePort']}/"], []),
         (EDGE_VALUES, ["my-agq-tokens", "LOST"], ["Workers:"]),
         (ALL_ON_KEDA, ["0-20 replicas by KEDA on the ready depth", "6381:6381"], ["WARNING"]),
         (ALL_ON_HPA, ["2-30 replicas by the HPA on the ready depth"], ["WARNING"]),
@@ -546,6 +606,10 @@ def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
         for text in unwanted:
             expect(text not in notes, f"NOTES for {values} contain {text!r}")
 
+
+CONSOLE_OFF = {"console": {"enabled": False}}
+CONSOLE_OFF_INSECURE = {"auth": {"enabled": False}, "console": {"enabled": False}}
+CONSOLE_PORT_VALUES = {"service": {"consolePort": 8082}}
 
 EDGE_VALUES = {
     "persistence": {"enabled": False},
@@ -583,6 +647,9 @@ def check_schema_rejects(helm: Helm) -> None:
                                       "worker_id_prefix": "w-"}]}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "client", "worker_id": "w1"}]}},
                 {"server": {"logFormat": "xml"}},
+                {"console": {"enabled": "yes"}},
+                {"console": {"listen": "0.0.0.0:6382"}},
+                {"service": {"consolePort": 0}},
                 {"autoscaling": {"keda": {"prometheusAddress": "prometheus:9090"}}},
                 {"autoscaling": {"hpa": {"enabeld": True}}},
                 {"autoscaling": {"maxReplicas": 0}},
@@ -648,7 +715,8 @@ def check_readme() -> None:
            "helm/agq/README.md is stale: run python3 helm/ci/gen_readme.py")
     for key, _ in docs:
         expect(f"\n| {key} |" in readme, f"{key} not in the README table")
-    for key in ("auth.workerToken", "autoscaling.keda.query", "grafanaDashboard.labels",
+    for key in ("auth.workerToken", "console.enabled", "service.consolePort",
+                "autoscaling.keda.query", "grafanaDashboard.labels",
                 "prometheusRule.enqueueToLeaseP99.thresholdSeconds", "worker.extraVolumes"):
         expect(key in dict(docs), f"{key} undocumented")
 
@@ -963,6 +1031,8 @@ def live_metrics() -> str:
         log = open(Path(tmp, "serve.log"), "w+")  # noqa: SIM115
         procs.append(subprocess.Popen(
             [str(agq), "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+             # several servers may run at once: not the default 6382
+             "--console-listen", "127.0.0.1:0",
              "--db", str(Path(tmp, "agq.db"))],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}))
         grpc = metrics = None
@@ -1127,6 +1197,10 @@ def main() -> int:
     checks.run("render values-auth.yaml", render("auth", auth_values))
     checks.run("render auth.enabled=false", render("insecure", {"auth": {"enabled": False}}))
     checks.run("render existingSecret, no persistence, no workers", render("edge", EDGE_VALUES))
+    checks.run("render console.enabled=false", render("console-off", CONSOLE_OFF))
+    checks.run("render console.enabled=false, auth.enabled=false",
+               render("console-off-insecure", CONSOLE_OFF_INSECURE))
+    checks.run("render service.consolePort=8082", render("console-port", CONSOLE_PORT_VALUES))
 
     def on(label: str, fn: Callable[[list[dict]], None]) -> Callable[[], None]:
         def go() -> None:
@@ -1138,7 +1212,7 @@ def main() -> int:
     for label in ("default", "auth"):
         checks.run(f"{label}: StatefulSet probes are grpc on port {GRPC_PORT}",
                    on(label, check_probes))
-        checks.run(f"{label}: container ports 6380/6381, Service ports grpc/metrics",
+        checks.run(f"{label}: container ports 6380/6381/6382, Service ports grpc/metrics/console",
                    on(label, check_ports))
         checks.run(f"{label}: securityContext non-root, read-only root, drop ALL",
                    on(label, check_security))
@@ -1169,6 +1243,16 @@ def main() -> int:
                on("auth", lambda o: check_optional(o, True)))
     checks.run("auth.enabled=false: AGQ_INSECURE=true, no Secret, no worker token",
                on("insecure", check_insecure))
+    for label in ("default", "auth", "edge"):
+        checks.run(f"{label}: console on 0.0.0.0:{CONSOLE_PORT}, container and Service port "
+                   "`console` (auth on)", on(label, lambda o: check_console(o, "public")))
+    checks.run("console-port: Service port `console` 8082 -> container port 6382",
+               on("console-port", lambda o: check_console(o, "public", 8082)))
+    checks.run("auth.enabled=false: console on the pod's loopback, no container or Service port",
+               on("insecure", lambda o: check_console(o, "loopback")))
+    for label in ("console-off", "console-off-insecure"):
+        checks.run(f"{label}: AGQ_NO_CONSOLE=true, no console port",
+                   on(label, lambda o: check_console(o, "off")))
     checks.run("existingSecret, persistence off, workers off, server PDB",
                on("edge", check_edge))
     checks.run("default: no ScaledObject, HPA, PrometheusRule or dashboard ConfigMap",

@@ -173,3 +173,13 @@ Mount path of the auth file inside the server container.
 {{- define "agq.authDir" -}}
 /etc/agq/auth
 {{- end }}
+
+{{/*
+True (non-empty) when the web console listens on the pod's network, with a
+container port and a Service port `console`: console.enabled and
+auth.enabled. Without auth agq refuses a non-loopback console, so it stays
+on the pod's loopback.
+*/}}
+{{- define "agq.consoleExposed" -}}
+{{- if and .Values.console.enabled .Values.auth.enabled }}true{{ end }}
+{{- end }}
