@@ -251,6 +251,7 @@ impl Clients {
                     tasks,
                     ..Default::default()
                 }),
+                replace: false,
             })
             .await
             .expect("SubmitPlan");
@@ -1017,6 +1018,7 @@ worker_id = "w-auth"
                 tasks: vec![task(1, "sh", &["-c", "export -p"], 30, None)],
                 ..Default::default()
             }),
+            replace: false,
         })
         .await
         .expect("SubmitPlan");
