@@ -251,6 +251,7 @@ impl Clients {
                     tasks,
                     ..Default::default()
                 }),
+                replace: false,
             })
             .await
             .expect("SubmitPlan");
@@ -1053,6 +1054,7 @@ worker_id = "w-auth"
                 tasks: vec![task(1, "sh", &["-c", "export -p"], 30, None)],
                 ..Default::default()
             }),
+            replace: false,
         })
         .await
         .expect("SubmitPlan");

@@ -33,6 +33,7 @@ async fn plan_submit_get_list_delete() {
         let r = plans
             .submit_plan(SubmitPlanRequest {
                 plan: Some(plan(id, &["sort", "uniq"])),
+                replace: false,
             })
             .await
             .unwrap();
@@ -41,13 +42,20 @@ async fn plan_submit_get_list_delete() {
     let got = plans
         .get_plan(GetPlanRequest {
             plan_id: "alpha-2".into(),
+            version: 0,
         })
         .await
         .unwrap()
         .into_inner()
         .plan
         .unwrap();
-    assert_eq!(got, plan("alpha-2", &["sort", "uniq"]));
+    assert_eq!(
+        got,
+        Plan {
+            version: 1,
+            ..plan("alpha-2", &["sort", "uniq"])
+        }
+    );
 
     let all = plans
         .list_plans(ListPlansRequest::default())
@@ -102,6 +110,7 @@ async fn plan_submit_get_list_delete() {
     let e = plans
         .get_plan(GetPlanRequest {
             plan_id: "alpha-1".into(),
+            version: 0,
         })
         .await
         .unwrap_err();
@@ -164,13 +173,19 @@ async fn plan_validation_rules() {
     cases.push(("NUL in arg".into(), p));
     for (what, p) in cases {
         let e = plans
-            .submit_plan(SubmitPlanRequest { plan: Some(p) })
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(p),
+                replace: false,
+            })
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{what}: {}", e.message());
     }
     let e = plans
-        .submit_plan(SubmitPlanRequest { plan: None })
+        .submit_plan(SubmitPlanRequest {
+            plan: None,
+            replace: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
@@ -185,11 +200,15 @@ async fn plan_validation_rules() {
     plans
         .submit_plan(SubmitPlanRequest {
             plan: Some(base.clone()),
+            replace: false,
         })
         .await
         .unwrap();
     let e = plans
-        .submit_plan(SubmitPlanRequest { plan: Some(base) })
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(base),
+            replace: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists);
@@ -197,6 +216,7 @@ async fn plan_validation_rules() {
     let e = plans
         .get_plan(GetPlanRequest {
             plan_id: "no/such".into(),
+            version: 0,
         })
         .await
         .unwrap_err();
@@ -248,6 +268,7 @@ async fn server_with_plan_p(dir: &tempfile::TempDir) -> TestServer {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("p", &["cat"])),
+            replace: false,
         })
         .await
         .unwrap();
@@ -990,13 +1011,20 @@ async fn state_survives_a_restart() {
         .await
         .get_plan(GetPlanRequest {
             plan_id: "keep".into(),
+            version: 0,
         })
         .await
         .unwrap()
         .into_inner()
         .plan
         .unwrap();
-    assert_eq!(p, plan("keep", &["cat"]));
+    assert_eq!(
+        p,
+        Plan {
+            version: 1,
+            ..plan("keep", &["cat"])
+        }
+    );
     let a = s
         .actions()
         .await

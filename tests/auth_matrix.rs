@@ -37,14 +37,27 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
     let id = || "x".to_string();
     match rpc {
         "SubmitPlan" => p
-            .submit_plan(SubmitPlanRequest { plan: None })
+            .submit_plan(SubmitPlanRequest {
+                plan: None,
+                replace: false,
+            })
             .await
             .map(|_| ()),
         "GetPlan" => p
-            .get_plan(GetPlanRequest { plan_id: id() })
+            .get_plan(GetPlanRequest {
+                plan_id: id(),
+                version: 0,
+            })
             .await
             .map(|_| ()),
         "ListPlans" => p.list_plans(ListPlansRequest::default()).await.map(|_| ()),
+        "ListPlanVersions" => p
+            .list_plan_versions(ListPlanVersionsRequest {
+                plan_id: id(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
         "DeletePlan" => p
             .delete_plan(DeletePlanRequest { plan_id: id() })
             .await
@@ -185,6 +198,7 @@ const RPCS: &[(&str, Kind)] = &[
     ("GetPlan", Kind::Client),
     ("ListPlans", Kind::Client),
     ("DeletePlan", Kind::Client),
+    ("ListPlanVersions", Kind::Client),
     ("SubmitAction", Kind::Client),
     ("GetAction", Kind::Client),
     ("WatchAction", Kind::Client),
@@ -299,7 +313,7 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 29);
+    assert_eq!(checked, 30);
     s.stop().await;
 }
 
@@ -386,7 +400,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 29);
+    assert_eq!(checked, 30);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

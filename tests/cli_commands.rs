@@ -58,7 +58,10 @@ fn plan_submit_get_list_delete() {
     let s = Server::start();
     let submitted = s.agq(&["plan", "submit", &example_plan()]);
     submitted.assert_ok();
-    assert_eq!(submitted.stdout.trim(), "stored plan word-frequency");
+    assert_eq!(
+        submitted.stdout.trim(),
+        "stored plan word-frequency version 1"
+    );
 
     // stdin, lowerCamel names, wrapped as a SubmitPlanRequest, numbers as strings.
     let camel = r#"{"plan": {"planId": "camel-plan", "planDescription": "camel",
@@ -147,6 +150,113 @@ fn plan_submit_get_list_delete() {
         .assert_err(1, "agq: NOT_FOUND: ");
     s.agq(&["plan", "delete", "camel-plan"])
         .assert_err(1, "agq: NOT_FOUND: ");
+}
+
+/// `plan submit --replace`, `plan get --version`, `plan versions`, and the
+/// version in `plan get`, `plan list` and `job status`.
+#[test]
+fn plan_versions_replace_get_and_list() {
+    let s = Server::start();
+    s.agq(&["plan", "submit", &example_plan()]).assert_ok();
+    let mut v2 = s.json(&["plan", "get", "word-frequency"]);
+    assert_eq!(v2["version"], 1);
+    v2["plan_description"] = "version two".into();
+    v2["tasks"].as_array_mut().unwrap().truncate(2);
+    let v2_file = write_file(s.dir.path(), "v2.json", &v2.to_string());
+    s.agq(&["plan", "submit", &v2_file])
+        .assert_err(1, "agq: ALREADY_EXISTS: ");
+    let stored = s.agq(&["plan", "submit", "--replace", &v2_file]);
+    stored.assert_ok();
+    assert_eq!(stored.stdout.trim(), "stored plan word-frequency version 2");
+    let again = s.json(&["plan", "submit", "--replace", &v2_file]);
+    assert_eq!(
+        again,
+        serde_json::json!({"plan_id": "word-frequency", "version": 2, "created": false})
+    );
+    let same = s.agq(&["plan", "submit", "--replace", &v2_file]);
+    same.assert_ok();
+    assert!(
+        same.stdout.contains("unchanged (version 2)"),
+        "{}",
+        same.stdout
+    );
+
+    let latest = s.json(&["plan", "get", "word-frequency"]);
+    assert_eq!(latest["version"], 2);
+    assert_eq!(latest["tasks"].as_array().unwrap().len(), 2);
+    let first = s.json(&["plan", "get", "word-frequency", "--version", "1"]);
+    assert_eq!(first["version"], 1);
+    assert_eq!(first["tasks"].as_array().unwrap().len(), 7);
+    let table = s.agq(&["plan", "get", "word-frequency", "--version", "1"]);
+    table.assert_ok();
+    assert!(table.stdout.contains("version"), "{}", table.stdout);
+    s.agq(&["plan", "get", "word-frequency", "--version", "3"])
+        .assert_err(1, "agq: NOT_FOUND: plan word-frequency has no version 3");
+    s.agq(&["plan", "get", "word-frequency", "--version", "0"])
+        .assert_err(2, "invalid value");
+
+    let list = s.json(&["plan", "list"]);
+    assert_eq!(list["plans"][0]["version"], 2);
+    assert_eq!(list["plans"][0]["task_count"], 2);
+    let versions = s.json(&["plan", "versions", "word-frequency"]);
+    assert_eq!(versions["plan_id"], "word-frequency");
+    let rows: Vec<(u64, u64)> = versions["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            assert!(is_rfc3339(&v["created_at"]), "{v}");
+            (
+                v["version"].as_u64().unwrap(),
+                v["task_count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(rows, [(2, 2), (1, 7)]);
+    assert_eq!(versions["versions"][0]["plan_description"], "version two");
+    let paged = s.json(&[
+        "plan",
+        "versions",
+        "word-frequency",
+        "--page-size",
+        "1",
+        "--all",
+    ]);
+    assert_eq!(paged["versions"].as_array().unwrap().len(), 2);
+    let first_page = s.agq(&["plan", "versions", "word-frequency", "--page-size", "1"]);
+    first_page.assert_ok();
+    assert!(
+        first_page.stdout.starts_with("VERSION "),
+        "{}",
+        first_page.stdout
+    );
+    assert!(
+        first_page.stderr.contains("--page-token"),
+        "{}",
+        first_page.stderr
+    );
+    s.agq(&["plan", "versions", "nope"])
+        .assert_err(1, "agq: NOT_FOUND: ");
+
+    // A job shows the version it runs.
+    let a = s.json(&[
+        "action",
+        "submit",
+        "--plan",
+        "word-frequency",
+        "--input",
+        "file=/etc/hostname",
+    ]);
+    let job_id = a["job_ids"][0].as_str().unwrap().to_owned();
+    let j = s.json(&["job", "status", &job_id]);
+    assert_eq!(j["plan_version"], 2);
+    let t = s.agq(&["job", "status", &job_id]);
+    t.assert_ok();
+    assert!(
+        t.stdout.contains("word-frequency (version 2)"),
+        "{}",
+        t.stdout
+    );
 }
 
 #[test]

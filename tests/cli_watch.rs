@@ -123,6 +123,7 @@ where
     PlanServiceClient::new(channel.clone())
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan(plan_id, &["cat"])),
+            replace: false,
         })
         .await
         .expect("submit plan");

@@ -136,6 +136,7 @@ async fn a_20000_job_action_is_shown_one_page_at_a_time() {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("big", &["cat"])),
+            replace: false,
         })
         .await
         .expect("plan");
@@ -162,6 +163,7 @@ async fn a_20000_job_action_is_shown_one_page_at_a_time() {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(hostile),
+            replace: false,
         })
         .await
         .expect("plan xss");

@@ -294,27 +294,45 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
                 plan_id: "cat-file".into(),
                 plan_description: "Print one file".into(),
                 tasks: vec![task(1, "cat", &["{{file}}"], None)],
-                require_sandbox: false,
+                ..Default::default()
             }),
+            replace: false,
         })
         .await
         .expect("plan cat-file");
-    plans
-        .submit_plan(SubmitPlanRequest {
-            plan: Some(pb::Plan {
-                plan_id: "wordcount".into(),
-                plan_description: "Count the words of a file".into(),
-                tasks: vec![
-                    task(1, "cat", &["{{file}}"], None),
-                    task(2, "tr", &["-s", " ", "\n"], Some(1)),
-                    task(3, "sort", &[], Some(2)),
-                    task(4, "uniq", &["-c"], Some(3)),
-                ],
-                require_sandbox: false,
-            }),
-        })
-        .await
-        .expect("plan wordcount");
+    // Two versions of "wordcount": the console lists both.
+    for (description, last) in [
+        (
+            "Count the words of a file",
+            vec![task(4, "uniq", &["-c"], Some(3))],
+        ),
+        (
+            "Count the words of a file, most frequent first",
+            vec![
+                task(4, "uniq", &["-c"], Some(3)),
+                task(5, "sort", &["-rn"], Some(4)),
+            ],
+        ),
+    ] {
+        let mut tasks = vec![
+            task(1, "cat", &["{{file}}"], None),
+            task(2, "tr", &["-s", " ", "\n"], Some(1)),
+            task(3, "sort", &[], Some(2)),
+        ];
+        tasks.extend(last);
+        plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(pb::Plan {
+                    plan_id: "wordcount".into(),
+                    plan_description: description.into(),
+                    tasks,
+                    ..Default::default()
+                }),
+                replace: true,
+            })
+            .await
+            .expect("plan wordcount");
+    }
     let inputs = (0..JOBS)
         .map(|i| ActionInput {
             values: [(
@@ -523,13 +541,26 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
     // page at a phone's width.
     page.open("/plans/wordcount").await;
     page.text_when("svg.diagram", "the diagram", |_| true).await;
+    page.text_when("table.versions", "both versions", |t| {
+        t.contains("most frequent first") && t.contains("Count the words of a file")
+    })
+    .await;
     let edges = page
         .b
         .find_all(Locator::Css("svg.diagram path.edge"))
         .await
         .unwrap();
-    assert_eq!(edges.len(), 3, "one arrow per input_from_task");
+    assert_eq!(edges.len(), 4, "one arrow per input_from_task of version 2");
     page.shot("plan").await;
+    page.open("/plans/wordcount?version=1").await;
+    page.text_when("#live p strong", "version 1", |t| t == "Version 1")
+        .await;
+    let edges = page
+        .b
+        .find_all(Locator::Css("svg.diagram path.edge"))
+        .await
+        .unwrap();
+    assert_eq!(edges.len(), 3, "version 1: four tasks, three arrows");
     page.open("/plans").await;
     page.text_when("table.plans", "both plans", |t| {
         t.contains("wordcount") && t.contains("cat-file")

@@ -230,7 +230,10 @@ async fn start_with_plan(db: &std::path::Path) -> (AgqServe, String, String) {
         ..Default::default()
     };
     plan_service_client::PlanServiceClient::new(ch)
-        .submit_plan(SubmitPlanRequest { plan: Some(plan) })
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan),
+            replace: false,
+        })
         .await
         .unwrap();
     (server, addr, url)

@@ -206,6 +206,7 @@ async fn a_full_disk_refuses_writes_then_the_queue_recovers_without_a_restart() 
                 ],
                 ..Default::default()
             }),
+            replace: false,
         })
         .await
         .expect("SubmitPlan");

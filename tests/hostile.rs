@@ -227,13 +227,19 @@ async fn send(s: &TestServer, call: Call) -> Result<(), Status> {
         Call::SubmitPlan(p) => s
             .plans()
             .await
-            .submit_plan(SubmitPlanRequest { plan: Some(p) })
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(p),
+                replace: false,
+            })
             .await
             .map(drop),
         Call::GetPlan(plan_id) => s
             .plans()
             .await
-            .get_plan(GetPlanRequest { plan_id })
+            .get_plan(GetPlanRequest {
+                plan_id,
+                version: 0,
+            })
             .await
             .map(drop),
         Call::GetJob(job_id) => s

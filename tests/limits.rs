@@ -27,6 +27,7 @@ async fn pending_action(server: &TestServer, plan_id: &str) -> String {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan(plan_id, &["no-such-tool"])),
+            replace: false,
         })
         .await;
     server
@@ -154,6 +155,7 @@ async fn list_plans_speaks_one_glob_dialect() {
         plans
             .submit_plan(SubmitPlanRequest {
                 plan: Some(plan(id, &["cat"])),
+                replace: false,
             })
             .await
             .expect("SubmitPlan");
@@ -214,12 +216,16 @@ async fn dot_and_dot_dot_are_not_plan_ids() {
         let e = plans
             .submit_plan(SubmitPlanRequest {
                 plan: Some(plan(id, &["cat"])),
+                replace: false,
             })
             .await
             .expect_err("a path-like id");
         assert_eq!(e.code(), Code::InvalidArgument, "{id}: {e:?}");
         let e = plans
-            .get_plan(GetPlanRequest { plan_id: id.into() })
+            .get_plan(GetPlanRequest {
+                plan_id: id.into(),
+                version: 0,
+            })
             .await
             .expect_err("a path-like id");
         assert_eq!(e.code(), Code::InvalidArgument, "{id}: {e:?}");
@@ -227,6 +233,7 @@ async fn dot_and_dot_dot_are_not_plan_ids() {
     plans
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("...", &["cat"])),
+            replace: false,
         })
         .await
         .expect("three dots are a name, not a path step");
@@ -325,6 +332,7 @@ async fn a_million_key_input_is_refused_early() {
     plans
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("wide", &["cat"])),
+            replace: false,
         })
         .await
         .unwrap();
@@ -377,6 +385,7 @@ async fn run_at_is_bounded_to_a_horizon() {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("later", &["cat"])),
+            replace: false,
         })
         .await
         .unwrap();

@@ -28,7 +28,10 @@ async fn bad_permanent_exit_codes_are_refused_and_store_nothing() {
         let mut p = plan(id, &["false"]);
         p.tasks[0].permanent_exit_codes = codes;
         let err = plans
-            .submit_plan(SubmitPlanRequest { plan: Some(p) })
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(p),
+                replace: false,
+            })
             .await
             .expect_err(id);
         assert_eq!(err.code(), Code::InvalidArgument, "{id}: {err:?}");
@@ -37,7 +40,10 @@ async fn bad_permanent_exit_codes_are_refused_and_store_nothing() {
             "{id}: {err:?}"
         );
         let missing = plans
-            .get_plan(GetPlanRequest { plan_id: id.into() })
+            .get_plan(GetPlanRequest {
+                plan_id: id.into(),
+                version: 0,
+            })
             .await
             .expect_err("nothing stored");
         assert_eq!(missing.code(), Code::NotFound);
@@ -46,12 +52,16 @@ async fn bad_permanent_exit_codes_are_refused_and_store_nothing() {
     let mut p = plan("ok", &["false"]);
     p.tasks[0].permanent_exit_codes = vec![2, 64, 255];
     plans
-        .submit_plan(SubmitPlanRequest { plan: Some(p) })
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(p),
+            replace: false,
+        })
         .await
         .expect("valid codes");
     let got = plans
         .get_plan(GetPlanRequest {
             plan_id: "ok".into(),
+            version: 0,
         })
         .await
         .unwrap()

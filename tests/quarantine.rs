@@ -208,7 +208,10 @@ async fn a_task_longer_than_the_job_timeout_is_refused() {
     let err = s
         .plans()
         .await
-        .submit_plan(SubmitPlanRequest { plan: Some(p) })
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(p),
+            replace: false,
+        })
         .await
         .expect_err("2 s task, 1 s job timeout");
     assert_eq!(err.code(), Code::InvalidArgument);

@@ -103,7 +103,9 @@ impl Clients {
                     plan_description: String::new(),
                     tasks,
                     require_sandbox,
+                    ..Default::default()
                 }),
+                replace: false,
             })
             .await
             .unwrap_or_else(|e| panic!("SubmitPlan {id}: {e}"));

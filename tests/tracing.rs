@@ -88,6 +88,7 @@ async fn one_trace_from_submit_to_the_workers_tasks() {
         .await
         .submit_plan(SubmitPlanRequest {
             plan: Some(plan("traced", &["true", "false"])),
+            replace: false,
         })
         .await
         .unwrap();

@@ -62,6 +62,7 @@ pub async fn submit_plan(ch: Channel, plan_id: &str) -> Result<(), BenchError> {
     PlanServiceClient::new(ch)
         .submit_plan(pb::SubmitPlanRequest {
             plan: Some(bench_plan(plan_id)),
+            replace: false,
         })
         .await?;
     Ok(())

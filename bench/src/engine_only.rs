@@ -94,7 +94,7 @@ pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
 
 async fn drive(args: &BenchArgs, engine: &SharedEngine) -> Result<bool, BenchError> {
     engine
-        .submit_plan(Plan::from(bench_plan(PLAN)))
+        .submit_plan(Plan::from(bench_plan(PLAN)), false)
         .await
         .map_err(internal)?;
     let rec = Arc::new(Recorder::default());

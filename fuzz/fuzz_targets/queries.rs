@@ -183,6 +183,7 @@ fuzz_target!(|data: &[u8]| {
             });
             let plan = h.get_plan(pb::GetPlanRequest {
                 plan_id: id.clone(),
+                version: 0,
             });
             for (what, invalid) in [
                 ("GetJob", is_invalid(&job)),

@@ -3,9 +3,12 @@
 //! `core::model::Plan`, then `Engine::submit_plan`); `validate::plan` on
 //! the converted plan is the oracle. What validation accepts is accepted
 //! again after an encode/decode round trip (idempotent), reads back
-//! unchanged through GetPlan, is found by ListPlans and is deleted by
-//! DeletePlan; what it refuses (or a request without a plan) the RPC
-//! refuses with INVALID_ARGUMENT.
+//! unchanged through GetPlan (with the version the server gave it,
+//! whatever version the request carried), is found by ListPlans and, when
+//! it was a new plan, is deleted by DeletePlan; with `replace` on an
+//! existing id it is stored as that id's next version (or not at all when
+//! unchanged), and the fixture plans stay. What validation refuses (or a
+//! request without a plan) the RPC refuses with INVALID_ARGUMENT.
 #![no_main]
 
 use agq::{
@@ -43,16 +46,36 @@ fuzz_target!(|data: &[u8]| {
         (Some(Ok(())), Code::AlreadyExists) => {}
         (Some(Ok(())), Code::Ok) => {
             let p = req.plan.as_ref().unwrap();
-            let id = res.unwrap().plan_id;
+            let stored = res.unwrap();
+            let id = stored.plan_id.clone();
             assert_eq!(id, p.plan_id);
+            assert!(stored.version >= 1, "version 0 stored");
+            assert!(
+                req.replace || (stored.created && stored.version == 1),
+                "a plan without replace was stored as {stored:?}"
+            );
             let got = h.get_plan(pb::GetPlanRequest {
                 plan_id: id.clone(),
+                version: stored.version,
             });
+            let want = pb::Plan {
+                version: stored.version,
+                ..p.clone()
+            };
             assert_eq!(
                 got.as_ref().ok().and_then(|g| g.plan.as_ref()),
-                Some(p),
+                Some(&want),
                 "the stored plan differs"
             );
+            let latest = h.get_plan(pb::GetPlanRequest {
+                plan_id: id.clone(),
+                version: 0,
+            });
+            assert_eq!(latest.ok().and_then(|g| g.plan), Some(want), "latest");
+            if stored.version > 1 || !stored.created {
+                // A version of an existing plan (a fixture, maybe): kept.
+                return;
+            }
             let listed = h.list_plans(pb::ListPlansRequest {
                 pattern: id.clone(),
                 page_size: 0,
@@ -64,7 +87,10 @@ fuzz_target!(|data: &[u8]| {
                 plan_id: id.clone(),
             })
             .expect("delete the new plan");
-            let gone = h.get_plan(pb::GetPlanRequest { plan_id: id });
+            let gone = h.get_plan(pb::GetPlanRequest {
+                plan_id: id,
+                version: 0,
+            });
             assert_eq!(code(&gone), Code::NotFound, "{gone:?}");
         }
         (Some(Ok(())), _) => panic!("a valid plan was refused: {res:?}"),

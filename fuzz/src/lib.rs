@@ -72,6 +72,7 @@ pub fn fixture_plan() -> pb::Plan {
             },
         ],
         require_sandbox: false,
+        version: 0,
     }
 }
 
@@ -148,13 +149,17 @@ pub fn harness() -> &'static Harness {
         };
         h.submit_plan(pb::SubmitPlanRequest {
             plan: Some(fixture_plan()),
+            replace: false,
         })
         .expect("submit the fixture plan");
         for id in LISTED_PLANS {
             let mut p = fixture_plan();
             p.plan_id = id.into();
-            h.submit_plan(pb::SubmitPlanRequest { plan: Some(p) })
-                .expect("submit a listed plan");
+            h.submit_plan(pb::SubmitPlanRequest {
+                plan: Some(p),
+                replace: false,
+            })
+            .expect("submit a listed plan");
         }
         h
     })
@@ -188,13 +193,18 @@ impl Harness {
         req: pb::SubmitPlanRequest,
     ) -> Result<pb::SubmitPlanResponse, Status> {
         let plan = req.plan.ok_or_else(|| Error::invalid("plan is required"))?;
-        let plan_id = self.call(self.engine.submit_plan(Plan::from(plan)))?;
-        Ok(pb::SubmitPlanResponse { plan_id })
+        let stored = self.call(self.engine.submit_plan(Plan::from(plan), req.replace))?;
+        Ok(pb::SubmitPlanResponse {
+            plan_id: stored.plan_id,
+            version: stored.version,
+            created: stored.created,
+        })
     }
 
     /// PlanService/GetPlan.
     pub fn get_plan(&self, req: pb::GetPlanRequest) -> Result<pb::GetPlanResponse, Status> {
-        let plan = self.call(self.engine.get_plan(req.plan_id))?;
+        let version = (req.version != 0).then_some(req.version);
+        let plan = self.call(self.engine.get_plan(req.plan_id, version))?;
         Ok(pb::GetPlanResponse {
             plan: Some(pb::Plan::from(&plan)),
         })
@@ -208,7 +218,8 @@ impl Harness {
             page_token: r.page_token,
         }))?;
         Ok(pb::ListPlansResponse {
-            plan_ids: page.items,
+            plan_ids: page.items.iter().map(|p| p.plan_id.clone()).collect(),
+            plans: page.items.into_iter().map(pb::PlanSummary::from).collect(),
             next_page_token: page.next_page_token,
         })
     }

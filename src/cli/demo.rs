@@ -311,13 +311,19 @@ async fn ensure_plan(c: &Clients) -> Result<(), CliError> {
         .clone()
         .submit_plan(pb::SubmitPlanRequest {
             plan: Some(plan.clone()),
+            replace: false,
         })
         .await
     {
         Ok(_) => Ok(()),
         Err(s) if s.code() == tonic::Code::AlreadyExists => {
             let stored = super::plan::get_plan(c, PLAN_ID.into()).await?;
-            if stored == plan {
+            if stored
+                == (pb::Plan {
+                    version: stored.version,
+                    ..plan
+                })
+            {
                 Ok(())
             } else {
                 Err(CliError::Failed(format!(

@@ -1,4 +1,4 @@
-//! `agq plan submit|get|list|delete`. `plan submit` reads the JSON form of
+//! `agq plan submit|get|list|versions|delete`. `plan submit` reads the JSON form of
 //! a Plan that `plan get -o json` prints ([`PlanView`]; proto3 JSON:
 //! snake_case or lowerCamel field names, numbers or numeric strings for
 //! integers, optionally wrapped as a `SubmitPlanRequest` `{"plan": {...}}`).
@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::{
     collect_pages, fetch_each, print_json,
     table::{emit, emit_line, Table},
+    time::rfc3339,
     view::{one_line, PlanView},
     CliError, Clients, OutputFormat, PageArgs,
 };
@@ -20,17 +21,27 @@ use crate::pb;
 pub enum PlanCommand {
     /// Store a Plan from a JSON file (`-` reads stdin).
     Submit {
+        /// Store it as the next version when the id exists (jobs already
+        /// created keep their version; an unchanged Plan stores nothing).
+        #[arg(long)]
+        replace: bool,
         /// JSON of the Plan message, e.g. examples/word-frequency.plan.json.
         file: String,
     },
-    /// Show one Plan.
+    /// Show one Plan: its latest version, or `--version N`.
     Get {
         /// Plan id.
         plan_id: String,
+        /// The version to show (1 is the first); the latest when omitted.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        version: Option<u32>,
     },
     /// List Plans, optionally those whose id matches a glob.
     List(PlanListArgs),
-    /// Delete a Plan (refused while pending or running jobs use it).
+    /// List the versions of one Plan, newest first.
+    Versions(PlanVersionsArgs),
+    /// Delete a Plan with all its versions (refused while pending or
+    /// running jobs use it).
     Delete {
         /// Plan id.
         plan_id: String,
@@ -43,6 +54,16 @@ pub struct PlanListArgs {
     /// Glob over plan ids (`*`, `?`, `[a-z]`, `[!a-z]` negation; see
     /// docs/cli.md for the dialect); all plans when omitted.
     pub pattern: Option<String>,
+    /// Paging.
+    #[command(flatten)]
+    pub page: PageArgs,
+}
+
+/// Flags of `agq plan versions`.
+#[derive(Debug, clap::Args)]
+pub struct PlanVersionsArgs {
+    /// Plan id.
+    pub plan_id: String,
     /// Paging.
     #[command(flatten)]
     pub page: PageArgs,
@@ -67,6 +88,8 @@ impl From<PlanView> for pb::Plan {
                 })
                 .collect(),
             require_sandbox: p.require_sandbox,
+            // Read-only: the server sets it.
+            version: 0,
         }
     }
 }
@@ -146,12 +169,38 @@ pub fn read_source(file: &str) -> Result<String, CliError> {
 pub struct PlanSummary {
     /// Id.
     pub plan_id: String,
+    /// Latest version.
+    pub version: u32,
     /// Description.
     pub plan_description: String,
     /// Number of tasks.
     pub task_count: usize,
     /// The commands, `cat | tr | sort`.
     pub commands: String,
+}
+
+/// One line of `plan versions`.
+#[derive(Debug, Clone, Serialize)]
+pub struct VersionLine {
+    /// The version.
+    pub version: u32,
+    /// Its description.
+    pub plan_description: String,
+    /// Number of its tasks.
+    pub task_count: u32,
+    /// When it was stored (RFC 3339).
+    pub created_at: Option<String>,
+}
+
+/// A page of a plan's versions.
+#[derive(Debug, Clone, Serialize)]
+pub struct VersionPage {
+    /// The plan.
+    pub plan_id: String,
+    /// Its versions, newest first.
+    pub versions: Vec<VersionLine>,
+    /// Token of the next page; empty on the last page.
+    pub next_page_token: String,
 }
 
 /// A page of plans.
@@ -170,22 +219,36 @@ pub struct PlanPage {
 /// See [`super::run`].
 pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(), CliError> {
     match cmd {
-        PlanCommand::Submit { file } => {
+        PlanCommand::Submit { replace, file } => {
             let source = if file == "-" { "stdin" } else { file.as_str() };
             let plan = parse_plan(&read_source(&file)?, source)?;
             let resp = c
                 .plan
                 .clone()
-                .submit_plan(pb::SubmitPlanRequest { plan: Some(plan) })
+                .submit_plan(pb::SubmitPlanRequest {
+                    plan: Some(plan),
+                    replace,
+                })
                 .await?
                 .into_inner();
             match out {
-                OutputFormat::Json => print_json(&serde_json::json!({ "plan_id": resp.plan_id })),
-                OutputFormat::Table => emit_line(&format!("stored plan {}", resp.plan_id)),
+                OutputFormat::Json => print_json(&serde_json::json!({
+                    "plan_id": resp.plan_id,
+                    "version": resp.version,
+                    "created": resp.created,
+                })),
+                OutputFormat::Table if resp.created => emit_line(&format!(
+                    "stored plan {} version {}",
+                    resp.plan_id, resp.version
+                )),
+                OutputFormat::Table => emit_line(&format!(
+                    "plan {} is unchanged (version {}): nothing stored",
+                    resp.plan_id, resp.version
+                )),
             }
         }
-        PlanCommand::Get { plan_id } => {
-            let plan = get_plan(c, plan_id).await?;
+        PlanCommand::Get { plan_id, version } => {
+            let plan = get_plan_version(c, plan_id, version.unwrap_or(0)).await?;
             let view = PlanView::from(plan);
             match out {
                 OutputFormat::Json => print_json(&view),
@@ -198,7 +261,10 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(),
                 let mut client = c.plan.clone();
                 async move {
                     let p = client
-                        .get_plan(pb::GetPlanRequest { plan_id: id })
+                        .get_plan(pb::GetPlanRequest {
+                            plan_id: id,
+                            version: 0,
+                        })
                         .await?
                         .into_inner()
                         .plan
@@ -211,6 +277,7 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(),
                             .collect::<Vec<_>>()
                             .join(" | "),
                         task_count: p.tasks.len(),
+                        version: p.version,
                         plan_id: p.plan_id,
                         plan_description: p.plan_description,
                     })
@@ -224,13 +291,34 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(),
             match out {
                 OutputFormat::Json => print_json(&page),
                 OutputFormat::Table => {
-                    let mut t = Table::new(["PLAN", "TASKS", "COMMANDS", "DESCRIPTION"]);
+                    let mut t = Table::new(["PLAN", "VERSION", "TASKS", "COMMANDS", "DESCRIPTION"]);
                     for p in &page.plans {
                         t.row([
                             p.plan_id.clone(),
+                            p.version.to_string(),
                             p.task_count.to_string(),
                             one_line(&p.commands, 60),
                             one_line(&p.plan_description, 60),
+                        ]);
+                    }
+                    emit(&t.render())?;
+                    super::more_hint(&page.next_page_token);
+                    Ok(())
+                }
+            }
+        }
+        PlanCommand::Versions(args) => {
+            let page = list_versions(c, args).await?;
+            match out {
+                OutputFormat::Json => print_json(&page),
+                OutputFormat::Table => {
+                    let mut t = Table::new(["VERSION", "TASKS", "CREATED", "DESCRIPTION"]);
+                    for v in &page.versions {
+                        t.row([
+                            v.version.to_string(),
+                            v.task_count.to_string(),
+                            v.created_at.clone().unwrap_or_else(|| "-".into()),
+                            one_line(&v.plan_description, 60),
                         ]);
                     }
                     emit(&t.render())?;
@@ -261,19 +349,69 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: PlanCommand) -> Result<(),
     }
 }
 
-/// Fetches one Plan.
+/// Fetches the latest version of one Plan.
 ///
 /// # Errors
 ///
 /// The server's status (`NOT_FOUND`, `INVALID_ARGUMENT`).
 pub async fn get_plan(c: &Clients, plan_id: String) -> Result<pb::Plan, CliError> {
+    get_plan_version(c, plan_id, 0).await
+}
+
+/// Fetches version `version` of one Plan (0: the latest).
+///
+/// # Errors
+///
+/// The server's status (`NOT_FOUND` for an unknown plan or version,
+/// `INVALID_ARGUMENT`).
+pub async fn get_plan_version(
+    c: &Clients,
+    plan_id: String,
+    version: u32,
+) -> Result<pb::Plan, CliError> {
     c.plan
         .clone()
-        .get_plan(pb::GetPlanRequest { plan_id })
+        .get_plan(pb::GetPlanRequest { plan_id, version })
         .await?
         .into_inner()
         .plan
         .ok_or_else(|| CliError::Input("the server returned no plan".into()))
+}
+
+/// One page of a plan's versions, or every page with `--all`.
+async fn list_versions(c: &Clients, args: PlanVersionsArgs) -> Result<VersionPage, CliError> {
+    let mut versions = Vec::new();
+    let mut page_token = args.page.page_token.clone().unwrap_or_default();
+    let page_size = args
+        .page
+        .page_size
+        .unwrap_or(if args.page.all { 1000 } else { 0 });
+    loop {
+        let r = c
+            .plan
+            .clone()
+            .list_plan_versions(pb::ListPlanVersionsRequest {
+                plan_id: args.plan_id.clone(),
+                page_size,
+                page_token,
+            })
+            .await?
+            .into_inner();
+        versions.extend(r.versions.into_iter().map(|v| VersionLine {
+            version: v.version,
+            plan_description: v.plan_description,
+            task_count: v.task_count,
+            created_at: rfc3339(v.created_at.as_ref()),
+        }));
+        page_token = r.next_page_token;
+        if !args.page.all || page_token.is_empty() {
+            return Ok(VersionPage {
+                plan_id: args.plan_id,
+                versions,
+                next_page_token: page_token,
+            });
+        }
+    }
 }
 
 /// The plan ids of one page, or of every page with `--all`.

@@ -164,6 +164,24 @@ pub struct PlanView {
         skip_serializing_if = "std::ops::Not::not"
     )]
     pub require_sandbox: bool,
+    /// Version under the id, set by the server (0: not stored); read and
+    /// ignored by `plan submit`, so a printed plan submits again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub version: u32,
+}
+
+/// True for 0 (fields the JSON output leaves out when unset).
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// `id` and, when known (not 0), its version: `word-frequency (version 2)`.
+pub fn plan_with_version(id: &str, version: u32) -> String {
+    if version == 0 {
+        id.to_string()
+    } else {
+        format!("{id} (version {version})")
+    }
 }
 
 impl From<pb::Plan> for PlanView {
@@ -185,6 +203,7 @@ impl From<pb::Plan> for PlanView {
                 })
                 .collect(),
             require_sandbox: p.require_sandbox,
+            version: p.version,
         }
     }
 }
@@ -195,6 +214,7 @@ impl PlanView {
     pub fn table(&self) -> String {
         let mut out = key_values(&[
             ("plan", self.plan_id.clone()),
+            ("version", self.version.to_string()),
             ("description", self.plan_description.clone()),
             ("tasks", self.tasks.len().to_string()),
             (
@@ -267,6 +287,8 @@ pub struct ActionView {
     pub action_id: String,
     /// The Plan it runs.
     pub plan_id: String,
+    /// The version of the Plan its jobs run (0: a server without versions).
+    pub plan_version: u32,
     /// Jobs created.
     pub total_jobs: u32,
     /// Jobs pending.
@@ -294,6 +316,7 @@ impl From<&pb::ActionStatus> for ActionView {
         ActionView {
             action_id: a.action_id.clone(),
             plan_id: a.plan_id.clone(),
+            plan_version: a.plan_version,
             total_jobs: a.total_jobs,
             pending: a.pending,
             running: a.running,
@@ -318,7 +341,7 @@ impl ActionView {
     pub fn table(&self) -> String {
         key_values(&[
             ("action", self.action_id.clone()),
-            ("plan", self.plan_id.clone()),
+            ("plan", plan_with_version(&self.plan_id, self.plan_version)),
             ("jobs", self.total_jobs.to_string()),
             ("pending", self.pending.to_string()),
             ("running", self.running.to_string()),
@@ -475,6 +498,8 @@ pub struct JobView {
     pub action_id: String,
     /// The Plan it runs.
     pub plan_id: String,
+    /// The version of the Plan it runs (0: a server without versions).
+    pub plan_version: u32,
     /// Status name.
     pub status: String,
     /// Input values.
@@ -531,6 +556,7 @@ impl From<pb::Job> for JobView {
             job_id: j.job_id,
             action_id: j.action_id,
             plan_id: j.plan_id,
+            plan_version: j.plan_version,
             attempt: j.attempt,
             max_attempts: j.max_attempts,
             worker_id: j.worker_id,
@@ -591,7 +617,7 @@ impl JobView {
         let mut pairs = vec![
             ("job", self.job_id.clone()),
             ("action", self.action_id.clone()),
-            ("plan", self.plan_id.clone()),
+            ("plan", plan_with_version(&self.plan_id, self.plan_version)),
             ("status", self.status.clone()),
             (
                 "attempts",

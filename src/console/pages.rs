@@ -452,7 +452,8 @@ pub struct PlansQuery {
     page_token: String,
 }
 
-/// `GET /fragments/plans`: plan ids with their descriptions, one page.
+/// `GET /fragments/plans`: plans with their latest version and
+/// description, one page (ListPlans alone: no plan is fetched).
 pub async fn plans(State(c): Con, headers: HeaderMap, Query(f): Query<PlansQuery>) -> Page {
     let id = c.caller(&headers)?;
     let r = c
@@ -467,45 +468,75 @@ pub async fn plans(State(c): Con, headers: HeaderMap, Query(f): Query<PlansQuery
         ))
         .await?
         .into_inner();
-    let mut rows = Vec::with_capacity(r.plan_ids.len());
-    for plan_id in r.plan_ids {
-        match c
-            .plans
-            .get_plan(grpc(
-                &id,
-                pb::GetPlanRequest {
-                    plan_id: plan_id.clone(),
-                },
-            ))
-            .await
-        {
-            Ok(p) => {
-                let p = p.into_inner().plan.unwrap_or_default();
-                rows.push(context! {
-                    plan_id, path => enc(&p.plan_id), description => p.plan_description,
-                    tasks => p.tasks.len(), require_sandbox => p.require_sandbox,
-                });
+    let rows: Vec<_> = r
+        .plans
+        .iter()
+        .map(|p| {
+            context! {
+                plan_id => p.plan_id.clone(), path => enc(&p.plan_id),
+                description => p.plan_description.clone(), version => p.version,
+                updated => super::view::when(p.updated_at.as_ref()),
             }
-            Err(s) if s.code() == tonic::Code::NotFound => {}
-            Err(s) => return Err(s.into()),
-        }
-    }
+        })
+        .collect();
     c.render(
         "plans.html",
         context! { rows, next => r.next_page_token, paged => !f.page_token.is_empty() },
     )
 }
 
-/// `GET /fragments/plans/{id}`: a plan's tasks and their pipeline diagram.
-pub async fn plan(State(c): Con, headers: HeaderMap, Path(plan_id): Path<String>) -> Page {
+/// Which version of a plan its page shows.
+#[derive(Debug, Deserialize, Default)]
+pub struct PlanQuery {
+    /// A version number; absent or 0: the latest.
+    #[serde(default)]
+    version: u32,
+}
+
+/// `GET /fragments/plans/{id}[?version=N]`: a plan version's tasks, its
+/// pipeline diagram, and the plan's versions (newest first, one page).
+pub async fn plan(
+    State(c): Con,
+    headers: HeaderMap,
+    Path(plan_id): Path<String>,
+    Query(f): Query<PlanQuery>,
+) -> Page {
     let id = c.caller(&headers)?;
     let p = c
         .plans
-        .get_plan(grpc(&id, pb::GetPlanRequest { plan_id }))
+        .get_plan(grpc(
+            &id,
+            pb::GetPlanRequest {
+                plan_id: plan_id.clone(),
+                version: f.version,
+            },
+        ))
         .await?
         .into_inner()
         .plan
         .unwrap_or_default();
+    let versions = c
+        .plans
+        .list_plan_versions(grpc(
+            &id,
+            pb::ListPlanVersionsRequest {
+                plan_id: plan_id.clone(),
+                page_size: PAGE_SIZE,
+                page_token: String::new(),
+            },
+        ))
+        .await?
+        .into_inner();
+    let versions: Vec<_> = versions
+        .versions
+        .iter()
+        .map(|v| {
+            context! {
+                version => v.version, description => v.plan_description.clone(),
+                tasks => v.task_count, created => super::view::when(v.created_at.as_ref()),
+            }
+        })
+        .collect();
     let tasks: Vec<_> = p
         .tasks
         .iter()
@@ -514,14 +545,17 @@ pub async fn plan(State(c): Con, headers: HeaderMap, Path(plan_id): Path<String>
                 task_number => t.task_number, command => t.command.clone(),
                 args => shlex::try_join(t.args.iter().map(String::as_str)).unwrap_or_else(|_| t.args.join(" ")),
                 timeout_secs => t.timeout_secs, input_from_task => t.input_from_task,
+                permanent_exit_codes => t.permanent_exit_codes.iter().map(i32::to_string).collect::<Vec<_>>().join(", "),
             }
         })
         .collect();
     c.render(
         "plan.html",
         context! {
-            plan_id => p.plan_id.clone(), description => p.plan_description.clone(),
+            plan_id => p.plan_id.clone(), path => enc(&p.plan_id), version => p.version,
+            description => p.plan_description.clone(),
             require_sandbox => p.require_sandbox, tasks, diagram => Diagram::new(&p.tasks),
+            versions,
         },
     )
 }

@@ -68,6 +68,7 @@ pub fn worker_state(state: i32) -> &'static str {
 pub struct ActionRow {
     pub action_id: String,
     pub plan_id: String,
+    pub plan_version: u32,
     pub total: u32,
     pub pending: u32,
     pub running: u32,
@@ -95,6 +96,7 @@ impl From<&pb::ActionStatus> for ActionRow {
         ActionRow {
             action_id: a.action_id.clone(),
             plan_id: a.plan_id.clone(),
+            plan_version: a.plan_version,
             total: a.total_jobs,
             pending: a.pending,
             running: a.running,
@@ -170,6 +172,7 @@ pub struct JobDetail {
     pub row: JobRow,
     pub action_id: String,
     pub plan_id: String,
+    pub plan_version: u32,
     pub inputs: Vec<(String, String)>,
     pub started: String,
     pub completed: String,
@@ -198,6 +201,7 @@ impl From<&pb::Job> for JobDetail {
             row: JobRow::from(j),
             action_id: j.action_id.clone(),
             plan_id: j.plan_id.clone(),
+            plan_version: j.plan_version,
             inputs: j
                 .input
                 .iter()

@@ -16,8 +16,9 @@ use tokio::sync::{mpsc, watch};
 
 use super::{
     model::{
-        ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
-        Registered, Registration, Worker, WorkerState, WorkerStats,
+        ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
+        PlanVersion, QueueStats, Registered, Registration, SubmittedPlan, Worker, WorkerState,
+        WorkerStats,
     },
     watch::WatchSubscription,
 };
@@ -103,6 +104,18 @@ pub struct PlanQuery {
     pub page_token: String,
 }
 
+/// A listing of one plan's versions (ListPlanVersions, an AGQ addition),
+/// newest first.
+#[derive(Debug, Clone, Default)]
+pub struct PlanVersionQuery {
+    /// The plan.
+    pub plan_id: String,
+    /// Page size; 0 means 100, at most 1000.
+    pub page_size: u32,
+    /// Token from the previous page; empty for the first.
+    pub page_token: String,
+}
+
 /// A job listing (the JOB.LIST and JOBS.SEARCH commands of the
 /// specification); `None` fields match everything.
 #[derive(Debug, Clone, Default)]
@@ -176,27 +189,42 @@ pub enum QueueName {
 pub trait Engine: Send + Sync {
     // ---- plans ----
 
-    /// Validates and stores a plan (the PLAN.SUBMIT command). Returns its id.
+    /// Validates and stores a plan (the PLAN.SUBMIT command): a new id as
+    /// version 1; with `replace`, an existing id as its next version, or
+    /// nothing when the plan has the same content as the latest version
+    /// ([`Plan::same_content`]; `created` is then false). `plan.version` is
+    /// ignored. Jobs already created keep running the version they were
+    /// created with.
     ///
-    /// Errors: `InvalidArgument` (the rule broken), `AlreadyExists`.
-    async fn submit_plan(&self, plan: Plan) -> Result<String>;
+    /// Errors: `InvalidArgument` (the rule broken), `AlreadyExists` (the id
+    /// exists and `replace` is false, whatever the content),
+    /// `ResourceExhausted` (the id has `u32::MAX` versions).
+    async fn submit_plan(&self, plan: Plan, replace: bool) -> Result<SubmittedPlan>;
 
-    /// One plan (the PLAN.GET command). Errors: `InvalidArgument`, `NotFound`.
-    async fn get_plan(&self, plan_id: String) -> Result<Plan>;
+    /// One plan (the PLAN.GET command): its latest version, or `version`.
+    /// Errors: `InvalidArgument`, `NotFound` (plan or version).
+    async fn get_plan(&self, plan_id: String, version: Option<u32>) -> Result<Plan>;
 
-    /// Plan ids matching a glob, in id order, paginated (the PLAN.LIST
-    /// command). Errors: `InvalidArgument` (pattern, page size or token).
-    async fn list_plans(&self, query: PlanQuery) -> Result<Page<String>>;
+    /// Plans whose ids match a glob, in id order, with their latest
+    /// version, paginated (the PLAN.LIST command). Errors:
+    /// `InvalidArgument` (pattern, page size or token).
+    async fn list_plans(&self, query: PlanQuery) -> Result<Page<PlanSummary>>;
 
-    /// Deletes a plan and its finished history (the PLAN.DELETE command).
-    /// Errors: `InvalidArgument`, `NotFound`, `FailedPrecondition` while
-    /// pending, running or retrying jobs use it.
+    /// The versions of one plan, newest first, paginated
+    /// (ListPlanVersions). Errors: `InvalidArgument` (id, page size or
+    /// token), `NotFound`.
+    async fn list_plan_versions(&self, query: PlanVersionQuery) -> Result<Page<PlanVersion>>;
+
+    /// Deletes a plan with every version and its finished history (the
+    /// PLAN.DELETE command). Errors: `InvalidArgument`, `NotFound`,
+    /// `FailedPrecondition` while pending, running or retrying jobs use
+    /// any version of it.
     async fn delete_plan(&self, plan_id: String) -> Result<()>;
 
     // ---- actions ----
 
     /// Creates an action and one pending job per input, atomically (the
-    /// ACTION.SUBMIT command).
+    /// ACTION.SUBMIT command). Its jobs run the plan's latest version.
     ///
     /// Errors: `InvalidArgument` (ids, inputs, limits, max_attempts, run_at
     /// further ahead than `max_run_at_ahead`), `NotFound` (plan),
@@ -260,7 +288,8 @@ pub trait Engine: Send + Sync {
     async fn search_jobs(&self, query: JobQuery) -> Result<Page<String>>;
 
     /// Puts a failed or dead job back to pending with a fresh attempt
-    /// budget (the JOB.RETRY command). Errors: `InvalidArgument`,
+    /// budget (the JOB.RETRY command). The job keeps its plan version.
+    /// Errors: `InvalidArgument`,
     /// `NotFound`, `FailedPrecondition` (any other status, plan deleted).
     async fn retry_job(&self, job_id: String) -> Result<Job>;
 

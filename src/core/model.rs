@@ -141,6 +141,62 @@ pub struct Plan {
     pub tasks: Vec<Task>,
     /// Only workers that run tasks in the kernel sandbox may run it.
     pub require_sandbox: bool,
+    /// Version under its id: 1 for the first submission, one more per
+    /// replacement that changed it. Set by the engine; ignored by
+    /// [`super::Engine::submit_plan`].
+    pub version: u32,
+}
+
+impl Plan {
+    /// True when `other` has the same content: description, tasks and
+    /// `require_sandbox` (the id and the version are not compared). A
+    /// replacement with the same content stores no new version.
+    pub fn same_content(&self, other: &Plan) -> bool {
+        self.plan_description == other.plan_description
+            && self.tasks == other.tasks
+            && self.require_sandbox == other.require_sandbox
+    }
+}
+
+/// What storing a plan did ([`super::Engine::submit_plan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmittedPlan {
+    /// The plan's id.
+    pub plan_id: String,
+    /// The version it is stored as (the latest, unchanged, when `created`
+    /// is false).
+    pub version: u32,
+    /// True when a new version was stored; false when a replacement was
+    /// identical to the latest version and nothing was written.
+    pub created: bool,
+}
+
+/// A plan in a listing: its latest version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanSummary {
+    /// Id.
+    pub plan_id: String,
+    /// Latest version.
+    pub version: u32,
+    /// The latest version's description.
+    pub plan_description: String,
+    /// When version 1 was stored, ms since the epoch.
+    pub created_at_ms: i64,
+    /// When the latest version was stored, ms since the epoch.
+    pub updated_at_ms: i64,
+}
+
+/// One stored version of a plan, without its tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanVersion {
+    /// The version.
+    pub version: u32,
+    /// Its description.
+    pub plan_description: String,
+    /// Number of its tasks.
+    pub task_count: u32,
+    /// When it was stored, ms since the epoch.
+    pub created_at_ms: i64,
 }
 
 /// Outcome of one task of a job attempt.
@@ -173,6 +229,9 @@ pub struct Job {
     pub action_id: String,
     /// Plan it runs.
     pub plan_id: String,
+    /// Version of the plan it runs: the latest when its action was
+    /// submitted, for the job's whole life.
+    pub plan_version: u32,
     /// Current status.
     pub status: JobStatus,
     /// Input values.
@@ -210,6 +269,8 @@ pub struct ActionStatus {
     pub action_id: String,
     /// Its plan.
     pub plan_id: String,
+    /// Version of the plan its jobs run.
+    pub plan_version: u32,
     /// Jobs it created.
     pub total_jobs: u32,
     /// Jobs pending.
@@ -364,7 +425,7 @@ pub struct JobLease {
     pub lease_id: String,
     /// The job, as granted (status RUNNING).
     pub job: Job,
-    /// Its plan.
+    /// Its plan, at the job's version ([`Job::plan_version`]).
     pub plan: Arc<Plan>,
     /// Attempt number (1-based).
     pub attempt: u32,

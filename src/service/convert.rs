@@ -9,9 +9,9 @@ use crate::{
     core::{
         engine::{ActionQuery, ActionRequest, ActionState, JobQuery},
         model::{
-            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
-            Registration, Task, TaskResult, Worker, WorkerCapabilities, WorkerCommand, WorkerState,
-            WorkerStats,
+            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
+            PlanVersion, QueueStats, Registration, Task, TaskResult, Worker, WorkerCapabilities,
+            WorkerCommand, WorkerState, WorkerStats,
         },
     },
     error::{Error, Result},
@@ -54,6 +54,7 @@ impl From<&Plan> for pb::Plan {
             plan_description: p.plan_description.clone(),
             tasks: p.tasks.iter().map(pb::Task::from).collect(),
             require_sandbox: p.require_sandbox,
+            version: p.version,
         }
     }
 }
@@ -65,6 +66,30 @@ impl From<pb::Plan> for Plan {
             plan_description: p.plan_description,
             tasks: p.tasks.into_iter().map(Task::from).collect(),
             require_sandbox: p.require_sandbox,
+            version: p.version,
+        }
+    }
+}
+
+impl From<PlanSummary> for pb::PlanSummary {
+    fn from(p: PlanSummary) -> Self {
+        pb::PlanSummary {
+            plan_id: p.plan_id,
+            version: p.version,
+            plan_description: p.plan_description,
+            created_at: Some(ts(p.created_at_ms)),
+            updated_at: Some(ts(p.updated_at_ms)),
+        }
+    }
+}
+
+impl From<PlanVersion> for pb::PlanVersion {
+    fn from(v: PlanVersion) -> Self {
+        pb::PlanVersion {
+            version: v.version,
+            plan_description: v.plan_description,
+            task_count: v.task_count,
+            created_at: Some(ts(v.created_at_ms)),
         }
     }
 }
@@ -162,6 +187,7 @@ impl From<Job> for pb::Job {
             job_id: j.job_id,
             action_id: j.action_id,
             plan_id: j.plan_id,
+            plan_version: j.plan_version,
             status: pb::JobStatus::from(j.status) as i32,
             input: j.input,
             attempt: j.attempt,
@@ -185,6 +211,7 @@ impl From<ActionStatus> for pb::ActionStatus {
         pb::ActionStatus {
             action_id: a.action_id,
             plan_id: a.plan_id,
+            plan_version: a.plan_version,
             total_jobs: a.total_jobs,
             pending: a.pending,
             running: a.running,
@@ -440,6 +467,7 @@ mod tests {
                 permanent_exit_codes: vec![2, 64],
             }],
             require_sandbox: true,
+            version: 3,
         };
         assert_eq!(Plan::from(pb::Plan::from(&plan)), plan);
     }

@@ -1,12 +1,16 @@
 //! `agq.v1.PlanService`: the PLAN.SUBMIT, PLAN.GET, PLAN.LIST and
-//! PLAN.DELETE commands of the specification.
+//! PLAN.DELETE commands of the specification, with plan versions
+//! (SubmitPlan's `replace`, GetPlan's `version`, ListPlanVersions).
 
 use tonic::{Request, Response, Status};
 
 use super::rpc;
 use crate::{
     auth::{identity, require_client},
-    core::{engine::PlanQuery, SharedEngine},
+    core::{
+        engine::{PlanQuery, PlanVersionQuery},
+        SharedEngine,
+    },
     error::Error,
     pb::{self, plan_service_server::PlanService},
 };
@@ -25,12 +29,14 @@ impl PlanService for PlanApi {
     ) -> Result<Response<pb::SubmitPlanResponse>, Status> {
         rpc(&self.engine, "PlanService/SubmitPlan", async {
             require_client(&identity(&req))?;
-            let plan = req
-                .into_inner()
-                .plan
-                .ok_or_else(|| Error::invalid("plan is required"))?;
-            let plan_id = self.engine.submit_plan(plan.into()).await?;
-            Ok(pb::SubmitPlanResponse { plan_id })
+            let r = req.into_inner();
+            let plan = r.plan.ok_or_else(|| Error::invalid("plan is required"))?;
+            let stored = self.engine.submit_plan(plan.into(), r.replace).await?;
+            Ok(pb::SubmitPlanResponse {
+                plan_id: stored.plan_id,
+                version: stored.version,
+                created: stored.created,
+            })
         })
         .await
     }
@@ -41,7 +47,9 @@ impl PlanService for PlanApi {
     ) -> Result<Response<pb::GetPlanResponse>, Status> {
         rpc(&self.engine, "PlanService/GetPlan", async {
             require_client(&identity(&req))?;
-            let plan = self.engine.get_plan(req.into_inner().plan_id).await?;
+            let r = req.into_inner();
+            let version = (r.version != 0).then_some(r.version);
+            let plan = self.engine.get_plan(r.plan_id, version).await?;
             Ok(pb::GetPlanResponse {
                 plan: Some(pb::Plan::from(&plan)),
             })
@@ -65,7 +73,8 @@ impl PlanService for PlanApi {
                 })
                 .await?;
             Ok(pb::ListPlansResponse {
-                plan_ids: page.items,
+                plan_ids: page.items.iter().map(|p| p.plan_id.clone()).collect(),
+                plans: page.items.into_iter().map(pb::PlanSummary::from).collect(),
                 next_page_token: page.next_page_token,
             })
         })
@@ -80,6 +89,29 @@ impl PlanService for PlanApi {
             require_client(&identity(&req))?;
             self.engine.delete_plan(req.into_inner().plan_id).await?;
             Ok(pb::DeletePlanResponse { deleted: true })
+        })
+        .await
+    }
+
+    async fn list_plan_versions(
+        &self,
+        req: Request<pb::ListPlanVersionsRequest>,
+    ) -> Result<Response<pb::ListPlanVersionsResponse>, Status> {
+        rpc(&self.engine, "PlanService/ListPlanVersions", async {
+            require_client(&identity(&req))?;
+            let r = req.into_inner();
+            let page = self
+                .engine
+                .list_plan_versions(PlanVersionQuery {
+                    plan_id: r.plan_id,
+                    page_size: r.page_size,
+                    page_token: r.page_token,
+                })
+                .await?;
+            Ok(pb::ListPlanVersionsResponse {
+                versions: page.items.into_iter().map(pb::PlanVersion::from).collect(),
+                next_page_token: page.next_page_token,
+            })
         })
         .await
     }

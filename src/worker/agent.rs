@@ -388,6 +388,7 @@ async fn run_job(
         lease_id = %lease.lease_id,
         attempt = lease.attempt,
         plan_id = %job.plan_id,
+        plan_version = job.plan_version,
         tasks = lease.plan.as_ref().map_or(0, |p| p.tasks.len()),
         error = tracing::field::Empty,
     );

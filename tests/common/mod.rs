@@ -194,7 +194,10 @@ pub async fn submit(
     let _ = server
         .plans()
         .await
-        .submit_plan(SubmitPlanRequest { plan: Some(p) })
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(p),
+            replace: false,
+        })
         .await;
     let inputs = (0..n)
         .map(|i| ActionInput {

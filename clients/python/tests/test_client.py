@@ -59,6 +59,24 @@ def test_plans_roundtrip_and_listing(client: agq.Client) -> None:
     assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_plan_versions(client: agq.Client) -> None:
+    v1 = agq.Plan("py-versions", [agq.Task("upper")], description="one")
+    v2 = agq.Plan("py-versions", [agq.Task("upper"), agq.Task("count")], description="two")
+    assert client.submit_plan(v1) == "py-versions"
+    with pytest.raises(agq.AgqError) as e:
+        client.submit_plan(v2)
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert client.submit_plan(v2, replace=True) == "py-versions"
+    assert client.submit_plan(v2, replace=True) == "py-versions"  # unchanged: no new version
+    assert client.get_plan("py-versions") == v2
+    assert client.get_plan("py-versions", version=2) == v2
+    assert client.get_plan("py-versions", version=1) == v1
+    with pytest.raises(agq.AgqError) as e:
+        client.get_plan("py-versions", version=3)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert client.delete_plan("py-versions") is True
+
+
 def test_invalid_plan_is_refused_with_the_rule(client: agq.Client) -> None:
     with pytest.raises(agq.AgqError) as e:
         client.submit_plan(agq.Plan("bad", [agq.Task("not a command")]))

@@ -1,6 +1,6 @@
-//! The job state machine of the SQLite engine: plans submitted and
-//! deleted, actions fanned out into jobs, fenced reports, cancel, retry and
-//! retention.
+//! The job state machine of the SQLite engine: plans submitted (new
+//! versions included) and deleted, actions fanned out into jobs, fenced
+//! reports, cancel, retry and retention.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -11,10 +11,7 @@ use super::{
     state::{FreshJob, PlanEntry, State, Waiting, FRESH_JOBS_MAX},
 };
 use crate::{
-    core::{
-        model::{JobReport, JobStatus, Plan, WorkerCommand},
-        validate,
-    },
+    core::model::{JobReport, JobStatus, Plan, SubmittedPlan, WorkerCommand},
     error::{Error, Result},
     time::now_ms,
 };
@@ -65,28 +62,81 @@ impl NewJob {
 }
 
 impl State {
-    /// Stores a validated plan (the PLAN.SUBMIT command).
+    /// Stores a validated plan (the PLAN.SUBMIT command): a new id as
+    /// version 1; with `replace`, an existing id as its next version, or
+    /// nothing when the content equals the latest version's. Queued jobs
+    /// and leases keep the entry of the version they run, so they are not
+    /// touched. Every check comes before the first SQL write.
     ///
-    /// Errors: `AlreadyExists`, storage errors.
-    pub(super) fn submit_plan(&mut self, conn: &Connection, plan: Plan) -> Result<String> {
-        if !plans::insert(conn, &plan, now_ms())? {
-            return Err(Error::AlreadyExists(format!(
-                "plan {} already exists",
-                plan.plan_id
-            )));
+    /// Errors: `AlreadyExists` (the id exists, no `replace`),
+    /// `ResourceExhausted` (no version number left), storage errors.
+    pub(super) fn submit_plan(
+        &mut self,
+        conn: &Connection,
+        mut plan: Plan,
+        replace: bool,
+    ) -> Result<SubmittedPlan> {
+        let now_ms = now_ms();
+        match self.plans.get(&plan.plan_id) {
+            None => {
+                plan.version = 1;
+                if !plans::insert(conn, &plan, now_ms)? {
+                    return Err(Error::Internal(format!(
+                        "plan {} is stored but not in memory",
+                        plan.plan_id
+                    )));
+                }
+            }
+            Some(latest) if !replace => {
+                return Err(Error::AlreadyExists(format!(
+                    "plan {} already exists (version {}); submit it with replace to store a new version",
+                    plan.plan_id, latest.plan.version
+                )));
+            }
+            Some(latest) if latest.plan.same_content(&plan) => {
+                return Ok(SubmittedPlan {
+                    plan_id: plan.plan_id,
+                    version: latest.plan.version,
+                    created: false,
+                });
+            }
+            Some(latest) => {
+                plan.version = latest.plan.version.checked_add(1).ok_or_else(|| {
+                    Error::ResourceExhausted(format!(
+                        "plan {} has the most versions a plan can have; delete it or use another id",
+                        plan.plan_id
+                    ))
+                })?;
+                if !plans::add_version(conn, &plan, now_ms)? {
+                    return Err(Error::Internal(format!(
+                        "plan {} is in memory but not stored",
+                        plan.plan_id
+                    )));
+                }
+            }
         }
-        let id = plan.plan_id.clone();
-        let tools = validate::plan_tools(&plan);
-        let plan = Arc::new(plan);
-        self.plans
-            .insert(id.clone(), Arc::new(PlanEntry { plan, tools }));
-        Ok(id)
+        let submitted = SubmittedPlan {
+            plan_id: plan.plan_id.clone(),
+            version: plan.version,
+            created: true,
+        };
+        let entry = Arc::new(PlanEntry::new(plan));
+        if let Some(old) = self.plans.insert(submitted.plan_id.clone(), entry) {
+            // Open jobs may still run the replaced version: a retry of one
+            // of them finds it here while they hold it.
+            self.old_plans.insert(
+                (submitted.plan_id.clone(), old.plan.version),
+                Arc::downgrade(&old),
+            );
+        }
+        Ok(submitted)
     }
 
-    /// Deletes a plan and its finished history (the PLAN.DELETE command).
+    /// Deletes a plan with all its versions and its finished history (the
+    /// PLAN.DELETE command).
     ///
     /// Errors: `NotFound`; `FailedPrecondition` while pending, running or
-    /// retrying jobs use it; storage errors.
+    /// retrying jobs use any version of it; storage errors.
     pub(super) fn delete_plan(&mut self, conn: &Connection, plan_id: &str) -> Result<()> {
         if !self.plans.contains_key(plan_id) {
             return Err(Error::not_found(format!("plan {plan_id} not found")));
@@ -98,11 +148,13 @@ impl State {
         }
         plans::delete(conn, plan_id)?;
         self.plans.remove(plan_id);
+        self.old_plans.retain(|(id, _), _| id != plan_id);
         Ok(())
     }
 
     /// Creates the action and one pending job per input (the
-    /// ACTION.SUBMIT command). Returns the job ids. Every check comes before the
+    /// ACTION.SUBMIT command), all running the plan's latest version.
+    /// Returns the job ids. Every check comes before the
     /// first SQL write, so it runs without a savepoint
     /// (`Writer::write_direct`): keep it that way.
     ///
@@ -118,10 +170,12 @@ impl State {
         let now_ms = now_ms();
         let ready_at = a.run_at_ms.unwrap_or(now_ms).max(now_ms);
         let total = a.jobs.len() as u32;
+        let version = plan.plan.version;
         if !jobs::insert_action(
             conn,
             &a.action_id,
             &a.plan_id,
+            version,
             total,
             a.max_attempts,
             a.run_at_ms,
@@ -133,7 +187,6 @@ impl State {
                 a.action_id
             )));
         }
-        let plan_id = self.intern(&a.plan_id);
         let action_id = self.intern_action(&a.action_id);
         let runs_now = ready_at <= now_ms;
         let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
@@ -154,14 +207,13 @@ impl State {
             };
             // Straight to an idle worker while nothing older waits: the row
             // is inserted leased (no second write to grant it).
-            if let Some(worker_id) = runs_now.then(|| self.place_at_once(&plan_id)).flatten() {
+            if let Some(worker_id) = runs_now.then(|| self.place_at_once(&plan)).flatten() {
                 self.insert_leased(
                     conn,
                     fresh,
                     &input_json,
                     action_id.clone(),
-                    plan_id.clone(),
-                    plan.plan.clone(),
+                    plan.clone(),
                     &worker_id,
                 )?;
                 continue;
@@ -171,6 +223,7 @@ impl State {
                 &fresh.job_id,
                 &a.action_id,
                 &a.plan_id,
+                version,
                 &input_json,
                 a.max_attempts,
                 now_ms,
@@ -181,7 +234,7 @@ impl State {
             // memory for their first lease while the queues are short.
             let keep = runs_now && self.ready.len() + self.delayed_jobs.len() < FRESH_JOBS_MAX;
             let waiting = Waiting {
-                plan_id: plan_id.clone(),
+                plan: plan.clone(),
                 action_id: action_id.clone(),
                 since_ms: ready_at,
                 status: JobStatus::Pending,
@@ -391,7 +444,8 @@ impl State {
 
     /// Puts every failed and dead job of `action_id` (of `status` only,
     /// when given: failed or dead) back to pending, each as
-    /// [`State::retry_job`] does. Returns how many.
+    /// [`State::retry_job`] does (on the action's plan version). Returns
+    /// how many.
     ///
     /// Errors: `NotFound` (action), `FailedPrecondition` (a job matches but
     /// the plan is gone; nothing changes), storage errors.
@@ -401,7 +455,7 @@ impl State {
         action_id: &str,
         status: Option<JobStatus>,
     ) -> Result<u32> {
-        let plan_id = jobs::action_plan(conn, action_id)?
+        let (plan_id, version) = jobs::action_plan(conn, action_id)?
             .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))?;
         let statuses = match status {
             Some(s) => vec![s],
@@ -411,13 +465,8 @@ impl State {
         if matching.is_empty() {
             return Ok(0);
         }
-        if !self.plans.contains_key(&plan_id) {
-            return Err(Error::precondition(format!(
-                "plan {plan_id} no longer exists"
-            )));
-        }
+        let plan = self.retry_plan(conn, &plan_id, version)?;
         let now_ms = now_ms();
-        let plan = self.intern(&plan_id);
         let action = self.intern_action(action_id);
         for (row, _) in &matching {
             self.retry_row(conn, *row, plan.clone(), action.clone(), now_ms)?;
@@ -428,13 +477,31 @@ impl State {
         Ok(matching.len() as u32)
     }
 
+    /// The entry of the plan version a retried job runs (the one it was
+    /// created with).
+    ///
+    /// Errors: `FailedPrecondition` when the plan was deleted, storage
+    /// errors.
+    fn retry_plan(
+        &mut self,
+        conn: &Connection,
+        plan_id: &str,
+        version: u32,
+    ) -> Result<Arc<PlanEntry>> {
+        self.plan_version(conn, plan_id, version)?.ok_or_else(|| {
+            Error::precondition(format!(
+                "plan {plan_id} (version {version}) no longer exists"
+            ))
+        })
+    }
+
     /// Puts the failed or dead job at `row` back to pending and in the
-    /// ready queue.
+    /// ready queue, running `plan`.
     fn retry_row(
         &mut self,
         conn: &Connection,
         row: i64,
-        plan_id: Arc<str>,
+        plan: Arc<PlanEntry>,
         action_id: Arc<str>,
         now_ms: i64,
     ) -> Result<()> {
@@ -442,7 +509,7 @@ impl State {
         self.metrics.transition(JobStatus::Pending);
         self.dequeue(row);
         let waiting = Waiting {
-            plan_id,
+            plan,
             action_id,
             since_ms: now_ms,
             status: JobStatus::Pending,
@@ -453,7 +520,8 @@ impl State {
     }
 
     /// Puts a failed or dead job back to pending with a fresh attempt
-    /// budget (the JOB.RETRY command). Returns the job's row.
+    /// budget (the JOB.RETRY command), on the plan version it was created
+    /// with. Returns the job's row.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` from any other status, storage errors.
     pub(super) fn retry_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
@@ -465,14 +533,8 @@ impl State {
                 key.status.name()
             )));
         }
-        if !self.plans.contains_key(&key.plan_id) {
-            return Err(Error::precondition(format!(
-                "plan {} no longer exists",
-                key.plan_id
-            )));
-        }
+        let plan = self.retry_plan(conn, &key.plan_id, key.plan_version)?;
         let now_ms = now_ms();
-        let plan = self.intern(&key.plan_id);
         let action = self.intern_action(&key.action_id);
         self.retry_row(conn, key.row, plan, action.clone(), now_ms)?;
         // The action is open again: clear its finish time.

@@ -34,11 +34,12 @@ use crate::{
     core::{
         engine::{
             ActionQuery, ActionRequest, Engine, EventTx, HeartbeatEvent, JobQuery, Page, PlanQuery,
-            QueueName, StreamKind, SubmittedAction,
+            PlanVersionQuery, QueueName, StreamKind, SubmittedAction,
         },
         model::{
-            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, QueueStats,
-            Registered, Registration, Worker, WorkerState, WorkerStats,
+            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
+            PlanVersion, QueueStats, Registered, Registration, SubmittedPlan, Worker, WorkerState,
+            WorkerStats,
         },
         page, validate,
         watch::{WatchSubscription, Watchers},
@@ -138,6 +139,24 @@ impl SqliteEngine {
     }
 }
 
+/// The version before which a page of plan `plan_id`'s versions starts:
+/// a token's value is `version:plan_id` (the versions of another plan are
+/// refused); past the newest version for the first page.
+///
+/// Errors: `InvalidArgument` for a token this server did not issue for
+/// this plan.
+fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
+    let Some(v) = page::decode_token("plan_version", token)? else {
+        return Ok(i64::from(u32::MAX) + 1);
+    };
+    let bad = || Error::invalid("page_token is not a token this server issued for this plan");
+    let (version, id) = v.split_once(':').ok_or_else(bad)?;
+    if id != plan_id {
+        return Err(bad());
+    }
+    version.parse::<u32>().map(i64::from).map_err(|_| bad())
+}
+
 /// The cursor in an action page token's value, `created_at_ms:rowid`.
 ///
 /// Errors: `InvalidArgument` for any other value.
@@ -152,33 +171,72 @@ fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
 
 #[async_trait::async_trait]
 impl Engine for SqliteEngine {
-    async fn submit_plan(&self, plan: Plan) -> Result<String> {
+    async fn submit_plan(&self, plan: Plan, replace: bool) -> Result<SubmittedPlan> {
         validate::plan(&plan)?;
         validate::task_timeouts(&plan, self.config().job_timeout)?;
-        self.writer.write(move |s, c| s.submit_plan(c, plan)).await
+        self.writer
+            .write(move |s, c| s.submit_plan(c, plan, replace))
+            .await
     }
 
-    async fn get_plan(&self, plan_id: String) -> Result<Plan> {
+    async fn get_plan(&self, plan_id: String, version: Option<u32>) -> Result<Plan> {
         validate::object_id("plan_id", &plan_id)?;
         self.read(move |c| {
-            pstore::get(c, &plan_id)?
-                .ok_or_else(|| Error::not_found(format!("plan {plan_id} not found")))
+            let not_found = || Error::not_found(format!("plan {plan_id} not found"));
+            let Some(version) = version else {
+                return pstore::get(c, &plan_id)?.ok_or_else(not_found);
+            };
+            if let Some(plan) = pstore::get_version(c, &plan_id, version)? {
+                return Ok(plan);
+            }
+            let latest = pstore::latest_version(c, &plan_id)?.ok_or_else(not_found)?;
+            Err(Error::not_found(format!(
+                "plan {plan_id} has no version {version} (versions 1 to {latest})"
+            )))
         })
         .await
     }
 
-    async fn list_plans(&self, q: PlanQuery) -> Result<Page<String>> {
+    async fn list_plans(&self, q: PlanQuery) -> Result<Page<PlanSummary>> {
         let limit = page::page_size(q.page_size)?;
         let pattern = validate::plan_pattern(&q.pattern)?;
         let after = page::decode_token("plan", &q.page_token)?.unwrap_or_default();
-        let ids = self
+        let plans = self
             .read(move |c| pstore::list(c, pattern.as_ref(), &after, limit + 1))
             .await?;
-        let (items, next_page_token) = page::split_page(ids, limit, "plan", |id| id.clone());
+        let (items, next_page_token) =
+            page::split_page(plans, limit, "plan", |p| p.plan_id.clone());
         Ok(Page {
             items,
             next_page_token,
         })
+    }
+
+    async fn list_plan_versions(&self, q: PlanVersionQuery) -> Result<Page<PlanVersion>> {
+        validate::object_id("plan_id", &q.plan_id)?;
+        let limit = page::page_size(q.page_size)?;
+        let before = version_cursor(&q.plan_id, &q.page_token)?;
+        let plan_id = q.plan_id;
+        let versions = self
+            .read(move |c| {
+                // One read transaction, so a version stored meanwhile
+                // cannot split the answer.
+                let tx = c.unchecked_transaction()?;
+                if pstore::latest_version(&tx, &plan_id)?.is_none() {
+                    return Err(Error::not_found(format!("plan {plan_id} not found")));
+                }
+                let found = pstore::versions(&tx, &plan_id, before, limit + 1)?;
+                let (items, next_page_token) =
+                    page::split_page(found, limit, "plan_version", |v| {
+                        format!("{}:{plan_id}", v.version)
+                    });
+                Ok(Page {
+                    items,
+                    next_page_token,
+                })
+            })
+            .await?;
+        Ok(versions)
     }
 
     async fn delete_plan(&self, plan_id: String) -> Result<()> {

@@ -11,10 +11,10 @@ use rusqlite::Connection;
 
 use super::{
     sql::jobs,
-    state::{Effect, FreshJob, Lease, State, Waiting},
+    state::{Effect, FreshJob, Lease, PlanEntry, State, Waiting},
 };
 use crate::{
-    core::model::{Job, JobLease, JobStatus, Plan, WorkerCommand, WorkerState},
+    core::model::{Job, JobLease, JobStatus, WorkerCommand, WorkerState},
     error::{Error, Result},
     time::{now_ms, rfc3339},
 };
@@ -22,7 +22,8 @@ use crate::{
 /// A lease being granted, for [`State::lease_out`].
 struct NewLease<'a> {
     action_id: Arc<str>,
-    plan_id: Arc<str>,
+    /// The plan version the job runs.
+    plan: Arc<PlanEntry>,
     worker_id: &'a str,
     lease_id: String,
     attempt: u32,
@@ -37,7 +38,8 @@ struct NewLease<'a> {
 
 impl State {
     /// Grants leases until no ready job has an eligible worker. FIFO among
-    /// ready jobs: the oldest job some eligible worker can run goes first.
+    /// ready jobs: the oldest job some eligible worker can run goes first
+    /// (each plan version is matched on its own tools).
     ///
     /// Errors: storage errors (the batch is rolled back).
     pub(super) fn dispatch(&mut self, conn: &Connection) -> Result<()> {
@@ -47,15 +49,16 @@ impl State {
             if self.ready.is_empty() || self.available.is_empty() {
                 return Ok(());
             }
-            let mut heads: Vec<(i64, Arc<str>)> = self
+            let mut heads: Vec<(i64, Arc<PlanEntry>)> = self
                 .ready_by_plan
-                .iter()
-                .filter_map(|(p, rows)| rows.first().map(|r| (*r, p.clone())))
+                .values()
+                .filter_map(|rows| rows.first())
+                .filter_map(|r| self.ready.get(r).map(|w| (*r, w.plan.clone())))
                 .collect();
             heads.sort_unstable_by_key(|(row, _)| *row);
             let mut granted = false;
-            for (row, plan_id) in heads {
-                if let Some(worker_id) = self.pick(&plan_id, now) {
+            for (row, plan) in heads {
+                if let Some(worker_id) = self.pick(&plan, now) {
                     self.grant(conn, row, &worker_id)?;
                     granted = true;
                     break;
@@ -67,10 +70,10 @@ impl State {
         }
     }
 
-    /// The best worker for a job of `plan_id`: fresh, ACTIVE, lease stream
-    /// open, every tool of the plan, a free slot; least loaded first.
-    fn pick(&self, plan_id: &str, now: Instant) -> Option<String> {
-        let plan = self.plans.get(plan_id)?;
+    /// The best worker for a job of `plan` (a plan version): fresh,
+    /// ACTIVE, lease stream open, every tool of the version, a free slot;
+    /// least loaded first.
+    fn pick(&self, plan: &PlanEntry, now: Instant) -> Option<String> {
         self.available
             .iter()
             .find(|(_, _, id)| {
@@ -94,7 +97,8 @@ impl State {
             let view = jobs::inserted_view(
                 f.job_id,
                 &w.action_id,
-                &w.plan_id,
+                &w.plan.id,
+                w.plan.plan.version,
                 f.input,
                 f.max_attempts,
                 f.created_at_ms,
@@ -131,18 +135,12 @@ impl State {
         let Some(waiting) = self.dequeue(row) else {
             return Err(Error::Internal(format!("job row {row} was not ready")));
         };
-        let plan = self
-            .plans
-            .get(&*waiting.plan_id)
-            .map(|p| Arc::clone(&p.plan))
-            .ok_or_else(|| Error::Internal(format!("plan {} missing", waiting.plan_id)))?;
         self.lease_out(
             row,
             job,
-            plan,
             NewLease {
                 action_id: waiting.action_id,
-                plan_id: waiting.plan_id,
+                plan: waiting.plan,
                 worker_id,
                 lease_id,
                 attempt,
@@ -156,31 +154,30 @@ impl State {
         Ok(())
     }
 
-    /// The worker a new job of `plan_id` goes to at once, in the operation
-    /// that submits it, when nothing older waits in the ready queue (so
-    /// FIFO holds) and a worker is eligible. `None`: it is queued.
-    pub(super) fn place_at_once(&self, plan_id: &str) -> Option<String> {
+    /// The worker a new job of `plan` (a plan version) goes to at once,
+    /// in the operation that submits it, when nothing older waits in the
+    /// ready queue (so FIFO holds) and a worker is eligible. `None`: it is
+    /// queued.
+    pub(super) fn place_at_once(&self, plan: &PlanEntry) -> Option<String> {
         if !self.ready.is_empty() || self.available.is_empty() {
             return None;
         }
-        self.pick(plan_id, Instant::now())
+        self.pick(plan, Instant::now())
     }
 
     /// Inserts a new job already leased to `worker_id` (see
     /// [`State::place_at_once`]) and queues its lease like [`Self::grant`]:
-    /// one INSERT instead of an INSERT and an UPDATE. `plan` is the job's
-    /// plan. Returns its row.
+    /// one INSERT instead of an INSERT and an UPDATE. `plan` is the plan
+    /// version the job runs. Returns its row.
     ///
     /// Errors: storage errors only.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn insert_leased(
         &mut self,
         conn: &Connection,
         job: FreshJob,
         input_json: &str,
         action_id: Arc<str>,
-        plan_id: Arc<str>,
-        plan: Arc<Plan>,
+        plan: Arc<PlanEntry>,
         worker_id: &str,
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
@@ -189,7 +186,8 @@ impl State {
             conn,
             &job.job_id,
             &action_id,
-            &plan_id,
+            &plan.id,
+            plan.plan.version,
             input_json,
             job.max_attempts,
             job.created_at_ms,
@@ -205,7 +203,8 @@ impl State {
         let view = jobs::inserted_view(
             job.job_id,
             &action_id,
-            &plan_id,
+            &plan.id,
+            plan.plan.version,
             job.input,
             job.max_attempts,
             now_ms,
@@ -213,10 +212,9 @@ impl State {
         self.lease_out(
             row,
             view,
-            plan,
             NewLease {
                 action_id,
-                plan_id,
+                plan,
                 worker_id,
                 lease_id,
                 attempt: 1,
@@ -231,9 +229,9 @@ impl State {
     }
 
     /// Records a lease granted in this batch (the row already says so) and
-    /// queues it, with the job's `plan`, for the holder's lease stream;
-    /// `job` is the row as it was before the grant.
-    fn lease_out(&mut self, row: i64, mut job: Job, plan: Arc<Plan>, l: NewLease<'_>) {
+    /// queues it, with the tasks of the job's plan version, for the
+    /// holder's lease stream; `job` is the row as it was before the grant.
+    fn lease_out(&mut self, row: i64, mut job: Job, l: NewLease<'_>) {
         let worker_id = l.worker_id;
         self.metrics.lease_waited(l.now_ms - l.waiting_since_ms);
         self.metrics.transition(JobStatus::Running);
@@ -253,7 +251,7 @@ impl State {
                 worker_id: worker_id.to_string(),
                 job_id: job.job_id.clone(),
                 action_id: l.action_id.clone(),
-                plan_id: l.plan_id,
+                plan: l.plan.clone(),
                 attempt: l.attempt,
                 max_attempts: job.max_attempts,
                 expires_at_ms: l.expires_at_ms,
@@ -274,7 +272,7 @@ impl State {
                 let lease = JobLease {
                     lease_id: l.lease_id,
                     job,
-                    plan,
+                    plan: l.plan.plan.clone(),
                     attempt: l.attempt,
                     expires_at_ms: l.expires_at_ms,
                     traceparent: l.traceparent,
@@ -382,7 +380,7 @@ impl State {
         self.release(row, &lease.worker_id);
         if !dead {
             let waiting = Waiting {
-                plan_id: lease.plan_id.clone(),
+                plan: lease.plan.clone(),
                 action_id: lease.action_id.clone(),
                 since_ms: ready_at,
                 status,
@@ -463,9 +461,7 @@ impl State {
         let Some(w) = self.ready.get(&row) else {
             return String::new();
         };
-        let Some(plan) = self.plans.get(&*w.plan_id) else {
-            return format!("plan {} is missing", w.plan_id);
-        };
+        let plan = &w.plan;
         let now = Instant::now();
         let capable: Vec<_> = self
             .workers

@@ -1,4 +1,5 @@
-//! The SQLite engine's in-memory state, owned by the writer thread: plans,
+//! The SQLite engine's in-memory state, owned by the writer thread: plans
+//! (the latest version of each, and the older versions open jobs run),
 //! the ready and delayed queues, leases and workers. The database is the
 //! source of truth; this state is rebuilt from it at startup and after a
 //! failed commit. This file holds the state and its bookkeeping (queues,
@@ -31,16 +32,37 @@ use crate::{
     time::now_ms,
 };
 
-/// A stored plan with the tools it needs.
+/// Which version of which plan: the key of [`State::ready_by_plan`].
+pub(super) type PlanKey = (Arc<str>, u32);
+
+/// One stored version of a plan with the tools it needs. Every queued job
+/// and lease holds the entry of the version it runs, so an older version
+/// stays in memory exactly as long as an open job runs it.
 #[derive(Debug)]
 pub(super) struct PlanEntry {
-    /// The plan.
+    /// The plan's id, shared by the keys of its queued jobs.
+    pub(super) id: Arc<str>,
+    /// The plan, at this version.
     pub(super) plan: Arc<Plan>,
     /// Distinct commands of its tasks, sorted.
     pub(super) tools: Vec<String>,
 }
 
 impl PlanEntry {
+    /// The entry of `plan` (a stored version).
+    pub(super) fn new(plan: Plan) -> PlanEntry {
+        PlanEntry {
+            id: Arc::from(plan.plan_id.as_str()),
+            tools: validate::plan_tools(&plan),
+            plan: Arc::new(plan),
+        }
+    }
+
+    /// This version's key.
+    pub(super) fn key(&self) -> PlanKey {
+        (self.id.clone(), self.plan.version)
+    }
+
     /// True when worker `w` can run this plan: it advertises every tool, and
     /// runs tasks in the kernel sandbox if the plan requires it. Freshness,
     /// state and free slots are the scheduler's to check.
@@ -109,8 +131,8 @@ pub(super) struct Lease {
     pub(super) job_id: String,
     /// Owning action.
     pub(super) action_id: Arc<str>,
-    /// Plan the job runs.
-    pub(super) plan_id: Arc<str>,
+    /// The plan version the job runs.
+    pub(super) plan: Arc<PlanEntry>,
     /// Attempt number of this lease.
     pub(super) attempt: u32,
     /// Attempts allowed.
@@ -131,8 +153,8 @@ pub(super) struct Lease {
 /// A pending job waiting in a queue.
 #[derive(Debug, Clone)]
 pub(super) struct Waiting {
-    /// Plan the job runs.
-    pub(super) plan_id: Arc<str>,
+    /// The plan version the job runs.
+    pub(super) plan: Arc<PlanEntry>,
     /// Owning action.
     pub(super) action_id: Arc<str>,
     /// When it became (or becomes) eligible, ms.
@@ -189,12 +211,18 @@ pub(super) struct State {
     pub(super) cfg: EngineConfig,
     /// Metrics.
     pub(super) metrics: SharedMetrics,
-    /// Every plan by id.
+    /// The latest version of every plan, by id.
     pub(super) plans: HashMap<String, Arc<PlanEntry>>,
+    /// Older versions read back from the database (for a retry, or at
+    /// start for the open jobs that run them), weakly held: an entry lives
+    /// while a queued job or lease holds it; dead entries are swept with
+    /// the interned ids.
+    pub(super) old_plans: HashMap<(String, u32), std::sync::Weak<PlanEntry>>,
     /// Ready pending jobs by row (FIFO).
     pub(super) ready: BTreeMap<i64, Waiting>,
-    /// Ready rows per plan.
-    pub(super) ready_by_plan: HashMap<Arc<str>, BTreeSet<i64>>,
+    /// Ready rows per plan version (versions of one plan may need
+    /// different tools, so each has its own FIFO head).
+    pub(super) ready_by_plan: HashMap<PlanKey, BTreeSet<i64>>,
     /// Jobs waiting for a time: (due ms, row).
     pub(super) delayed: BTreeSet<(i64, i64)>,
     /// Delayed jobs by row.
@@ -221,15 +249,12 @@ pub(super) struct State {
     pub(super) next_stream_id: u64,
     /// Counter of leases, for round robin.
     pub(super) lease_seq: u64,
-    /// Interned plan ids, weakly held: an id lives as long as a queued job
-    /// or lease uses it; dead entries are swept by the reaper.
-    pub(super) interned: HashMap<String, std::sync::Weak<str>>,
-    /// Interned action ids, apart from the plan ids (a client may name an
-    /// action like a plan): the strong count of an action's id is the
+    /// Interned action ids, weakly held: the strong count of an action's id is the
     /// number of its open jobs in memory (queued, delayed or leased) plus
     /// transient holders such as [`State::changed_actions`].
     pub(super) interned_actions: HashMap<String, std::sync::Weak<str>>,
-    /// Size of [`State::interned`] after the last sweep.
+    /// Size of [`State::interned_actions`] and [`State::old_plans`] after
+    /// the last sweep.
     pub(super) interned_after_sweep: usize,
     /// Jobs deleted by retention in the current batch, counted in the
     /// metrics once the batch commits.
@@ -243,6 +268,7 @@ impl State {
             cfg,
             metrics,
             plans: HashMap::new(),
+            old_plans: HashMap::new(),
             ready: BTreeMap::new(),
             ready_by_plan: HashMap::new(),
             delayed: BTreeSet::new(),
@@ -257,16 +283,10 @@ impl State {
             wants_dispatch: true,
             next_stream_id: 1,
             lease_seq: 0,
-            interned: HashMap::new(),
             interned_actions: HashMap::new(),
             interned_after_sweep: 0,
             expired_in_batch: 0,
         }
-    }
-
-    /// An interned `Arc<str>` of the plan id `s` (shared by many jobs).
-    pub(super) fn intern(&mut self, s: &str) -> Arc<str> {
-        intern_in(&mut self.interned, s)
     }
 
     /// An interned `Arc<str>` of the action id `s` (shared by its jobs).
@@ -274,15 +294,46 @@ impl State {
         intern_in(&mut self.interned_actions, s)
     }
 
-    /// Drops interned ids no job uses any more (amortised: only when the
-    /// table has grown past twice its size after the last sweep).
+    /// Drops interned ids and older plan versions no job uses any more
+    /// (amortised: only when the tables have grown past twice their size
+    /// after the last sweep).
     pub(super) fn sweep_interned(&mut self) {
-        let len = self.interned.len() + self.interned_actions.len();
+        let len = self.old_plans.len() + self.interned_actions.len();
         if len > 1024 && len > 2 * self.interned_after_sweep {
-            self.interned.retain(|_, w| w.strong_count() > 0);
+            self.old_plans.retain(|_, w| w.strong_count() > 0);
             self.interned_actions.retain(|_, w| w.strong_count() > 0);
-            self.interned_after_sweep = self.interned.len() + self.interned_actions.len();
+            self.interned_after_sweep = self.old_plans.len() + self.interned_actions.len();
         }
+    }
+
+    /// The entry of version `version` of plan `plan_id`: the latest from
+    /// memory, an older one from [`State::old_plans`] or else read from the
+    /// database. `None` when the plan or the version is not stored.
+    ///
+    /// Errors: [`crate::error::Error::Storage`], `Internal` for an
+    /// undecodable row.
+    pub(super) fn plan_version(
+        &mut self,
+        conn: &Connection,
+        plan_id: &str,
+        version: u32,
+    ) -> Result<Option<Arc<PlanEntry>>> {
+        let Some(latest) = self.plans.get(plan_id) else {
+            return Ok(None);
+        };
+        if latest.plan.version == version {
+            return Ok(Some(latest.clone()));
+        }
+        let key = (plan_id.to_string(), version);
+        if let Some(e) = self.old_plans.get(&key).and_then(|w| w.upgrade()) {
+            return Ok(Some(e));
+        }
+        let Some(plan) = sql::plans::get_version(conn, plan_id, version)? else {
+            return Ok(None);
+        };
+        let entry = Arc::new(PlanEntry::new(plan));
+        self.old_plans.insert(key, Arc::downgrade(&entry));
+        Ok(Some(entry))
     }
 
     /// Rebuilds the state from the database. Stream slots and heartbeat
@@ -295,11 +346,10 @@ impl State {
         let now = Instant::now();
         let now_ms = now_ms();
         self.plans.clear();
+        self.old_plans.clear();
         for plan in sql::plans::load_all(conn)? {
-            let tools = validate::plan_tools(&plan);
-            let plan = Arc::new(plan);
             self.plans
-                .insert(plan.plan_id.clone(), Arc::new(PlanEntry { plan, tools }));
+                .insert(plan.plan_id.clone(), Arc::new(PlanEntry::new(plan)));
         }
         let mut old = std::mem::take(&mut self.workers);
         self.available.clear();
@@ -346,7 +396,17 @@ impl State {
         self.lease_by_job.clear();
         let mut orphaned = Vec::new();
         for job in sql::jobs::load_open(conn)? {
-            let plan_id = self.intern(&job.plan_id);
+            // Deleting a plan deletes its jobs, and refuses while any is
+            // open: only a database edited by hand lacks the version.
+            let Some(plan) = self.plan_version(conn, &job.plan_id, job.plan_version)? else {
+                tracing::error!(
+                    job_id = %job.job_id,
+                    plan_id = %job.plan_id,
+                    plan_version = job.plan_version,
+                    "an open job's plan version is not stored; the job is not scheduled"
+                );
+                continue;
+            };
             let action_id = self.intern_action(&job.action_id);
             match job.status {
                 JobStatus::Running => {
@@ -356,7 +416,7 @@ impl State {
                         worker_id: worker_id.clone(),
                         job_id: job.job_id.clone(),
                         action_id,
-                        plan_id,
+                        plan,
                         attempt: job.attempt,
                         max_attempts: job.max_attempts,
                         expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
@@ -375,7 +435,7 @@ impl State {
                 }
                 status => {
                     let waiting = Waiting {
-                        plan_id,
+                        plan,
                         action_id,
                         since_ms: job.ready_at_ms,
                         status,
@@ -401,7 +461,7 @@ impl State {
     pub(super) fn enqueue(&mut self, row: i64, waiting: Waiting, now_ms: i64) {
         if waiting.since_ms <= now_ms && waiting.status == JobStatus::Pending {
             self.ready_by_plan
-                .entry(waiting.plan_id.clone())
+                .entry(waiting.plan.key())
                 .or_default()
                 .insert(row);
             self.ready.insert(row, waiting);
@@ -412,21 +472,23 @@ impl State {
         }
     }
 
-    /// True while a pending, running or failed (retrying) job uses the
-    /// plan: every such job is in the ready or delayed queue or leased.
+    /// True while a pending, running or failed (retrying) job uses any
+    /// version of the plan: every such job is in the ready or delayed
+    /// queue or leased.
     pub(super) fn plan_in_use(&self, plan_id: &str) -> bool {
-        self.ready_by_plan.contains_key(plan_id)
-            || self.delayed_jobs.values().any(|w| &*w.plan_id == plan_id)
-            || self.leases.values().any(|l| &*l.plan_id == plan_id)
+        self.ready_by_plan.keys().any(|(id, _)| &**id == plan_id)
+            || self.delayed_jobs.values().any(|w| &*w.plan.id == plan_id)
+            || self.leases.values().any(|l| &*l.plan.id == plan_id)
     }
 
     /// Removes a job from the ready or delayed queue; returns what it was.
     pub(super) fn dequeue(&mut self, row: i64) -> Option<Waiting> {
         if let Some(w) = self.ready.remove(&row) {
-            if let Some(set) = self.ready_by_plan.get_mut(&w.plan_id) {
+            let key = w.plan.key();
+            if let Some(set) = self.ready_by_plan.get_mut(&key) {
                 set.remove(&row);
                 if set.is_empty() {
-                    self.ready_by_plan.remove(&w.plan_id);
+                    self.ready_by_plan.remove(&key);
                 }
             }
             return Some(w);

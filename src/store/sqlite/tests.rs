@@ -126,7 +126,9 @@ async fn submit(e: &SharedEngine, plan_id: &str, n: usize, attempts: u32) -> Vec
 async fn leases_go_fifo_to_capable_workers_up_to_their_slots() {
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&dir).await;
-    e.submit_plan(plan("sorter", &["sort"])).await.unwrap();
+    e.submit_plan(plan("sorter", &["sort"]), false)
+        .await
+        .unwrap();
     let mut cat = Worker::start(&e, "w-cat", &["cat"], 4).await;
     let mut sort = Worker::start(&e, "w-sort", &["sort", "uniq"], 2).await;
     let ids = submit(&e, "sorter", 3, 3).await;
@@ -164,7 +166,7 @@ async fn leases_go_fifo_to_capable_workers_up_to_their_slots() {
 async fn a_stale_worker_gets_no_lease() {
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&dir).await;
-    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let mut w = Worker::start(&e, "w1", &["sort"], 1).await;
     // No heartbeat for well past 300 ms.
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -186,7 +188,7 @@ async fn a_stale_worker_gets_no_lease() {
 async fn the_state_machine_fences_reports_and_follows_its_transitions() {
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&dir).await;
-    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let mut w = Worker::start(&e, "w1", &["sort"], 1).await;
     let other = Worker::start(&e, "w2", &["cat"], 1).await;
     let ids = submit(&e, "p", 1, 2).await;
@@ -282,7 +284,7 @@ async fn the_state_machine_fences_reports_and_follows_its_transitions() {
 async fn leases_of_an_unregistered_worker_are_requeued() {
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&dir).await;
-    e.submit_plan(plan("p", &["sort"])).await.unwrap();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let mut a = Worker::start(&e, "a", &["sort"], 1).await;
     let ids = submit(&e, "p", 1, 3).await;
     let first = a.lease_within(2000).await.unwrap();

@@ -108,14 +108,21 @@ class Client:
 
     # -- plans -----------------------------------------------------------
 
-    def submit_plan(self, plan: Plan, *, timeout: float | None = None) -> str:
+    def submit_plan(
+        self, plan: Plan, *, replace: bool = False, timeout: float | None = None
+    ) -> str:
         """Stores ``plan`` and returns its id.
 
+        Plans are versioned: with ``replace`` an existing id gets ``plan`` as
+        its next version (jobs already created keep the version they were
+        created with; a plan identical to the latest version stores
+        nothing), and a new id is stored as version 1 either way.
+
         Errors: INVALID_ARGUMENT (the plan breaks a rule; the message names
-        it), ALREADY_EXISTS (the id is taken by another plan; a retry after
-        UNAVAILABLE that finds the same plan stored counts as success).
+        it), ALREADY_EXISTS (without ``replace``, the id is taken; a retry
+        after UNAVAILABLE that finds the same plan stored counts as success).
         """
-        req = plan_service_pb2.SubmitPlanRequest(plan=plan.to_pb())
+        req = plan_service_pb2.SubmitPlanRequest(plan=plan.to_pb(), replace=replace)
         tries = 0
 
         def submit(
@@ -137,10 +144,15 @@ class Client:
                     return plan.plan_id
             raise
 
-    def get_plan(self, plan_id: str, *, timeout: float | None = None) -> Plan:
-        """The stored plan. Errors: INVALID_ARGUMENT (malformed id), NOT_FOUND."""
+    def get_plan(
+        self, plan_id: str, *, version: int = 0, timeout: float | None = None
+    ) -> Plan:
+        """The stored plan: its latest version, or ``version`` (1 is the
+        first). Errors: INVALID_ARGUMENT (malformed id), NOT_FOUND (unknown
+        plan or version)."""
         resp = call_unary(
-            "GetPlan", self._plans.GetPlan, plan_service_pb2.GetPlanRequest(plan_id=plan_id),
+            "GetPlan", self._plans.GetPlan,
+            plan_service_pb2.GetPlanRequest(plan_id=plan_id, version=version),
             timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
         )
         return Plan.from_pb(resp.plan)

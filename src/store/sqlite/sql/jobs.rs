@@ -33,6 +33,8 @@ pub struct JobKey {
     pub action_id: String,
     /// Plan it runs.
     pub plan_id: String,
+    /// Version of the plan it runs.
+    pub plan_version: u32,
     /// Current status.
     pub status: JobStatus,
     /// Current or last lease holder.
@@ -73,6 +75,7 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
         status: status_at(r, 3)?,
         worker_id: r.get(4)?,
         lease_id: r.get(5)?,
+        plan_version: r.get(6)?,
     })
 }
 
@@ -82,13 +85,14 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
 pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> {
     Ok(conn
         .prepare_cached(
-            "SELECT id, action_id, plan_id, status, worker_id, lease_id FROM jobs WHERE job_id = ?1",
+            "SELECT id, action_id, plan_id, status, worker_id, lease_id, plan_version FROM jobs WHERE job_id = ?1",
         )?
         .query_row([job_id], key_from_row)
         .optional()?)
 }
 
-/// Inserts an action row. Returns false when the id is taken.
+/// Inserts an action row of version `plan_version` of plan `plan_id`.
+/// Returns false when the id is taken.
 ///
 /// Errors: [`Error::Storage`].
 #[allow(clippy::too_many_arguments)]
@@ -96,6 +100,7 @@ pub fn insert_action(
     conn: &Connection,
     action_id: &str,
     plan_id: &str,
+    plan_version: u32,
     total_jobs: u32,
     max_attempts: u32,
     run_at_ms: Option<i64>,
@@ -104,10 +109,10 @@ pub fn insert_action(
 ) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, created_at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, created_at_ms, plan_version)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )?
-        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, now_ms])?;
+        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, now_ms, plan_version])?;
     Ok(n == 1)
 }
 
@@ -135,7 +140,8 @@ pub struct FirstLease<'a> {
     pub expires_at_ms: i64,
 }
 
-/// Inserts one job and returns its row id: pending, eligible from
+/// Inserts one job of version `plan_version` of plan `plan_id` and
+/// returns its row id: pending, eligible from
 /// `ready_at_ms`, or, with `lease`, already running its first attempt
 /// (started now: the row an insert and a [`grant_lease`] would leave, in
 /// one statement).
@@ -147,6 +153,7 @@ pub fn insert_job(
     job_id: &str,
     action_id: &str,
     plan_id: &str,
+    plan_version: u32,
     input_json: &str,
     max_attempts: u32,
     now_ms: i64,
@@ -155,8 +162,8 @@ pub fn insert_job(
 ) -> Result<i64> {
     conn.prepare_cached(
         "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
-                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
     )?
     .execute(params![
         job_id,
@@ -171,7 +178,8 @@ pub fn insert_job(
         lease.map(|_| now_ms),
         lease.map(|l| l.worker_id),
         lease.map(|l| l.lease_id),
-        lease.map(|l| l.expires_at_ms)
+        lease.map(|l| l.expires_at_ms),
+        plan_version
     ])?;
     Ok(conn.last_insert_rowid())
 }
@@ -377,6 +385,8 @@ pub struct OpenJob {
     pub action_id: String,
     /// Plan it runs.
     pub plan_id: String,
+    /// Version of the plan it runs.
+    pub plan_version: u32,
     /// Pending, running or failed.
     pub status: JobStatus,
     /// Eligible from (pending/failed).
@@ -399,7 +409,7 @@ pub struct OpenJob {
 pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
     let mut stmt = conn.prepare(
         "SELECT id, job_id, action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
-                attempt, max_attempts
+                attempt, max_attempts, plan_version
          FROM jobs WHERE status IN (?1, ?2, ?3) ORDER BY id",
     )?;
     let rows = stmt.query_map(params![PENDING, RUNNING, FAILED], |r| {
@@ -415,6 +425,7 @@ pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
             lease_expires_at_ms: r.get(8)?,
             attempt: r.get(9)?,
             max_attempts: r.get(10)?,
+            plan_version: r.get(11)?,
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -432,6 +443,7 @@ pub fn inserted_view(
     job_id: String,
     action_id: &str,
     plan_id: &str,
+    plan_version: u32,
     input: HashMap<String, String>,
     max_attempts: u32,
     created_at_ms: i64,
@@ -440,6 +452,7 @@ pub fn inserted_view(
         job_id,
         action_id: action_id.to_string(),
         plan_id: plan_id.to_string(),
+        plan_version,
         status: JobStatus::Pending,
         input,
         attempt: 0,
@@ -464,7 +477,8 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
     let found = conn
         .prepare_cached(
             "SELECT job_id, action_id, plan_id, status, input, attempt, max_attempts, created_at_ms,
-                    started_at_ms, completed_at_ms, worker_id, error, current_task, progress_percent, ready_at_ms
+                    started_at_ms, completed_at_ms, worker_id, error, current_task, progress_percent, ready_at_ms,
+                    plan_version
              FROM jobs WHERE id = ?1",
         )?
         .query_row([row], |r| {
@@ -473,6 +487,7 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
                     job_id: r.get(0)?,
                     action_id: r.get(1)?,
                     plan_id: r.get(2)?,
+                    plan_version: r.get(15)?,
                     status: status_at(r, 3)?,
                     input: HashMap::new(),
                     attempt: r.get(5)?,
@@ -533,22 +548,24 @@ fn task_results(conn: &Connection, row: i64) -> Result<Vec<TaskResult>> {
 pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<ActionStatus>> {
     let head = conn
         .prepare_cached(
-            "SELECT plan_id, total_jobs, created_at_ms FROM actions WHERE action_id = ?1",
+            "SELECT plan_id, total_jobs, created_at_ms, plan_version FROM actions WHERE action_id = ?1",
         )?
         .query_row([action_id], |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, u32>(1)?,
                 r.get::<_, i64>(2)?,
+                r.get::<_, u32>(3)?,
             ))
         })
         .optional()?;
-    let Some((plan_id, total_jobs, created_at_ms)) = head else {
+    let Some((plan_id, total_jobs, created_at_ms, plan_version)) = head else {
         return Ok(None);
     };
     let mut status = ActionStatus {
         action_id: action_id.to_string(),
         plan_id,
+        plan_version,
         total_jobs,
         created_at_ms,
         ..Default::default()
@@ -687,13 +704,14 @@ pub fn jobs_of_action(
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
-/// The plan of action `action_id`; `None` when there is no such action.
+/// The plan of action `action_id` and the version its jobs run; `None`
+/// when there is no such action.
 ///
 /// Errors: [`Error::Storage`].
-pub fn action_plan(conn: &Connection, action_id: &str) -> Result<Option<String>> {
+pub fn action_plan(conn: &Connection, action_id: &str) -> Result<Option<(String, u32)>> {
     Ok(conn
-        .prepare_cached("SELECT plan_id FROM actions WHERE action_id = ?1")?
-        .query_row([action_id], |r| r.get(0))
+        .prepare_cached("SELECT plan_id, plan_version FROM actions WHERE action_id = ?1")?
+        .query_row([action_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?)
 }
 
@@ -777,13 +795,13 @@ mod tests {
             [],
         )
         .unwrap();
-        assert!(insert_action(&conn, "a", "p", 1, 3, None, None, 0).unwrap());
+        assert!(insert_action(&conn, "a", "p", 1, 1, 3, None, None, 0).unwrap());
         let lease = FirstLease {
             worker_id: "w1",
             lease_id: "L1",
             expires_at_ms: i64::MAX,
         };
-        let row = insert_job(&conn, "j", "a", "p", "{}", 3, 0, 0, Some(lease)).unwrap();
+        let row = insert_job(&conn, "j", "a", "p", 1, "{}", 3, 0, 0, Some(lease)).unwrap();
         (dir, conn, row)
     }
 

@@ -31,6 +31,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0006_worker_sandboxed.sql"),
     include_str!("migrations/0007_action_traceparent.sql"),
     include_str!("migrations/0008_action_listing.sql"),
+    include_str!("migrations/0009_plan_versions.sql"),
     include_str!("migrations/0010_worker_quarantine.sql"),
 ];
 
@@ -296,10 +297,11 @@ mod tests {
 
     /// A database left at schema version 2 by an older agq is brought to
     /// the current version with its rows kept, the job indexes no query
-    /// uses are gone, the action listing indexes are there, and actions
-    /// whose jobs all ended have a finish time
-    /// (the last job's) for retention; a database newer than this agq is
-    /// refused.
+    /// uses are gone, the action listing indexes are there, actions
+    /// whose jobs all ended have a finish time (the last job's) for
+    /// retention, and every plan, action and job is version 1 of its plan
+    /// (the plan's body kept as that version); a database newer than this
+    /// agq is refused.
     #[test]
     fn migrations_bring_an_old_database_up_to_date() {
         let mut conn = Connection::open_in_memory().unwrap();
@@ -307,7 +309,7 @@ mod tests {
         conn.execute_batch(MIGRATIONS[1]).unwrap();
         conn.pragma_update(None, "user_version", 2).unwrap();
         conn.execute_batch(
-            "INSERT INTO plans VALUES ('p', '', x'', 0);
+            "INSERT INTO plans VALUES ('p', 'first', x'0a0170', 7);
              INSERT INTO actions VALUES ('a', 'p', 1, 3, NULL, 0);
              INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
                  VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);
@@ -360,6 +362,34 @@ mod tests {
             .collect::<rusqlite::Result<_>>()
             .unwrap();
         assert_eq!(finished, [None, Some(50)]);
+        // Version 9: plan versions.
+        let head: (i64, i64, i64) = conn
+            .query_row(
+                "SELECT version, created_at_ms, updated_at_ms FROM plans WHERE plan_id = 'p'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(head, (1, 7, 7));
+        let v1: (i64, String, Vec<u8>, i64) = conn
+            .query_row(
+                "SELECT version, description, body, created_at_ms FROM plan_versions WHERE plan_id = 'p'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(v1, (1, "first".to_string(), vec![0x0a, 0x01, b'p'], 7));
+        let got = plans::get_version(&conn, "p", 1).unwrap().unwrap();
+        assert_eq!((got.plan_id.as_str(), got.version), ("p", 1));
+        assert_eq!(plans::get(&conn, "p").unwrap(), Some(got));
+        let versions: Vec<i64> = conn
+            .prepare("SELECT plan_version FROM jobs UNION ALL SELECT plan_version FROM actions")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(versions, [1; 5]);
 
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();

@@ -139,7 +139,7 @@ mod tests {
         conn.pragma_update(None, "foreign_keys", "ON").unwrap();
         enable_incremental_vacuum(&conn).unwrap();
         super::super::migrate(&mut conn).unwrap();
-        conn.execute_batch("INSERT INTO plans VALUES ('p', '', x'', 0);")
+        conn.execute_batch("INSERT INTO plans (plan_id, description, body, created_at_ms) VALUES ('p', '', x'', 0);")
             .unwrap();
         conn
     }

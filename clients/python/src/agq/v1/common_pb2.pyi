@@ -190,6 +190,7 @@ class Plan(_message.Message):
     PLAN_DESCRIPTION_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
     REQUIRE_SANDBOX_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """Unique id, [A-Za-z0-9._-]{1,128}."""
     plan_description: _builtins.str
@@ -198,6 +199,12 @@ class Plan(_message.Message):
     """Only workers that run tasks in the kernel sandbox (Worker.sandboxed)
     get this plan's jobs; others are skipped, and a job with no such
     worker says so in its waiting_reason.
+    """
+    version: _builtins.int
+    """Version of the Plan under its plan_id: 1 for the first SubmitPlan, one
+    more for each SubmitPlan with replace that changes the Plan. Set by the
+    server and read-only: SubmitPlan ignores it. Jobs run the version that
+    was the latest when their Action was submitted (Job.plan_version).
     """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
@@ -210,10 +217,11 @@ class Plan(_message.Message):
         plan_description: _builtins.str = ...,
         tasks: _abc.Iterable[Global___Task] | None = ...,
         require_sandbox: _builtins.bool = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -280,6 +288,7 @@ class ActionStatus(_message.Message):
     CANCELLED_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     COMPLETED_JOBS_AT_FIELD_NUMBER: _builtins.int
+    PLAN_VERSION_FIELD_NUMBER: _builtins.int
     action_id: _builtins.str
     """The Action's id."""
     plan_id: _builtins.str
@@ -298,6 +307,10 @@ class ActionStatus(_message.Message):
     """Jobs in JOB_STATUS_DEAD."""
     cancelled: _builtins.int
     """Jobs in JOB_STATUS_CANCELLED."""
+    plan_version: _builtins.int
+    """Version of the Plan the Action's jobs run (Plan.version): the latest
+    when the Action was submitted.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When the Action was submitted."""
@@ -320,10 +333,11 @@ class ActionStatus(_message.Message):
         cancelled: _builtins.int = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         completed_jobs_at: _timestamp_pb2.Timestamp | None = ...,
+        plan_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_jobs_at", b"completed_jobs_at", "created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "cancelled", b"cancelled", "completed", b"completed", "completed_jobs_at", b"completed_jobs_at", "created_at", b"created_at", "dead", b"dead", "failed", b"failed", "pending", b"pending", "plan_id", b"plan_id", "running", b"running", "total_jobs", b"total_jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "cancelled", b"cancelled", "completed", b"completed", "completed_jobs_at", b"completed_jobs_at", "created_at", b"created_at", "dead", b"dead", "failed", b"failed", "pending", b"pending", "plan_id", b"plan_id", "plan_version", b"plan_version", "running", b"running", "total_jobs", b"total_jobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -422,6 +436,7 @@ class Job(_message.Message):
     CURRENT_TASK_FIELD_NUMBER: _builtins.int
     PROGRESS_PERCENT_FIELD_NUMBER: _builtins.int
     READY_AT_FIELD_NUMBER: _builtins.int
+    PLAN_VERSION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Server-assigned id."""
     action_id: _builtins.str
@@ -444,6 +459,11 @@ class Job(_message.Message):
     """Task the worker reported running (1-based); 0 when unknown."""
     progress_percent: _builtins.int
     """Worker-reported progress of the current attempt, 0..=100."""
+    plan_version: _builtins.int
+    """Version of the Plan the job runs (Plan.version): the latest when its
+    Action was submitted. It never changes, retries included: a Plan
+    replaced later does not change the tasks of jobs already created.
+    """
     @_builtins.property
     def input(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The input values for "{{name}}" templating."""
@@ -490,10 +510,11 @@ class Job(_message.Message):
         current_task: _builtins.int = ...,
         progress_percent: _builtins.int = ...,
         ready_at: _timestamp_pb2.Timestamp | None = ...,
+        plan_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_at", b"completed_at", "created_at", b"created_at", "ready_at", b"ready_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "attempt", b"attempt", "completed_at", b"completed_at", "created_at", b"created_at", "current_task", b"current_task", "error", b"error", "input", b"input", "job_id", b"job_id", "max_attempts", b"max_attempts", "plan_id", b"plan_id", "progress_percent", b"progress_percent", "ready_at", b"ready_at", "started_at", b"started_at", "status", b"status", "task_results", b"task_results", "waiting_reason", b"waiting_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "attempt", b"attempt", "completed_at", b"completed_at", "created_at", b"created_at", "current_task", b"current_task", "error", b"error", "input", b"input", "job_id", b"job_id", "max_attempts", b"max_attempts", "plan_id", b"plan_id", "plan_version", b"plan_version", "progress_percent", b"progress_percent", "ready_at", b"ready_at", "started_at", b"started_at", "status", b"status", "task_results", b"task_results", "waiting_reason", b"waiting_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,31 +23,40 @@ _sym_db = _symbol_database.Default()
 
 
 from agq.v1 import common_pb2 as agq_dot_v1_dot_common__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61gq/v1/plan_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\"/\n\x11SubmitPlanRequest\x12\x1a\n\x04plan\x18\x01 \x01(\x0b\x32\x0c.agq.v1.Plan\"%\n\x12SubmitPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\"!\n\x0eGetPlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\"-\n\x0fGetPlanResponse\x12\x1a\n\x04plan\x18\x01 \x01(\x0b\x32\x0c.agq.v1.Plan\"J\n\x10ListPlansRequest\x12\x0f\n\x07pattern\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\">\n\x11ListPlansResponse\x12\x10\n\x08plan_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x11\x44\x65letePlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\"%\n\x12\x44\x65letePlanResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\x95\x02\n\x0bPlanService\x12\x43\n\nSubmitPlan\x12\x19.agq.v1.SubmitPlanRequest\x1a\x1a.agq.v1.SubmitPlanResponse\x12:\n\x07GetPlan\x12\x16.agq.v1.GetPlanRequest\x1a\x17.agq.v1.GetPlanResponse\x12@\n\tListPlans\x12\x18.agq.v1.ListPlansRequest\x1a\x19.agq.v1.ListPlansResponse\x12\x43\n\nDeletePlan\x12\x19.agq.v1.DeletePlanRequest\x1a\x1a.agq.v1.DeletePlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61gq/v1/plan_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"@\n\x11SubmitPlanRequest\x12\x1a\n\x04plan\x18\x01 \x01(\x0b\x32\x0c.agq.v1.Plan\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"G\n\x12SubmitPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\"2\n\x0eGetPlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"-\n\x0fGetPlanResponse\x12\x1a\n\x04plan\x18\x01 \x01(\x0b\x32\x0c.agq.v1.Plan\"J\n\x10ListPlansRequest\x12\x0f\n\x07pattern\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"b\n\x11ListPlansResponse\x12\x10\n\x08plan_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\"\n\x05plans\x18\x03 \x03(\x0b\x32\x13.agq.v1.PlanSummary\"\xa9\x01\n\x0bPlanSummary\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x18\n\x10plan_description\x18\x03 \x01(\t\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"$\n\x11\x44\x65letePlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\"%\n\x12\x44\x65letePlanResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"Q\n\x17ListPlanVersionsRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"Z\n\x18ListPlanVersionsResponse\x12%\n\x08versions\x18\x01 \x03(\x0b\x32\x13.agq.v1.PlanVersion\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"|\n\x0bPlanVersion\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x18\n\x10plan_description\x18\x02 \x01(\t\x12\x12\n\ntask_count\x18\x03 \x01(\r\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xec\x02\n\x0bPlanService\x12\x43\n\nSubmitPlan\x12\x19.agq.v1.SubmitPlanRequest\x1a\x1a.agq.v1.SubmitPlanResponse\x12:\n\x07GetPlan\x12\x16.agq.v1.GetPlanRequest\x1a\x17.agq.v1.GetPlanResponse\x12@\n\tListPlans\x12\x18.agq.v1.ListPlansRequest\x1a\x19.agq.v1.ListPlansResponse\x12\x43\n\nDeletePlan\x12\x19.agq.v1.DeletePlanRequest\x1a\x1a.agq.v1.DeletePlanResponse\x12U\n\x10ListPlanVersions\x12\x1f.agq.v1.ListPlanVersionsRequest\x1a .agq.v1.ListPlanVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agq.v1.plan_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITPLANREQUEST']._serialized_start=58
-  _globals['_SUBMITPLANREQUEST']._serialized_end=105
-  _globals['_SUBMITPLANRESPONSE']._serialized_start=107
-  _globals['_SUBMITPLANRESPONSE']._serialized_end=144
-  _globals['_GETPLANREQUEST']._serialized_start=146
-  _globals['_GETPLANREQUEST']._serialized_end=179
-  _globals['_GETPLANRESPONSE']._serialized_start=181
-  _globals['_GETPLANRESPONSE']._serialized_end=226
-  _globals['_LISTPLANSREQUEST']._serialized_start=228
-  _globals['_LISTPLANSREQUEST']._serialized_end=302
-  _globals['_LISTPLANSRESPONSE']._serialized_start=304
-  _globals['_LISTPLANSRESPONSE']._serialized_end=366
-  _globals['_DELETEPLANREQUEST']._serialized_start=368
-  _globals['_DELETEPLANREQUEST']._serialized_end=404
-  _globals['_DELETEPLANRESPONSE']._serialized_start=406
-  _globals['_DELETEPLANRESPONSE']._serialized_end=443
-  _globals['_PLANSERVICE']._serialized_start=446
-  _globals['_PLANSERVICE']._serialized_end=723
+  _globals['_SUBMITPLANREQUEST']._serialized_start=91
+  _globals['_SUBMITPLANREQUEST']._serialized_end=155
+  _globals['_SUBMITPLANRESPONSE']._serialized_start=157
+  _globals['_SUBMITPLANRESPONSE']._serialized_end=228
+  _globals['_GETPLANREQUEST']._serialized_start=230
+  _globals['_GETPLANREQUEST']._serialized_end=280
+  _globals['_GETPLANRESPONSE']._serialized_start=282
+  _globals['_GETPLANRESPONSE']._serialized_end=327
+  _globals['_LISTPLANSREQUEST']._serialized_start=329
+  _globals['_LISTPLANSREQUEST']._serialized_end=403
+  _globals['_LISTPLANSRESPONSE']._serialized_start=405
+  _globals['_LISTPLANSRESPONSE']._serialized_end=503
+  _globals['_PLANSUMMARY']._serialized_start=506
+  _globals['_PLANSUMMARY']._serialized_end=675
+  _globals['_DELETEPLANREQUEST']._serialized_start=677
+  _globals['_DELETEPLANREQUEST']._serialized_end=713
+  _globals['_DELETEPLANRESPONSE']._serialized_start=715
+  _globals['_DELETEPLANRESPONSE']._serialized_end=752
+  _globals['_LISTPLANVERSIONSREQUEST']._serialized_start=754
+  _globals['_LISTPLANVERSIONSREQUEST']._serialized_end=835
+  _globals['_LISTPLANVERSIONSRESPONSE']._serialized_start=837
+  _globals['_LISTPLANVERSIONSRESPONSE']._serialized_end=927
+  _globals['_PLANVERSION']._serialized_start=929
+  _globals['_PLANVERSION']._serialized_end=1053
+  _globals['_PLANSERVICE']._serialized_start=1056
+  _globals['_PLANSERVICE']._serialized_end=1420
 # @@protoc_insertion_point(module_scope)

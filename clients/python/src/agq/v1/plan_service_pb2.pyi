@@ -7,6 +7,7 @@ from agq.v1 import common_pb2 as _common_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -26,18 +27,28 @@ class SubmitPlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
+    replace: _builtins.bool
+    """When the plan_id exists: store the Plan as its next version instead of
+    failing with ALREADY_EXISTS. A Plan identical to the latest version
+    (description, tasks and require_sandbox) stores nothing and answers
+    with that version (created false), so a retried or repeated submit is
+    harmless. When the plan_id does not exist, the Plan is stored as
+    version 1 either way.
+    """
     @_builtins.property
     def plan(self) -> _common_pb2.Plan:
-        """The Plan to store."""
+        """The Plan to store. Its version field is ignored: the server sets it."""
 
     def __init__(
         self,
         *,
         plan: _common_pb2.Plan | None = ...,
+        replace: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "replace", b"replace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -50,16 +61,28 @@ class SubmitPlanResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """Id of the stored Plan."""
+    version: _builtins.int
+    """Version the Plan is stored as: the new version, or with replace and an
+    unchanged Plan the latest one.
+    """
+    created: _builtins.bool
+    """True when this call stored a new version; false when replace found the
+    latest version identical and stored nothing.
+    """
     def __init__(
         self,
         *,
         plan_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        created: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "plan_id", b"plan_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -72,16 +95,20 @@ class GetPlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """Id of the Plan to fetch."""
+    version: _builtins.int
+    """Version to fetch (Plan.version); 0 means the latest."""
     def __init__(
         self,
         *,
         plan_id: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -158,25 +185,75 @@ class ListPlansResponse(_message.Message):
 
     PLAN_IDS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    PLANS_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Token for the next page; empty when this is the last page."""
     @_builtins.property
     def plan_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Matching plan ids, ascending."""
 
+    @_builtins.property
+    def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanSummary]:
+        """The same plans as plan_ids, in the same order, with their latest
+        version.
+        """
+
     def __init__(
         self,
         *,
         plan_ids: _abc.Iterable[_builtins.str] | None = ...,
         next_page_token: _builtins.str = ...,
+        plans: _abc.Iterable[Global___PlanSummary] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "plan_ids", b"plan_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "plan_ids", b"plan_ids", "plans", b"plans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListPlansResponse: _TypeAlias = ListPlansResponse  # noqa: Y015
+
+@_typing.final
+class PlanSummary(_message.Message):
+    """One Plan in a listing: its latest version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    PLAN_DESCRIPTION_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    plan_id: _builtins.str
+    """The Plan's id."""
+    version: _builtins.int
+    """Its latest version (Plan.version)."""
+    plan_description: _builtins.str
+    """The latest version's description."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When version 1 was stored."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """When the latest version was stored."""
+
+    def __init__(
+        self,
+        *,
+        plan_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        plan_description: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "plan_description", b"plan_description", "plan_id", b"plan_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanSummary: _TypeAlias = PlanSummary  # noqa: Y015
 
 @_typing.final
 class DeletePlanRequest(_message.Message):
@@ -221,3 +298,97 @@ class DeletePlanResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeletePlanResponse: _TypeAlias = DeletePlanResponse  # noqa: Y015
+
+@_typing.final
+class ListPlanVersionsRequest(_message.Message):
+    """Request of ListPlanVersions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    plan_id: _builtins.str
+    """Id of the Plan whose versions to list."""
+    page_size: _builtins.int
+    """Maximum versions to return, 1..=1000; 0 means 100."""
+    page_token: _builtins.str
+    """next_page_token of the previous page; empty for the first page."""
+    def __init__(
+        self,
+        *,
+        plan_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "plan_id", b"plan_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPlanVersionsRequest: _TypeAlias = ListPlanVersionsRequest  # noqa: Y015
+
+@_typing.final
+class ListPlanVersionsResponse(_message.Message):
+    """Response of ListPlanVersions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty when this is the last page."""
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanVersion]:
+        """The versions, newest first."""
+
+    def __init__(
+        self,
+        *,
+        versions: _abc.Iterable[Global___PlanVersion] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPlanVersionsResponse: _TypeAlias = ListPlanVersionsResponse  # noqa: Y015
+
+@_typing.final
+class PlanVersion(_message.Message):
+    """One stored version of a Plan; GetPlan with its version fetches it whole."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    PLAN_DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TASK_COUNT_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version (Plan.version)."""
+    plan_description: _builtins.str
+    """The version's description."""
+    task_count: _builtins.int
+    """Number of tasks of the version."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When the version was stored."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        plan_description: _builtins.str = ...,
+        task_count: _builtins.int = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "plan_description", b"plan_description", "task_count", b"task_count", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanVersion: _TypeAlias = PlanVersion  # noqa: Y015

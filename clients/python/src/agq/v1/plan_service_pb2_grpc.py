@@ -55,6 +55,11 @@ class PlanServiceStub:
                 request_serializer=agq_dot_v1_dot_plan__service__pb2.DeletePlanRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_plan__service__pb2.DeletePlanResponse.FromString,
                 _registered_method=True)
+        self.ListPlanVersions = channel.unary_unary(
+                '/agq.v1.PlanService/ListPlanVersions',
+                request_serializer=agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsResponse.FromString,
+                _registered_method=True)
 
 
 class PlanServiceServicer:
@@ -62,34 +67,50 @@ class PlanServiceServicer:
     """
 
     def SubmitPlan(self, request, context):
-        """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
-        Errors: INVALID_ARGUMENT when the plan fails validation (the message
-        names the rule), ALREADY_EXISTS when the plan_id is taken.
+        """Stores a new Plan (version 1), or with replace a new version of an
+        existing one. Implements the specification's PLAN.SUBMIT command.
+        Pending and running jobs keep the version they were created with; new
+        Actions run the new version. Errors: INVALID_ARGUMENT when the plan
+        fails validation (the message names the rule), ALREADY_EXISTS when the
+        plan_id is taken and replace is not set (even by an identical Plan),
+        RESOURCE_EXHAUSTED when the plan has 4294967295 versions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Fetches one Plan. Implements the specification's PLAN.GET command.
-        Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
+        """Fetches one Plan: its latest version, or the version asked for.
+        Implements the specification's PLAN.GET command. Errors:
+        INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown plan or
+        version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListPlans(self, request, context):
-        """Lists plan ids in ascending order, optionally filtered by a glob
-        (implements the specification's PLAN.LIST command). Errors:
-        INVALID_ARGUMENT for a bad pattern or token.
+        """Lists plan ids in ascending order, optionally filtered by a glob, each
+        with its latest version (implements the specification's PLAN.LIST
+        command). Errors: INVALID_ARGUMENT for a bad pattern or token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeletePlan(self, request, context):
-        """Deletes a Plan and its finished jobs' history. Implements the
-        specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+        """Deletes a Plan, every version of it, and its finished jobs' history.
+        Implements the specification's PLAN.DELETE command. Errors: NOT_FOUND;
+        FAILED_PRECONDITION while pending or running jobs use any version of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPlanVersions(self, request, context):
+        """Lists the versions of one Plan, newest first, paginated (an AGQ
+        addition). Errors: INVALID_ARGUMENT for a malformed id, page size or
+        token; NOT_FOUND for an unknown plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +138,11 @@ def add_PlanServiceServicer_to_server(servicer, server):
                     servicer.DeletePlan,
                     request_deserializer=agq_dot_v1_dot_plan__service__pb2.DeletePlanRequest.FromString,
                     response_serializer=agq_dot_v1_dot_plan__service__pb2.DeletePlanResponse.SerializeToString,
+            ),
+            'ListPlanVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPlanVersions,
+                    request_deserializer=agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +254,33 @@ class PlanService:
             '/agq.v1.PlanService/DeletePlan',
             agq_dot_v1_dot_plan__service__pb2.DeletePlanRequest.SerializeToString,
             agq_dot_v1_dot_plan__service__pb2.DeletePlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPlanVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.PlanService/ListPlanVersions',
+            agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsRequest.SerializeToString,
+            agq_dot_v1_dot_plan__service__pb2.ListPlanVersionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

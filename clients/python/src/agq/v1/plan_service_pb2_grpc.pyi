@@ -34,22 +34,34 @@ class PlanServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PlanServiceAsyncStub: ...
     SubmitPlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.SubmitPlanRequest, _plan_service_pb2.SubmitPlanResponse]
-    """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
-    Errors: INVALID_ARGUMENT when the plan fails validation (the message
-    names the rule), ALREADY_EXISTS when the plan_id is taken.
+    """Stores a new Plan (version 1), or with replace a new version of an
+    existing one. Implements the specification's PLAN.SUBMIT command.
+    Pending and running jobs keep the version they were created with; new
+    Actions run the new version. Errors: INVALID_ARGUMENT when the plan
+    fails validation (the message names the rule), ALREADY_EXISTS when the
+    plan_id is taken and replace is not set (even by an identical Plan),
+    RESOURCE_EXHAUSTED when the plan has 4294967295 versions.
     """
     GetPlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.GetPlanRequest, _plan_service_pb2.GetPlanResponse]
-    """Fetches one Plan. Implements the specification's PLAN.GET command.
-    Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
+    """Fetches one Plan: its latest version, or the version asked for.
+    Implements the specification's PLAN.GET command. Errors:
+    INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown plan or
+    version.
     """
     ListPlans: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlansRequest, _plan_service_pb2.ListPlansResponse]
-    """Lists plan ids in ascending order, optionally filtered by a glob
-    (implements the specification's PLAN.LIST command). Errors:
-    INVALID_ARGUMENT for a bad pattern or token.
+    """Lists plan ids in ascending order, optionally filtered by a glob, each
+    with its latest version (implements the specification's PLAN.LIST
+    command). Errors: INVALID_ARGUMENT for a bad pattern or token.
     """
     DeletePlan: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.DeletePlanRequest, _plan_service_pb2.DeletePlanResponse]
-    """Deletes a Plan and its finished jobs' history. Implements the
-    specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+    """Deletes a Plan, every version of it, and its finished jobs' history.
+    Implements the specification's PLAN.DELETE command. Errors: NOT_FOUND;
+    FAILED_PRECONDITION while pending or running jobs use any version of it.
+    """
+    ListPlanVersions: _grpc.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlanVersionsRequest, _plan_service_pb2.ListPlanVersionsResponse]
+    """Lists the versions of one Plan, newest first, paginated (an AGQ
+    addition). Errors: INVALID_ARGUMENT for a malformed id, page size or
+    token; NOT_FOUND for an unknown plan.
     """
 
 @_typing.type_check_only
@@ -58,22 +70,34 @@ class PlanServiceAsyncStub(PlanServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitPlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.SubmitPlanRequest, _plan_service_pb2.SubmitPlanResponse]  # type: ignore[assignment]
-    """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
-    Errors: INVALID_ARGUMENT when the plan fails validation (the message
-    names the rule), ALREADY_EXISTS when the plan_id is taken.
+    """Stores a new Plan (version 1), or with replace a new version of an
+    existing one. Implements the specification's PLAN.SUBMIT command.
+    Pending and running jobs keep the version they were created with; new
+    Actions run the new version. Errors: INVALID_ARGUMENT when the plan
+    fails validation (the message names the rule), ALREADY_EXISTS when the
+    plan_id is taken and replace is not set (even by an identical Plan),
+    RESOURCE_EXHAUSTED when the plan has 4294967295 versions.
     """
     GetPlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.GetPlanRequest, _plan_service_pb2.GetPlanResponse]  # type: ignore[assignment]
-    """Fetches one Plan. Implements the specification's PLAN.GET command.
-    Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
+    """Fetches one Plan: its latest version, or the version asked for.
+    Implements the specification's PLAN.GET command. Errors:
+    INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown plan or
+    version.
     """
     ListPlans: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlansRequest, _plan_service_pb2.ListPlansResponse]  # type: ignore[assignment]
-    """Lists plan ids in ascending order, optionally filtered by a glob
-    (implements the specification's PLAN.LIST command). Errors:
-    INVALID_ARGUMENT for a bad pattern or token.
+    """Lists plan ids in ascending order, optionally filtered by a glob, each
+    with its latest version (implements the specification's PLAN.LIST
+    command). Errors: INVALID_ARGUMENT for a bad pattern or token.
     """
     DeletePlan: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.DeletePlanRequest, _plan_service_pb2.DeletePlanResponse]  # type: ignore[assignment]
-    """Deletes a Plan and its finished jobs' history. Implements the
-    specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+    """Deletes a Plan, every version of it, and its finished jobs' history.
+    Implements the specification's PLAN.DELETE command. Errors: NOT_FOUND;
+    FAILED_PRECONDITION while pending or running jobs use any version of it.
+    """
+    ListPlanVersions: _aio.UnaryUnaryMultiCallable[_plan_service_pb2.ListPlanVersionsRequest, _plan_service_pb2.ListPlanVersionsResponse]  # type: ignore[assignment]
+    """Lists the versions of one Plan, newest first, paginated (an AGQ
+    addition). Errors: INVALID_ARGUMENT for a malformed id, page size or
+    token; NOT_FOUND for an unknown plan.
     """
 
 class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -85,9 +109,13 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.SubmitPlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.SubmitPlanResponse, _abc.Awaitable[_plan_service_pb2.SubmitPlanResponse]]:
-        """Stores a new Plan. Implements the specification's PLAN.SUBMIT command.
-        Errors: INVALID_ARGUMENT when the plan fails validation (the message
-        names the rule), ALREADY_EXISTS when the plan_id is taken.
+        """Stores a new Plan (version 1), or with replace a new version of an
+        existing one. Implements the specification's PLAN.SUBMIT command.
+        Pending and running jobs keep the version they were created with; new
+        Actions run the new version. Errors: INVALID_ARGUMENT when the plan
+        fails validation (the message names the rule), ALREADY_EXISTS when the
+        plan_id is taken and replace is not set (even by an identical Plan),
+        RESOURCE_EXHAUSTED when the plan has 4294967295 versions.
         """
 
     @_abc_1.abstractmethod
@@ -96,8 +124,10 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.GetPlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.GetPlanResponse, _abc.Awaitable[_plan_service_pb2.GetPlanResponse]]:
-        """Fetches one Plan. Implements the specification's PLAN.GET command.
-        Errors: INVALID_ARGUMENT for a malformed id, NOT_FOUND.
+        """Fetches one Plan: its latest version, or the version asked for.
+        Implements the specification's PLAN.GET command. Errors:
+        INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown plan or
+        version.
         """
 
     @_abc_1.abstractmethod
@@ -106,9 +136,9 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.ListPlansRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.ListPlansResponse, _abc.Awaitable[_plan_service_pb2.ListPlansResponse]]:
-        """Lists plan ids in ascending order, optionally filtered by a glob
-        (implements the specification's PLAN.LIST command). Errors:
-        INVALID_ARGUMENT for a bad pattern or token.
+        """Lists plan ids in ascending order, optionally filtered by a glob, each
+        with its latest version (implements the specification's PLAN.LIST
+        command). Errors: INVALID_ARGUMENT for a bad pattern or token.
         """
 
     @_abc_1.abstractmethod
@@ -117,8 +147,20 @@ class PlanServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _plan_service_pb2.DeletePlanRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_plan_service_pb2.DeletePlanResponse, _abc.Awaitable[_plan_service_pb2.DeletePlanResponse]]:
-        """Deletes a Plan and its finished jobs' history. Implements the
-        specification's PLAN.DELETE command. Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+        """Deletes a Plan, every version of it, and its finished jobs' history.
+        Implements the specification's PLAN.DELETE command. Errors: NOT_FOUND;
+        FAILED_PRECONDITION while pending or running jobs use any version of it.
+        """
+
+    @_abc_1.abstractmethod
+    def ListPlanVersions(
+        self,
+        request: _plan_service_pb2.ListPlanVersionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_plan_service_pb2.ListPlanVersionsResponse, _abc.Awaitable[_plan_service_pb2.ListPlanVersionsResponse]]:
+        """Lists the versions of one Plan, newest first, paginated (an AGQ
+        addition). Errors: INVALID_ARGUMENT for a malformed id, page size or
+        token; NOT_FOUND for an unknown plan.
         """
 
 def add_PlanServiceServicer_to_server(servicer: PlanServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
