@@ -61,6 +61,7 @@ pub fn fixture_plan() -> pb::Plan {
                 timeout_secs: 3600,
                 input_from_task: None,
                 allow_option_values: false,
+                permanent_exit_codes: vec![],
             },
             pb::Task {
                 task_number: 2,
@@ -69,6 +70,7 @@ pub fn fixture_plan() -> pb::Plan {
                 timeout_secs: 3600,
                 input_from_task: Some(1),
                 allow_option_values: false,
+                permanent_exit_codes: vec![],
             },
         ],
         require_sandbox: false,
