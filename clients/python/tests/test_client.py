@@ -155,6 +155,30 @@ def test_task_exception_fails_the_job_with_the_traceback(
     assert "Traceback" in r.stderr
 
 
+def test_a_permanent_failure_is_not_retried(
+    server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    w = agq.Worker(server.address, "py-perm-1")
+    calls: list[str] = []
+
+    @w.task("validate")
+    def validate(ctx: agq.TaskContext) -> str:
+        calls.append(ctx.input["n"])
+        raise agq.PermanentFailure(f"input {ctx.input['n']} can never be valid")
+
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-perm", [agq.Task("validate", timeout_secs=10)]))
+    sub = client.submit_action("py-perm", [{"n": "3"}], max_attempts=5)
+    last = client.wait_action(sub.action_id, timeout=WAIT)
+    assert last.dead == 1
+    job = client.get_job(sub.job_ids[0])
+    assert job.status is agq.JobStatus.DEAD
+    assert job.attempt == 1, "not retried although 4 attempts were left"
+    assert "permanent failure, not retried" in job.error
+    assert "PermanentFailure: input 3 can never be valid" in job.error
+    assert calls == ["3"]
+
+
 def test_missing_function_and_missing_variable_fail_the_job(
     server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
 ) -> None:

@@ -29,6 +29,7 @@ from agq.types import (  # noqa: E402
 )
 from agq.worker import (  # noqa: E402
     JobCancelled,
+    PermanentFailure,
     TaskContext,
     TaskFunction,
     Worker,
@@ -42,6 +43,7 @@ __all__ = [
     "Client",
     "Job",
     "JobCancelled",
+    "PermanentFailure",
     "JobStatus",
     "Page",
     "Plan",

@@ -6,7 +6,8 @@ functions in ``command`` runs on it. Per leased job it runs the plan's tasks
 in order, each by calling the named function with a :class:`TaskContext`
 (the job input, the task's rendered ``args``, the previous output as
 ``stdin``); the return value is the task's output (``stdout`` of its
-TaskResult) and an exception fails the task and the job attempt.
+TaskResult) and an exception fails the task and the job attempt;
+:class:`PermanentFailure` fails it for good (no retry: the job is dead).
 
 Protocol (as ``agw``): RegisterWorker; a Heartbeat stream whose first
 message lists the leases still running (``held_leases``) and that is fed at
@@ -85,6 +86,12 @@ _TRANSIENT = (
 
 class JobCancelled(Exception):
     """Raised by :meth:`TaskContext.check` once the task should stop."""
+
+
+class PermanentFailure(Exception):
+    """Raise it from a task function when retrying cannot help (bad input,
+    say): the failure is reported as permanent and the job goes to dead at
+    once, whatever attempts are left (``RetryJob`` still brings it back)."""
 
 
 class WorkerError(Exception):
@@ -735,6 +742,7 @@ class Worker:
         results: list[TaskResult] = []
         outputs: dict[int, str] = {}
         error = ""
+        permanent = False
         tasks = list(lease.plan.tasks)
         if not tasks:
             error = "the lease carries no plan"
@@ -762,7 +770,7 @@ class Worker:
                 input=dict(job.input), args=args, stdin=stdin,
                 timeout_secs=task.timeout_secs, cancelled=running.cancel,
             )
-            result, err = self._run_task(fn, ctx, task.timeout_secs, running)
+            result, err, permanent = self._run_task(fn, ctx, task.timeout_secs, running)
             results.append(result)
             outputs[n] = result.stdout
             if err:
@@ -779,6 +787,7 @@ class Worker:
         req.current_task = results[-1].task_number if results else 0
         req.progress_percent = 100 if success else 0
         req.error = error
+        req.permanent = permanent and not success
         budget = REPORT_BUDGET_BYTES
         for r in results:
             out, out_cut = _clip(r.stdout, max(0, budget))
@@ -803,9 +812,10 @@ class Worker:
 
     def _run_task(
         self, fn: TaskFunction, ctx: TaskContext, timeout_secs: int, running: _Running
-    ) -> tuple[TaskResult, str]:
-        """Runs one task function on its own thread; returns its result and
-        the job error ("" on success)."""
+    ) -> tuple[TaskResult, str, bool]:
+        """Runs one task function on its own thread; returns its result, the
+        job error ("" on success) and whether the failure is permanent (the
+        function raised :class:`PermanentFailure`)."""
         box: dict[str, object] = {}
         finished = threading.Event()
 
@@ -842,15 +852,16 @@ class Worker:
         if stopped and not finished.is_set():
             stderr, cut = _clip(ctx.stderr() + f"stopped: {stopped}\n", cap)
             return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
-                    f"task {n} ({cmd}) stopped: {stopped}")
+                    f"task {n} ({cmd}) stopped: {stopped}", False)
         if "error" in box:
             exc = box["error"]
             stderr, cut = _clip(ctx.stderr() + str(box.get("trace", "")), cap)
             if stopped:
                 return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
-                        f"task {n} ({cmd}) stopped: {stopped}")
+                        f"task {n} ({cmd}) stopped: {stopped}", False)
             what = f"{type(exc).__name__}: {exc}"
-            return TaskResult(n, cmd, 1, "", stderr, ms, False, cut), f"task {n} ({cmd}) failed: {what}"
+            return (TaskResult(n, cmd, 1, "", stderr, ms, False, cut),
+                    f"task {n} ({cmd}) failed: {what}", isinstance(exc, PermanentFailure))
         value = box.get("value")
         if value is None:
             text = ""
@@ -862,8 +873,8 @@ class Worker:
         stderr, err_cut = _clip(ctx.stderr(), cap)
         if stopped:
             return (TaskResult(n, cmd, -1, stdout, stderr, ms, out_cut, err_cut),
-                    f"task {n} ({cmd}) stopped: {stopped}")
-        return TaskResult(n, cmd, 0, stdout, stderr, ms, out_cut, err_cut), ""
+                    f"task {n} ({cmd}) stopped: {stopped}", False)
+        return TaskResult(n, cmd, 0, stdout, stderr, ms, out_cut, err_cut), "", False
 
     def _report_progress(
         self, lease: worker_service_pb2.JobLease, running: _Running, task: int, percent: int
