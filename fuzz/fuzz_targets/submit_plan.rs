@@ -1,7 +1,8 @@
 //! PlanService/SubmitPlan: a `SubmitPlanRequest` decoded from the fuzzer's
 //! bytes goes through the service's path (the plan converted to
-//! `core::model::Plan`, then `Engine::submit_plan`); `validate::plan` on
-//! the converted plan is the oracle. What validation accepts is accepted
+//! `core::model::Plan`, then `Engine::submit_plan`); `validate::plan` and
+//! `validate::task_timeouts` (against the harness's job timeout) on the
+//! converted plan are the oracle. What validation accepts is accepted
 //! again after an encode/decode round trip (idempotent), reads back
 //! unchanged through GetPlan (with the version the server gave it,
 //! whatever version the request carried), is found by ListPlans and, when
@@ -25,7 +26,13 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let h = harness();
-    let valid = req.plan.clone().map(|p| validate::plan(&Plan::from(p)));
+    // The oracle: the plan's own rules, then the server's (no task longer
+    // than the job timeout).
+    let valid = req.plan.clone().map(|p| {
+        let p = Plan::from(p);
+        validate::plan(&p)
+            .and_then(|()| validate::task_timeouts(&p, h.engine.config().job_timeout))
+    });
     if let (Some(Ok(())), Some(p)) = (&valid, &req.plan) {
         let again = pb::Plan::decode(p.encode_to_vec().as_slice()).expect("re-decode");
         assert_eq!(&again, p);
