@@ -30,8 +30,7 @@ fuzz_target!(|data: &[u8]| {
     // than the job timeout).
     let valid = req.plan.clone().map(|p| {
         let p = Plan::from(p);
-        validate::plan(&p)
-            .and_then(|()| validate::task_timeouts(&p, h.engine.config().job_timeout))
+        validate::plan(&p).and_then(|()| validate::task_timeouts(&p, h.engine.config().job_timeout))
     });
     if let (Some(Ok(())), Some(p)) = (&valid, &req.plan) {
         let again = pb::Plan::decode(p.encode_to_vec().as_slice()).expect("re-decode");
