@@ -6,7 +6,7 @@
 //!
 //! Screenshots of every page go to `target/ui-screenshots/` (CI keeps
 //! them; docs/console.md shows them). Needs `chromium` and `chromedriver`
-//! (`scripts/test.sh` installs them; `AGQ_CHROMIUM` and
+//! (`scripts/test-deps.sh` installs them; `AGQ_CHROMIUM` and
 //! `AGQ_CHROMEDRIVER` name other binaries). Without them the test fails
 //! and says how to install them: it never skips.
 
@@ -61,7 +61,7 @@ impl Driver {
             .unwrap_or_else(|e| {
                 panic!(
                     "cannot start {bin}: {e}. The console's browser test needs Chromium and \
-                     ChromeDriver: run `bash scripts/test.sh` (installs Debian's chromium and \
+                     ChromeDriver: run `bash scripts/test-deps.sh` (installs Debian's chromium and \
                      chromium-driver), or set AGQ_CHROMEDRIVER and AGQ_CHROMIUM"
                 )
             });

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite: installs what the tests need beyond crates.io, then runs
-# `cargo test --locked --workspace` (agq's suite and the bench crate's unit
-# tests). Extra arguments go to cargo test (`bash scripts/test.sh --test console`).
+# Installs what the test suite needs beyond crates.io; the README's test
+# command runs it before `cargo test --locked --workspace`:
+#
+#   bash scripts/test-deps.sh && cargo test --locked --workspace
 #
 # What it installs when missing: Debian's chromium and chromium-driver, for
 # the web console's browser test (tests/console_browser.rs). As root it runs
@@ -20,14 +21,12 @@ if [ -z "${AGQ_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
 fi
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "scripts/test.sh: installing ${need[*]} (Debian packages) for the console's browser test"
+    echo "scripts/test-deps.sh: installing ${need[*]} (Debian packages) for the console's browser test"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "scripts/test.sh: the console's browser test needs ${need[*]}:" >&2
+    echo "scripts/test-deps.sh: the console's browser test needs ${need[*]}:" >&2
     echo "  sudo apt-get install ${need[*]}   (or set AGQ_CHROMIUM / AGQ_CHROMEDRIVER)" >&2
     exit 1
   fi
 fi
-
-exec cargo test --locked --workspace "$@"
