@@ -164,17 +164,39 @@ pub async fn plan_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQu
     )
 }
 
+/// What a path segment keeps as it is: RFC 3986's unreserved characters.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// A path segment, percent-encoded.
 fn enc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
+    percent_encoding::utf8_percent_encode(s, SEGMENT).to_string()
+}
+
+/// The value of proto enum `E` whose name is `PREFIX` + `name` in upper
+/// case (`dead` → `JOB_STATUS_DEAD`): the short lower-case names the CLI
+/// prints and the console's links carry. Empty and `all` are the
+/// unspecified value (no filter).
+///
+/// Errors: 400 naming the parameter for any other name.
+fn short_name<E: Default>(
+    what: &str,
+    prefix: &str,
+    name: &str,
+    from_str_name: fn(&str) -> Option<E>,
+) -> Result<E, Refusal> {
+    if name.is_empty() || name == "all" {
+        return Ok(E::default());
     }
-    out
+    from_str_name(&format!("{prefix}{}", name.to_ascii_uppercase())).ok_or_else(|| {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("Invalid request. unknown {what} {name:?}"),
+        )
+    })
 }
 
 /// `GET /fragments/overview`: queue depths, throughput and latency of the
@@ -192,10 +214,10 @@ pub async fn overview(State(c): Con, headers: HeaderMap) -> Page {
         .await?
         .into_inner()
         .workers;
-    let mut by_state = std::collections::BTreeMap::<&str, (u32, u32)>::new();
+    let mut by_state = std::collections::BTreeMap::<String, (u32, u32)>::new();
     for w in &workers {
         let e = by_state
-            .entry(super::view::worker_state(w.state))
+            .entry(crate::cli::view::worker_state_name(w.state))
             .or_default();
         if w.fresh {
             e.0 += 1;
@@ -286,18 +308,12 @@ pub struct ActionsQuery {
 /// `GET /fragments/actions`: actions, newest first, one page.
 pub async fn actions(State(c): Con, headers: HeaderMap, Query(f): Query<ActionsQuery>) -> Page {
     let id = c.caller(&headers)?;
-    let state = match f.state.as_str() {
-        "" | "all" => pb::ActionState::Unspecified,
-        "open" => pb::ActionState::Open,
-        "finished" => pb::ActionState::Finished,
-        "has_dead" => pb::ActionState::HasDead,
-        other => {
-            return Err(Refusal::new(
-                StatusCode::BAD_REQUEST,
-                format!("Invalid request. state must be open, finished or has_dead, not {other:?}"),
-            ))
-        }
-    };
+    let state = short_name(
+        "action state",
+        "ACTION_STATE_",
+        &f.state,
+        pb::ActionState::from_str_name,
+    )?;
     let r = c
         .actions
         .list_actions(grpc(
@@ -333,23 +349,16 @@ pub struct JobsQuery {
     page_token: String,
 }
 
-/// A job status from its name; empty is "any".
+/// A job status from its short name (`dead`); empty is "any".
+///
+/// Errors: 400 for an unknown name.
 fn status_of(name: &str) -> Result<pb::JobStatus, Refusal> {
-    Ok(match name {
-        "" | "all" => pb::JobStatus::Unspecified,
-        "pending" => pb::JobStatus::Pending,
-        "running" => pb::JobStatus::Running,
-        "completed" => pb::JobStatus::Completed,
-        "failed" => pb::JobStatus::Failed,
-        "dead" => pb::JobStatus::Dead,
-        "cancelled" => pb::JobStatus::Cancelled,
-        other => {
-            return Err(Refusal::new(
-                StatusCode::BAD_REQUEST,
-                format!("Invalid request. unknown job status {other:?}"),
-            ))
-        }
-    })
+    short_name(
+        "job status",
+        "JOB_STATUS_",
+        name,
+        pb::JobStatus::from_str_name,
+    )
 }
 
 /// `GET /fragments/actions/{id}`: an action's counts and one page of its
@@ -573,6 +582,11 @@ fn done(message: String) -> Response {
         .into_response()
 }
 
+/// `1 job`, `3 jobs`.
+fn jobs(n: u32) -> String {
+    format!("{n} job{}", if n == 1 { "" } else { "s" })
+}
+
 /// Which jobs an action's retry button retries.
 #[derive(Debug, Deserialize, Default)]
 pub struct RetryQuery {
@@ -601,11 +615,7 @@ pub async fn retry_action(
         ))
         .await?
         .into_inner();
-    Ok(done(format!(
-        "Retried {} job{}.",
-        r.retried,
-        if r.retried == 1 { "" } else { "s" }
-    )))
+    Ok(done(format!("Retried {}.", jobs(r.retried))))
 }
 
 /// `POST /api/actions/{id}/cancel`: CancelAction.
@@ -620,11 +630,7 @@ pub async fn cancel_action(
         .cancel_action(grpc(&id, pb::CancelActionRequest { action_id }))
         .await?
         .into_inner();
-    Ok(done(format!(
-        "Cancelled {} job{}.",
-        r.cancelled,
-        if r.cancelled == 1 { "" } else { "s" }
-    )))
+    Ok(done(format!("Cancelled {}.", jobs(r.cancelled))))
 }
 
 /// `POST /api/jobs/{id}/retry`: RetryJob.
@@ -712,4 +718,33 @@ pub async fn forget_worker(
         ))
         .await?;
     Ok(done(format!("Worker {worker_id} is forgotten.")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_keep_unreserved_characters_only() {
+        assert_eq!(enc("browser-200_v1.~x"), "browser-200_v1.~x");
+        assert_eq!(enc("a b/c?d#é"), "a%20b%2Fc%3Fd%23%C3%A9");
+    }
+
+    #[test]
+    fn short_names_are_the_cli_names() {
+        assert_eq!(status_of("dead").unwrap(), pb::JobStatus::Dead);
+        assert_eq!(status_of("").unwrap(), pb::JobStatus::Unspecified);
+        assert_eq!(status_of("all").unwrap(), pb::JobStatus::Unspecified);
+        let err = status_of("zombie").unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        let state = short_name(
+            "action state",
+            "ACTION_STATE_",
+            "has_dead",
+            pb::ActionState::from_str_name,
+        );
+        assert_eq!(state.unwrap(), pb::ActionState::HasDead);
+        assert_eq!(jobs(1), "1 job");
+        assert_eq!(jobs(0), "0 jobs");
+    }
 }

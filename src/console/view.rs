@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::{
+    cli::view::{job_status_name, worker_state_name},
     metrics::{Metrics, StatusLabel},
     pb,
 };
@@ -35,31 +36,6 @@ pub fn span(ms: i64) -> String {
         format!("{} min {} s", ms / 60_000, (ms % 60_000) / 1000)
     } else {
         format!("{} h {} min", ms / 3_600_000, (ms % 3_600_000) / 60_000)
-    }
-}
-
-/// A job status's lower-case name (`dead`), as the CLI prints it.
-pub fn job_status(status: i32) -> &'static str {
-    match pb::JobStatus::try_from(status) {
-        Ok(pb::JobStatus::Pending) => "pending",
-        Ok(pb::JobStatus::Running) => "running",
-        Ok(pb::JobStatus::Completed) => "completed",
-        Ok(pb::JobStatus::Failed) => "failed",
-        Ok(pb::JobStatus::Dead) => "dead",
-        Ok(pb::JobStatus::Cancelled) => "cancelled",
-        _ => "unknown",
-    }
-}
-
-/// A worker state's lower-case name.
-pub fn worker_state(state: i32) -> &'static str {
-    match pb::WorkerState::try_from(state) {
-        Ok(pb::WorkerState::Active) => "active",
-        Ok(pb::WorkerState::Draining) => "draining",
-        Ok(pb::WorkerState::Dead) => "dead",
-        Ok(pb::WorkerState::Unregistered) => "unregistered",
-        Ok(pb::WorkerState::Quarantined) => "quarantined",
-        _ => "unknown",
     }
 }
 
@@ -125,7 +101,7 @@ impl From<&pb::ActionStatus> for ActionRow {
 #[derive(Debug, Serialize)]
 pub struct JobRow {
     pub job_id: String,
-    pub status: &'static str,
+    pub status: String,
     pub worker_id: String,
     pub attempt: u32,
     pub max_attempts: u32,
@@ -139,7 +115,7 @@ impl From<&pb::Job> for JobRow {
     fn from(j: &pb::Job) -> Self {
         JobRow {
             job_id: j.job_id.clone(),
-            status: job_status(j.status),
+            status: job_status_name(j.status),
             worker_id: j.worker_id.clone(),
             attempt: j.attempt,
             max_attempts: j.max_attempts,
@@ -237,7 +213,7 @@ impl From<&pb::Job> for JobDetail {
 pub struct WorkerRow {
     pub worker_id: String,
     pub hostname: String,
-    pub state: &'static str,
+    pub state: String,
     pub fresh: bool,
     pub connected: bool,
     pub sandboxed: bool,
@@ -269,7 +245,7 @@ impl WorkerRow {
         WorkerRow {
             worker_id: w.worker_id.clone(),
             hostname: w.hostname.clone(),
-            state: worker_state(w.state),
+            state: worker_state_name(w.state),
             fresh: w.fresh,
             connected: w.connected,
             sandboxed: w.sandboxed,
