@@ -379,21 +379,50 @@ async fn without_auth_only_loopback_hosts_are_answered() {
     )
     .await;
     let c = s.console_url.clone().expect("console url");
+    // An action with open jobs (no worker takes them): what a forged
+    // cancel would destroy.
+    let (action_id, ids) = common::submit(&s, plan("open", &["cat"]), 3, 1).await;
+    let cancel = format!("/api/actions/{action_id}/cancel");
     for host in ["evil.example", "evil.example:6382", "10.0.0.1:6382"] {
         let a = http(&c, "GET", "/fragments/overview", &[("Host", host)]).await;
         assert_eq!(a.status, 403, "{host}: {}", a.body);
         let p = http(
             &c,
             "POST",
-            "/api/actions/x/cancel",
+            &cancel,
             &[("Host", host), ("HX-Request", "true")],
         )
         .await;
         assert_eq!(p.status, 403, "{host}");
     }
+    // A loopback host without the HX-Request header: refused too.
+    let forged = http(&c, "POST", &cancel, &[("Host", "127.0.0.1")]).await;
+    assert_eq!(forged.status, 403, "{}", forged.body);
+    for id in &ids {
+        assert_eq!(
+            common::job(&s, id).await.status,
+            pb::JobStatus::Pending as i32,
+            "a refused cancel changed nothing"
+        );
+    }
     for host in ["localhost:6382", "127.0.0.1"] {
         let a = http(&c, "GET", "/fragments/overview", &[("Host", host)]).await;
         assert_eq!(a.status, 200, "{host}: {}", a.body);
+    }
+    // The console's own button, from a loopback host, does cancel.
+    let ok = http(
+        &c,
+        "POST",
+        &cancel,
+        &[("Host", "localhost:6382"), ("HX-Request", "true")],
+    )
+    .await;
+    assert_eq!((ok.status, ok.body.as_str()), (200, "Cancelled 3 jobs."));
+    for id in &ids {
+        assert_eq!(
+            common::job(&s, id).await.status,
+            pb::JobStatus::Cancelled as i32
+        );
     }
     s.stop().await;
 }

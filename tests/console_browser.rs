@@ -566,6 +566,7 @@ async fn an_operator_follows_and_fixes_an_action_in_the_browser() {
         t.contains("wordcount") && t.contains("cat-file")
     })
     .await;
+    page.shot("plans").await;
     page.open("/").await;
     page.text_when("#q-ready", "the queue", |t| t == "0").await;
     page.b.set_window_size(390, 844).await.expect("phone width");
