@@ -220,5 +220,15 @@ async fn a_task_longer_than_the_job_timeout_is_refused() {
             .contains("longer than the server's job timeout (1 s"),
         "{err:?}"
     );
+    let stored = s
+        .plans()
+        .await
+        .get_plan(pb::GetPlanRequest {
+            plan_id: "long".into(),
+            version: 0,
+        })
+        .await
+        .expect_err("nothing stored");
+    assert_eq!(stored.code(), Code::NotFound);
     s.stop().await;
 }
