@@ -137,6 +137,13 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_QUARANTINE_WINDOW_SECS", default_value_t = 3600,
           value_parser = clap::value_parser!(u64).range(1..=30 * 86_400))]
     pub quarantine_window_secs: u64,
+    /// Starvation guard of the priority scheduler: every Nth lease goes to
+    /// the oldest ready job (the first that a worker can take), whatever
+    /// its priority, so a low priority is slowed by higher ones but never
+    /// stopped. 0 turns the guard off (strict priorities).
+    #[arg(long, env = "AGQ_STARVATION_GUARD_EVERY", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub starvation_guard_every: u32,
     /// Log format.
     #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -171,6 +178,7 @@ impl ServeArgs {
             max_run_at_ahead: Duration::from_secs(self.max_run_at_ahead_secs),
             quarantine_after_timeouts: self.quarantine_after_timeouts,
             quarantine_window: Duration::from_secs(self.quarantine_window_secs),
+            starvation_guard_every: self.starvation_guard_every,
         }
     }
 }
@@ -219,6 +227,10 @@ pub struct EngineConfig {
     pub quarantine_after_timeouts: u32,
     /// The window the timeouts are counted in.
     pub quarantine_window: Duration,
+    /// Every this many leases, the oldest ready job that a worker can
+    /// take is leased first whatever its priority (the starvation
+    /// guard); 0: strict priorities.
+    pub starvation_guard_every: u32,
 }
 
 impl Default for EngineConfig {
@@ -237,6 +249,7 @@ impl Default for EngineConfig {
             max_run_at_ahead: DEFAULT_MAX_RUN_AT_AHEAD,
             quarantine_after_timeouts: 3,
             quarantine_window: Duration::from_secs(3600),
+            starvation_guard_every: 20,
         }
     }
 }

@@ -271,6 +271,7 @@ impl Clients {
                 inputs: vec![ActionInput { values }],
                 run_at: None,
                 max_attempts,
+                ..Default::default()
             })
             .await
             .expect("SubmitAction")
@@ -1280,6 +1281,7 @@ async fn a_second_agw_with_a_live_id_exits_and_a_restart_after_kill_9_takes_over
             inputs,
             run_at: None,
             max_attempts: 3,
+            ..Default::default()
         })
         .await
         .expect("SubmitAction")
@@ -1386,6 +1388,7 @@ async fn a_normal_run_logs_no_false_warnings() {
             inputs,
             run_at: None,
             max_attempts: 3,
+            ..Default::default()
         })
         .await
         .expect("SubmitAction")

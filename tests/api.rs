@@ -570,7 +570,7 @@ async fn cancel_and_retry_follow_the_job_state_rules() {
                 .await
                 .map(drop)
         } else {
-            jobs.retry_job(RetryJobRequest { job_id: id.clone() })
+            jobs.retry_job(RetryJobRequest { job_id: id.clone(), priority: None })
                 .await
                 .map(drop)
         }
@@ -811,6 +811,7 @@ async fn watch_action_streams_until_terminal() {
         .await
         .retry_job(RetryJobRequest {
             job_id: dead.clone(),
+            priority: None,
         })
         .await
         .unwrap()
@@ -1130,6 +1131,7 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs() {
     }
     jobs.retry_job(RetryJobRequest {
         job_id: b_jobs[0].clone(),
+        priority: None,
     })
     .await
     .unwrap();

@@ -135,6 +135,7 @@ async fn a_permanent_failure_is_dead_at_once_and_can_still_be_retried() {
         .await
         .retry_job(RetryJobRequest {
             job_id: ids[0].clone(),
+            priority: None,
         })
         .await
         .expect("retry")

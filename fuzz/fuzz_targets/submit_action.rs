@@ -1,7 +1,8 @@
 //! ActionService/SubmitAction: a `SubmitActionRequest` decoded from the
 //! fuzzer's bytes goes through the service's path: `convert::action_request`
 //! (run_at to milliseconds), then `Engine::submit_action` (id, input,
-//! limit, max_attempts and run_at validation by `validate::action`, then
+//! limit, max_attempts, run_at and scheduling validation by
+//! `validate::action`, then
 //! the write). A request one of the pure checks refuses must get
 //! INVALID_ARGUMENT; an accepted one must create one job per input, each
 //! reading back with its input unchanged, rendering the plan's arguments
@@ -9,7 +10,12 @@
 //! templating), and cancellable.
 #![no_main]
 
-use agq::{core::validate, pb, service::convert::time_field, worker::template};
+use agq::{
+    core::{model::Scheduling, validate},
+    pb,
+    service::convert::time_field,
+    worker::template,
+};
 use agq_fuzz::{check_render, code, fixture_plan, harness, is_invalid, FIXTURE_VARIABLES, PLAN_ID};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
@@ -30,6 +36,13 @@ fn refused_by_pure_checks(req: &pb::SubmitActionRequest, max_inputs: usize) -> b
             .any(|(i, input)| validate::action_input(i, &input.values).is_err())
         || req.max_attempts > validate::MAX_ATTEMPTS
         || time_field("run_at", req.run_at.clone()).is_err()
+        || validate::scheduling(Scheduling {
+            priority: req.priority,
+            worker_selector: req.worker_selector.clone(),
+            concurrency_key: req.concurrency_key.clone(),
+            max_running: req.max_running,
+        })
+        .is_err()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -74,6 +87,7 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(job.input, input.values, "the stored input differs");
         assert_eq!(job.action_id, action_id);
         assert_eq!(job.plan_id, req.plan_id);
+        assert_eq!(job.priority, req.priority, "the job's priority differs");
         let expected_attempts = if req.max_attempts == 0 {
             3
         } else {

@@ -75,6 +75,7 @@ pub fn fixture_plan() -> pb::Plan {
         ],
         require_sandbox: false,
         version: 0,
+        worker_selector: String::new(),
     }
 }
 

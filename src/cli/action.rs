@@ -110,6 +110,23 @@ pub struct SubmitArgs {
     /// with any offset) or +DURATION from now (+10m).
     #[arg(long, value_name = "TIME", value_parser = parse_time)]
     pub run_at: Option<SystemTime>,
+    /// Priority of the jobs, -1000..=1000 [server default: 0]: higher
+    /// leases first; actions of equal priority take turns.
+    #[arg(long, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+    pub priority: Option<i32>,
+    /// Run only on workers whose tags match this label selector, e.g.
+    /// 'gpu=true,region in (eu,us),!spot' [default: the Plan's selector].
+    #[arg(long, value_name = "SELECTOR")]
+    pub selector: Option<String>,
+    /// Concurrency key: at most --max-running jobs of all Actions with
+    /// this key run at once across the fleet.
+    #[arg(long, value_name = "KEY", requires = "max_running")]
+    pub concurrency_key: Option<String>,
+    /// The limit of --concurrency-key, 1..=1000000.
+    #[arg(long, value_name = "N", requires = "concurrency_key",
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_running: Option<u32>,
     /// --watch (after submitting, follow the Action like `action status
     /// --watch`) and its settings.
     #[command(flatten)]
@@ -302,6 +319,10 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(
                     inputs,
                     run_at: args.run_at.map(to_timestamp),
                     max_attempts: args.max_attempts.unwrap_or(0),
+                    priority: args.priority.unwrap_or(0),
+                    worker_selector: args.selector.clone().unwrap_or_default(),
+                    concurrency_key: args.concurrency_key.clone().unwrap_or_default(),
+                    max_running: args.max_running.unwrap_or(0),
                 })
                 .await?
                 .into_inner();

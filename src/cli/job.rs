@@ -68,6 +68,11 @@ pub enum JobCommand {
         /// With --action: only jobs in this status.
         #[arg(long, value_enum, requires = "action")]
         status: Option<RetryStatusArg>,
+        /// Give the retried job this priority, -1000..=1000 (not with
+        /// --action) [default: it keeps its own].
+        #[arg(long, conflicts_with = "action", allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+        priority: Option<i32>,
     },
     /// Cancel a pending, running or failed job (a running one is killed on
     /// its worker); with --action, every such job of the Action at once
@@ -170,12 +175,14 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: JobCommand) -> Result<(), 
             status: Some(status),
             ..
         } => cancel_by_status(c, out, action_id, status).await,
-        JobCommand::Retry { job_id, .. } => {
+        JobCommand::Retry {
+            job_id, priority, ..
+        } => {
             let job_id = job_id.unwrap_or_default();
             let job = c
                 .job
                 .clone()
-                .retry_job(pb::RetryJobRequest { job_id })
+                .retry_job(pb::RetryJobRequest { job_id, priority })
                 .await?
                 .into_inner()
                 .job

@@ -90,6 +90,7 @@ impl From<PlanView> for pb::Plan {
             require_sandbox: p.require_sandbox,
             // Read-only: the server sets it.
             version: 0,
+            worker_selector: p.worker_selector,
         }
     }
 }

@@ -168,6 +168,14 @@ pub struct PlanView {
     /// ignored by `plan submit`, so a printed plan submits again.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub version: u32,
+    /// Default worker selector of the plan's actions (label selector
+    /// syntax); empty: any worker.
+    #[serde(
+        default,
+        alias = "workerSelector",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub worker_selector: String,
 }
 
 /// True for 0 (fields the JSON output leaves out when unset).
@@ -204,6 +212,7 @@ impl From<pb::Plan> for PlanView {
                 .collect(),
             require_sandbox: p.require_sandbox,
             version: p.version,
+            worker_selector: p.worker_selector,
         }
     }
 }
@@ -223,6 +232,14 @@ impl PlanView {
                     "required".into()
                 } else {
                     "not required".into()
+                },
+            ),
+            (
+                "workers",
+                if self.worker_selector.is_empty() {
+                    "any".into()
+                } else {
+                    format!("matching {}", self.worker_selector)
                 },
             ),
         ]);
@@ -309,6 +326,14 @@ pub struct ActionView {
     pub created_at: Option<String>,
     /// When the last job became terminal.
     pub completed_jobs_at: Option<String>,
+    /// Priority of its jobs; higher leases first.
+    pub priority: i32,
+    /// Worker selector in effect; empty: any worker.
+    pub worker_selector: String,
+    /// Concurrency key; empty: none.
+    pub concurrency_key: String,
+    /// Most jobs with the key running at once; 0 without a key.
+    pub max_running: u32,
 }
 
 impl From<&pb::ActionStatus> for ActionView {
@@ -327,6 +352,10 @@ impl From<&pb::ActionStatus> for ActionView {
             done: action_done(a),
             created_at: rfc3339(a.created_at.as_ref()),
             completed_jobs_at: rfc3339(a.completed_jobs_at.as_ref()),
+            priority: a.priority,
+            worker_selector: a.worker_selector.clone(),
+            concurrency_key: a.concurrency_key.clone(),
+            max_running: a.max_running,
         }
     }
 }
@@ -350,6 +379,23 @@ impl ActionView {
             ("dead", self.dead.to_string()),
             ("cancelled", self.cancelled.to_string()),
             ("done", if self.done { "yes" } else { "no" }.into()),
+            ("priority", self.priority.to_string()),
+            (
+                "workers",
+                if self.worker_selector.is_empty() {
+                    "any".into()
+                } else {
+                    format!("matching {}", self.worker_selector)
+                },
+            ),
+            (
+                "concurrency",
+                if self.concurrency_key.is_empty() {
+                    "unlimited".into()
+                } else {
+                    format!("{} (max_running {})", self.concurrency_key, self.max_running)
+                },
+            ),
             (
                 "created",
                 self.created_at.clone().unwrap_or_else(|| "-".into()),
@@ -526,6 +572,8 @@ pub struct JobView {
     pub completed_at: Option<String>,
     /// When it becomes eligible to run (scheduled or backing off).
     pub ready_at: Option<String>,
+    /// Scheduling priority; higher leases first.
+    pub priority: i32,
     /// Results of the latest reported attempt.
     pub task_results: Vec<TaskResultView>,
 }
@@ -564,6 +612,7 @@ impl From<pb::Job> for JobView {
             waiting_reason: j.waiting_reason,
             current_task: j.current_task,
             progress_percent: j.progress_percent,
+            priority: j.priority,
         }
     }
 }
@@ -619,6 +668,7 @@ impl JobView {
             ("action", self.action_id.clone()),
             ("plan", plan_with_version(&self.plan_id, self.plan_version)),
             ("status", self.status.clone()),
+            ("priority", self.priority.to_string()),
             (
                 "attempts",
                 format!("{}/{}", self.attempt, self.max_attempts),

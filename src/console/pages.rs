@@ -641,6 +641,7 @@ pub async fn retry_job(State(c): Con, headers: HeaderMap, Path(job_id): Path<Str
             &id,
             pb::RetryJobRequest {
                 job_id: job_id.clone(),
+                priority: None,
             },
         ))
         .await?;

@@ -73,6 +73,16 @@ pub struct ActionRequest {
     /// trace. `None`: not traced. A malformed value is dropped, never an
     /// error.
     pub traceparent: Option<String>,
+    /// Priority of its jobs, -1000..=1000; higher leases first.
+    pub priority: i32,
+    /// Worker selector (see [`super::selector`]); empty: the plan's
+    /// default selector, if any.
+    pub worker_selector: String,
+    /// Concurrency key, `[A-Za-z0-9._:-]{1,128}`; empty: no limit.
+    pub concurrency_key: String,
+    /// At most this many jobs with the key run at once across the fleet,
+    /// 1..=1000000; required with a key, refused without one.
+    pub max_running: u32,
 }
 
 /// What submitting an action created.
@@ -288,10 +298,11 @@ pub trait Engine: Send + Sync {
     async fn search_jobs(&self, query: JobQuery) -> Result<Page<String>>;
 
     /// Puts a failed or dead job back to pending with a fresh attempt
-    /// budget (the JOB.RETRY command). The job keeps its plan version.
+    /// budget (the JOB.RETRY command). The job keeps its plan version;
+    /// `priority`, when given (-1000..=1000), becomes the job's priority.
     /// Errors: `InvalidArgument`,
     /// `NotFound`, `FailedPrecondition` (any other status, plan deleted).
-    async fn retry_job(&self, job_id: String) -> Result<Job>;
+    async fn retry_job(&self, job_id: String, priority: Option<i32>) -> Result<Job>;
 
     /// Cancels a pending or running job; the holder of a running one is
     /// told over its heartbeat stream. Errors: `InvalidArgument`,

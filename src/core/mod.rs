@@ -8,6 +8,7 @@
 pub mod engine;
 pub mod model;
 pub mod page;
+pub mod selector;
 pub mod validate;
 pub mod watch;
 

@@ -145,16 +145,22 @@ pub struct Plan {
     /// replacement that changed it. Set by the engine; ignored by
     /// [`super::Engine::submit_plan`].
     pub version: u32,
+    /// Default worker selector of the plan's actions (see
+    /// [`super::selector`]): an action submitted without its own selector
+    /// runs only on workers whose tags match this one. Empty: any worker.
+    pub worker_selector: String,
 }
 
 impl Plan {
     /// True when `other` has the same content: description, tasks and
-    /// `require_sandbox` (the id and the version are not compared). A
+    /// `require_sandbox` and the worker selector (the id and the version
+    /// are not compared). A
     /// replacement with the same content stores no new version.
     pub fn same_content(&self, other: &Plan) -> bool {
         self.plan_description == other.plan_description
             && self.tasks == other.tasks
             && self.require_sandbox == other.require_sandbox
+            && self.worker_selector == other.worker_selector
     }
 }
 
@@ -260,6 +266,9 @@ pub struct Job {
     pub progress_percent: u32,
     /// When it becomes (or became) eligible to run, ms.
     pub ready_at_ms: Option<i64>,
+    /// Scheduling priority: its action's, unless a RetryJob changed it.
+    /// Higher leases first.
+    pub priority: i32,
 }
 
 /// Aggregate progress of an action.
@@ -289,6 +298,26 @@ pub struct ActionStatus {
     pub created_at_ms: i64,
     /// When its last open job ended, ms; `None` while any is open.
     pub completed_jobs_at_ms: Option<i64>,
+    /// How its jobs are scheduled.
+    pub scheduling: Scheduling,
+}
+
+/// How an action's jobs are scheduled among each other and onto workers:
+/// fleet scheduling settings given at submission.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scheduling {
+    /// Higher leases first, in -1000..=1000 (0 by default); within one
+    /// priority, actions take turns and each action's jobs go in
+    /// submission order.
+    pub priority: i32,
+    /// Worker selector in effect (the action's own, else its plan's
+    /// default), in canonical form; empty: any worker.
+    pub worker_selector: String,
+    /// Jobs of every action with this key run at most `max_running` at a
+    /// time across the fleet; empty: no limit.
+    pub concurrency_key: String,
+    /// The limit of `concurrency_key`; 0 when there is no key.
+    pub max_running: u32,
 }
 
 /// What a worker can run.

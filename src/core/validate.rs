@@ -8,8 +8,9 @@ use std::collections::HashMap;
 
 use super::{
     engine::{ActionQuery, ActionRequest},
-    model::{JobReport, JobStatus, Plan, Registration},
+    model::{JobReport, JobStatus, Plan, Registration, Scheduling},
     page::MAX_PAGE,
+    selector::Selector,
 };
 use crate::{
     config::EngineConfig,
@@ -40,6 +41,66 @@ pub const MAX_TOOLS: usize = 1024;
 pub const MAX_CONCURRENT_JOBS: u32 = 1024;
 /// Most attempts per job.
 pub const MAX_ATTEMPTS: u32 = 100;
+/// Highest job priority; the lowest is its negation.
+pub const MAX_PRIORITY: i32 = 1000;
+/// Largest `max_running` of a concurrency key.
+pub const MAX_RUNNING_LIMIT: u32 = 1_000_000;
+
+/// Checks a job priority: -[`MAX_PRIORITY`]..=[`MAX_PRIORITY`].
+///
+/// Errors: `InvalidArgument`.
+pub fn priority(p: i32) -> Result<()> {
+    if !(-MAX_PRIORITY..=MAX_PRIORITY).contains(&p) {
+        return Err(Error::invalid(format!(
+            "priority must be in -{MAX_PRIORITY}..={MAX_PRIORITY}, got {p}"
+        )));
+    }
+    Ok(())
+}
+
+/// Parses a worker selector ([`super::selector`]) and returns its
+/// canonical text (empty for the empty selector).
+///
+/// Errors: `InvalidArgument` naming what is malformed.
+pub fn worker_selector(text: &str) -> Result<String> {
+    Ok(Selector::parse(text)?.to_string())
+}
+
+/// Checks an action's fleet-scheduling settings and returns them with
+/// the selector in canonical form: the priority range, the selector, a
+/// concurrency key `[A-Za-z0-9._:-]{1,128}` with `max_running` in
+/// 1..=[`MAX_RUNNING_LIMIT`], or neither.
+///
+/// Errors: `InvalidArgument` naming the field.
+pub fn scheduling(s: Scheduling) -> Result<Scheduling> {
+    priority(s.priority)?;
+    let worker_selector = worker_selector(&s.worker_selector)?;
+    if s.concurrency_key.is_empty() {
+        if s.max_running != 0 {
+            return Err(Error::invalid(
+                "max_running is the limit of a concurrency_key; set a concurrency_key too",
+            ));
+        }
+    } else {
+        if s.concurrency_key.len() > 128 || !id_chars(&s.concurrency_key, &['.', '_', ':', '-'])
+        {
+            return Err(Error::invalid(format!(
+                "concurrency_key must match [A-Za-z0-9._:-]{{1,128}}, got {:?}",
+                truncate(&s.concurrency_key, 140)
+            )));
+        }
+        if s.max_running == 0 || s.max_running > MAX_RUNNING_LIMIT {
+            return Err(Error::invalid(format!(
+                "max_running must be in 1..={MAX_RUNNING_LIMIT} with a concurrency_key, got {}",
+                s.max_running
+            )));
+        }
+    }
+    Ok(Scheduling {
+        worker_selector,
+        ..s
+    })
+}
 
 fn id_chars(s: &str, extra: &[char]) -> bool {
     s.chars()
@@ -173,6 +234,7 @@ pub fn plan(plan: &Plan) -> Result<()> {
             plan.plan_description.len()
         )));
     }
+    Selector::parse(&plan.worker_selector)?;
     if plan.tasks.is_empty() {
         return Err(Error::invalid("a plan needs at least one task"));
     }
@@ -395,12 +457,16 @@ pub struct ValidAction {
     pub max_attempts: u32,
     /// The submission's W3C `traceparent`, when well-formed.
     pub traceparent: Option<String>,
+    /// Fleet scheduling settings, checked by [`scheduling`]; an empty
+    /// selector is still to be replaced by the plan's default.
+    pub scheduling: Scheduling,
 }
 
 /// Validates a SubmitAction (the ACTION.SUBMIT command) at `now_ms`: ids,
 /// 1..=`max_inputs_per_action` inputs each by [`action_input`],
 /// `max_attempts` in 0..=[`MAX_ATTEMPTS`] (0: 3), `run_at` no further
-/// ahead than `max_run_at_ahead`. An empty action id gets a new UUIDv7.
+/// ahead than `max_run_at_ahead`, the scheduling settings by
+/// [`scheduling`]. An empty action id gets a new UUIDv7.
 pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<ValidAction> {
     object_id("plan_id", &req.plan_id)?;
     let action_id = if req.action_id.is_empty() {
@@ -440,6 +506,12 @@ pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<Val
             )));
         }
     }
+    let scheduling = scheduling(Scheduling {
+        priority: req.priority,
+        worker_selector: req.worker_selector,
+        concurrency_key: req.concurrency_key,
+        max_running: req.max_running,
+    })?;
     Ok(ValidAction {
         action_id,
         plan_id: req.plan_id,
@@ -447,6 +519,7 @@ pub fn action(req: ActionRequest, cfg: &EngineConfig, now_ms: i64) -> Result<Val
         run_at_ms: req.run_at_ms,
         max_attempts,
         traceparent: req.traceparent.filter(|t| traceparent(t)),
+        scheduling,
     })
 }
 

@@ -55,6 +55,7 @@ impl From<&Plan> for pb::Plan {
             tasks: p.tasks.iter().map(pb::Task::from).collect(),
             require_sandbox: p.require_sandbox,
             version: p.version,
+            worker_selector: p.worker_selector.clone(),
         }
     }
 }
@@ -67,6 +68,7 @@ impl From<pb::Plan> for Plan {
             tasks: p.tasks.into_iter().map(Task::from).collect(),
             require_sandbox: p.require_sandbox,
             version: p.version,
+            worker_selector: p.worker_selector,
         }
     }
 }
@@ -188,6 +190,7 @@ impl From<Job> for pb::Job {
             action_id: j.action_id,
             plan_id: j.plan_id,
             plan_version: j.plan_version,
+            priority: j.priority,
             status: pb::JobStatus::from(j.status) as i32,
             input: j.input,
             attempt: j.attempt,
@@ -212,6 +215,10 @@ impl From<ActionStatus> for pb::ActionStatus {
             action_id: a.action_id,
             plan_id: a.plan_id,
             plan_version: a.plan_version,
+            priority: a.scheduling.priority,
+            worker_selector: a.scheduling.worker_selector,
+            concurrency_key: a.scheduling.concurrency_key,
+            max_running: a.scheduling.max_running,
             total_jobs: a.total_jobs,
             pending: a.pending,
             running: a.running,
@@ -377,6 +384,10 @@ pub fn action_request(r: pb::SubmitActionRequest) -> Result<ActionRequest> {
         inputs: r.inputs.into_iter().map(|i| i.values).collect(),
         max_attempts: r.max_attempts,
         traceparent: None,
+        priority: r.priority,
+        worker_selector: r.worker_selector,
+        concurrency_key: r.concurrency_key,
+        max_running: r.max_running,
     })
 }
 
@@ -468,6 +479,7 @@ mod tests {
             }],
             require_sandbox: true,
             version: 3,
+            worker_selector: "gpu=true".into(),
         };
         assert_eq!(Plan::from(pb::Plan::from(&plan)), plan);
     }

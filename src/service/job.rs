@@ -77,7 +77,8 @@ impl JobService for JobApi {
     ) -> Result<Response<pb::RetryJobResponse>, Status> {
         rpc(&self.engine, "JobService/RetryJob", async {
             require_client(&identity(&req))?;
-            let job = self.engine.retry_job(req.into_inner().job_id).await?;
+            let req = req.into_inner();
+            let job = self.engine.retry_job(req.job_id, req.priority).await?;
             Ok(pb::RetryJobResponse {
                 job: Some(job.into()),
             })

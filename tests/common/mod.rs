@@ -279,6 +279,17 @@ pub struct SimWorker {
 impl SimWorker {
     /// Registers `id` with `tools` and `max` slots and opens both streams.
     pub async fn start(server: &TestServer, id: &str, tools: &[&str], max: u32) -> SimWorker {
+        Self::start_tagged(server, id, tools, max, &[]).await
+    }
+
+    /// [`SimWorker::start`] with tags (labels), `key=value` pairs.
+    pub async fn start_tagged(
+        server: &TestServer,
+        id: &str,
+        tools: &[&str],
+        max: u32,
+        tags: &[(&str, &str)],
+    ) -> SimWorker {
         let mut client = server.workers().await;
         let r = client
             .register_worker(RegisterWorkerRequest {
@@ -291,7 +302,10 @@ impl SimWorker {
                     agentic_units: vec![],
                 }),
                 max_concurrent_jobs: max,
-                tags: Default::default(),
+                tags: tags
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 ..Default::default()
             })
             .await

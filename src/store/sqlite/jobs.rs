@@ -8,10 +8,10 @@ use rusqlite::Connection;
 
 use super::{
     sql::{jobs, plans, retention},
-    state::{FreshJob, PlanEntry, State, Waiting, FRESH_JOBS_MAX},
+    state::{FreshJob, PlanEntry, Sched, State, Waiting, FRESH_JOBS_MAX},
 };
 use crate::{
-    core::model::{JobReport, JobStatus, Plan, SubmittedPlan, WorkerCommand},
+    core::model::{JobReport, JobStatus, Plan, Scheduling, SubmittedPlan, WorkerCommand},
     error::{Error, Result},
     time::now_ms,
 };
@@ -31,6 +31,9 @@ pub(super) struct NewAction {
     pub max_attempts: u32,
     /// W3C `traceparent` of the submission, sent with each lease.
     pub traceparent: Option<String>,
+    /// Fleet scheduling settings (validated; an empty selector takes the
+    /// plan's default).
+    pub scheduling: Scheduling,
 }
 
 /// One job of a [`NewAction`], prepared before it reaches the writer thread
@@ -171,6 +174,12 @@ impl State {
         let ready_at = a.run_at_ms.unwrap_or(now_ms).max(now_ms);
         let total = a.jobs.len() as u32;
         let version = plan.plan.version;
+        if a.scheduling.worker_selector.is_empty() {
+            a.scheduling
+                .worker_selector
+                .clone_from(&plan.plan.worker_selector);
+        }
+        let sched = Arc::new(Sched::new(&a.scheduling)?);
         if !jobs::insert_action(
             conn,
             &a.action_id,
@@ -180,6 +189,7 @@ impl State {
             a.max_attempts,
             a.run_at_ms,
             a.traceparent.as_deref(),
+            &a.scheduling,
             now_ms,
         )? {
             return Err(Error::AlreadyExists(format!(
@@ -207,13 +217,17 @@ impl State {
             };
             // Straight to an idle worker while nothing older waits: the row
             // is inserted leased (no second write to grant it).
-            if let Some(worker_id) = runs_now.then(|| self.place_at_once(&plan)).flatten() {
+            if let Some(worker_id) = runs_now
+                .then(|| self.place_at_once(&plan, &sched))
+                .flatten()
+            {
                 self.insert_leased(
                     conn,
                     fresh,
                     &input_json,
                     action_id.clone(),
                     plan.clone(),
+                    sched.clone(),
                     &worker_id,
                 )?;
                 continue;
@@ -228,6 +242,7 @@ impl State {
                 a.max_attempts,
                 now_ms,
                 ready_at,
+                sched.priority,
                 None,
             )?;
             // Jobs that go straight to the ready queue keep their row in
@@ -236,6 +251,7 @@ impl State {
             let waiting = Waiting {
                 plan: plan.clone(),
                 action_id: action_id.clone(),
+                sched: sched.clone(),
                 since_ms: ready_at,
                 status: JobStatus::Pending,
                 fresh: keep.then(|| Box::new(fresh)),
@@ -432,7 +448,7 @@ impl State {
             &[JobStatus::Pending, JobStatus::Running, JobStatus::Failed],
         )?;
         let now_ms = now_ms();
-        for (row, job_id) in &open {
+        for (row, job_id, _) in &open {
             self.cancel_row(conn, *row, job_id, now_ms)?;
         }
         if !open.is_empty() {
@@ -466,15 +482,32 @@ impl State {
             return Ok(0);
         }
         let plan = self.retry_plan(conn, &plan_id, version)?;
+        let sched = self.action_sched(conn, action_id)?;
         let now_ms = now_ms();
         let action = self.intern_action(action_id);
-        for (row, _) in &matching {
-            self.retry_row(conn, *row, plan.clone(), action.clone(), now_ms)?;
+        for (row, _, priority) in &matching {
+            let sched = if *priority == sched.priority {
+                sched.clone()
+            } else {
+                Arc::new(sched.with_priority(*priority))
+            };
+            self.retry_row(conn, *row, plan.clone(), sched, action.clone(), now_ms)?;
         }
         // The action is open again: clear its finish time.
         retention::mark_finished(conn, &action, now_ms)?;
         self.touch(&action);
         Ok(matching.len() as u32)
+    }
+
+    /// The scheduling settings of action `action_id`, read back for a
+    /// retry (at the action's priority).
+    ///
+    /// Errors: `NotFound` (no such action), `Internal` (an undecodable
+    /// selector), storage errors.
+    fn action_sched(&mut self, conn: &Connection, action_id: &str) -> Result<Arc<Sched>> {
+        let s = jobs::action_scheduling(conn, action_id)?
+            .ok_or_else(|| Error::not_found(format!("action {action_id} not found")))?;
+        Ok(Arc::new(Sched::new(&s)?))
     }
 
     /// The entry of the plan version a retried job runs (the one it was
@@ -496,21 +529,23 @@ impl State {
     }
 
     /// Puts the failed or dead job at `row` back to pending and in the
-    /// ready queue, running `plan`.
+    /// ready queue, running `plan` at the priority of `sched`.
     fn retry_row(
         &mut self,
         conn: &Connection,
         row: i64,
         plan: Arc<PlanEntry>,
+        sched: Arc<Sched>,
         action_id: Arc<str>,
         now_ms: i64,
     ) -> Result<()> {
-        jobs::retry(conn, row, now_ms)?;
+        jobs::retry(conn, row, now_ms, sched.priority)?;
         self.metrics.transition(JobStatus::Pending);
         self.dequeue(row);
         let waiting = Waiting {
             plan,
             action_id,
+            sched,
             since_ms: now_ms,
             status: JobStatus::Pending,
             fresh: None,
@@ -521,10 +556,15 @@ impl State {
 
     /// Puts a failed or dead job back to pending with a fresh attempt
     /// budget (the JOB.RETRY command), on the plan version it was created
-    /// with. Returns the job's row.
+    /// with, at `priority` when given (else its own). Returns the job's row.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` from any other status, storage errors.
-    pub(super) fn retry_job(&mut self, conn: &Connection, job_id: &str) -> Result<i64> {
+    pub(super) fn retry_job(
+        &mut self,
+        conn: &Connection,
+        job_id: &str,
+        priority: Option<i32>,
+    ) -> Result<i64> {
         let key = jobs::key_by_job_id(conn, job_id)?
             .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
         if !matches!(key.status, JobStatus::Failed | JobStatus::Dead) {
@@ -534,9 +574,16 @@ impl State {
             )));
         }
         let plan = self.retry_plan(conn, &key.plan_id, key.plan_version)?;
+        let sched = self.action_sched(conn, &key.action_id)?;
+        let priority = priority.unwrap_or(key.priority);
+        let sched = if priority == sched.priority {
+            sched
+        } else {
+            Arc::new(sched.with_priority(priority))
+        };
         let now_ms = now_ms();
         let action = self.intern_action(&key.action_id);
-        self.retry_row(conn, key.row, plan, action.clone(), now_ms)?;
+        self.retry_row(conn, key.row, plan, sched, action.clone(), now_ms)?;
         // The action is open again: clear its finish time.
         retention::mark_finished(conn, &action, now_ms)?;
         self.touch(&action);

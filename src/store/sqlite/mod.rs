@@ -171,9 +171,10 @@ fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
 
 #[async_trait::async_trait]
 impl Engine for SqliteEngine {
-    async fn submit_plan(&self, plan: Plan, replace: bool) -> Result<SubmittedPlan> {
+    async fn submit_plan(&self, mut plan: Plan, replace: bool) -> Result<SubmittedPlan> {
         validate::plan(&plan)?;
         validate::task_timeouts(&plan, self.config().job_timeout)?;
+        plan.worker_selector = validate::worker_selector(&plan.worker_selector)?;
         self.writer
             .write(move |s, c| s.submit_plan(c, plan, replace))
             .await
@@ -259,6 +260,7 @@ impl Engine for SqliteEngine {
             run_at_ms: v.run_at_ms,
             max_attempts: v.max_attempts,
             traceparent: v.traceparent,
+            scheduling: v.scheduling,
         };
         let job_ids = self
             .writer
@@ -379,11 +381,14 @@ impl Engine for SqliteEngine {
         })
     }
 
-    async fn retry_job(&self, job_id: String) -> Result<Job> {
+    async fn retry_job(&self, job_id: String, priority: Option<i32>) -> Result<Job> {
         validate::object_id("job_id", &job_id)?;
+        if let Some(p) = priority {
+            validate::priority(p)?;
+        }
         let row = self
             .writer
-            .write(move |s, c| s.retry_job(c, &job_id))
+            .write(move |s, c| s.retry_job(c, &job_id, priority))
             .await?;
         self.job_by_row(row).await
     }

@@ -1,17 +1,32 @@
 //! The scheduler: where leases are granted and lost. After every batch of
 //! operations that made a job ready or freed a slot, [`State::dispatch`]
-//! matches the oldest ready jobs to fresh, ACTIVE, capable workers with a
-//! free slot, least loaded first, and queues the leases for their streams.
+//! matches ready jobs to fresh, ACTIVE, capable workers with a free slot,
+//! least loaded first, and queues the leases for their streams.
 //! Freshness is checked here, at every pick.
+//!
+//! The pick order (fleet scheduling):
+//! 1. Higher priority first.
+//! 2. Among the actions of one priority, round robin: the action served
+//!    longest ago goes next (a new action counts as never served), so one
+//!    huge action does not monopolise the fleet.
+//! 3. Within an action, submission (FIFO) order.
+//! 4. The starvation guard: every `starvation_guard_every` leases, the
+//!    oldest ready job goes first if a worker can take it, whatever its
+//!    priority (until it is placed, every lease tries it first).
+//!
+//! A job is placeable when its concurrency key (if any) runs fewer than
+//! its action's `max_running` jobs and some worker is fresh, ACTIVE, has a
+//! free slot, every tool of the job's plan version, the sandbox if the
+//! plan requires it, and tags that match the job's worker selector.
 
-use std::{sync::Arc, time::Instant};
+use std::{collections::HashSet, sync::Arc, time::Instant};
 
 use rand::Rng;
 use rusqlite::Connection;
 
 use super::{
     sql::jobs,
-    state::{Effect, FreshJob, Lease, PlanEntry, State, Waiting},
+    state::{Effect, FreshJob, GroupKey, Lease, PlanEntry, Sched, State, Waiting},
 };
 use crate::{
     core::model::{Job, JobLease, JobStatus, WorkerCommand, WorkerState},
@@ -24,6 +39,8 @@ struct NewLease<'a> {
     action_id: Arc<str>,
     /// The plan version the job runs.
     plan: Arc<PlanEntry>,
+    /// The job's scheduling settings.
+    sched: Arc<Sched>,
     worker_id: &'a str,
     lease_id: String,
     attempt: u32,
@@ -37,43 +54,81 @@ struct NewLease<'a> {
 }
 
 impl State {
-    /// Grants leases until no ready job has an eligible worker. FIFO among
-    /// ready jobs: the oldest job some eligible worker can run goes first
-    /// (each plan version is matched on its own tools).
+    /// Grants leases until no ready job has an eligible worker, in the
+    /// pick order of the module docs.
     ///
     /// Errors: storage errors (the batch is rolled back).
     pub(super) fn dispatch(&mut self, conn: &Connection) -> Result<()> {
         self.wants_dispatch = false;
         let now = Instant::now();
+        // Groups found unplaceable in this call stay so until it returns:
+        // granting only takes slots and raises running counts.
+        let mut blocked: HashSet<GroupKey> = HashSet::new();
         loop {
             if self.ready.is_empty() || self.available.is_empty() {
                 return Ok(());
             }
-            let mut heads: Vec<(i64, Arc<PlanEntry>)> = self
-                .ready_by_plan
-                .values()
-                .filter_map(|rows| rows.first())
-                .filter_map(|r| self.ready.get(r).map(|w| (*r, w.plan.clone())))
-                .collect();
-            heads.sort_unstable_by_key(|(row, _)| *row);
-            let mut granted = false;
-            for (row, plan) in heads {
-                if let Some(worker_id) = self.pick(&plan, now) {
-                    self.grant(conn, row, &worker_id)?;
-                    granted = true;
-                    break;
+            let every = self.cfg.starvation_guard_every;
+            let mut chosen = None;
+            if every > 0 && self.since_guard + 1 >= every {
+                if let Some((&row, w)) = self.ready.first_key_value() {
+                    if let Some(worker) = self.placement(w, now) {
+                        chosen = Some((row, worker, true));
+                    }
                 }
             }
-            if !granted {
-                return Ok(());
+            if chosen.is_none() {
+                for (_, key) in &self.order {
+                    if blocked.contains(key) {
+                        continue;
+                    }
+                    let Some(&row) = self.groups.get(key).and_then(|g| g.rows.first()) else {
+                        continue;
+                    };
+                    let Some(w) = self.ready.get(&row) else {
+                        continue;
+                    };
+                    match self.placement(w, now) {
+                        Some(worker) => {
+                            chosen = Some((row, worker, false));
+                            break;
+                        }
+                        None => {
+                            blocked.insert(key.clone());
+                        }
+                    }
+                }
             }
+            let Some((row, worker_id, guard)) = chosen else {
+                return Ok(());
+            };
+            self.since_guard = if guard { 0 } else { self.since_guard + 1 };
+            self.grant(conn, row, &worker_id)?;
         }
     }
 
-    /// The best worker for a job of `plan` (a plan version): fresh,
-    /// ACTIVE, lease stream open, every tool of the version, a free slot;
-    /// least loaded first.
-    fn pick(&self, plan: &PlanEntry, now: Instant) -> Option<String> {
+    /// The worker a waiting job goes to now, if any: its concurrency key
+    /// is under its limit and [`Self::pick`] finds a worker.
+    pub(super) fn placement(&self, w: &Waiting, now: Instant) -> Option<String> {
+        if !self.under_limit(&w.sched) {
+            return None;
+        }
+        self.pick(&w.plan, &w.sched, now)
+    }
+
+    /// True when a job with settings `sched` may start without exceeding
+    /// its concurrency key's limit.
+    fn under_limit(&self, sched: &Sched) -> bool {
+        sched.limit.as_ref().is_none_or(|(key, max)| {
+            self.running_by_key.get(key).copied().unwrap_or(0) < *max
+        })
+    }
+
+    /// The best worker for a job of `plan` (a plan version) with
+    /// settings `sched`: fresh, ACTIVE, lease stream open, every tool of
+    /// the version, tags matching the selector, a free slot; least loaded
+    /// first.
+    fn pick(&self, plan: &PlanEntry, sched: &Sched, now: Instant) -> Option<String> {
         self.available
             .iter()
             .find(|(_, _, id)| {
@@ -82,6 +137,7 @@ impl State {
                         && self.is_fresh(w, now)
                         && (w.leases.len() as u32) < w.max
                         && plan.runs_on(w)
+                        && sched.admits(w)
                 })
             })
             .map(|(_, _, id)| id.clone())
@@ -102,6 +158,7 @@ impl State {
                 f.input,
                 f.max_attempts,
                 f.created_at_ms,
+                w.sched.priority,
             );
             Some((view, f.traceparent))
         });
@@ -135,12 +192,14 @@ impl State {
         let Some(waiting) = self.dequeue(row) else {
             return Err(Error::Internal(format!("job row {row} was not ready")));
         };
+        let group = (waiting.action_id.clone(), waiting.sched.priority);
         self.lease_out(
             row,
             job,
             NewLease {
                 action_id: waiting.action_id,
                 plan: waiting.plan,
+                sched: waiting.sched,
                 worker_id,
                 lease_id,
                 attempt,
@@ -151,18 +210,25 @@ impl State {
                 traceparent,
             },
         );
+        // Its action's turn is taken: it goes behind the others of its
+        // priority.
+        if let Some(g) = self.groups.get_mut(&group) {
+            g.served = self.lease_seq;
+            self.refile(&group);
+        }
         Ok(())
     }
 
-    /// The worker a new job of `plan` (a plan version) goes to at once,
-    /// in the operation that submits it, when nothing older waits in the
-    /// ready queue (so FIFO holds) and a worker is eligible. `None`: it is
-    /// queued.
-    pub(super) fn place_at_once(&self, plan: &PlanEntry) -> Option<String> {
-        if !self.ready.is_empty() || self.available.is_empty() {
+    /// The worker a new job of `plan` (a plan version) with settings
+    /// `sched` goes to at once, in the operation that submits it, when
+    /// nothing waits in the ready queue (so the pick order holds), its
+    /// concurrency key is under its limit and a worker is eligible.
+    /// `None`: it is queued.
+    pub(super) fn place_at_once(&self, plan: &PlanEntry, sched: &Sched) -> Option<String> {
+        if !self.ready.is_empty() || self.available.is_empty() || !self.under_limit(sched) {
             return None;
         }
-        self.pick(plan, Instant::now())
+        self.pick(plan, sched, Instant::now())
     }
 
     /// Inserts a new job already leased to `worker_id` (see
@@ -171,6 +237,7 @@ impl State {
     /// version the job runs. Returns its row.
     ///
     /// Errors: storage errors only.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn insert_leased(
         &mut self,
         conn: &Connection,
@@ -178,6 +245,7 @@ impl State {
         input_json: &str,
         action_id: Arc<str>,
         plan: Arc<PlanEntry>,
+        sched: Arc<Sched>,
         worker_id: &str,
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
@@ -192,6 +260,7 @@ impl State {
             job.max_attempts,
             job.created_at_ms,
             job.created_at_ms,
+            sched.priority,
             Some(jobs::FirstLease {
                 worker_id,
                 lease_id: &lease_id,
@@ -208,6 +277,7 @@ impl State {
             job.input,
             job.max_attempts,
             now_ms,
+            sched.priority,
         );
         self.lease_out(
             row,
@@ -215,6 +285,7 @@ impl State {
             NewLease {
                 action_id,
                 plan,
+                sched,
                 worker_id,
                 lease_id,
                 attempt: 1,
@@ -244,6 +315,9 @@ impl State {
         job.current_task = 0;
         job.progress_percent = 0;
         self.lease_by_job.insert(job.job_id.clone(), row);
+        if let Some((key, _)) = &l.sched.limit {
+            *self.running_by_key.entry(key.clone()).or_default() += 1;
+        }
         self.leases.insert(
             row,
             Lease {
@@ -252,6 +326,7 @@ impl State {
                 job_id: job.job_id.clone(),
                 action_id: l.action_id.clone(),
                 plan: l.plan.clone(),
+                sched: l.sched,
                 attempt: l.attempt,
                 max_attempts: job.max_attempts,
                 expires_at_ms: l.expires_at_ms,
@@ -382,6 +457,7 @@ impl State {
             let waiting = Waiting {
                 plan: lease.plan.clone(),
                 action_id: lease.action_id.clone(),
+                sched: lease.sched.clone(),
                 since_ms: ready_at,
                 status,
                 fresh: None,
@@ -411,6 +487,14 @@ impl State {
     pub(super) fn release(&mut self, row: i64, worker_id: &str) {
         if let Some(lease) = self.leases.remove(&row) {
             self.lease_by_job.remove(&lease.job_id);
+            if let Some((key, _)) = &lease.sched.limit {
+                if let Some(n) = self.running_by_key.get_mut(key) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.running_by_key.remove(key);
+                    }
+                }
+            }
         }
         if let Some(w) = self.workers.get_mut(worker_id) {
             w.leases.remove(&row);
@@ -462,7 +546,13 @@ impl State {
             return String::new();
         };
         let plan = &w.plan;
+        let sched = &w.sched;
         let now = Instant::now();
+        let selector = if sched.selector.is_empty() {
+            String::new()
+        } else {
+            format!(" and matches worker selector `{}`", sched.selector)
+        };
         let capable: Vec<_> = self
             .workers
             .values()
@@ -471,6 +561,7 @@ impl State {
                     && self.is_fresh(w, now)
                     && w.lease_stream.is_some()
                     && plan.runs_on(w)
+                    && sched.admits(w)
             })
             .collect();
         if capable.is_empty() {
@@ -482,7 +573,9 @@ impl State {
             let quarantined = self
                 .workers
                 .values()
-                .filter(|w| w.state == WorkerState::Quarantined && plan.runs_on(w))
+                .filter(|w| {
+                    w.state == WorkerState::Quarantined && plan.runs_on(w) && sched.admits(w)
+                })
                 .count();
             let quarantined = if quarantined > 0 {
                 format!(
@@ -491,10 +584,23 @@ impl State {
             } else {
                 String::new()
             };
+            let hint = if selector.is_empty() {
+                "start or repair a worker that advertises them"
+            } else {
+                "start a worker with matching tags (agw --tag KEY=VALUE) and those tools"
+            };
             return format!(
-                "no fresh worker has tools [{}]{sandbox}; start or repair a worker that advertises them{quarantined}",
+                "no fresh worker has tools [{}]{sandbox}{selector}; {hint}{quarantined}",
                 plan.tools.join(", ")
             );
+        }
+        if let Some((key, max)) = &sched.limit {
+            let running = self.running_by_key.get(key).copied().unwrap_or(0);
+            if running >= *max {
+                return format!(
+                    "concurrency limit of {key} reached ({running} running, max_running {max})"
+                );
+            }
         }
         if capable.iter().all(|w| w.leases.len() as u32 >= w.max) {
             let slots: u32 = capable.iter().map(|w| w.max).sum();
@@ -503,7 +609,20 @@ impl State {
                 capable.len()
             );
         }
-        let ahead = self.ready.range(..row).count();
-        format!("ready; {ahead} jobs ahead in the queue")
+        let higher: usize = self
+            .order
+            .iter()
+            .take_while(|((std::cmp::Reverse(p), _, _), _)| *p > sched.priority)
+            .filter_map(|(_, key)| self.groups.get(key))
+            .map(|g| g.rows.len())
+            .sum();
+        let earlier = self
+            .groups
+            .get(&(w.action_id.clone(), sched.priority))
+            .map_or(0, |g| g.rows.range(..row).count());
+        format!(
+            "ready at priority {}; {higher} jobs of higher priority and {earlier} earlier jobs of its action wait ahead of it",
+            sched.priority
+        )
     }
 }

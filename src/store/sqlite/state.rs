@@ -8,6 +8,7 @@
 //! `scheduler.rs`.
 
 use std::{
+    cmp::Reverse,
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     sync::Arc,
     time::Instant,
@@ -21,19 +22,84 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, QueueName},
         model::{
-            HeartbeatReply, JobLease, JobStatus, Plan, Worker, WorkerCommand, WorkerState,
-            WorkerStats,
+            HeartbeatReply, JobLease, JobStatus, Plan, Scheduling, Worker, WorkerCommand,
+            WorkerState, WorkerStats,
         },
+        selector::Selector,
         validate,
         watch::Watchers,
     },
-    error::Result,
+    error::{Error, Result},
     metrics::SharedMetrics,
     time::now_ms,
 };
 
-/// Which version of which plan: the key of [`State::ready_by_plan`].
-pub(super) type PlanKey = (Arc<str>, u32);
+/// Which ready jobs take turns as one: the jobs of one action at one
+/// priority (a RetryJob may give a job another priority than its
+/// action's). The key of [`State::groups`].
+pub(super) type GroupKey = (Arc<str>, i32);
+
+/// Where a group stands in [`State::order`]: higher priority first, then
+/// the group served longest ago (round robin among equals; 0: never
+/// served), then its oldest job.
+pub(super) type OrderKey = (Reverse<i32>, u64, i64);
+
+/// The ready jobs of one [`GroupKey`], in FIFO order.
+#[derive(Debug, Default)]
+pub(super) struct ReadyGroup {
+    /// Rows of its ready jobs.
+    pub(super) rows: BTreeSet<i64>,
+    /// [`State::lease_seq`] of its last lease; 0: none since it was
+    /// created (a group with no ready job left is dropped and forgets).
+    pub(super) served: u64,
+    /// Its entry in [`State::order`] while it has rows.
+    pub(super) filed: Option<OrderKey>,
+}
+
+/// An action's fleet-scheduling settings as the scheduler uses them,
+/// shared by the action's queued jobs and leases (a job whose RetryJob
+/// changed its priority holds its own copy).
+#[derive(Debug)]
+pub(super) struct Sched {
+    /// Higher leases first.
+    pub(super) priority: i32,
+    /// Workers whose tags match may run the jobs.
+    pub(super) selector: Selector,
+    /// Concurrency key and its limit of running jobs.
+    pub(super) limit: Option<(Arc<str>, u32)>,
+}
+
+impl Sched {
+    /// The scheduler's form of validated settings.
+    ///
+    /// Errors: `Internal` when the stored selector no longer parses (the
+    /// engine stores only what [`validate::scheduling`] accepted).
+    pub(super) fn new(s: &Scheduling) -> Result<Sched> {
+        let selector = Selector::parse(&s.worker_selector).map_err(|e| {
+            Error::Internal(format!("stored worker selector {:?}: {e}", s.worker_selector))
+        })?;
+        Ok(Sched {
+            priority: s.priority,
+            selector,
+            limit: (!s.concurrency_key.is_empty())
+                .then(|| (Arc::from(s.concurrency_key.as_str()), s.max_running)),
+        })
+    }
+
+    /// The same settings at another priority.
+    pub(super) fn with_priority(&self, priority: i32) -> Sched {
+        Sched {
+            priority,
+            selector: self.selector.clone(),
+            limit: self.limit.clone(),
+        }
+    }
+
+    /// True when worker `w`'s tags match the selector.
+    pub(super) fn admits(&self, w: &WorkerEntry) -> bool {
+        self.selector.matches(&w.info.tags)
+    }
+}
 
 /// One stored version of a plan with the tools it needs. Every queued job
 /// and lease holds the entry of the version it runs, so an older version
@@ -56,11 +122,6 @@ impl PlanEntry {
             tools: validate::plan_tools(&plan),
             plan: Arc::new(plan),
         }
-    }
-
-    /// This version's key.
-    pub(super) fn key(&self) -> PlanKey {
-        (self.id.clone(), self.plan.version)
     }
 
     /// True when worker `w` can run this plan: it advertises every tool, and
@@ -133,6 +194,9 @@ pub(super) struct Lease {
     pub(super) action_id: Arc<str>,
     /// The plan version the job runs.
     pub(super) plan: Arc<PlanEntry>,
+    /// The job's scheduling settings (its concurrency key is counted in
+    /// [`State::running_by_key`] while the lease lives).
+    pub(super) sched: Arc<Sched>,
     /// Attempt number of this lease.
     pub(super) attempt: u32,
     /// Attempts allowed.
@@ -157,6 +221,8 @@ pub(super) struct Waiting {
     pub(super) plan: Arc<PlanEntry>,
     /// Owning action.
     pub(super) action_id: Arc<str>,
+    /// Its scheduling settings.
+    pub(super) sched: Arc<Sched>,
     /// When it became (or becomes) eligible, ms.
     pub(super) since_ms: i64,
     /// Pending (scheduled or ready) or Failed (backing off).
@@ -220,9 +286,16 @@ pub(super) struct State {
     pub(super) old_plans: HashMap<(String, u32), std::sync::Weak<PlanEntry>>,
     /// Ready pending jobs by row (FIFO).
     pub(super) ready: BTreeMap<i64, Waiting>,
-    /// Ready rows per plan version (versions of one plan may need
-    /// different tools, so each has its own FIFO head).
-    pub(super) ready_by_plan: HashMap<PlanKey, BTreeSet<i64>>,
+    /// Ready jobs grouped by action and priority, each group FIFO.
+    pub(super) groups: HashMap<GroupKey, ReadyGroup>,
+    /// The groups with ready jobs in the order the dispatcher tries them
+    /// (see [`OrderKey`]).
+    pub(super) order: BTreeSet<(OrderKey, GroupKey)>,
+    /// Leases held per concurrency key.
+    pub(super) running_by_key: HashMap<Arc<str>, u32>,
+    /// Leases granted by the dispatcher since the starvation guard last
+    /// placed the oldest ready job.
+    pub(super) since_guard: u32,
     /// Jobs waiting for a time: (due ms, row).
     pub(super) delayed: BTreeSet<(i64, i64)>,
     /// Delayed jobs by row.
@@ -270,7 +343,10 @@ impl State {
             plans: HashMap::new(),
             old_plans: HashMap::new(),
             ready: BTreeMap::new(),
-            ready_by_plan: HashMap::new(),
+            groups: HashMap::new(),
+            order: BTreeSet::new(),
+            running_by_key: HashMap::new(),
+            since_guard: 0,
             delayed: BTreeSet::new(),
             delayed_jobs: HashMap::new(),
             leases: HashMap::new(),
@@ -389,12 +465,16 @@ impl State {
             self.workers.insert(id, entry);
         }
         self.ready.clear();
-        self.ready_by_plan.clear();
+        self.groups.clear();
+        self.order.clear();
+        self.running_by_key.clear();
         self.delayed.clear();
         self.delayed_jobs.clear();
         self.leases.clear();
         self.lease_by_job.clear();
         let mut orphaned = Vec::new();
+        let settings = sql::jobs::open_action_scheduling(conn)?;
+        let mut scheds: HashMap<(String, i32), Arc<Sched>> = HashMap::new();
         for job in sql::jobs::load_open(conn)? {
             // Deleting a plan deletes its jobs, and refuses while any is
             // open: only a database edited by hand lacks the version.
@@ -408,6 +488,20 @@ impl State {
                 continue;
             };
             let action_id = self.intern_action(&job.action_id);
+            let sched = match scheds.get(&(job.action_id.clone(), job.priority)) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = Arc::new(match settings.get(&job.action_id) {
+                        Some(s) => Sched::new(s)?.with_priority(job.priority),
+                        None => Sched::new(&Scheduling {
+                            priority: job.priority,
+                            ..Default::default()
+                        })?,
+                    });
+                    scheds.insert((job.action_id.clone(), job.priority), s.clone());
+                    s
+                }
+            };
             match job.status {
                 JobStatus::Running => {
                     let worker_id = job.worker_id.clone().unwrap_or_default();
@@ -417,6 +511,7 @@ impl State {
                         job_id: job.job_id.clone(),
                         action_id,
                         plan,
+                        sched: sched.clone(),
                         attempt: job.attempt,
                         max_attempts: job.max_attempts,
                         expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
@@ -425,6 +520,9 @@ impl State {
                         results_stored: true,
                     };
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
+                    if let Some((key, _)) = &sched.limit {
+                        *self.running_by_key.entry(key.clone()).or_default() += 1;
+                    }
                     self.leases.insert(job.row, lease);
                     match self.workers.get_mut(&worker_id) {
                         Some(w) if w.state.is_live() => {
@@ -437,6 +535,7 @@ impl State {
                     let waiting = Waiting {
                         plan,
                         action_id,
+                        sched,
                         since_ms: job.ready_at_ms,
                         status,
                         fresh: None,
@@ -460,10 +559,12 @@ impl State {
     /// A due job stored as Failed must be promoted by the caller first.
     pub(super) fn enqueue(&mut self, row: i64, waiting: Waiting, now_ms: i64) {
         if waiting.since_ms <= now_ms && waiting.status == JobStatus::Pending {
-            self.ready_by_plan
-                .entry(waiting.plan.key())
-                .or_default()
-                .insert(row);
+            let key = (waiting.action_id.clone(), waiting.sched.priority);
+            let group = self.groups.entry(key.clone()).or_default();
+            group.rows.insert(row);
+            if group.rows.first() == Some(&row) {
+                self.refile(&key);
+            }
             self.ready.insert(row, waiting);
             self.wants_dispatch = true;
         } else {
@@ -476,7 +577,11 @@ impl State {
     /// version of the plan: every such job is in the ready or delayed
     /// queue or leased.
     pub(super) fn plan_in_use(&self, plan_id: &str) -> bool {
-        self.ready_by_plan.keys().any(|(id, _)| &**id == plan_id)
+        self.groups
+            .values()
+            .filter_map(|g| g.rows.first())
+            .filter_map(|row| self.ready.get(row))
+            .any(|w| &*w.plan.id == plan_id)
             || self.delayed_jobs.values().any(|w| &*w.plan.id == plan_id)
             || self.leases.values().any(|l| &*l.plan.id == plan_id)
     }
@@ -484,12 +589,15 @@ impl State {
     /// Removes a job from the ready or delayed queue; returns what it was.
     pub(super) fn dequeue(&mut self, row: i64) -> Option<Waiting> {
         if let Some(w) = self.ready.remove(&row) {
-            let key = w.plan.key();
-            if let Some(set) = self.ready_by_plan.get_mut(&key) {
-                set.remove(&row);
-                if set.is_empty() {
-                    self.ready_by_plan.remove(&key);
-                }
+            let key = (w.action_id.clone(), w.sched.priority);
+            let was_head = self
+                .groups
+                .get_mut(&key)
+                .is_some_and(|g| g.rows.first() == Some(&row) && g.rows.remove(&row));
+            if was_head {
+                self.refile(&key);
+            } else if let Some(g) = self.groups.get_mut(&key) {
+                g.rows.remove(&row);
             }
             return Some(w);
         }
@@ -498,6 +606,27 @@ impl State {
             return Some(w);
         }
         None
+    }
+
+    /// Re-files group `key` in [`State::order`] after its head or its
+    /// last service changed; drops it when it has no ready job left.
+    pub(super) fn refile(&mut self, key: &GroupKey) {
+        let Some(group) = self.groups.get_mut(key) else {
+            return;
+        };
+        if let Some(old) = group.filed.take() {
+            self.order.remove(&(old, key.clone()));
+        }
+        match group.rows.first() {
+            Some(&head) => {
+                let at = (Reverse(key.1), group.served, head);
+                group.filed = Some(at);
+                self.order.insert((at, key.clone()));
+            }
+            None => {
+                self.groups.remove(key);
+            }
+        }
     }
 
     /// Re-files worker `id` in [`State::available`] after a change of its
@@ -546,12 +675,46 @@ impl State {
         now_ms() + self.cfg.heartbeat_interval.as_millis() as i64
     }
 
-    /// Rows of the next `count` jobs of a queue: the ready queue in lease
-    /// order, or the scheduled one soonest first.
+    /// Rows of the next `count` jobs of a queue: the ready queue by
+    /// priority, highest first, and by age within a priority (the lease
+    /// order when workers can take every job, up to the round robin among
+    /// actions and the starvation guard), or the scheduled one soonest
+    /// first.
     pub(super) fn peek(&self, queue: QueueName, count: usize) -> Vec<i64> {
         match queue {
             QueueName::Scheduled => self.delayed.iter().take(count).map(|(_, r)| *r).collect(),
-            QueueName::Ready => self.ready.keys().take(count).copied().collect(),
+            QueueName::Ready => {
+                let mut out = Vec::with_capacity(count.min(self.ready.len()));
+                let mut entries = self.order.iter().peekable();
+                while out.len() < count {
+                    let Some(((Reverse(p), _, _), _)) = entries.peek() else {
+                        break;
+                    };
+                    let p = *p;
+                    // Merge the groups of priority p by row.
+                    let mut iters = Vec::new();
+                    let mut heap = std::collections::BinaryHeap::new();
+                    while let Some((_, key)) = entries.next_if(|((Reverse(q), _, _), _)| *q == p) {
+                        if let Some(g) = self.groups.get(key) {
+                            let mut rows = g.rows.iter();
+                            if let Some(&r) = rows.next() {
+                                heap.push((Reverse(r), iters.len()));
+                                iters.push(rows);
+                            }
+                        }
+                    }
+                    while out.len() < count {
+                        let Some((Reverse(r), i)) = heap.pop() else {
+                            break;
+                        };
+                        out.push(r);
+                        if let Some(&next) = iters[i].next() {
+                            heap.push((Reverse(next), i));
+                        }
+                    }
+                }
+                out
+            }
         }
     }
 

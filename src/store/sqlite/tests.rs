@@ -240,7 +240,7 @@ async fn the_state_machine_fences_reports_and_follows_its_transitions() {
     ));
     // Retry brings it back with a fresh budget (and, a worker being
     // free, it may be leased in the same commit).
-    let retried = e.retry_job(ids[0].clone()).await.unwrap();
+    let retried = e.retry_job(ids[0].clone(), None).await.unwrap();
     assert!(
         matches!(retried.status, JobStatus::Pending | JobStatus::Running),
         "{retried:?}"
@@ -248,7 +248,7 @@ async fn the_state_machine_fences_reports_and_follows_its_transitions() {
     let third = w.lease_within(2000).await.unwrap();
     assert_eq!(third.attempt, 1);
     assert!(matches!(
-        e.retry_job(ids[0].clone()).await.unwrap_err(),
+        e.retry_job(ids[0].clone(), None).await.unwrap_err(),
         Error::FailedPrecondition(_)
     ));
     // Cancelling a running job tells its holder over the heartbeat stream.

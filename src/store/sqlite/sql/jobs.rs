@@ -10,7 +10,7 @@ use rusqlite::{params, types::Type, Connection, OptionalExtension, Row};
 use crate::{
     core::{
         engine::{ActionQuery, ActionState, JobQuery},
-        model::{ActionStatus, Job, JobStatus, TaskResult},
+        model::{ActionStatus, Job, JobStatus, Scheduling, TaskResult},
     },
     error::{Error, Result},
     time::now_ms,
@@ -43,6 +43,8 @@ pub struct JobKey {
     /// ended the attempt, the lease that report carried (so a repeat of
     /// the report, its first reply lost, is recognised); else `None`.
     pub lease_id: Option<String>,
+    /// Scheduling priority.
+    pub priority: i32,
 }
 
 /// The status stored in column `idx` of `r`.
@@ -76,6 +78,7 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
         worker_id: r.get(4)?,
         lease_id: r.get(5)?,
         plan_version: r.get(6)?,
+        priority: r.get(7)?,
     })
 }
 
@@ -85,14 +88,15 @@ fn key_from_row(r: &Row<'_>) -> rusqlite::Result<JobKey> {
 pub fn key_by_job_id(conn: &Connection, job_id: &str) -> Result<Option<JobKey>> {
     Ok(conn
         .prepare_cached(
-            "SELECT id, action_id, plan_id, status, worker_id, lease_id, plan_version FROM jobs WHERE job_id = ?1",
+            "SELECT id, action_id, plan_id, status, worker_id, lease_id, plan_version, priority FROM jobs WHERE job_id = ?1",
         )?
         .query_row([job_id], key_from_row)
         .optional()?)
 }
 
-/// Inserts an action row of version `plan_version` of plan `plan_id`.
-/// Returns false when the id is taken.
+/// Inserts an action row of version `plan_version` of plan `plan_id`
+/// with its fleet-scheduling settings (the selector in effect, already
+/// resolved). Returns false when the id is taken.
 ///
 /// Errors: [`Error::Storage`].
 #[allow(clippy::too_many_arguments)]
@@ -105,14 +109,29 @@ pub fn insert_action(
     max_attempts: u32,
     run_at_ms: Option<i64>,
     traceparent: Option<&str>,
+    scheduling: &Scheduling,
     now_ms: i64,
 ) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, created_at_ms, plan_version)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            "INSERT OR IGNORE INTO actions (action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, created_at_ms, plan_version,
+                                            priority, worker_selector, concurrency_key, max_running)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
         )?
-        .execute(params![action_id, plan_id, total_jobs, max_attempts, run_at_ms, traceparent, now_ms, plan_version])?;
+        .execute(params![
+            action_id,
+            plan_id,
+            total_jobs,
+            max_attempts,
+            run_at_ms,
+            traceparent,
+            now_ms,
+            plan_version,
+            scheduling.priority,
+            scheduling.worker_selector,
+            scheduling.concurrency_key,
+            scheduling.max_running
+        ])?;
     Ok(n == 1)
 }
 
@@ -140,8 +159,8 @@ pub struct FirstLease<'a> {
     pub expires_at_ms: i64,
 }
 
-/// Inserts one job of version `plan_version` of plan `plan_id` and
-/// returns its row id: pending, eligible from
+/// Inserts one job of version `plan_version` of plan `plan_id` at
+/// `priority` and returns its row id: pending, eligible from
 /// `ready_at_ms`, or, with `lease`, already running its first attempt
 /// (started now: the row an insert and a [`grant_lease`] would leave, in
 /// one statement).
@@ -158,12 +177,13 @@ pub fn insert_job(
     max_attempts: u32,
     now_ms: i64,
     ready_at_ms: i64,
+    priority: i32,
     lease: Option<FirstLease<'_>>,
 ) -> Result<i64> {
     conn.prepare_cached(
         "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
-                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version, priority)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
     )?
     .execute(params![
         job_id,
@@ -179,7 +199,8 @@ pub fn insert_job(
         lease.map(|l| l.worker_id),
         lease.map(|l| l.lease_id),
         lease.map(|l| l.expires_at_ms),
-        plan_version
+        plan_version,
+        priority
     ])?;
     Ok(conn.last_insert_rowid())
 }
@@ -356,12 +377,12 @@ pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 /// Puts a failed or dead job back to pending with a fresh attempt budget.
 ///
 /// Errors: [`Error::Storage`].
-pub fn retry(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
+pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<()> {
     conn.prepare_cached(
         "UPDATE jobs SET status = ?2, attempt = 0, ready_at_ms = ?3, completed_at_ms = NULL,
-                lease_id = NULL, error = '', current_task = 0, progress_percent = 0 WHERE id = ?1",
+                lease_id = NULL, error = '', current_task = 0, progress_percent = 0, priority = ?4 WHERE id = ?1",
     )?
-    .execute(params![row, PENDING, now_ms])?;
+    .execute(params![row, PENDING, now_ms, priority])?;
     Ok(())
 }
 
@@ -401,6 +422,8 @@ pub struct OpenJob {
     pub attempt: u32,
     /// Attempts allowed.
     pub max_attempts: u32,
+    /// Scheduling priority.
+    pub priority: i32,
 }
 
 /// Every pending, running and failed job in FIFO order.
@@ -409,7 +432,7 @@ pub struct OpenJob {
 pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
     let mut stmt = conn.prepare(
         "SELECT id, job_id, action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
-                attempt, max_attempts, plan_version
+                attempt, max_attempts, plan_version, priority
          FROM jobs WHERE status IN (?1, ?2, ?3) ORDER BY id",
     )?;
     let rows = stmt.query_map(params![PENDING, RUNNING, FAILED], |r| {
@@ -426,9 +449,47 @@ pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
             attempt: r.get(9)?,
             max_attempts: r.get(10)?,
             plan_version: r.get(11)?,
+            priority: r.get(12)?,
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+fn scheduling_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<Scheduling> {
+    Ok(Scheduling {
+        priority: r.get(idx)?,
+        worker_selector: r.get(idx + 1)?,
+        concurrency_key: r.get(idx + 2)?,
+        max_running: r.get(idx + 3)?,
+    })
+}
+
+/// The fleet-scheduling settings of every unfinished action that has a
+/// worker selector or a concurrency key, by action id (every other
+/// action schedules by its jobs' priorities alone): what the start-up
+/// load needs besides [`load_open`].
+///
+/// Errors: [`Error::Storage`].
+pub fn open_action_scheduling(conn: &Connection) -> Result<HashMap<String, Scheduling>> {
+    let mut stmt = conn.prepare(
+        "SELECT action_id, priority, worker_selector, concurrency_key, max_running FROM actions
+         WHERE finished_at_ms IS NULL AND (worker_selector != '' OR concurrency_key != '')",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, scheduling_at(r, 1)?)))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// The fleet-scheduling settings of action `action_id`; `None` when
+/// there is no such action.
+///
+/// Errors: [`Error::Storage`].
+pub fn action_scheduling(conn: &Connection, action_id: &str) -> Result<Option<Scheduling>> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT priority, worker_selector, concurrency_key, max_running FROM actions WHERE action_id = ?1",
+        )?
+        .query_row([action_id], |r| scheduling_at(r, 0))
+        .optional()?)
 }
 
 fn parse_input(json: &str) -> Result<HashMap<String, String>> {
@@ -439,6 +500,7 @@ fn parse_input(json: &str) -> Result<HashMap<String, String>> {
 /// The job exactly as [`get_by_row`] (without results) reads it right
 /// after [`insert_job`] stored it with these values and a `ready_at_ms` not
 /// in the future: what the scheduler uses instead of reading a new job back.
+#[allow(clippy::too_many_arguments)]
 pub fn inserted_view(
     job_id: String,
     action_id: &str,
@@ -447,6 +509,7 @@ pub fn inserted_view(
     input: HashMap<String, String>,
     max_attempts: u32,
     created_at_ms: i64,
+    priority: i32,
 ) -> Job {
     Job {
         job_id,
@@ -467,6 +530,7 @@ pub fn inserted_view(
         current_task: 0,
         progress_percent: 0,
         ready_at_ms: None,
+        priority,
     }
 }
 
@@ -478,7 +542,7 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
         .prepare_cached(
             "SELECT job_id, action_id, plan_id, status, input, attempt, max_attempts, created_at_ms,
                     started_at_ms, completed_at_ms, worker_id, error, current_task, progress_percent, ready_at_ms,
-                    plan_version
+                    plan_version, priority
              FROM jobs WHERE id = ?1",
         )?
         .query_row([row], |r| {
@@ -502,6 +566,7 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
                     current_task: r.get(12)?,
                     progress_percent: r.get(13)?,
                     ready_at_ms: None,
+                    priority: r.get(16)?,
                 },
                 r.get::<_, String>(4)?,
                 r.get::<_, i64>(14)?,
@@ -548,7 +613,9 @@ fn task_results(conn: &Connection, row: i64) -> Result<Vec<TaskResult>> {
 pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<ActionStatus>> {
     let head = conn
         .prepare_cached(
-            "SELECT plan_id, total_jobs, created_at_ms, plan_version FROM actions WHERE action_id = ?1",
+            "SELECT plan_id, total_jobs, created_at_ms, plan_version,
+                    priority, worker_selector, concurrency_key, max_running
+             FROM actions WHERE action_id = ?1",
         )?
         .query_row([action_id], |r| {
             Ok((
@@ -556,10 +623,11 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<Action
                 r.get::<_, u32>(1)?,
                 r.get::<_, i64>(2)?,
                 r.get::<_, u32>(3)?,
+                scheduling_at(r, 4)?,
             ))
         })
         .optional()?;
-    let Some((plan_id, total_jobs, created_at_ms, plan_version)) = head else {
+    let Some((plan_id, total_jobs, created_at_ms, plan_version, scheduling)) = head else {
         return Ok(None);
     };
     let mut status = ActionStatus {
@@ -568,6 +636,7 @@ pub fn action_status(conn: &Connection, action_id: &str) -> Result<Option<Action
         plan_version,
         total_jobs,
         created_at_ms,
+        scheduling,
         ..Default::default()
     };
     // One pass over the action's jobs (no GROUP BY sort).
@@ -683,24 +752,24 @@ pub fn list_actions(
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
-/// (row, job_id) of the jobs of `action_id` in one of `statuses`, in row
-/// order.
+/// (row, job_id, priority) of the jobs of `action_id` in one of
+/// `statuses`, in row order.
 ///
 /// Errors: [`Error::Storage`].
 pub fn jobs_of_action(
     conn: &Connection,
     action_id: &str,
     statuses: &[JobStatus],
-) -> Result<Vec<(i64, String)>> {
+) -> Result<Vec<(i64, String, i32)>> {
     let list = statuses
         .iter()
         .map(|s| (*s as i32).to_string())
         .collect::<Vec<_>>()
         .join(", ");
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT id, job_id FROM jobs WHERE action_id = ?1 AND status IN ({list}) ORDER BY id"
+        "SELECT id, job_id, priority FROM jobs WHERE action_id = ?1 AND status IN ({list}) ORDER BY id"
     ))?;
-    let rows = stmt.query_map([action_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let rows = stmt.query_map([action_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
@@ -795,13 +864,15 @@ mod tests {
             [],
         )
         .unwrap();
-        assert!(insert_action(&conn, "a", "p", 1, 1, 3, None, None, 0).unwrap());
+        assert!(
+            insert_action(&conn, "a", "p", 1, 1, 3, None, None, &Scheduling::default(), 0).unwrap()
+        );
         let lease = FirstLease {
             worker_id: "w1",
             lease_id: "L1",
             expires_at_ms: i64::MAX,
         };
-        let row = insert_job(&conn, "j", "a", "p", 1, "{}", 3, 0, 0, Some(lease)).unwrap();
+        let row = insert_job(&conn, "j", "a", "p", 1, "{}", 3, 0, 0, 0, Some(lease)).unwrap();
         (dir, conn, row)
     }
 

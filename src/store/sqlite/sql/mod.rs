@@ -33,6 +33,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0008_action_listing.sql"),
     include_str!("migrations/0009_plan_versions.sql"),
     include_str!("migrations/0010_worker_quarantine.sql"),
+    include_str!("migrations/0011_fleet_scheduling.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
