@@ -570,9 +570,12 @@ async fn cancel_and_retry_follow_the_job_state_rules() {
                 .await
                 .map(drop)
         } else {
-            jobs.retry_job(RetryJobRequest { job_id: id.clone(), priority: None })
-                .await
-                .map(drop)
+            jobs.retry_job(RetryJobRequest {
+                job_id: id.clone(),
+                priority: None,
+            })
+            .await
+            .map(drop)
         }
         .expect_err(case);
         assert_eq!(e.code(), Code::FailedPrecondition, "{case}");

@@ -87,7 +87,10 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             .await
             .map(|_| ()),
         "RetryJob" => j
-            .retry_job(RetryJobRequest { job_id: id(), priority: None })
+            .retry_job(RetryJobRequest {
+                job_id: id(),
+                priority: None,
+            })
             .await
             .map(|_| ()),
         "CancelJob" => j

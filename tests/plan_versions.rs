@@ -386,7 +386,10 @@ async fn running_failed_and_retried_jobs_keep_their_version() {
     let retried = s
         .jobs()
         .await
-        .retry_job(RetryJobRequest { job_id: j.clone(), priority: None })
+        .retry_job(RetryJobRequest {
+            job_id: j.clone(),
+            priority: None,
+        })
         .await
         .unwrap()
         .into_inner()

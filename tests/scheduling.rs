@@ -107,7 +107,8 @@ async fn a_selector_keeps_jobs_off_workers_whose_tags_do_not_match() {
     let j = job(&s, &ids[0]).await;
     assert_eq!(j.status, JobStatus::Pending as i32);
     assert!(
-        j.waiting_reason.contains("worker selector `gpu=true, !spot`"),
+        j.waiting_reason
+            .contains("worker selector `gpu=true, !spot`"),
         "{}",
         j.waiting_reason
     );
@@ -165,9 +166,13 @@ async fn a_plan_default_selector_applies_unless_the_action_sets_one() {
         .into_inner()
         .plan
         .unwrap();
-    assert_eq!(stored.worker_selector, "region in (eu, us)", "canonical form");
+    assert_eq!(
+        stored.worker_selector, "region in (eu, us)",
+        "canonical form"
+    );
 
-    let mut asia = SimWorker::start_tagged(&s, "w-asia", &["blender"], 1, &[("region", "asia")]).await;
+    let mut asia =
+        SimWorker::start_tagged(&s, "w-asia", &["blender"], 1, &[("region", "asia")]).await;
     submit(&s, action("render", "a-default", 1)).await;
     assert!(asia.lease_within(800).await.is_none());
     assert_eq!(
@@ -286,11 +291,17 @@ async fn a_high_priority_action_overtakes_a_10000_job_backlog() {
             backlog_after += 1;
         }
         w.complete(&l).await;
-        assert!(backlog_after < 100, "the urgent action waited behind the backlog");
+        assert!(
+            backlog_after < 100,
+            "the urgent action waited behind the backlog"
+        );
     }
     // One lease was already in flight, and the starvation guard gives the
     // backlog every 20th lease: a handful at most.
-    assert!(backlog_after <= 2, "{backlog_after} backlog jobs went first");
+    assert!(
+        backlog_after <= 2,
+        "{backlog_after} backlog jobs went first"
+    );
     let a = action_status(&s, "urgent").await;
     assert_eq!((a.priority, a.completed), (10, 10));
 }
@@ -369,7 +380,10 @@ async fn actions_of_equal_priority_take_turns_on_one_slot() {
         w.complete(&l).await;
     }
     assert_eq!(seen_a, a_ids[5..10].to_vec());
-    assert_eq!(action_status(&s, "small").await.completed, b_ids.len() as u32);
+    assert_eq!(
+        action_status(&s, "small").await.completed,
+        b_ids.len() as u32
+    );
 }
 
 /// Two actions share the key `db` with max_running 2; three workers with
@@ -510,7 +524,11 @@ async fn retry_job_may_change_a_jobs_priority() {
         .job
         .unwrap();
     assert_eq!(retried.priority, 7);
-    assert_eq!(action_status(&s, "a").await.priority, 0, "the action keeps its own");
+    assert_eq!(
+        action_status(&s, "a").await.priority,
+        0,
+        "the action keeps its own"
+    );
     let mut w = SimWorker::start(&s, "w2", &["true"], 1).await;
     let l = w.lease().await;
     assert_eq!(job_of(&l).job_id, first[0], "the retried job goes first");
@@ -546,15 +564,26 @@ async fn scheduling_settings_and_running_counts_survive_a_restart() {
     let s = TestServer::start_with(&db, fast_config(), Authenticator::default(), Some(addr)).await;
     let a = action_status(&s, "a").await;
     assert_eq!(
-        (a.priority, a.worker_selector.as_str(), a.concurrency_key.as_str(), a.max_running),
+        (
+            a.priority,
+            a.worker_selector.as_str(),
+            a.concurrency_key.as_str(),
+            a.max_running
+        ),
         (3, "pool=batch", "k", 1)
     );
     // The loaded lease still counts against the key: the worker comes
     // back with it, and nothing else of the key starts.
     w.connect(Some(vec![held.lease_id.clone()])).await;
     let mut other = SimWorker::start(&s, "w-untagged", &["true"], 3).await;
-    assert!(w.lease_within(800).await.is_none(), "limit held across the restart");
-    assert!(other.lease_within(100).await.is_none(), "selector held across the restart");
+    assert!(
+        w.lease_within(800).await.is_none(),
+        "limit held across the restart"
+    );
+    assert!(
+        other.lease_within(100).await.is_none(),
+        "selector held across the restart"
+    );
     w.complete(&held).await;
     let next = w.lease().await;
     assert_eq!(

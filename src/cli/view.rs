@@ -393,7 +393,10 @@ impl ActionView {
                 if self.concurrency_key.is_empty() {
                     "unlimited".into()
                 } else {
-                    format!("{} (max_running {})", self.concurrency_key, self.max_running)
+                    format!(
+                        "{} (max_running {})",
+                        self.concurrency_key, self.max_running
+                    )
                 },
             ),
             (

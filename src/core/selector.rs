@@ -206,7 +206,9 @@ fn parse_requirement(text: &str, part: &str) -> Result<Requirement> {
         )));
     }
     if let Some(key) = part.strip_prefix('!') {
-        return Ok(Requirement::NotExists(token(text, "key", key, false)?.into()));
+        return Ok(Requirement::NotExists(
+            token(text, "key", key, false)?.into(),
+        ));
     }
     if let Some((k, v)) = part.split_once("!=") {
         return Ok(Requirement::NotEquals(
@@ -271,8 +273,10 @@ mod tests {
 
     #[test]
     fn parses_every_form() {
-        let s = Selector::parse("gpu=true, region in (eu, us),!spot, zone!=a, tier==1, ssd, os notin (win)")
-            .unwrap();
+        let s = Selector::parse(
+            "gpu=true, region in (eu, us),!spot, zone!=a, tier==1, ssd, os notin (win)",
+        )
+        .unwrap();
         assert_eq!(
             s.requirements,
             vec![

@@ -82,8 +82,7 @@ pub fn scheduling(s: Scheduling) -> Result<Scheduling> {
             ));
         }
     } else {
-        if s.concurrency_key.len() > 128 || !id_chars(&s.concurrency_key, &['.', '_', ':', '-'])
-        {
+        if s.concurrency_key.len() > 128 || !id_chars(&s.concurrency_key, &['.', '_', ':', '-']) {
             return Err(Error::invalid(format!(
                 "concurrency_key must match [A-Za-z0-9._:-]{{1,128}}, got {:?}",
                 truncate(&s.concurrency_key, 140)

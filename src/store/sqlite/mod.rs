@@ -11,6 +11,8 @@
 
 mod jobs;
 mod loops;
+#[cfg(test)]
+mod pick_props;
 mod scheduler;
 pub(crate) mod sql;
 mod state;

@@ -119,9 +119,10 @@ impl State {
     /// True when a job with settings `sched` may start without exceeding
     /// its concurrency key's limit.
     fn under_limit(&self, sched: &Sched) -> bool {
-        sched.limit.as_ref().is_none_or(|(key, max)| {
-            self.running_by_key.get(key).copied().unwrap_or(0) < *max
-        })
+        sched
+            .limit
+            .as_ref()
+            .is_none_or(|(key, max)| self.running_by_key.get(key).copied().unwrap_or(0) < *max)
     }
 
     /// The best worker for a job of `plan` (a plan version) with

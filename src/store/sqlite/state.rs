@@ -76,7 +76,10 @@ impl Sched {
     /// engine stores only what [`validate::scheduling`] accepted).
     pub(super) fn new(s: &Scheduling) -> Result<Sched> {
         let selector = Selector::parse(&s.worker_selector).map_err(|e| {
-            Error::Internal(format!("stored worker selector {:?}: {e}", s.worker_selector))
+            Error::Internal(format!(
+                "stored worker selector {:?}: {e}",
+                s.worker_selector
+            ))
         })?;
         Ok(Sched {
             priority: s.priority,

@@ -864,9 +864,19 @@ mod tests {
             [],
         )
         .unwrap();
-        assert!(
-            insert_action(&conn, "a", "p", 1, 1, 3, None, None, &Scheduling::default(), 0).unwrap()
-        );
+        assert!(insert_action(
+            &conn,
+            "a",
+            "p",
+            1,
+            1,
+            3,
+            None,
+            None,
+            &Scheduling::default(),
+            0
+        )
+        .unwrap());
         let lease = FirstLease {
             worker_id: "w1",
             lease_id: "L1",
