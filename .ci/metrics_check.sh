@@ -62,9 +62,9 @@ def fetch(accept):
 
 
 WANT = {
-    "agq_job_transitions": "counter",
-    "agq_jobs": "gauge",
-    "agq_queue_depth": "gauge",
+    "agq_jobs": "counter",
+    "agq_jobs_current": "gauge",
+    "agq_queue_length": "gauge",
     "agq_enqueue_to_lease_seconds": "histogram",
     "agq_rpc_requests": "counter",
     "agq_rpc_duration_seconds": "histogram",

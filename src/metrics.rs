@@ -70,12 +70,22 @@ pub struct RpcLabel {
 /// Every AGQ metric.
 pub struct Metrics {
     registry: Registry,
-    /// Jobs entering each status (counter).
-    pub job_transitions: Family<StatusLabel, Counter>,
-    /// Jobs currently in each status (gauge, refreshed at scrape).
+    /// Jobs entering each status (counter, `agq_jobs_total{status}`, the
+    /// specification's name).
+    pub jobs_total: Family<StatusLabel, Counter>,
+    /// Jobs currently in each status (gauge, `agq_jobs_current{status}`,
+    /// refreshed at scrape).
     pub jobs: Family<StatusLabel, Gauge>,
-    /// Pending jobs by queue (gauge, refreshed at scrape).
-    pub queue_depth: Family<QueueLabel, Gauge>,
+    /// Jobs by queue: ready, scheduled, running (gauge,
+    /// `agq_queue_length{queue}`, the specification's name; refreshed at
+    /// scrape).
+    pub queue_length: Family<QueueLabel, Gauge>,
+    /// Fresh ACTIVE workers running at least one job (gauge,
+    /// `agq_workers_active`, the specification's name; refreshed at scrape).
+    pub workers_active: Gauge,
+    /// Fresh ACTIVE workers running no job (gauge, `agq_workers_idle`;
+    /// not counted in `agq_workers_active`).
+    pub workers_idle: Gauge,
     /// Seconds from a job becoming ready to its lease being sent.
     pub enqueue_to_lease: Histogram,
     /// Seconds from lease to the completed or failed report.
@@ -131,19 +141,31 @@ impl Metrics {
             "Version of the running agq",
             Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
         );
-        let job_transitions = Family::<StatusLabel, Counter>::default();
-        registry.register(
-            "job_transitions",
-            "Jobs entering each status",
-            job_transitions.clone(),
-        );
+        let jobs_total = Family::<StatusLabel, Counter>::default();
+        registry.register("jobs", "Jobs entering each status", jobs_total.clone());
         let jobs = Family::<StatusLabel, Gauge>::default();
-        registry.register("jobs", "Jobs currently in each status", jobs.clone());
-        let queue_depth = Family::<QueueLabel, Gauge>::default();
         registry.register(
-            "queue_depth",
+            "jobs_current",
+            "Jobs currently in each status",
+            jobs.clone(),
+        );
+        let queue_length = Family::<QueueLabel, Gauge>::default();
+        registry.register(
+            "queue_length",
             "Jobs waiting (ready, scheduled) or running",
-            queue_depth.clone(),
+            queue_length.clone(),
+        );
+        let workers_active = Gauge::default();
+        registry.register(
+            "workers_active",
+            "Fresh ACTIVE workers running at least one job",
+            workers_active.clone(),
+        );
+        let workers_idle = Gauge::default();
+        registry.register(
+            "workers_idle",
+            "Fresh ACTIVE workers running no job",
+            workers_idle.clone(),
         );
         let latency_buckets = [
             0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -239,9 +261,11 @@ impl Metrics {
             store_write_errors,
             store_up,
             watch_streams,
-            job_transitions,
+            jobs_total,
             jobs,
-            queue_depth,
+            queue_length,
+            workers_active,
+            workers_idle,
             enqueue_to_lease,
             job_duration,
             lease_wait: Default::default(),
@@ -258,7 +282,7 @@ impl Metrics {
 
     /// Counts a job entering `status`.
     pub fn transition(&self, status: crate::core::model::JobStatus) {
-        self.job_transitions
+        self.jobs_total
             .get_or_create(&StatusLabel {
                 status: status.name().into(),
             })
@@ -522,15 +546,12 @@ mod tests {
             std::time::Duration::from_millis(3),
         );
         let om = m.encode();
-        assert!(om.contains("# TYPE agq_job_transitions counter"), "{om}");
+        assert!(om.contains("# TYPE agq_jobs counter"), "{om}");
         assert!(om.ends_with("# EOF\n"));
         let text = openmetrics_to_text(&om);
-        assert!(
-            text.contains("# TYPE agq_job_transitions_total counter"),
-            "{text}"
-        );
-        assert!(text.contains("# HELP agq_job_transitions_total Jobs entering each status"));
-        assert!(text.contains("agq_job_transitions_total{status=\"completed\"} 1"));
+        assert!(text.contains("# TYPE agq_jobs_total counter"), "{text}");
+        assert!(text.contains("# HELP agq_jobs_total Jobs entering each status"));
+        assert!(text.contains("agq_jobs_total{status=\"completed\"} 1"));
         assert!(text.contains("# TYPE agq_build_info gauge"), "{text}");
         assert!(text.contains("agq_build_info{version=\""), "{text}");
         assert!(
@@ -548,7 +569,7 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("# EOF"));
-        assert!(!text.contains("# TYPE agq_job_transitions counter"));
+        assert!(!text.contains("# TYPE agq_jobs counter"));
     }
 
     #[test]

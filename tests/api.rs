@@ -716,8 +716,8 @@ async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs() {
         .unwrap()
         .into_inner()
         .body;
-    assert!(m.contains("agq_jobs{status=\"pending\"} 6"), "{m}");
-    assert!(m.contains("agq_queue_depth{queue=\"ready\"} 5"), "{m}");
+    assert!(m.contains("agq_jobs_current{status=\"pending\"} 6"), "{m}");
+    assert!(m.contains("agq_queue_length{queue=\"ready\"} 5"), "{m}");
     let mj = queue
         .get_metrics(GetMetricsRequest {
             format: "json".into(),
@@ -727,9 +727,13 @@ async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs() {
         .into_inner()
         .body;
     let v: serde_json::Value = serde_json::from_str(&mj).unwrap();
-    assert!(v.as_array().unwrap().iter().any(|s| s["name"] == "agq_jobs"
-        && s["labels"]["status"] == "cancelled"
-        && s["value"] == 1.0));
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["name"] == "agq_jobs_current"
+            && s["labels"]["status"] == "cancelled"
+            && s["value"] == 1.0));
     s.stop().await;
 }
 

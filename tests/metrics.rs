@@ -75,10 +75,7 @@ async fn metrics_endpoint_after_a_workload() {
     );
     let body = resp.split("\r\n\r\n").nth(1).unwrap();
     // Classic text: counters named with _total in TYPE, no EOF marker.
-    assert!(
-        body.contains("# TYPE agq_job_transitions_total counter"),
-        "{body}"
-    );
+    assert!(body.contains("# TYPE agq_jobs_total counter"), "{body}");
     assert!(!body.contains("# EOF"));
     assert!(body.contains("# TYPE agq_build_info gauge"));
     assert!(value(body, "process_resident_memory_bytes") > 0.0);
@@ -102,33 +99,18 @@ async fn metrics_endpoint_after_a_workload() {
         "{om}"
     );
     let om_body = om.split("\r\n\r\n").nth(1).unwrap();
-    assert!(om_body.contains("# TYPE agq_job_transitions counter"));
+    assert!(om_body.contains("# TYPE agq_jobs counter"));
     assert!(om_body.trim_end().ends_with("# EOF"));
-    assert_eq!(
-        value(om_body, "agq_job_transitions_total{status=\"pending\"}"),
-        4.0
-    );
-    assert_eq!(
-        value(body, "agq_job_transitions_total{status=\"pending\"}"),
-        4.0
-    );
-    assert_eq!(
-        value(body, "agq_job_transitions_total{status=\"running\"}"),
-        4.0
-    );
-    assert_eq!(
-        value(body, "agq_job_transitions_total{status=\"completed\"}"),
-        2.0
-    );
-    assert_eq!(
-        value(body, "agq_job_transitions_total{status=\"dead\"}"),
-        1.0
-    );
-    assert_eq!(value(body, "agq_jobs{status=\"completed\"}"), 2.0);
-    assert_eq!(value(body, "agq_jobs{status=\"cancelled\"}"), 1.0);
-    assert_eq!(value(body, "agq_jobs{status=\"running\"}"), 0.0);
-    assert_eq!(value(body, "agq_queue_depth{queue=\"ready\"}"), 0.0);
-    assert_eq!(value(body, "agq_queue_depth{queue=\"scheduled\"}"), 0.0);
+    assert_eq!(value(om_body, "agq_jobs_total{status=\"pending\"}"), 4.0);
+    assert_eq!(value(body, "agq_jobs_total{status=\"pending\"}"), 4.0);
+    assert_eq!(value(body, "agq_jobs_total{status=\"running\"}"), 4.0);
+    assert_eq!(value(body, "agq_jobs_total{status=\"completed\"}"), 2.0);
+    assert_eq!(value(body, "agq_jobs_total{status=\"dead\"}"), 1.0);
+    assert_eq!(value(body, "agq_jobs_current{status=\"completed\"}"), 2.0);
+    assert_eq!(value(body, "agq_jobs_current{status=\"cancelled\"}"), 1.0);
+    assert_eq!(value(body, "agq_jobs_current{status=\"running\"}"), 0.0);
+    assert_eq!(value(body, "agq_queue_length{queue=\"ready\"}"), 0.0);
+    assert_eq!(value(body, "agq_queue_length{queue=\"scheduled\"}"), 0.0);
     assert_eq!(value(body, "agq_enqueue_to_lease_seconds_count"), 4.0);
     assert!(value(body, "agq_enqueue_to_lease_seconds_sum") < 5.0);
     assert_eq!(value(body, "agq_job_duration_seconds_count"), 3.0);

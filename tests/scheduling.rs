@@ -592,3 +592,131 @@ async fn scheduling_settings_and_running_counts_survive_a_restart() {
     );
     assert!(w.lease_within(300).await.is_none(), "still max_running 1");
 }
+
+#[tokio::test]
+async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, plan("p", &["true"])).await;
+    let mut busy = SimWorker::start(&s, "w-busy", &["true"], 1).await;
+    let _idle = SimWorker::start(&s, "w-idle", &["other"], 1).await;
+    let _draining = SimWorker::start(&s, "w-drain", &["other"], 1).await;
+    s.workers()
+        .await
+        .drain_worker(pb::DrainWorkerRequest {
+            worker_id: "w-drain".into(),
+        })
+        .await
+        .unwrap();
+    submit(&s, action("p", "a", 3)).await;
+    let held = busy.lease().await;
+    assert_eq!(job_of(&held).action_id, "a");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let gpu = submit(
+        &s,
+        SubmitActionRequest {
+            priority: 5,
+            worker_selector: "gpu=true".into(),
+            ..action("p", "b", 2)
+        },
+    )
+    .await;
+    submit(
+        &s,
+        SubmitActionRequest {
+            priority: -1,
+            run_at: Some(prost_types::Timestamp {
+                seconds: (std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs()
+                    + 86_400) as i64,
+                nanos: 0,
+            }),
+            ..action("p", "c", 1)
+        },
+    )
+    .await;
+
+    let st = s
+        .queue()
+        .await
+        .get_queue_stats(pb::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (st.ready_length, st.scheduled_length, st.running_length),
+        (4, 1, 1)
+    );
+    assert!(st.oldest_ready_age_secs >= 1, "{st:?}");
+    assert_eq!(st.newest_job_age_secs, 0, "{st:?}");
+    assert_eq!(
+        (
+            st.workers_total,
+            st.workers_active,
+            st.workers_idle,
+            st.workers_draining,
+            st.workers_quarantined,
+            st.workers_stale
+        ),
+        (3, 1, 1, 1, 0, 0),
+        "idle workers are not a subset of active ones"
+    );
+    let by_priority: Vec<_> = st
+        .by_priority
+        .iter()
+        .map(|p| {
+            (
+                p.priority,
+                p.ready_length,
+                p.scheduled_length,
+                p.running_length,
+            )
+        })
+        .collect();
+    assert_eq!(by_priority, vec![(5, 2, 0, 0), (0, 2, 0, 1), (-1, 0, 1, 0)]);
+    let by_pool: Vec<_> = st
+        .by_pool
+        .iter()
+        .map(|p| {
+            (
+                p.worker_selector.as_str(),
+                p.ready_length,
+                p.scheduled_length,
+                p.running_length,
+                p.workers_matching,
+            )
+        })
+        .collect();
+    assert_eq!(by_pool, vec![("", 2, 1, 1, 2), ("gpu=true", 2, 0, 0, 0)]);
+
+    // PeekQueue lists the ready queue by priority.
+    let peek = s
+        .queue()
+        .await
+        .peek_queue(pb::PeekQueueRequest {
+            queue: "ready".into(),
+            count: 3,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(peek.job_ids[..2], gpu[..]);
+
+    // The specification's metric names.
+    assert_eq!(common::metric(&s, "agq_workers_active").await, 1.0);
+    assert_eq!(common::metric(&s, "agq_workers_idle").await, 1.0);
+    assert_eq!(
+        common::metric(&s, "agq_queue_length{queue=\"ready\"}").await,
+        4.0
+    );
+    assert_eq!(
+        common::metric(&s, "agq_jobs_total{status=\"pending\"}").await,
+        6.0
+    );
+    assert_eq!(
+        common::metric(&s, "agq_jobs_current{status=\"running\"}").await,
+        1.0
+    );
+}

@@ -763,7 +763,7 @@ def check_keda(objs: list[dict], values: dict[str, Any]) -> None:
     expect(trig["type"] == "prometheus" and trig.get("metricType") == "AverageValue",
            f"trigger {trig['type']}/{trig.get('metricType')}")
     expect(md["serverAddress"] == a["keda"]["prometheusAddress"], "serverAddress")
-    want = f'sum(agq_queue_depth{{queue="ready",namespace="{NAMESPACE}",service="{FULLNAME}"}})'
+    want = f'sum(agq_queue_length{{queue="ready",namespace="{NAMESPACE}",service="{FULLNAME}"}})'
     expect(md["query"] == want, f"query {md['query']!r}, want {want!r}")
     jobs = values.get("worker", {}).get("maxConcurrentJobs", 4)
     expect(md["threshold"] == str(jobs), f"threshold {md['threshold']} != maxConcurrentJobs")
@@ -780,7 +780,7 @@ KEDA_OVERRIDE = {
     "monitoring": {"selector": 'job="agq"'},
     "autoscaling": {"targetReadyJobsPerWorker": 10,
                     "keda": {"enabled": True, "prometheusAddress": PROMETHEUS,
-                             "query": 'sum(agq_queue_depth{queue=~"ready|running",job="agq"})'}},
+                             "query": 'sum(agq_queue_length{queue=~"ready|running",job="agq"})'}},
 }
 
 
@@ -808,7 +808,7 @@ def check_hpa(objs: list[dict], values: dict[str, Any]) -> None:
     [m] = spec["metrics"]
     expect(m["type"] == "External", f"metric type {m['type']}")
     ext = m["external"]
-    expect(ext["metric"]["name"] == "agq_queue_depth", f"metric {ext['metric']['name']}")
+    expect(ext["metric"]["name"] == "agq_queue_length", f"metric {ext['metric']['name']}")
     expect(ext["metric"]["selector"]["matchLabels"] == {"queue": "ready", "service": FULLNAME},
            f"selector {ext['metric']['selector']}")
     jobs = values.get("worker", {}).get("maxConcurrentJobs", 4)
@@ -842,7 +842,7 @@ def check_dashboard_file() -> None:
             balanced(t["expr"])
             expect('job=~"$job"' in t["expr"], f"{t['expr']!r} ignores the job variable")
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
-    for needle in ('sum by (queue) (agq_queue_depth', 'sum by (status) (rate(agq_job_transitions_total',
+    for needle in ('sum by (queue) (agq_queue_length', 'sum by (status) (rate(agq_jobs_total',
                    'histogram_quantile(0.5, sum by (le) (rate(agq_enqueue_to_lease_seconds_bucket',
                    'histogram_quantile(0.99, sum by (le) (rate(agq_enqueue_to_lease_seconds_bucket',
                    'agq_job_duration_seconds_bucket', 'sum by (state, fresh) (agq_workers',
@@ -896,7 +896,7 @@ def check_prometheus_rule(objs: list[dict], selector: str) -> None:
         for sel in re.findall(r"agq_\w+\{([^}]*)\}", expr):
             expect(selector in sel, f"{name}: selector {sel!r} lacks {selector!r}")
     nf = by["AgqNoFreshWorkers"]["expr"]
-    expect('agq_queue_depth{queue="ready"' in nf and 'state="active",fresh="true"' in nf
+    expect('agq_queue_length{queue="ready"' in nf and 'state="active",fresh="true"' in nf
            and "unless" in nf, f"AgqNoFreshWorkers {nf!r}")
     expect('status="dead"' in by["AgqDeadJobsRising"]["expr"], "dead jobs alert")
     p99 = by["AgqEnqueueToLeaseP99High"]["expr"]
@@ -1060,7 +1060,7 @@ def live_metrics() -> str:
         deadline = time.time() + 60
         while True:
             text = scrape(url)
-            if ('agq_job_transitions_total{status="dead"}' in text
+            if ('agq_jobs_total{status="dead"}' in text
                     and "agq_requeues_total{" in text):
                 return text
             expect(time.time() < deadline, "the job did not go dead within 60s")
@@ -1117,7 +1117,7 @@ def rendered_queries(objs: list[dict]) -> dict[str, str]:
 
 def check_live_metrics(queries: dict[str, str]) -> None:
     types, labels = parse_metrics(live_metrics())
-    expect("agq_queue_depth" in types and "agq_requeues_total" in labels, "scrape looks empty")
+    expect("agq_queue_length" in types and "agq_requeues_total" in labels, "scrape looks empty")
     problems = []
     for where, expr in queries.items():
         names, sels, groups = promql_uses(expr)

@@ -1041,16 +1041,42 @@ pub struct QueueStatsView {
     pub running_length: u64,
     /// Age of the oldest ready job, seconds.
     pub oldest_ready_age_secs: u64,
+    /// Age of the newest ready job, seconds.
+    pub newest_job_age_secs: u64,
     /// Seconds until the next scheduled job is due.
     pub next_scheduled_due_in_secs: u64,
-    /// Workers ACTIVE or DRAINING.
+    /// Workers ACTIVE, DRAINING or QUARANTINED: the sum of the counts below.
     pub workers_total: u32,
-    /// Fresh ACTIVE workers.
+    /// Fresh ACTIVE workers running at least one job.
     pub workers_active: u32,
-    /// Fresh ACTIVE workers without a lease.
+    /// Fresh ACTIVE workers running none.
     pub workers_idle: u32,
+    /// Fresh DRAINING workers.
+    pub workers_draining: u32,
+    /// Fresh QUARANTINED workers.
+    pub workers_quarantined: u32,
     /// Workers whose heartbeat is stale.
     pub workers_stale: u32,
+    /// Jobs per priority, highest first.
+    pub by_priority: Vec<QueueSliceView>,
+    /// Jobs per worker pool (selector; "" is any worker).
+    pub by_pool: Vec<QueueSliceView>,
+}
+
+/// Jobs of one priority or one worker pool.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct QueueSliceView {
+    /// The priority, or the pool's worker selector.
+    pub key: String,
+    /// Ready jobs.
+    pub ready: u64,
+    /// Scheduled or backing-off jobs.
+    pub scheduled: u64,
+    /// Running jobs.
+    pub running: u64,
+    /// Fresh ACTIVE workers whose tags match (pools only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers_matching: Option<u32>,
 }
 
 impl From<pb::GetQueueStatsResponse> for QueueStatsView {
@@ -1060,23 +1086,49 @@ impl From<pb::GetQueueStatsResponse> for QueueStatsView {
             scheduled_length: s.scheduled_length,
             running_length: s.running_length,
             oldest_ready_age_secs: s.oldest_ready_age_secs,
+            newest_job_age_secs: s.newest_job_age_secs,
             next_scheduled_due_in_secs: s.next_scheduled_due_in_secs,
             workers_total: s.workers_total,
             workers_active: s.workers_active,
             workers_idle: s.workers_idle,
+            workers_draining: s.workers_draining,
+            workers_quarantined: s.workers_quarantined,
             workers_stale: s.workers_stale,
+            by_priority: s
+                .by_priority
+                .into_iter()
+                .map(|p| QueueSliceView {
+                    key: p.priority.to_string(),
+                    ready: p.ready_length,
+                    scheduled: p.scheduled_length,
+                    running: p.running_length,
+                    workers_matching: None,
+                })
+                .collect(),
+            by_pool: s
+                .by_pool
+                .into_iter()
+                .map(|p| QueueSliceView {
+                    key: p.worker_selector,
+                    ready: p.ready_length,
+                    scheduled: p.scheduled_length,
+                    running: p.running_length,
+                    workers_matching: Some(p.workers_matching),
+                })
+                .collect(),
         }
     }
 }
 
 impl QueueStatsView {
-    /// `key value` lines.
+    /// `key value` lines, then a table per priority and per pool.
     pub fn table(&self) -> String {
-        key_values(&[
+        let mut out = key_values(&[
             ("ready", self.ready_length.to_string()),
             ("scheduled", self.scheduled_length.to_string()),
             ("running", self.running_length.to_string()),
             ("oldest ready", format!("{}s", self.oldest_ready_age_secs)),
+            ("newest ready", format!("{}s", self.newest_job_age_secs)),
             (
                 "next scheduled in",
                 format!("{}s", self.next_scheduled_due_in_secs),
@@ -1084,8 +1136,42 @@ impl QueueStatsView {
             ("workers", self.workers_total.to_string()),
             ("workers active", self.workers_active.to_string()),
             ("workers idle", self.workers_idle.to_string()),
+            ("workers draining", self.workers_draining.to_string()),
+            ("workers quarantined", self.workers_quarantined.to_string()),
             ("workers stale", self.workers_stale.to_string()),
-        ])
+        ]);
+        if !self.by_priority.is_empty() {
+            out.push('\n');
+            let mut t = Table::new(["PRIORITY", "READY", "SCHEDULED", "RUNNING"]);
+            for p in &self.by_priority {
+                t.row([
+                    p.key.clone(),
+                    p.ready.to_string(),
+                    p.scheduled.to_string(),
+                    p.running.to_string(),
+                ]);
+            }
+            out.push_str(&t.render());
+        }
+        if !self.by_pool.is_empty() {
+            out.push('\n');
+            let mut t = Table::new(["POOL", "READY", "SCHEDULED", "RUNNING", "WORKERS"]);
+            for p in &self.by_pool {
+                t.row([
+                    if p.key.is_empty() {
+                        "(any worker)".to_string()
+                    } else {
+                        p.key.clone()
+                    },
+                    p.ready.to_string(),
+                    p.scheduled.to_string(),
+                    p.running.to_string(),
+                    p.workers_matching.unwrap_or(0).to_string(),
+                ]);
+            }
+            out.push_str(&t.render());
+        }
+        out
     }
 }
 

@@ -257,6 +257,8 @@ pub async fn overview(State(c): Con, headers: HeaderMap) -> Page {
                 next_scheduled_due_in_secs => q.next_scheduled_due_in_secs,
                 workers_total => q.workers_total, workers_active => q.workers_active,
                 workers_idle => q.workers_idle, workers_stale => q.workers_stale,
+                workers_draining => q.workers_draining,
+                workers_quarantined => q.workers_quarantined,
             },
             by_state => by_state.into_iter().map(|(s, (fresh, stale))| context!{ state => s, fresh, stale }).collect::<Vec<_>>(),
             dead,

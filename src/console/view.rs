@@ -378,7 +378,7 @@ impl Sample {
     /// Reads the job counters and the enqueue-to-lease histogram now.
     pub fn take(m: &Metrics) -> Sample {
         let count = |s: &str| {
-            m.job_transitions
+            m.jobs_total
                 .get_or_create(&StatusLabel { status: s.into() })
                 .get()
         };

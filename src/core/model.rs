@@ -489,7 +489,7 @@ pub struct HeartbeatReply {
 
 /// Queue depths and worker counts (the QUEUE.STATS command of the
 /// specification).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueueStats {
     /// Ready pending jobs.
     pub ready_length: u64,
@@ -501,12 +501,53 @@ pub struct QueueStats {
     pub oldest_ready_age_secs: u64,
     /// Until the next scheduled job is due, s.
     pub next_scheduled_due_in_secs: u64,
-    /// Live workers.
+    /// Age of the newest ready job, s.
+    pub newest_job_age_secs: u64,
+    /// Live workers: the sum of the five counts below.
     pub workers_total: u32,
-    /// Fresh ACTIVE workers.
+    /// Fresh ACTIVE workers running at least one job.
     pub workers_active: u32,
-    /// Fresh ACTIVE workers with no lease.
+    /// Fresh ACTIVE workers running none.
     pub workers_idle: u32,
+    /// Fresh DRAINING workers.
+    pub workers_draining: u32,
+    /// Fresh QUARANTINED workers.
+    pub workers_quarantined: u32,
     /// Live workers whose heartbeat is stale.
     pub workers_stale: u32,
+    /// Jobs per priority, highest first.
+    pub by_priority: Vec<PriorityStats>,
+    /// Jobs per worker pool (selector), by selector.
+    pub by_pool: Vec<PoolStats>,
+}
+
+/// Ready, scheduled and running jobs of one group of a [`QueueStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Depths {
+    /// Ready pending jobs.
+    pub ready: u64,
+    /// Jobs waiting for a time.
+    pub scheduled: u64,
+    /// Leased jobs.
+    pub running: u64,
+}
+
+/// The jobs of one priority.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PriorityStats {
+    /// The priority.
+    pub priority: i32,
+    /// Its jobs.
+    pub depths: Depths,
+}
+
+/// The jobs of one worker pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Canonical selector; empty: any worker.
+    pub worker_selector: String,
+    /// Its jobs.
+    pub depths: Depths,
+    /// Fresh ACTIVE workers whose tags match.
+    pub workers_matching: u32,
 }

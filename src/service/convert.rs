@@ -366,6 +366,30 @@ impl From<QueueStats> for pb::GetQueueStatsResponse {
             workers_idle: s.workers_idle,
             workers_stale: s.workers_stale,
             running_length: s.running_length,
+            newest_job_age_secs: s.newest_job_age_secs,
+            workers_draining: s.workers_draining,
+            workers_quarantined: s.workers_quarantined,
+            by_priority: s
+                .by_priority
+                .into_iter()
+                .map(|p| pb::PriorityQueueStats {
+                    priority: p.priority,
+                    ready_length: p.depths.ready,
+                    scheduled_length: p.depths.scheduled,
+                    running_length: p.depths.running,
+                })
+                .collect(),
+            by_pool: s
+                .by_pool
+                .into_iter()
+                .map(|p| pb::PoolQueueStats {
+                    worker_selector: p.worker_selector,
+                    ready_length: p.depths.ready,
+                    scheduled_length: p.depths.scheduled,
+                    running_length: p.depths.running,
+                    workers_matching: p.workers_matching,
+                })
+                .collect(),
         }
     }
 }

@@ -179,6 +179,46 @@ def test_a_permanent_failure_is_not_retried(
     assert calls == ["3"]
 
 
+def test_a_selector_keeps_jobs_on_matching_workers_and_priorities_show(
+    server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    plain = agq.Worker(server.address, "py-plain")
+    gpu = agq.Worker(server.address, "py-gpu", tags={"gpu": "true"})
+    ran_on: list[str] = []
+
+    @plain.task("where")
+    def where_plain(ctx: agq.TaskContext) -> str:
+        ran_on.append("plain")
+        return "plain"
+
+    @gpu.task("where")
+    def where_gpu(ctx: agq.TaskContext) -> str:
+        ran_on.append("gpu")
+        return "gpu"
+
+    start_worker(plain).wait_connected()
+    start_worker(gpu).wait_connected()
+    client.submit_plan(agq.Plan("py-where", [agq.Task("where", timeout_secs=10)]))
+    sub = client.submit_action(
+        "py-where",
+        [{"n": str(i)} for i in range(4)],
+        priority=7,
+        worker_selector="gpu=true",
+        concurrency_key="py-gpu-pool",
+        max_running=1,
+    )
+    last = client.wait_action(sub.action_id, timeout=WAIT)
+    assert last.completed == 4
+    assert ran_on == ["gpu"] * 4
+    status = client.get_action(sub.action_id)
+    assert (status.priority, status.worker_selector) == (7, "gpu=true")
+    assert (status.concurrency_key, status.max_running) == ("py-gpu-pool", 1)
+    assert client.get_job(sub.job_ids[0]).priority == 7
+    with pytest.raises(agq.AgqError) as e:
+        client.submit_action("py-where", [{"n": "x"}], worker_selector="gpu in (a")
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_missing_function_and_missing_variable_fail_the_job(
     server: Server, client: agq.Client, start_worker: Callable[[agq.Worker], WorkerThread]
 ) -> None:

@@ -76,10 +76,12 @@ pub(super) fn refresh_gauges(
         ("scheduled", queue.scheduled_length),
         ("running", queue.running_length),
     ] {
-        m.queue_depth
+        m.queue_length
             .get_or_create(&QueueLabel { queue: name.into() })
             .set(depth as i64);
     }
+    m.workers_active.set(i64::from(queue.workers_active));
+    m.workers_idle.set(i64::from(queue.workers_idle));
     m.workers.clear();
     for state in WorkerState::ALL {
         for fresh in [true, false] {

@@ -3,21 +3,25 @@
 //! queue, and the reaper tick that catches stale workers, dropped streams
 //! past their grace, expired leases and due jobs.
 
-use std::{collections::HashSet, time::Instant};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    time::Instant,
+};
 
 use rusqlite::Connection;
 
 use super::{
     sql::workers as wstore,
-    state::{Effect, State, StreamSlot, WorkerEntry},
+    state::{Effect, Sched, State, StreamSlot, WorkerEntry},
 };
 use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, StreamKind},
         model::{
-            HeartbeatReply, JobLease, QueueStats, Registration, Worker, WorkerCommand, WorkerState,
-            WorkerStats,
+            Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats, Registration,
+            Worker, WorkerCommand, WorkerState, WorkerStats,
         },
+        selector::Selector,
     },
     error::{Error, Result},
     time::now_ms,
@@ -616,19 +620,29 @@ impl State {
         v
     }
 
-    /// Queue depth and worker counts (the QUEUE.STATS command).
-    pub(super) fn queue_stats(&self) -> QueueStats {
+    /// Queue depth and worker counts (the QUEUE.STATS command), with the
+    /// per-priority and per-pool breakdowns when `breakdown` (they cost a
+    /// pass over every open job).
+    pub(super) fn queue_stats(&self, breakdown: bool) -> QueueStats {
         let now = Instant::now();
         let now_ms = now_ms();
-        let oldest = self.ready.values().map(|w| w.since_ms).min();
+        let (oldest, newest) =
+            self.ready
+                .values()
+                .fold((None, None), |(lo, hi): (Option<i64>, Option<i64>), w| {
+                    (
+                        Some(lo.map_or(w.since_ms, |t| t.min(w.since_ms))),
+                        Some(hi.map_or(w.since_ms, |t| t.max(w.since_ms))),
+                    )
+                });
+        let age = |t: Option<i64>| t.map_or(0, |t| ((now_ms - t).max(0) / 1000) as u64);
         let next_due = self.delayed.first().map(|(due, _)| *due);
         let mut s = QueueStats {
             ready_length: self.ready.len() as u64,
             scheduled_length: self.delayed.len() as u64,
             running_length: self.leases.len() as u64,
-            oldest_ready_age_secs: oldest
-                .map(|t| ((now_ms - t).max(0) / 1000) as u64)
-                .unwrap_or(0),
+            oldest_ready_age_secs: age(oldest),
+            newest_job_age_secs: age(newest),
             next_scheduled_due_in_secs: next_due
                 .map(|t| ((t - now_ms).max(0) / 1000) as u64)
                 .unwrap_or(0),
@@ -639,16 +653,76 @@ impl State {
                 continue;
             }
             s.workers_total += 1;
-            let fresh = self.is_fresh(w, now);
-            if !fresh {
+            if !self.is_fresh(w, now) {
                 s.workers_stale += 1;
-            } else if w.state == WorkerState::Active {
-                s.workers_active += 1;
-                if w.leases.is_empty() {
-                    s.workers_idle += 1;
-                }
+                continue;
+            }
+            match w.state {
+                WorkerState::Active if w.leases.is_empty() => s.workers_idle += 1,
+                WorkerState::Active => s.workers_active += 1,
+                WorkerState::Draining => s.workers_draining += 1,
+                _ => s.workers_quarantined += 1,
             }
         }
+        if breakdown {
+            self.breakdowns(&mut s, now);
+        }
         s
+    }
+
+    /// Fills the per-priority and per-pool figures of `s`.
+    fn breakdowns(&self, s: &mut QueueStats, now: Instant) {
+        // One pass over the open jobs, counted per settings object (shared
+        // by an action's jobs), then folded by priority and by pool.
+        let mut per_sched: HashMap<*const Sched, (Depths, &Sched)> = HashMap::new();
+        let open = (self.ready.values().map(|w| (&*w.sched, 0u8)))
+            .chain(self.delayed_jobs.values().map(|w| (&*w.sched, 1)))
+            .chain(self.leases.values().map(|l| (&*l.sched, 2)));
+        for (sched, kind) in open {
+            let e = per_sched
+                .entry(sched as *const Sched)
+                .or_insert((Depths::default(), sched));
+            match kind {
+                0 => e.0.ready += 1,
+                1 => e.0.scheduled += 1,
+                _ => e.0.running += 1,
+            }
+        }
+        let mut by_priority: BTreeMap<std::cmp::Reverse<i32>, Depths> = BTreeMap::new();
+        let mut by_pool: BTreeMap<String, (Depths, &Selector)> = BTreeMap::new();
+        for (d, sched) in per_sched.into_values() {
+            let p = by_priority
+                .entry(std::cmp::Reverse(sched.priority))
+                .or_default();
+            let pool = &mut by_pool
+                .entry(sched.selector.to_string())
+                .or_insert((Depths::default(), &sched.selector))
+                .0;
+            for t in [p, pool] {
+                t.ready += d.ready;
+                t.scheduled += d.scheduled;
+                t.running += d.running;
+            }
+        }
+        s.by_priority = by_priority
+            .into_iter()
+            .map(|(std::cmp::Reverse(priority), depths)| PriorityStats { priority, depths })
+            .collect();
+        let fresh: Vec<&WorkerEntry> = self
+            .workers
+            .values()
+            .filter(|w| w.state == WorkerState::Active && self.is_fresh(w, now))
+            .collect();
+        s.by_pool = by_pool
+            .into_iter()
+            .map(|(worker_selector, (depths, selector))| PoolStats {
+                workers_matching: fresh
+                    .iter()
+                    .filter(|w| selector.matches(&w.info.tags))
+                    .count() as u32,
+                worker_selector,
+                depths,
+            })
+            .collect();
     }
 }

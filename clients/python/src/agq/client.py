@@ -206,6 +206,10 @@ class Client:
         action_id: str | None = None,
         run_at: datetime | None = None,
         max_attempts: int = 0,
+        priority: int = 0,
+        worker_selector: str = "",
+        concurrency_key: str = "",
+        max_running: int = 0,
         timeout: float | None = None,
     ) -> SubmittedAction:
         """Creates one job per input of plan ``plan_id``, all or nothing.
@@ -215,9 +219,16 @@ class Client:
         finds it created returns its jobs). ``run_at`` (aware datetime)
         schedules the jobs; ``max_attempts`` 0 means the server's 3.
 
+        Fleet scheduling: ``priority`` (-1000..=1000, higher leases first;
+        actions of equal priority take turns), ``worker_selector`` (a
+        label selector over the workers' tags, e.g. ``"gpu=true,!spot"``;
+        empty: the plan's default), ``concurrency_key`` with
+        ``max_running`` (at most that many jobs of all actions with the key
+        run at once across the fleet).
+
         Errors: INVALID_ARGUMENT (bad id, no or too many inputs, oversized
-        input, bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS
-        (the action id is taken).
+        input, bad max_attempts, priority, selector, key or max_running),
+        NOT_FOUND (unknown plan), ALREADY_EXISTS (the action id is taken).
         """
         aid = action_id or f"py-{uuid.uuid4().hex}"
         req = action_service_pb2.SubmitActionRequest(
@@ -225,6 +236,10 @@ class Client:
             plan_id=plan_id,
             inputs=[common_pb2.ActionInput(values=dict(i)) for i in inputs],
             max_attempts=max_attempts,
+            priority=priority,
+            worker_selector=worker_selector,
+            concurrency_key=concurrency_key,
+            max_running=max_running,
         )
         if run_at is not None:
             req.run_at.CopyFrom(to_timestamp(run_at))
@@ -388,11 +403,18 @@ class Client:
         )
         return Page(tuple(resp.job_ids), resp.next_page_token)
 
-    def retry_job(self, job_id: str, *, timeout: float | None = None) -> Job:
-        """Puts a failed or dead job back to pending with a fresh attempt budget.
-        Errors: NOT_FOUND; FAILED_PRECONDITION from any other status."""
+    def retry_job(
+        self, job_id: str, *, priority: int | None = None, timeout: float | None = None
+    ) -> Job:
+        """Puts a failed or dead job back to pending with a fresh attempt
+        budget, at ``priority`` when given (else its own).
+        Errors: NOT_FOUND; FAILED_PRECONDITION from any other status;
+        INVALID_ARGUMENT (priority out of -1000..=1000)."""
+        req = job_service_pb2.RetryJobRequest(job_id=job_id)
+        if priority is not None:
+            req.priority = priority
         resp = call_unary(
-            "RetryJob", self._jobs.RetryJob, job_service_pb2.RetryJobRequest(job_id=job_id),
+            "RetryJob", self._jobs.RetryJob, req,
             timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
         )
         return Job.from_pb(resp.job)

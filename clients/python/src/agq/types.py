@@ -199,6 +199,14 @@ class ActionStatus:
     created_at: datetime | None
     #: When the last job reached a terminal state; None while any job is not terminal.
     completed_jobs_at: datetime | None
+    #: Priority of its jobs (higher leases first).
+    priority: int = 0
+    #: Worker selector in effect; empty: any worker.
+    worker_selector: str = ""
+    #: Concurrency key; empty: none.
+    concurrency_key: str = ""
+    #: Most jobs with the key running at once; 0 without a key.
+    max_running: int = 0
 
     @property
     def finished(self) -> int:
@@ -225,6 +233,10 @@ class ActionStatus:
             cancelled=a.cancelled,
             created_at=optional_timestamp(a, "created_at"),
             completed_jobs_at=optional_timestamp(a, "completed_jobs_at"),
+            priority=a.priority,
+            worker_selector=a.worker_selector,
+            concurrency_key=a.concurrency_key,
+            max_running=a.max_running,
         )
 
 
@@ -304,6 +316,8 @@ class Job:
     current_task: int
     progress_percent: int
     ready_at: datetime | None
+    #: Scheduling priority (higher leases first).
+    priority: int = 0
 
     @property
     def result(self) -> str | None:
@@ -334,6 +348,7 @@ class Job:
             current_task=j.current_task,
             progress_percent=j.progress_percent,
             ready_at=optional_timestamp(j, "ready_at"),
+            priority=j.priority,
         )
 
 

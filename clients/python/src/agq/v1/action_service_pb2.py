@@ -26,39 +26,39 @@ from agq.v1 import common_pb2 as agq_dot_v1_dot_common__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gq/v1/action_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa0\x01\n\x13SubmitActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12#\n\x06inputs\x18\x03 \x03(\x0b\x32\x13.agq.v1.ActionInput\x12*\n\x06run_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\r\"P\n\x14SubmitActionResponse\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x14\n\x0cjobs_created\x18\x02 \x01(\r\x12\x0f\n\x07job_ids\x18\x03 \x03(\t\"%\n\x10GetActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\"9\n\x11GetActionResponse\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"\'\n\x12WatchActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\";\n\x13WatchActionResponse\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"\xd7\x01\n\x12ListActionsRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.agq.v1.ActionState\x12\x31\n\rcreated_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"U\n\x13ListActionsResponse\x12%\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32\x14.agq.v1.ActionStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13\x43\x61ncelActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\"O\n\x14\x43\x61ncelActionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\x12$\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"J\n\x12RetryActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.agq.v1.JobStatus\"L\n\x13RetryActionResponse\x12\x0f\n\x07retried\x18\x01 \x01(\r\x12$\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x14.agq.v1.ActionStatus*x\n\x0b\x41\x63tionState\x12\x1c\n\x18\x41\x43TION_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x43TION_STATE_OPEN\x10\x01\x12\x19\n\x15\x41\x43TION_STATE_FINISHED\x10\x02\x12\x19\n\x15\x41\x43TION_STATE_HAS_DEAD\x10\x03\x32\xc1\x03\n\rActionService\x12I\n\x0cSubmitAction\x12\x1b.agq.v1.SubmitActionRequest\x1a\x1c.agq.v1.SubmitActionResponse\x12@\n\tGetAction\x12\x18.agq.v1.GetActionRequest\x1a\x19.agq.v1.GetActionResponse\x12H\n\x0bWatchAction\x12\x1a.agq.v1.WatchActionRequest\x1a\x1b.agq.v1.WatchActionResponse0\x01\x12\x46\n\x0bListActions\x12\x1a.agq.v1.ListActionsRequest\x1a\x1b.agq.v1.ListActionsResponse\x12I\n\x0c\x43\x61ncelAction\x12\x1b.agq.v1.CancelActionRequest\x1a\x1c.agq.v1.CancelActionResponse\x12\x46\n\x0bRetryAction\x12\x1a.agq.v1.RetryActionRequest\x1a\x1b.agq.v1.RetryActionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gq/v1/action_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x01\n\x13SubmitActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12#\n\x06inputs\x18\x03 \x03(\x0b\x32\x13.agq.v1.ActionInput\x12*\n\x06run_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\r\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fworker_selector\x18\x07 \x01(\t\x12\x17\n\x0f\x63oncurrency_key\x18\x08 \x01(\t\x12\x13\n\x0bmax_running\x18\t \x01(\r\"P\n\x14SubmitActionResponse\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x14\n\x0cjobs_created\x18\x02 \x01(\r\x12\x0f\n\x07job_ids\x18\x03 \x03(\t\"%\n\x10GetActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\"9\n\x11GetActionResponse\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"\'\n\x12WatchActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\";\n\x13WatchActionResponse\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"\xd7\x01\n\x12ListActionsRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.agq.v1.ActionState\x12\x31\n\rcreated_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"U\n\x13ListActionsResponse\x12%\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32\x14.agq.v1.ActionStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13\x43\x61ncelActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\"O\n\x14\x43\x61ncelActionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\x12$\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x14.agq.v1.ActionStatus\"J\n\x12RetryActionRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.agq.v1.JobStatus\"L\n\x13RetryActionResponse\x12\x0f\n\x07retried\x18\x01 \x01(\r\x12$\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x14.agq.v1.ActionStatus*x\n\x0b\x41\x63tionState\x12\x1c\n\x18\x41\x43TION_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x43TION_STATE_OPEN\x10\x01\x12\x19\n\x15\x41\x43TION_STATE_FINISHED\x10\x02\x12\x19\n\x15\x41\x43TION_STATE_HAS_DEAD\x10\x03\x32\xc1\x03\n\rActionService\x12I\n\x0cSubmitAction\x12\x1b.agq.v1.SubmitActionRequest\x1a\x1c.agq.v1.SubmitActionResponse\x12@\n\tGetAction\x12\x18.agq.v1.GetActionRequest\x1a\x19.agq.v1.GetActionResponse\x12H\n\x0bWatchAction\x12\x1a.agq.v1.WatchActionRequest\x1a\x1b.agq.v1.WatchActionResponse0\x01\x12\x46\n\x0bListActions\x12\x1a.agq.v1.ListActionsRequest\x1a\x1b.agq.v1.ListActionsResponse\x12I\n\x0c\x43\x61ncelAction\x12\x1b.agq.v1.CancelActionRequest\x1a\x1c.agq.v1.CancelActionResponse\x12\x46\n\x0bRetryAction\x12\x1a.agq.v1.RetryActionRequest\x1a\x1b.agq.v1.RetryActionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agq.v1.action_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTIONSTATE']._serialized_start=1120
-  _globals['_ACTIONSTATE']._serialized_end=1240
+  _globals['_ACTIONSTATE']._serialized_start=1209
+  _globals['_ACTIONSTATE']._serialized_end=1329
   _globals['_SUBMITACTIONREQUEST']._serialized_start=94
-  _globals['_SUBMITACTIONREQUEST']._serialized_end=254
-  _globals['_SUBMITACTIONRESPONSE']._serialized_start=256
-  _globals['_SUBMITACTIONRESPONSE']._serialized_end=336
-  _globals['_GETACTIONREQUEST']._serialized_start=338
-  _globals['_GETACTIONREQUEST']._serialized_end=375
-  _globals['_GETACTIONRESPONSE']._serialized_start=377
-  _globals['_GETACTIONRESPONSE']._serialized_end=434
-  _globals['_WATCHACTIONREQUEST']._serialized_start=436
-  _globals['_WATCHACTIONREQUEST']._serialized_end=475
-  _globals['_WATCHACTIONRESPONSE']._serialized_start=477
-  _globals['_WATCHACTIONRESPONSE']._serialized_end=536
-  _globals['_LISTACTIONSREQUEST']._serialized_start=539
-  _globals['_LISTACTIONSREQUEST']._serialized_end=754
-  _globals['_LISTACTIONSRESPONSE']._serialized_start=756
-  _globals['_LISTACTIONSRESPONSE']._serialized_end=841
-  _globals['_CANCELACTIONREQUEST']._serialized_start=843
-  _globals['_CANCELACTIONREQUEST']._serialized_end=883
-  _globals['_CANCELACTIONRESPONSE']._serialized_start=885
-  _globals['_CANCELACTIONRESPONSE']._serialized_end=964
-  _globals['_RETRYACTIONREQUEST']._serialized_start=966
-  _globals['_RETRYACTIONREQUEST']._serialized_end=1040
-  _globals['_RETRYACTIONRESPONSE']._serialized_start=1042
-  _globals['_RETRYACTIONRESPONSE']._serialized_end=1118
-  _globals['_ACTIONSERVICE']._serialized_start=1243
-  _globals['_ACTIONSERVICE']._serialized_end=1692
+  _globals['_SUBMITACTIONREQUEST']._serialized_end=343
+  _globals['_SUBMITACTIONRESPONSE']._serialized_start=345
+  _globals['_SUBMITACTIONRESPONSE']._serialized_end=425
+  _globals['_GETACTIONREQUEST']._serialized_start=427
+  _globals['_GETACTIONREQUEST']._serialized_end=464
+  _globals['_GETACTIONRESPONSE']._serialized_start=466
+  _globals['_GETACTIONRESPONSE']._serialized_end=523
+  _globals['_WATCHACTIONREQUEST']._serialized_start=525
+  _globals['_WATCHACTIONREQUEST']._serialized_end=564
+  _globals['_WATCHACTIONRESPONSE']._serialized_start=566
+  _globals['_WATCHACTIONRESPONSE']._serialized_end=625
+  _globals['_LISTACTIONSREQUEST']._serialized_start=628
+  _globals['_LISTACTIONSREQUEST']._serialized_end=843
+  _globals['_LISTACTIONSRESPONSE']._serialized_start=845
+  _globals['_LISTACTIONSRESPONSE']._serialized_end=930
+  _globals['_CANCELACTIONREQUEST']._serialized_start=932
+  _globals['_CANCELACTIONREQUEST']._serialized_end=972
+  _globals['_CANCELACTIONRESPONSE']._serialized_start=974
+  _globals['_CANCELACTIONRESPONSE']._serialized_end=1053
+  _globals['_RETRYACTIONREQUEST']._serialized_start=1055
+  _globals['_RETRYACTIONREQUEST']._serialized_end=1129
+  _globals['_RETRYACTIONRESPONSE']._serialized_start=1131
+  _globals['_RETRYACTIONRESPONSE']._serialized_end=1207
+  _globals['_ACTIONSERVICE']._serialized_start=1332
+  _globals['_ACTIONSERVICE']._serialized_end=1781
 # @@protoc_insertion_point(module_scope)

@@ -60,12 +60,39 @@ class SubmitActionRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     RUN_AT_FIELD_NUMBER: _builtins.int
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    WORKER_SELECTOR_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_FIELD_NUMBER: _builtins.int
     action_id: _builtins.str
     """Id for the Action, [A-Za-z0-9._-]{1,128}; empty: the server makes one."""
     plan_id: _builtins.str
     """The Plan to run."""
     max_attempts: _builtins.int
     """Attempts per job before it goes dead, 1..=100; 0 means 3."""
+    priority: _builtins.int
+    """Priority of the Action's jobs, -1000..=1000 (default 0). Ready jobs of
+    a higher priority lease first; actions of equal priority take turns
+    (round robin), and one action's jobs lease in submission order. To
+    keep low priorities from starving, every Nth lease goes to the oldest
+    ready job whatever its priority (the server's
+    --starvation-guard-every, default 20).
+    """
+    worker_selector: _builtins.str
+    """Only workers whose tags match this selector run the Action's jobs
+    (same syntax as Plan.worker_selector); empty: the Plan's default
+    selector, or any worker when it has none. A job with no fresh worker
+    that matches says so, naming the selector, in Job.waiting_reason.
+    """
+    concurrency_key: _builtins.str
+    """Concurrency key, [A-Za-z0-9._:-]{1,128}: at most max_running jobs of
+    all Actions with this key run at once across the fleet (each Action's
+    own max_running applies to its jobs). Empty: no limit.
+    """
+    max_running: _builtins.int
+    """The limit of concurrency_key, 1..=1000000; required with a key and
+    refused (INVALID_ARGUMENT) without one.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ActionInput]:
         """One job is created per input; 1..=max inputs per action (default 10000)."""
@@ -82,10 +109,14 @@ class SubmitActionRequest(_message.Message):
         inputs: _abc.Iterable[_common_pb2.ActionInput] | None = ...,
         run_at: _timestamp_pb2.Timestamp | None = ...,
         max_attempts: _builtins.int = ...,
+        priority: _builtins.int = ...,
+        worker_selector: _builtins.str = ...,
+        concurrency_key: _builtins.str = ...,
+        max_running: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "inputs", b"inputs", "max_attempts", b"max_attempts", "plan_id", b"plan_id", "run_at", b"run_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "concurrency_key", b"concurrency_key", "inputs", b"inputs", "max_attempts", b"max_attempts", "max_running", b"max_running", "plan_id", b"plan_id", "priority", b"priority", "run_at", b"run_at", "worker_selector", b"worker_selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

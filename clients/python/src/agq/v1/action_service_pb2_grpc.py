@@ -87,7 +87,8 @@ class ActionServiceServicer:
         """Creates one Job per input in a single transaction: all or nothing
         (implements the specification's ACTION.SUBMIT command). Errors:
         INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
-        bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+        bad max_attempts, priority out of range, malformed worker_selector,
+        bad concurrency_key or max_running), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
         taken).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

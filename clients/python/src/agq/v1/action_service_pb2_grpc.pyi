@@ -44,7 +44,8 @@ class ActionServiceStub:
     """Creates one Job per input in a single transaction: all or nothing
     (implements the specification's ACTION.SUBMIT command). Errors:
     INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
-    bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+    bad max_attempts, priority out of range, malformed worker_selector,
+    bad concurrency_key or max_running), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
     taken).
     """
     GetAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.GetActionRequest, _action_service_pb2.GetActionResponse]
@@ -95,7 +96,8 @@ class ActionServiceAsyncStub(ActionServiceStub):
     """Creates one Job per input in a single transaction: all or nothing
     (implements the specification's ACTION.SUBMIT command). Errors:
     INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
-    bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+    bad max_attempts, priority out of range, malformed worker_selector,
+    bad concurrency_key or max_running), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
     taken).
     """
     GetAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.GetActionRequest, _action_service_pb2.GetActionResponse]  # type: ignore[assignment]
@@ -149,7 +151,8 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Creates one Job per input in a single transaction: all or nothing
         (implements the specification's ACTION.SUBMIT command). Errors:
         INVALID_ARGUMENT (bad id, no inputs, too many inputs, oversized input,
-        bad max_attempts), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
+        bad max_attempts, priority out of range, malformed worker_selector,
+        bad concurrency_key or max_running), NOT_FOUND (unknown plan), ALREADY_EXISTS (action_id
         taken).
         """
 

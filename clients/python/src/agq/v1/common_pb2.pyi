@@ -191,6 +191,7 @@ class Plan(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     REQUIRE_SANDBOX_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    WORKER_SELECTOR_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """Unique id, [A-Za-z0-9._-]{1,128}."""
     plan_description: _builtins.str
@@ -206,6 +207,15 @@ class Plan(_message.Message):
     server and read-only: SubmitPlan ignores it. Jobs run the version that
     was the latest when their Action was submitted (Job.plan_version).
     """
+    worker_selector: _builtins.str
+    """Default worker selector of the Plan's Actions: an Action submitted
+    without its own SubmitActionRequest.worker_selector runs only on
+    workers whose tags match this one. Kubernetes label selector syntax,
+    at most 1024 bytes: comma-separated requirements that must all hold,
+    each `key=value` (or `key==value`), `key!=value`, `key in (v1, v2)`,
+    `key notin (v1, v2)`, `key` (tag present) or `!key` (tag absent).
+    Empty: any worker. Stored in canonical form.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """The tasks, 1..=100 of them, numbered 1..=n in order."""
@@ -218,10 +228,11 @@ class Plan(_message.Message):
         tasks: _abc.Iterable[Global___Task] | None = ...,
         require_sandbox: _builtins.bool = ...,
         version: _builtins.int = ...,
+        worker_selector: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "tasks", b"tasks", "version", b"version", "worker_selector", b"worker_selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -289,6 +300,10 @@ class ActionStatus(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     COMPLETED_JOBS_AT_FIELD_NUMBER: _builtins.int
     PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    WORKER_SELECTOR_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_FIELD_NUMBER: _builtins.int
     action_id: _builtins.str
     """The Action's id."""
     plan_id: _builtins.str
@@ -310,6 +325,20 @@ class ActionStatus(_message.Message):
     plan_version: _builtins.int
     """Version of the Plan the Action's jobs run (Plan.version): the latest
     when the Action was submitted.
+    """
+    priority: _builtins.int
+    """Priority of the Action's jobs (SubmitActionRequest.priority); a
+    RetryJob may give one job another (Job.priority).
+    """
+    worker_selector: _builtins.str
+    """Worker selector in effect for the Action's jobs, in canonical form:
+    its own, else its Plan's default; empty: any worker.
+    """
+    concurrency_key: _builtins.str
+    """Concurrency key of the Action; empty: none."""
+    max_running: _builtins.int
+    """Most jobs with concurrency_key that run at once across the fleet; 0
+    when there is no key.
     """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
@@ -334,10 +363,14 @@ class ActionStatus(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         completed_jobs_at: _timestamp_pb2.Timestamp | None = ...,
         plan_version: _builtins.int = ...,
+        priority: _builtins.int = ...,
+        worker_selector: _builtins.str = ...,
+        concurrency_key: _builtins.str = ...,
+        max_running: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_jobs_at", b"completed_jobs_at", "created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "cancelled", b"cancelled", "completed", b"completed", "completed_jobs_at", b"completed_jobs_at", "created_at", b"created_at", "dead", b"dead", "failed", b"failed", "pending", b"pending", "plan_id", b"plan_id", "plan_version", b"plan_version", "running", b"running", "total_jobs", b"total_jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "cancelled", b"cancelled", "completed", b"completed", "completed_jobs_at", b"completed_jobs_at", "concurrency_key", b"concurrency_key", "created_at", b"created_at", "dead", b"dead", "failed", b"failed", "max_running", b"max_running", "pending", b"pending", "plan_id", b"plan_id", "plan_version", b"plan_version", "priority", b"priority", "running", b"running", "total_jobs", b"total_jobs", "worker_selector", b"worker_selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -437,6 +470,7 @@ class Job(_message.Message):
     PROGRESS_PERCENT_FIELD_NUMBER: _builtins.int
     READY_AT_FIELD_NUMBER: _builtins.int
     PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Server-assigned id."""
     action_id: _builtins.str
@@ -463,6 +497,10 @@ class Job(_message.Message):
     """Version of the Plan the job runs (Plan.version): the latest when its
     Action was submitted. It never changes, retries included: a Plan
     replaced later does not change the tasks of jobs already created.
+    """
+    priority: _builtins.int
+    """Scheduling priority of the job, -1000..=1000: its Action's, unless a
+    RetryJob set another. Higher leases first.
     """
     @_builtins.property
     def input(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -511,10 +549,11 @@ class Job(_message.Message):
         progress_percent: _builtins.int = ...,
         ready_at: _timestamp_pb2.Timestamp | None = ...,
         plan_version: _builtins.int = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_at", b"completed_at", "created_at", b"created_at", "ready_at", b"ready_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "attempt", b"attempt", "completed_at", b"completed_at", "created_at", b"created_at", "current_task", b"current_task", "error", b"error", "input", b"input", "job_id", b"job_id", "max_attempts", b"max_attempts", "plan_id", b"plan_id", "plan_version", b"plan_version", "progress_percent", b"progress_percent", "ready_at", b"ready_at", "started_at", b"started_at", "status", b"status", "task_results", b"task_results", "waiting_reason", b"waiting_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "attempt", b"attempt", "completed_at", b"completed_at", "created_at", b"created_at", "current_task", b"current_task", "error", b"error", "input", b"input", "job_id", b"job_id", "max_attempts", b"max_attempts", "plan_id", b"plan_id", "plan_version", b"plan_version", "priority", b"priority", "progress_percent", b"progress_percent", "ready_at", b"ready_at", "started_at", b"started_at", "status", b"status", "task_results", b"task_results", "waiting_reason", b"waiting_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,7 @@ from agq.v1 import common_pb2 as agq_dot_v1_dot_common__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gq/v1/job_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"*\n\x0eGetJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job\"n\n\x0fListJobsRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"<\n\x10ListJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xd5\x01\n\x11SearchJobsRequest\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\x31\n\rcreated_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\">\n\x12SearchJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"!\n\x0fRetryJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x10RetryJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"-\n\x11\x43\x61ncelJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job2\xca\x02\n\nJobService\x12\x37\n\x06GetJob\x12\x15.agq.v1.GetJobRequest\x1a\x16.agq.v1.GetJobResponse\x12=\n\x08ListJobs\x12\x17.agq.v1.ListJobsRequest\x1a\x18.agq.v1.ListJobsResponse\x12\x43\n\nSearchJobs\x12\x19.agq.v1.SearchJobsRequest\x1a\x1a.agq.v1.SearchJobsResponse\x12=\n\x08RetryJob\x12\x17.agq.v1.RetryJobRequest\x1a\x18.agq.v1.RetryJobResponse\x12@\n\tCancelJob\x12\x18.agq.v1.CancelJobRequest\x1a\x19.agq.v1.CancelJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gq/v1/job_service.proto\x12\x06\x61gq.v1\x1a\x13\x61gq/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"*\n\x0eGetJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job\"n\n\x0fListJobsRequest\x12\x11\n\taction_id\x18\x01 \x01(\t\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"<\n\x10ListJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xd5\x01\n\x11SearchJobsRequest\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.agq.v1.JobStatus\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\x31\n\rcreated_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\">\n\x12SearchJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"E\n\x0fRetryJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\x08priority\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_priority\",\n\x10RetryJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"-\n\x11\x43\x61ncelJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.agq.v1.Job2\xca\x02\n\nJobService\x12\x37\n\x06GetJob\x12\x15.agq.v1.GetJobRequest\x1a\x16.agq.v1.GetJobResponse\x12=\n\x08ListJobs\x12\x17.agq.v1.ListJobsRequest\x1a\x18.agq.v1.ListJobsResponse\x12\x43\n\nSearchJobs\x12\x19.agq.v1.SearchJobsRequest\x1a\x1a.agq.v1.SearchJobsResponse\x12=\n\x08RetryJob\x12\x17.agq.v1.RetryJobRequest\x1a\x18.agq.v1.RetryJobResponse\x12@\n\tCancelJob\x12\x18.agq.v1.CancelJobRequest\x1a\x19.agq.v1.CancelJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,13 +46,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEARCHJOBSRESPONSE']._serialized_start=557
   _globals['_SEARCHJOBSRESPONSE']._serialized_end=619
   _globals['_RETRYJOBREQUEST']._serialized_start=621
-  _globals['_RETRYJOBREQUEST']._serialized_end=654
-  _globals['_RETRYJOBRESPONSE']._serialized_start=656
-  _globals['_RETRYJOBRESPONSE']._serialized_end=700
-  _globals['_CANCELJOBREQUEST']._serialized_start=702
-  _globals['_CANCELJOBREQUEST']._serialized_end=736
-  _globals['_CANCELJOBRESPONSE']._serialized_start=738
-  _globals['_CANCELJOBRESPONSE']._serialized_end=783
-  _globals['_JOBSERVICE']._serialized_start=786
-  _globals['_JOBSERVICE']._serialized_end=1116
+  _globals['_RETRYJOBREQUEST']._serialized_end=690
+  _globals['_RETRYJOBRESPONSE']._serialized_start=692
+  _globals['_RETRYJOBRESPONSE']._serialized_end=736
+  _globals['_CANCELJOBREQUEST']._serialized_start=738
+  _globals['_CANCELJOBREQUEST']._serialized_end=772
+  _globals['_CANCELJOBRESPONSE']._serialized_start=774
+  _globals['_CANCELJOBRESPONSE']._serialized_end=819
+  _globals['_JOBSERVICE']._serialized_start=822
+  _globals['_JOBSERVICE']._serialized_end=1152
 # @@protoc_insertion_point(module_scope)

@@ -96,8 +96,9 @@ class JobServiceServicer:
 
     def RetryJob(self, request, context):
         """Puts a failed or dead job back to pending with a fresh attempt budget
-        (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
-        FAILED_PRECONDITION from any other status.
+        (implements the specification's JOB.RETRY command), optionally with a
+        new priority. Errors: NOT_FOUND; FAILED_PRECONDITION from any other
+        status; INVALID_ARGUMENT (priority out of range).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

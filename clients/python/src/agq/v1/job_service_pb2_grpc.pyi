@@ -51,8 +51,9 @@ class JobServiceStub:
     """
     RetryJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]
     """Puts a failed or dead job back to pending with a fresh attempt budget
-    (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
-    FAILED_PRECONDITION from any other status.
+    (implements the specification's JOB.RETRY command), optionally with a
+    new priority. Errors: NOT_FOUND; FAILED_PRECONDITION from any other
+    status; INVALID_ARGUMENT (priority out of range).
     """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a pending or running job; the worker running it is told over its
@@ -83,8 +84,9 @@ class JobServiceAsyncStub(JobServiceStub):
     """
     RetryJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]  # type: ignore[assignment]
     """Puts a failed or dead job back to pending with a fresh attempt budget
-    (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
-    FAILED_PRECONDITION from any other status.
+    (implements the specification's JOB.RETRY command), optionally with a
+    new priority. Errors: NOT_FOUND; FAILED_PRECONDITION from any other
+    status; INVALID_ARGUMENT (priority out of range).
     """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a pending or running job; the worker running it is told over its
@@ -136,8 +138,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.RetryJobResponse, _abc.Awaitable[_job_service_pb2.RetryJobResponse]]:
         """Puts a failed or dead job back to pending with a fresh attempt budget
-        (implements the specification's JOB.RETRY command). Errors: NOT_FOUND;
-        FAILED_PRECONDITION from any other status.
+        (implements the specification's JOB.RETRY command), optionally with a
+        new priority. Errors: NOT_FOUND; FAILED_PRECONDITION from any other
+        status; INVALID_ARGUMENT (priority out of range).
         """
 
     @_abc_1.abstractmethod

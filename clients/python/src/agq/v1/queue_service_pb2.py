@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61gq/v1/queue_service.proto\x12\x06\x61gq.v1\"\x16\n\x14GetQueueStatsRequest\"\xfe\x01\n\x15GetQueueStatsResponse\x12\x14\n\x0cready_length\x18\x01 \x01(\x04\x12\x18\n\x10scheduled_length\x18\x02 \x01(\x04\x12\x1d\n\x15oldest_ready_age_secs\x18\x03 \x01(\x04\x12\"\n\x1anext_scheduled_due_in_secs\x18\x04 \x01(\x04\x12\x15\n\rworkers_total\x18\x05 \x01(\r\x12\x16\n\x0eworkers_active\x18\x06 \x01(\r\x12\x14\n\x0cworkers_idle\x18\x07 \x01(\r\x12\x15\n\rworkers_stale\x18\x08 \x01(\r\x12\x16\n\x0erunning_length\x18\t \x01(\x04\"0\n\x10PeekQueueRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"$\n\x11PeekQueueResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\"#\n\x11GetMetricsRequest\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\"\"\n\x12GetMetricsResponse\x12\x0c\n\x04\x62ody\x18\x01 \x01(\t2\xe3\x01\n\x0cQueueService\x12L\n\rGetQueueStats\x12\x1c.agq.v1.GetQueueStatsRequest\x1a\x1d.agq.v1.GetQueueStatsResponse\x12@\n\tPeekQueue\x12\x18.agq.v1.PeekQueueRequest\x1a\x19.agq.v1.PeekQueueResponse\x12\x43\n\nGetMetrics\x12\x19.agq.v1.GetMetricsRequest\x1a\x1a.agq.v1.GetMetricsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61gq/v1/queue_service.proto\x12\x06\x61gq.v1\"\x16\n\x14GetQueueStatsRequest\"\xac\x03\n\x15GetQueueStatsResponse\x12\x14\n\x0cready_length\x18\x01 \x01(\x04\x12\x18\n\x10scheduled_length\x18\x02 \x01(\x04\x12\x1d\n\x15oldest_ready_age_secs\x18\x03 \x01(\x04\x12\"\n\x1anext_scheduled_due_in_secs\x18\x04 \x01(\x04\x12\x15\n\rworkers_total\x18\x05 \x01(\r\x12\x16\n\x0eworkers_active\x18\x06 \x01(\r\x12\x14\n\x0cworkers_idle\x18\x07 \x01(\r\x12\x15\n\rworkers_stale\x18\x08 \x01(\r\x12\x16\n\x0erunning_length\x18\t \x01(\x04\x12\x1b\n\x13newest_job_age_secs\x18\n \x01(\x04\x12\x18\n\x10workers_draining\x18\x0b \x01(\r\x12\x1b\n\x13workers_quarantined\x18\x0c \x01(\r\x12/\n\x0b\x62y_priority\x18\r \x03(\x0b\x32\x1a.agq.v1.PriorityQueueStats\x12\'\n\x07\x62y_pool\x18\x0e \x03(\x0b\x32\x16.agq.v1.PoolQueueStats\"n\n\x12PriorityQueueStats\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\x14\n\x0cready_length\x18\x02 \x01(\x04\x12\x18\n\x10scheduled_length\x18\x03 \x01(\x04\x12\x16\n\x0erunning_length\x18\x04 \x01(\x04\"\x8b\x01\n\x0ePoolQueueStats\x12\x17\n\x0fworker_selector\x18\x01 \x01(\t\x12\x14\n\x0cready_length\x18\x02 \x01(\x04\x12\x18\n\x10scheduled_length\x18\x03 \x01(\x04\x12\x16\n\x0erunning_length\x18\x04 \x01(\x04\x12\x18\n\x10workers_matching\x18\x05 \x01(\r\"0\n\x10PeekQueueRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"$\n\x11PeekQueueResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\"#\n\x11GetMetricsRequest\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\"\"\n\x12GetMetricsResponse\x12\x0c\n\x04\x62ody\x18\x01 \x01(\t2\xe3\x01\n\x0cQueueService\x12L\n\rGetQueueStats\x12\x1c.agq.v1.GetQueueStatsRequest\x1a\x1d.agq.v1.GetQueueStatsResponse\x12@\n\tPeekQueue\x12\x18.agq.v1.PeekQueueRequest\x1a\x19.agq.v1.PeekQueueResponse\x12\x43\n\nGetMetrics\x12\x19.agq.v1.GetMetricsRequest\x1a\x1a.agq.v1.GetMetricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETQUEUESTATSREQUEST']._serialized_start=38
   _globals['_GETQUEUESTATSREQUEST']._serialized_end=60
   _globals['_GETQUEUESTATSRESPONSE']._serialized_start=63
-  _globals['_GETQUEUESTATSRESPONSE']._serialized_end=317
-  _globals['_PEEKQUEUEREQUEST']._serialized_start=319
-  _globals['_PEEKQUEUEREQUEST']._serialized_end=367
-  _globals['_PEEKQUEUERESPONSE']._serialized_start=369
-  _globals['_PEEKQUEUERESPONSE']._serialized_end=405
-  _globals['_GETMETRICSREQUEST']._serialized_start=407
-  _globals['_GETMETRICSREQUEST']._serialized_end=442
-  _globals['_GETMETRICSRESPONSE']._serialized_start=444
-  _globals['_GETMETRICSRESPONSE']._serialized_end=478
-  _globals['_QUEUESERVICE']._serialized_start=481
-  _globals['_QUEUESERVICE']._serialized_end=708
+  _globals['_GETQUEUESTATSRESPONSE']._serialized_end=491
+  _globals['_PRIORITYQUEUESTATS']._serialized_start=493
+  _globals['_PRIORITYQUEUESTATS']._serialized_end=603
+  _globals['_POOLQUEUESTATS']._serialized_start=606
+  _globals['_POOLQUEUESTATS']._serialized_end=745
+  _globals['_PEEKQUEUEREQUEST']._serialized_start=747
+  _globals['_PEEKQUEUEREQUEST']._serialized_end=795
+  _globals['_PEEKQUEUERESPONSE']._serialized_start=797
+  _globals['_PEEKQUEUERESPONSE']._serialized_end=833
+  _globals['_GETMETRICSREQUEST']._serialized_start=835
+  _globals['_GETMETRICSREQUEST']._serialized_end=870
+  _globals['_GETMETRICSRESPONSE']._serialized_start=872
+  _globals['_GETMETRICSRESPONSE']._serialized_end=906
+  _globals['_QUEUESERVICE']._serialized_start=909
+  _globals['_QUEUESERVICE']._serialized_end=1136
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,11 @@ class GetQueueStatsResponse(_message.Message):
     WORKERS_IDLE_FIELD_NUMBER: _builtins.int
     WORKERS_STALE_FIELD_NUMBER: _builtins.int
     RUNNING_LENGTH_FIELD_NUMBER: _builtins.int
+    NEWEST_JOB_AGE_SECS_FIELD_NUMBER: _builtins.int
+    WORKERS_DRAINING_FIELD_NUMBER: _builtins.int
+    WORKERS_QUARANTINED_FIELD_NUMBER: _builtins.int
+    BY_PRIORITY_FIELD_NUMBER: _builtins.int
+    BY_POOL_FIELD_NUMBER: _builtins.int
     ready_length: _builtins.int
     """Pending jobs eligible to run now."""
     scheduled_length: _builtins.int
@@ -59,15 +64,42 @@ class GetQueueStatsResponse(_message.Message):
     next_scheduled_due_in_secs: _builtins.int
     """Seconds until the next scheduled job is due; 0 when none or overdue."""
     workers_total: _builtins.int
-    """Workers in ACTIVE or DRAINING state."""
+    """Workers in ACTIVE, DRAINING or QUARANTINED state: workers_active +
+    workers_idle + workers_draining + workers_quarantined + workers_stale.
+    """
     workers_active: _builtins.int
-    """Fresh ACTIVE workers."""
+    """Fresh ACTIVE workers running at least one job (idle ones are counted
+    in workers_idle only).
+    """
     workers_idle: _builtins.int
-    """Fresh ACTIVE workers holding no lease."""
+    """Fresh ACTIVE workers running no job."""
     workers_stale: _builtins.int
-    """ACTIVE or DRAINING workers whose last heartbeat is 3 x interval old or older."""
+    """ACTIVE, DRAINING or QUARANTINED workers whose last heartbeat is 3 x
+    interval old or older.
+    """
     running_length: _builtins.int
     """Jobs running now."""
+    newest_job_age_secs: _builtins.int
+    """Seconds the newest ready job has waited (the youngest wait in the
+    ready queue); 0 when none.
+    """
+    workers_draining: _builtins.int
+    """Fresh DRAINING workers."""
+    workers_quarantined: _builtins.int
+    """Fresh QUARANTINED workers."""
+    @_builtins.property
+    def by_priority(self) -> _containers.RepeatedCompositeFieldContainer[Global___PriorityQueueStats]:
+        """Jobs per priority (Job.priority), highest first; only priorities
+        with a ready, scheduled or running job.
+        """
+
+    @_builtins.property
+    def by_pool(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolQueueStats]:
+        """Jobs per worker pool (the worker selector in effect for their
+        Action; "" is the pool of every worker), by selector; only pools with
+        a ready, scheduled or running job.
+        """
+
     def __init__(
         self,
         *,
@@ -80,14 +112,93 @@ class GetQueueStatsResponse(_message.Message):
         workers_idle: _builtins.int = ...,
         workers_stale: _builtins.int = ...,
         running_length: _builtins.int = ...,
+        newest_job_age_secs: _builtins.int = ...,
+        workers_draining: _builtins.int = ...,
+        workers_quarantined: _builtins.int = ...,
+        by_priority: _abc.Iterable[Global___PriorityQueueStats] | None = ...,
+        by_pool: _abc.Iterable[Global___PoolQueueStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_scheduled_due_in_secs", b"next_scheduled_due_in_secs", "oldest_ready_age_secs", b"oldest_ready_age_secs", "ready_length", b"ready_length", "running_length", b"running_length", "scheduled_length", b"scheduled_length", "workers_active", b"workers_active", "workers_idle", b"workers_idle", "workers_stale", b"workers_stale", "workers_total", b"workers_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_pool", b"by_pool", "by_priority", b"by_priority", "newest_job_age_secs", b"newest_job_age_secs", "next_scheduled_due_in_secs", b"next_scheduled_due_in_secs", "oldest_ready_age_secs", b"oldest_ready_age_secs", "ready_length", b"ready_length", "running_length", b"running_length", "scheduled_length", b"scheduled_length", "workers_active", b"workers_active", "workers_draining", b"workers_draining", "workers_idle", b"workers_idle", "workers_quarantined", b"workers_quarantined", "workers_stale", b"workers_stale", "workers_total", b"workers_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015
+
+@_typing.final
+class PriorityQueueStats(_message.Message):
+    """The jobs of one priority (GetQueueStatsResponse.by_priority)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    READY_LENGTH_FIELD_NUMBER: _builtins.int
+    SCHEDULED_LENGTH_FIELD_NUMBER: _builtins.int
+    RUNNING_LENGTH_FIELD_NUMBER: _builtins.int
+    priority: _builtins.int
+    """The priority."""
+    ready_length: _builtins.int
+    """Ready jobs of this priority."""
+    scheduled_length: _builtins.int
+    """Jobs of this priority waiting for their run_at or retry backoff."""
+    running_length: _builtins.int
+    """Running jobs of this priority."""
+    def __init__(
+        self,
+        *,
+        priority: _builtins.int = ...,
+        ready_length: _builtins.int = ...,
+        scheduled_length: _builtins.int = ...,
+        running_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "ready_length", b"ready_length", "running_length", b"running_length", "scheduled_length", b"scheduled_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PriorityQueueStats: _TypeAlias = PriorityQueueStats  # noqa: Y015
+
+@_typing.final
+class PoolQueueStats(_message.Message):
+    """The jobs of one worker pool (GetQueueStatsResponse.by_pool)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_SELECTOR_FIELD_NUMBER: _builtins.int
+    READY_LENGTH_FIELD_NUMBER: _builtins.int
+    SCHEDULED_LENGTH_FIELD_NUMBER: _builtins.int
+    RUNNING_LENGTH_FIELD_NUMBER: _builtins.int
+    WORKERS_MATCHING_FIELD_NUMBER: _builtins.int
+    worker_selector: _builtins.str
+    """The worker selector of the pool in canonical form; empty: any worker."""
+    ready_length: _builtins.int
+    """Ready jobs of the pool."""
+    scheduled_length: _builtins.int
+    """Jobs of the pool waiting for their run_at or retry backoff."""
+    running_length: _builtins.int
+    """Running jobs of the pool."""
+    workers_matching: _builtins.int
+    """Fresh ACTIVE workers whose tags match the selector (whatever their
+    tools).
+    """
+    def __init__(
+        self,
+        *,
+        worker_selector: _builtins.str = ...,
+        ready_length: _builtins.int = ...,
+        scheduled_length: _builtins.int = ...,
+        running_length: _builtins.int = ...,
+        workers_matching: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready_length", b"ready_length", "running_length", b"running_length", "scheduled_length", b"scheduled_length", "worker_selector", b"worker_selector", "workers_matching", b"workers_matching"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolQueueStats: _TypeAlias = PoolQueueStats  # noqa: Y015
 
 @_typing.final
 class PeekQueueRequest(_message.Message):

@@ -57,8 +57,8 @@ class QueueServiceServicer:
     """
 
     def GetQueueStats(self, request, context):
-        """Depths, ages and worker counts. Implements the specification's
-        QUEUE.STATS command.
+        """Depths, ages and worker counts, in all and per priority and worker
+        pool. Implements the specification's QUEUE.STATS command.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,8 +34,8 @@ class QueueServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> QueueServiceAsyncStub: ...
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_queue_service_pb2.GetQueueStatsRequest, _queue_service_pb2.GetQueueStatsResponse]
-    """Depths, ages and worker counts. Implements the specification's
-    QUEUE.STATS command.
+    """Depths, ages and worker counts, in all and per priority and worker
+    pool. Implements the specification's QUEUE.STATS command.
     """
     PeekQueue: _grpc.UnaryUnaryMultiCallable[_queue_service_pb2.PeekQueueRequest, _queue_service_pb2.PeekQueueResponse]
     """The next job ids of a queue in lease order. Implements the
@@ -54,8 +54,8 @@ class QueueServiceAsyncStub(QueueServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_queue_service_pb2.GetQueueStatsRequest, _queue_service_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
-    """Depths, ages and worker counts. Implements the specification's
-    QUEUE.STATS command.
+    """Depths, ages and worker counts, in all and per priority and worker
+    pool. Implements the specification's QUEUE.STATS command.
     """
     PeekQueue: _aio.UnaryUnaryMultiCallable[_queue_service_pb2.PeekQueueRequest, _queue_service_pb2.PeekQueueResponse]  # type: ignore[assignment]
     """The next job ids of a queue in lease order. Implements the
@@ -77,8 +77,8 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_service_pb2.GetQueueStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_service_pb2.GetQueueStatsResponse, _abc.Awaitable[_queue_service_pb2.GetQueueStatsResponse]]:
-        """Depths, ages and worker counts. Implements the specification's
-        QUEUE.STATS command.
+        """Depths, ages and worker counts, in all and per priority and worker
+        pool. Implements the specification's QUEUE.STATS command.
         """
 
     @_abc_1.abstractmethod
