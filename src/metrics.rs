@@ -49,6 +49,16 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// Label of the per-pool queue gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// "ready", "scheduled" or "running".
+    pub queue: String,
+    /// The pool's worker selector in canonical form; "" for jobs any
+    /// worker may run.
+    pub worker_selector: String,
+}
+
 /// Label of worker gauges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabel {
@@ -80,6 +90,10 @@ pub struct Metrics {
     /// `agq_queue_length{queue}`, the specification's name; refreshed at
     /// scrape).
     pub queue_length: Family<QueueLabel, Gauge>,
+    /// Jobs by queue and worker pool (gauge,
+    /// `agq_pool_queue_length{queue,worker_selector}`; refreshed at
+    /// scrape; only pools with jobs).
+    pub pool_queue_length: Family<PoolLabel, Gauge>,
     /// Fresh ACTIVE workers running at least one job (gauge,
     /// `agq_workers_active`, the specification's name; refreshed at scrape).
     pub workers_active: Gauge,
@@ -154,6 +168,12 @@ impl Metrics {
             "queue_length",
             "Jobs waiting (ready, scheduled) or running",
             queue_length.clone(),
+        );
+        let pool_queue_length = Family::<PoolLabel, Gauge>::default();
+        registry.register(
+            "pool_queue_length",
+            "Jobs waiting (ready, scheduled) or running, by worker pool (the worker selector of their action)",
+            pool_queue_length.clone(),
         );
         let workers_active = Gauge::default();
         registry.register(
@@ -264,6 +284,7 @@ impl Metrics {
             jobs_total,
             jobs,
             queue_length,
+            pool_queue_length,
             workers_active,
             workers_idle,
             enqueue_to_lease,

@@ -719,4 +719,20 @@ async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apar
         common::metric(&s, "agq_jobs_current{status=\"running\"}").await,
         1.0
     );
+    assert_eq!(
+        common::metric(
+            &s,
+            "agq_pool_queue_length{queue=\"ready\",worker_selector=\"gpu=true\"}"
+        )
+        .await,
+        2.0
+    );
+    assert_eq!(
+        common::metric(
+            &s,
+            "agq_pool_queue_length{queue=\"scheduled\",worker_selector=\"\"}"
+        )
+        .await,
+        1.0
+    );
 }

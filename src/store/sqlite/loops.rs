@@ -13,7 +13,7 @@ use crate::{
     config::EngineConfig,
     core::model::{JobStatus, QueueStats, WorkerState},
     error::Error,
-    metrics::{QueueLabel, SharedMetrics, StatusLabel, WorkerLabel},
+    metrics::{PoolLabel, QueueLabel, SharedMetrics, StatusLabel, WorkerLabel},
     time::now_ms,
 };
 
@@ -79,6 +79,21 @@ pub(super) fn refresh_gauges(
         m.queue_length
             .get_or_create(&QueueLabel { queue: name.into() })
             .set(depth as i64);
+    }
+    m.pool_queue_length.clear();
+    for pool in &queue.by_pool {
+        for (name, n) in [
+            ("ready", pool.depths.ready),
+            ("scheduled", pool.depths.scheduled),
+            ("running", pool.depths.running),
+        ] {
+            m.pool_queue_length
+                .get_or_create(&PoolLabel {
+                    queue: name.into(),
+                    worker_selector: pool.worker_selector.clone(),
+                })
+                .set(n as i64);
+        }
     }
     m.workers_active.set(i64::from(queue.workers_active));
     m.workers_idle.set(i64::from(queue.workers_idle));

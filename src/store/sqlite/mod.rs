@@ -504,7 +504,7 @@ impl Engine for SqliteEngine {
     }
 
     async fn queue_stats(&self) -> Result<QueueStats> {
-        self.writer.run(|s, _| Ok(s.queue_stats(true))).await
+        self.writer.run(|s, _| Ok(s.queue_stats())).await
     }
 
     async fn peek_queue(&self, queue: QueueName, count: u32) -> Result<Vec<String>> {
@@ -518,7 +518,7 @@ impl Engine for SqliteEngine {
         let counts = self.read(jstore::count_by_status).await?;
         let (queue, workers) = self
             .writer
-            .run(|s, _| Ok((s.queue_stats(false), s.worker_counts())))
+            .run(|s, _| Ok((s.queue_stats(), s.worker_counts())))
             .await?;
         loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
         Ok(self.metrics.encode())

@@ -621,9 +621,8 @@ impl State {
     }
 
     /// Queue depth and worker counts (the QUEUE.STATS command), with the
-    /// per-priority and per-pool breakdowns when `breakdown` (they cost a
-    /// pass over every open job).
-    pub(super) fn queue_stats(&self, breakdown: bool) -> QueueStats {
+    /// per-priority and per-pool breakdowns: one pass over every open job.
+    pub(super) fn queue_stats(&self) -> QueueStats {
         let now = Instant::now();
         let now_ms = now_ms();
         let (oldest, newest) =
@@ -664,9 +663,7 @@ impl State {
                 _ => s.workers_quarantined += 1,
             }
         }
-        if breakdown {
-            self.breakdowns(&mut s, now);
-        }
+        self.breakdowns(&mut s, now);
         s
     }
 
