@@ -144,6 +144,15 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_STARVATION_GUARD_EVERY", default_value_t = 20,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub starvation_guard_every: u32,
+    /// Round robin among actions of equal priority: an action's turn is
+    /// this many consecutive leases, then the next action's turn comes.
+    /// 0 (the default) sizes the turn to the fleet: a quarter of the slots
+    /// of the ACTIVE connected workers, between 1 and 64 (a one-slot fleet
+    /// alternates job by job; a large one keeps an action's jobs together,
+    /// which writes fewer database pages per job).
+    #[arg(long, env = "AGQ_ROUND_ROBIN_QUANTUM", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub round_robin_quantum: u32,
     /// Log format.
     #[arg(long, env = "AGQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -179,6 +188,7 @@ impl ServeArgs {
             quarantine_after_timeouts: self.quarantine_after_timeouts,
             quarantine_window: Duration::from_secs(self.quarantine_window_secs),
             starvation_guard_every: self.starvation_guard_every,
+            round_robin_quantum: self.round_robin_quantum,
         }
     }
 }
@@ -231,6 +241,9 @@ pub struct EngineConfig {
     /// take is leased first whatever its priority (the starvation
     /// guard); 0: strict priorities.
     pub starvation_guard_every: u32,
+    /// Consecutive leases of one action per round-robin turn; 0: a
+    /// quarter of the fleet's slots, between 1 and 64.
+    pub round_robin_quantum: u32,
 }
 
 impl Default for EngineConfig {
@@ -250,6 +263,7 @@ impl Default for EngineConfig {
             quarantine_after_timeouts: 3,
             quarantine_window: Duration::from_secs(3600),
             starvation_guard_every: 20,
+            round_robin_quantum: 0,
         }
     }
 }

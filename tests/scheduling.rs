@@ -736,3 +736,26 @@ async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apar
         1.0
     );
 }
+
+/// A round-robin turn of 3 leases (`--round-robin-quantum 3`): on one
+/// slot, three jobs of one action, then three of the other.
+#[tokio::test]
+async fn a_longer_round_robin_turn_keeps_an_actions_jobs_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        round_robin_quantum: 3,
+        ..fast_config()
+    };
+    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    put_plan(&s, plan("p", &["true"])).await;
+    submit(&s, action("p", "a", 9)).await;
+    submit(&s, action("p", "b", 9)).await;
+    let mut w = SimWorker::start(&s, "w1", &["true"], 1).await;
+    let mut order = String::new();
+    for _ in 0..12 {
+        let l = w.lease().await;
+        order.push_str(&job_of(&l).action_id);
+        w.complete(&l).await;
+    }
+    assert_eq!(order, "aaabbbaaabbb");
+}

@@ -84,6 +84,11 @@ pub struct BenchArgs {
     /// Heartbeat interval of the server and the simulated workers, ms.
     #[arg(long, env = "AGQ_BENCH_HEARTBEAT_MS", default_value_t = 1000)]
     pub heartbeat_ms: u64,
+    /// Consecutive leases of one action per round-robin turn among actions
+    /// of equal priority (the server's `--round-robin-quantum`); unset:
+    /// the server's default.
+    #[arg(long, env = "AGQ_BENCH_ROUND_ROBIN_QUANTUM")]
+    pub round_robin_quantum: Option<u32>,
     /// Seconds of the idle phase (workers connected, only heartbeats).
     #[arg(long, env = "AGQ_BENCH_IDLE_SECS", default_value_t = 3)]
     pub idle_secs: u64,
@@ -180,6 +185,9 @@ impl BenchArgs {
             max_inputs_per_action: 10_000,
             job_retention: (self.job_retention_secs > 0)
                 .then(|| Duration::from_secs(self.job_retention_secs)),
+            round_robin_quantum: self
+                .round_robin_quantum
+                .unwrap_or(EngineConfig::default().round_robin_quantum),
             ..EngineConfig::default()
         }
     }

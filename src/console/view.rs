@@ -62,6 +62,11 @@ pub struct ActionRow {
     pub open: bool,
     pub created: String,
     pub finished: String,
+    /// Scheduling: priority, selector in effect ("" any worker), key and limit.
+    pub priority: i32,
+    pub worker_selector: String,
+    pub concurrency_key: String,
+    pub max_running: u32,
 }
 
 impl From<&pb::ActionStatus> for ActionRow {
@@ -70,6 +75,10 @@ impl From<&pb::ActionStatus> for ActionRow {
         let pct = |n: u32| (n as f64 * 100.0 / total * 10.0).round() / 10.0;
         let done = a.completed + a.dead + a.cancelled;
         ActionRow {
+            priority: a.priority,
+            worker_selector: a.worker_selector.clone(),
+            concurrency_key: a.concurrency_key.clone(),
+            max_running: a.max_running,
             action_id: a.action_id.clone(),
             plan_id: a.plan_id.clone(),
             plan_version: a.plan_version,

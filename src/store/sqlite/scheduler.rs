@@ -107,6 +107,16 @@ impl State {
         }
     }
 
+    /// Consecutive leases of one action per round-robin turn: the
+    /// configured quantum, or (0) a quarter of the fleet's slots between 1
+    /// and 64.
+    pub(super) fn round_robin_quantum(&self) -> u32 {
+        match self.cfg.round_robin_quantum {
+            0 => (self.fleet_slots / 4).clamp(1, 64) as u32,
+            q => q,
+        }
+    }
+
     /// The worker a waiting job goes to now, if any: its concurrency key
     /// is under its limit and [`Self::pick`] finds a worker.
     pub(super) fn placement(&self, w: &Waiting, now: Instant) -> Option<String> {
@@ -211,10 +221,15 @@ impl State {
                 traceparent,
             },
         );
-        // Its action's turn is taken: it goes behind the others of its
-        // priority.
+        // At the end of its action's turn it goes behind the others of
+        // its priority.
+        let quantum = self.round_robin_quantum();
         if let Some(g) = self.groups.get_mut(&group) {
-            g.served = self.lease_seq;
+            g.turn += 1;
+            if g.turn >= quantum {
+                g.turn = 0;
+                g.served = self.lease_seq;
+            }
             self.refile(&group);
         }
         Ok(())

@@ -52,6 +52,9 @@ pub(super) struct ReadyGroup {
     /// [`State::lease_seq`] of its last lease; 0: none since it was
     /// created (a group with no ready job left is dropped and forgets).
     pub(super) served: u64,
+    /// Leases granted in its current turn (see
+    /// [`EngineConfig::round_robin_quantum`]).
+    pub(super) turn: u32,
     /// Its entry in [`State::order`] while it has rows.
     pub(super) filed: Option<OrderKey>,
 }
@@ -179,6 +182,9 @@ pub(super) struct WorkerEntry {
     pub(super) avail_key: Option<(u32, u64)>,
     /// Sequence number of its last lease, for round robin among equals.
     pub(super) last_lease_seq: u64,
+    /// Its slots counted in [`State::fleet_slots`] (its max while ACTIVE
+    /// with a lease stream open, else 0).
+    pub(super) fleet_slots: u32,
     /// When its recent leases hit the job timeout (ms, oldest first),
     /// within the quarantine window; not persisted.
     pub(super) timeouts: std::collections::VecDeque<i64>,
@@ -299,6 +305,9 @@ pub(super) struct State {
     /// Leases granted by the dispatcher since the starvation guard last
     /// placed the oldest ready job.
     pub(super) since_guard: u32,
+    /// Slots of the ACTIVE workers with a lease stream open (free or
+    /// not): sizes the round-robin turn.
+    pub(super) fleet_slots: u64,
     /// Jobs waiting for a time: (due ms, row).
     pub(super) delayed: BTreeSet<(i64, i64)>,
     /// Delayed jobs by row.
@@ -350,6 +359,7 @@ impl State {
             order: BTreeSet::new(),
             running_by_key: HashMap::new(),
             since_guard: 0,
+            fleet_slots: 0,
             delayed: BTreeSet::new(),
             delayed_jobs: HashMap::new(),
             leases: HashMap::new(),
@@ -432,6 +442,7 @@ impl State {
         }
         let mut old = std::mem::take(&mut self.workers);
         self.available.clear();
+        self.fleet_slots = 0;
         for row in sql::workers::load_all(conn)? {
             let id = row.worker.worker_id.clone();
             let state = row.worker.state;
@@ -454,6 +465,7 @@ impl State {
                 registered_at_ms: row.registered_at_ms,
                 avail_key: None,
                 last_lease_seq: 0,
+                fleet_slots: 0,
                 timeouts: Default::default(),
             };
             if let Some(p) = prev {
@@ -641,9 +653,13 @@ impl State {
         if let Some((load, seq)) = w.avail_key.take() {
             self.available.remove(&(load, seq, id.to_string()));
         }
-        let eligible = w.state == WorkerState::Active
-            && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed())
-            && (w.leases.len() as u32) < w.max;
+        let connected = w.state == WorkerState::Active
+            && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
+        let slots = if connected { w.max } else { 0 };
+        self.fleet_slots =
+            self.fleet_slots.saturating_sub(u64::from(w.fleet_slots)) + u64::from(slots);
+        w.fleet_slots = slots;
+        let eligible = connected && (w.leases.len() as u32) < w.max;
         if eligible {
             let key = (w.leases.len() as u32, w.last_lease_seq);
             w.avail_key = Some(key);

@@ -156,6 +156,7 @@ impl State {
             suspect_since: None,
             registered_at_ms: now_ms,
             avail_key: None,
+            fleet_slots: 0,
             last_lease_seq: 0,
             timeouts: Default::default(),
         };
@@ -163,6 +164,7 @@ impl State {
             if let Some((load, seq)) = old.avail_key {
                 self.available.remove(&(load, seq, req.worker_id.clone()));
             }
+            self.fleet_slots = self.fleet_slots.saturating_sub(u64::from(old.fleet_slots));
         }
         self.refresh_available(&req.worker_id);
         tracing::info!(worker_id = %req.worker_id, state = state.name(), "worker registered");
@@ -468,7 +470,9 @@ impl State {
             )));
         }
         wstore::delete(conn, id)?;
-        self.workers.remove(id);
+        if let Some(w) = self.workers.remove(id) {
+            self.fleet_slots = self.fleet_slots.saturating_sub(u64::from(w.fleet_slots));
+        }
         tracing::info!(worker_id = %id, "worker forgotten");
         Ok(())
     }
@@ -561,7 +565,9 @@ impl State {
             .collect();
         for id in old {
             wstore::delete(conn, &id)?;
-            self.workers.remove(&id);
+            if let Some(w) = self.workers.remove(&id) {
+                self.fleet_slots = self.fleet_slots.saturating_sub(u64::from(w.fleet_slots));
+            }
         }
         Ok(())
     }

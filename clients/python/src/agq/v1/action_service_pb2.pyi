@@ -73,7 +73,9 @@ class SubmitActionRequest(_message.Message):
     priority: _builtins.int
     """Priority of the Action's jobs, -1000..=1000 (default 0). Ready jobs of
     a higher priority lease first; actions of equal priority take turns
-    (round robin), and one action's jobs lease in submission order. To
+    (round robin; a turn is the server's --round-robin-quantum leases, by
+    default a quarter of the fleet's slots between 1 and 64), and one
+    action's jobs lease in submission order. To
     keep low priorities from starving, every Nth lease goes to the oldest
     ready job whatever its priority (the server's
     --starvation-guard-every, default 20).
