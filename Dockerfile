@@ -33,7 +33,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      coreutils grep sed gawk jq ca-certificates tini \
+      coreutils grep sed gawk jq ca-certificates tini tzdata \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 agq \
  && useradd --uid 10001 --gid 10001 --home-dir /data --no-create-home \

@@ -19,6 +19,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         "proto/agq/v1/job_service.proto",
         "proto/agq/v1/worker_service.proto",
         "proto/agq/v1/queue_service.proto",
+        "proto/agq/v1/schedule_service.proto",
     ];
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("agq_descriptor.bin"))

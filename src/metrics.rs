@@ -126,6 +126,9 @@ pub struct Metrics {
     /// `agq_worker_quarantines_total`); the ones quarantined now are
     /// `agq_workers{state="quarantined"}`.
     pub worker_quarantines: Counter,
+    /// Actions submitted by recurring schedules (counter,
+    /// `agq_schedule_runs_total`).
+    pub schedule_runs: Counter,
     /// Writes the store could not commit for a cause outside AGQ (disk
     /// full, I/O error): failed batch commits, failed probe commits and
     /// operations broken by such an error (counter,
@@ -251,6 +254,12 @@ impl Metrics {
             "Workers quarantined after too many of their leases hit the job timeout",
             worker_quarantines.clone(),
         );
+        let schedule_runs = Counter::default();
+        registry.register(
+            "schedule_runs",
+            "Actions submitted by recurring schedules",
+            schedule_runs.clone(),
+        );
         let expired_jobs = Counter::default();
         registry.register(
             "expired_jobs",
@@ -298,6 +307,7 @@ impl Metrics {
             batch_size,
             expired_jobs,
             worker_quarantines,
+            schedule_runs,
         }
     }
 

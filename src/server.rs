@@ -1,4 +1,4 @@
-//! Builds and runs the gRPC server: the five `agq.v1` services behind the
+//! Builds and runs the gRPC server: the six `agq.v1` services behind the
 //! auth interceptor, `grpc.health.v1` and server reflection (v1 and
 //! v1alpha, both unauthenticated), and the HTTP metrics endpoint.
 
@@ -18,9 +18,10 @@ use crate::{
     pb::{
         action_service_server::ActionServiceServer, job_service_server::JobServiceServer,
         plan_service_server::PlanServiceServer, queue_service_server::QueueServiceServer,
-        worker_service_server::WorkerServiceServer, FILE_DESCRIPTOR_SET,
+        schedule_service_server::ScheduleServiceServer, worker_service_server::WorkerServiceServer,
+        FILE_DESCRIPTOR_SET,
     },
-    service::{ActionApi, JobApi, PlanApi, QueueApi, WorkerApi},
+    service::{ActionApi, JobApi, PlanApi, QueueApi, ScheduleApi, WorkerApi},
     store::sqlite::SqliteEngine,
 };
 
@@ -150,6 +151,13 @@ pub async fn run(
         }
     );
 
+    let schedule = svc!(
+        ScheduleServiceServer,
+        ScheduleApi {
+            engine: engine.clone()
+        }
+    );
+
     set_health(&health_reporter, true).await;
     health_reporter
         .set_service_status(LIVENESS_SERVICE, tonic_health::ServingStatus::Serving)
@@ -249,6 +257,7 @@ pub async fn run(
         .add_service(job)
         .add_service(worker)
         .add_service(queue)
+        .add_service(schedule)
         .serve_with_incoming_shutdown(incoming, graceful);
     // Graceful shutdown waits for every open call; a client that keeps a
     // stream open must not hold the database open forever.
@@ -296,6 +305,7 @@ async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bo
         <JobServiceServer<JobApi> as tonic::server::NamedService>::NAME,
         <WorkerServiceServer<WorkerApi> as tonic::server::NamedService>::NAME,
         <QueueServiceServer<QueueApi> as tonic::server::NamedService>::NAME,
+        <ScheduleServiceServer<ScheduleApi> as tonic::server::NamedService>::NAME,
     ] {
         reporter.set_service_status(name, status).await;
     }

@@ -15,7 +15,7 @@ type Ch = InterceptedService<Channel, Bearer>;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {
-    /// Plans, actions, jobs, queue, worker listing.
+    /// Plans, actions, jobs, queue, schedules, worker listing.
     Client,
     /// Worker calls naming worker "w1" (and DrainWorker, ForgetWorker).
     Worker,
@@ -33,7 +33,8 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
     let mut a = action_service_client::ActionServiceClient::new(ch.clone());
     let mut j = job_service_client::JobServiceClient::new(ch.clone());
     let mut w = worker_service_client::WorkerServiceClient::new(ch.clone());
-    let mut q = queue_service_client::QueueServiceClient::new(ch);
+    let mut q = queue_service_client::QueueServiceClient::new(ch.clone());
+    let mut sc = schedule_service_client::ScheduleServiceClient::new(ch);
     let id = || "x".to_string();
     match rpc {
         "SubmitPlan" => p
@@ -192,6 +193,30 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        "CreateSchedule" => sc
+            .create_schedule(CreateScheduleRequest::default())
+            .await
+            .map(|_| ()),
+        "GetSchedule" => sc
+            .get_schedule(GetScheduleRequest { schedule_id: id() })
+            .await
+            .map(|_| ()),
+        "ListSchedules" => sc
+            .list_schedules(ListSchedulesRequest::default())
+            .await
+            .map(|_| ()),
+        "PauseSchedule" => sc
+            .pause_schedule(PauseScheduleRequest { schedule_id: id() })
+            .await
+            .map(|_| ()),
+        "ResumeSchedule" => sc
+            .resume_schedule(ResumeScheduleRequest { schedule_id: id() })
+            .await
+            .map(|_| ()),
+        "DeleteSchedule" => sc
+            .delete_schedule(DeleteScheduleRequest { schedule_id: id() })
+            .await
+            .map(|_| ()),
         other => panic!("unknown rpc {other}"),
     }
 }
@@ -218,6 +243,12 @@ const RPCS: &[(&str, Kind)] = &[
     ("GetQueueStats", Kind::Client),
     ("PeekQueue", Kind::Client),
     ("GetMetrics", Kind::Client),
+    ("CreateSchedule", Kind::Client),
+    ("GetSchedule", Kind::Client),
+    ("ListSchedules", Kind::Client),
+    ("PauseSchedule", Kind::Client),
+    ("ResumeSchedule", Kind::Client),
+    ("DeleteSchedule", Kind::Client),
     ("RegisterWorker", Kind::Worker),
     ("Heartbeat", Kind::Worker),
     ("LeaseJobs", Kind::Worker),
@@ -316,7 +347,7 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 30);
+    assert_eq!(checked, 36);
     s.stop().await;
 }
 
@@ -403,7 +434,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 30);
+    assert_eq!(checked, 36);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

@@ -134,7 +134,7 @@ pub struct SubmitArgs {
 }
 
 /// Parses `key=value`.
-fn parse_key_value(s: &str) -> Result<(String, String), String> {
+pub(crate) fn parse_key_value(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
         _ => Err(format!("{s:?} is not key=value")),

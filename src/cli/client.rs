@@ -13,7 +13,7 @@ use super::{error::chain, CliError, ClientOptions};
 use crate::pb::{
     action_service_client::ActionServiceClient, job_service_client::JobServiceClient,
     plan_service_client::PlanServiceClient, queue_service_client::QueueServiceClient,
-    worker_service_client::WorkerServiceClient,
+    schedule_service_client::ScheduleServiceClient, worker_service_client::WorkerServiceClient,
 };
 
 /// Largest response the client accepts, in bytes (64 MiB): a job's task
@@ -81,6 +81,8 @@ pub struct Clients {
     pub worker: WorkerServiceClient<AuthChannel>,
     /// QueueService.
     pub queue: QueueServiceClient<AuthChannel>,
+    /// ScheduleService.
+    pub schedule: ScheduleServiceClient<AuthChannel>,
 }
 
 macro_rules! client {
@@ -115,6 +117,7 @@ impl Clients {
             job: client!(JobServiceClient, channel, auth),
             worker: client!(WorkerServiceClient, channel, auth),
             queue: client!(QueueServiceClient, channel, auth),
+            schedule: client!(ScheduleServiceClient, channel, auth),
         })
     }
 }

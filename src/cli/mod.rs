@@ -19,6 +19,7 @@ pub(crate) mod error;
 pub(crate) mod job;
 pub(crate) mod plan;
 pub(crate) mod queue;
+pub(crate) mod schedule;
 pub(crate) mod table;
 pub(crate) mod time;
 pub(crate) mod view;
@@ -115,6 +116,9 @@ pub enum ClientCommand {
     Queue(queue::QueueCommand),
     /// Print the server's metrics (Prometheus text or JSON).
     Metrics(queue::MetricsArgs),
+    /// Create, list, pause, resume and delete recurring schedules.
+    #[command(subcommand)]
+    Schedule(schedule::ScheduleCommand),
 }
 
 /// Runs one client subcommand against the server `opts` names, printing
@@ -134,6 +138,7 @@ pub async fn run(opts: &ClientOptions, cmd: ClientCommand) -> Result<(), CliErro
         ClientCommand::Worker(c) => worker::run(&clients, out, c).await,
         ClientCommand::Queue(c) => queue::run(&clients, out, c).await,
         ClientCommand::Metrics(a) => queue::metrics(&clients, out, a).await,
+        ClientCommand::Schedule(c) => schedule::run(&clients, out, c).await,
     }
 }
 

@@ -17,8 +17,8 @@ use tokio::sync::{mpsc, watch};
 use super::{
     model::{
         ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
-        PlanVersion, QueueStats, Registered, Registration, SubmittedPlan, Worker, WorkerState,
-        WorkerStats,
+        PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan, Worker,
+        WorkerState, WorkerStats,
     },
     watch::WatchSubscription,
 };
@@ -435,6 +435,31 @@ pub trait Engine: Send + Sync {
     /// Stops the background loops and closes the store cleanly after the
     /// queued operations. Later calls fail with `Unavailable`.
     async fn close(&self);
+
+    // ---- schedules ----
+
+    /// Validates ([`super::validate::schedule`]) and stores a recurring
+    /// schedule (CreateSchedule, an AGQ addition); its first tick is the
+    /// first after now. Returns it as stored.
+    ///
+    /// Errors: `InvalidArgument`, `NotFound` (plan), `AlreadyExists` (id).
+    async fn create_schedule(&self, schedule: Schedule) -> Result<Schedule>;
+
+    /// One schedule (GetSchedule). Errors: `InvalidArgument`, `NotFound`.
+    async fn get_schedule(&self, schedule_id: String) -> Result<Schedule>;
+
+    /// Schedules by id, paginated (ListSchedules); `page_size` 0 means
+    /// 100, at most 1000. Errors: `InvalidArgument` (page size, token).
+    async fn list_schedules(&self, page_size: u32, page_token: String) -> Result<Page<Schedule>>;
+
+    /// Pauses (PauseSchedule) or resumes (ResumeSchedule, from the first
+    /// tick after now) a schedule; the same state again changes nothing.
+    /// Returns it after the change. Errors: `InvalidArgument`, `NotFound`.
+    async fn set_schedule_paused(&self, schedule_id: String, paused: bool) -> Result<Schedule>;
+
+    /// Deletes a schedule (DeleteSchedule); its actions stay. Errors:
+    /// `InvalidArgument`, `NotFound`.
+    async fn delete_schedule(&self, schedule_id: String) -> Result<()>;
 }
 
 /// A shared engine, as the services hold it.

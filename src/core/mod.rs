@@ -5,6 +5,7 @@
 //! in `crate::service` convert wire messages to these types, and the
 //! engines in `crate::store` implement the interface.
 
+pub mod cron;
 pub mod engine;
 pub mod model;
 pub mod page;

@@ -551,3 +551,62 @@ pub struct PoolStats {
     /// Fresh ACTIVE workers whose tags match.
     pub workers_matching: u32,
 }
+
+/// What a schedule does with the ticks it missed while the server was
+/// down.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CatchUp {
+    /// Every missed tick gets its action, oldest first, up to the
+    /// [`MAX_CATCH_UP`] most recent.
+    #[default]
+    All,
+    /// Only the latest missed tick gets an action.
+    Latest,
+    /// Missed ticks are dropped: only a tick less than
+    /// [`SKIP_GRACE_MS`] late fires.
+    Skip,
+}
+
+/// Most missed ticks of one schedule caught up at once
+/// ([`CatchUp::All`]); older ones are dropped and counted.
+pub const MAX_CATCH_UP: usize = 100;
+
+/// How late a tick may fire under [`CatchUp::Skip`], ms.
+pub const SKIP_GRACE_MS: i64 = 60_000;
+
+/// A recurring schedule: at every tick of `cron` (read in `time_zone`) an
+/// action of `plan_id` with `inputs` is submitted, in the transaction that
+/// records the tick.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Schedule {
+    /// Id, `[A-Za-z0-9._-]{1,100}`.
+    pub schedule_id: String,
+    /// The plan each tick runs (its latest version then).
+    pub plan_id: String,
+    /// Cron expression ([`super::cron`]).
+    pub cron: String,
+    /// IANA time zone; empty: UTC.
+    pub time_zone: String,
+    /// The inputs of each action.
+    pub inputs: Vec<HashMap<String, String>>,
+    /// Attempts per job (validated: 1..=100).
+    pub max_attempts: u32,
+    /// Scheduling settings of each action.
+    pub scheduling: Scheduling,
+    /// Missed ticks.
+    pub catch_up: CatchUp,
+    /// Paused: no tick fires.
+    pub paused: bool,
+    /// The next tick, ms; `None` while paused.
+    pub next_run_at_ms: Option<i64>,
+    /// The tick of the last action submitted, ms.
+    pub last_run_at_ms: Option<i64>,
+    /// The last action submitted; empty before the first.
+    pub last_action_id: String,
+    /// Actions submitted so far.
+    pub runs: u64,
+    /// Why the last tick submitted nothing, or ticks were dropped.
+    pub last_error: String,
+    /// Creation time, ms.
+    pub created_at_ms: i64,
+}

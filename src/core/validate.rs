@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use super::{
     engine::{ActionQuery, ActionRequest},
-    model::{JobReport, JobStatus, Plan, Registration, Scheduling},
+    model::{JobReport, JobStatus, Plan, Registration, Schedule, Scheduling},
     page::MAX_PAGE,
     selector::Selector,
 };
@@ -589,6 +589,54 @@ pub fn peek_count(count: u32) -> Result<usize> {
             "count must be at most {MAX_PAGE}, got {n}"
         ))),
     }
+}
+
+/// Validates a new schedule (CreateSchedule) at `now_ms` and returns it
+/// normalised: its id `[A-Za-z0-9._-]{1,100}` (so that `<id>-<tick>` is an
+/// action id), the cron expression and time zone
+/// ([`super::cron::CronSchedule::parse`]), and the action every tick
+/// submits by the rules of [`action`] (inputs, `max_attempts` with its
+/// default, scheduling settings with the selector in canonical form). The
+/// read-only fields are cleared.
+///
+/// Errors: `InvalidArgument` naming the rule.
+pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule> {
+    if s.schedule_id.len() > 100 {
+        return Err(Error::invalid(format!(
+            "schedule_id must match [A-Za-z0-9._-]{{1,100}}, got {} bytes",
+            s.schedule_id.len()
+        )));
+    }
+    object_id("schedule_id", &s.schedule_id)?;
+    super::cron::CronSchedule::parse(&s.cron, &s.time_zone)?;
+    let v = action(
+        ActionRequest {
+            action_id: format!("{}-{}", s.schedule_id, now_ms / 1000),
+            plan_id: s.plan_id,
+            inputs: s.inputs,
+            run_at_ms: None,
+            max_attempts: s.max_attempts,
+            traceparent: None,
+            priority: s.scheduling.priority,
+            worker_selector: s.scheduling.worker_selector,
+            concurrency_key: s.scheduling.concurrency_key,
+            max_running: s.scheduling.max_running,
+        },
+        cfg,
+        now_ms,
+    )?;
+    Ok(Schedule {
+        schedule_id: s.schedule_id,
+        plan_id: v.plan_id,
+        cron: s.cron,
+        time_zone: s.time_zone,
+        inputs: v.inputs,
+        max_attempts: v.max_attempts,
+        scheduling: v.scheduling,
+        catch_up: s.catch_up,
+        created_at_ms: now_ms,
+        ..Default::default()
+    })
 }
 
 #[cfg(test)]

@@ -9,9 +9,9 @@ use crate::{
     core::{
         engine::{ActionQuery, ActionRequest, ActionState, JobQuery},
         model::{
-            ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
-            PlanVersion, QueueStats, Registration, Task, TaskResult, Worker, WorkerCapabilities,
-            WorkerCommand, WorkerState, WorkerStats,
+            ActionStatus, CatchUp, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan,
+            PlanSummary, PlanVersion, QueueStats, Registration, Schedule, Scheduling, Task,
+            TaskResult, Worker, WorkerCapabilities, WorkerCommand, WorkerState, WorkerStats,
         },
     },
     error::{Error, Result},
@@ -464,6 +464,73 @@ pub fn list_actions_query(r: pb::ListActionsRequest) -> Result<ActionQuery> {
         created_before_ms: time_field("created_before", r.created_before)?,
         page_size: r.page_size,
         page_token: r.page_token,
+    })
+}
+
+impl From<Schedule> for pb::Schedule {
+    fn from(s: Schedule) -> Self {
+        pb::Schedule {
+            schedule_id: s.schedule_id,
+            plan_id: s.plan_id,
+            cron: s.cron,
+            time_zone: s.time_zone,
+            inputs: s
+                .inputs
+                .into_iter()
+                .map(|values| pb::ActionInput { values })
+                .collect(),
+            max_attempts: s.max_attempts,
+            priority: s.scheduling.priority,
+            worker_selector: s.scheduling.worker_selector,
+            concurrency_key: s.scheduling.concurrency_key,
+            max_running: s.scheduling.max_running,
+            catch_up: match s.catch_up {
+                CatchUp::All => pb::CatchUp::All,
+                CatchUp::Latest => pb::CatchUp::Latest,
+                CatchUp::Skip => pb::CatchUp::Skip,
+            } as i32,
+            paused: s.paused,
+            next_run_at: s.next_run_at_ms.map(ts),
+            last_run_at: s.last_run_at_ms.map(ts),
+            last_action_id: s.last_action_id,
+            runs: s.runs,
+            last_error: s.last_error,
+            created_at: Some(ts(s.created_at_ms)),
+        }
+    }
+}
+
+/// The engine's schedule for a CreateSchedule; the read-only fields are
+/// ignored.
+///
+/// Errors: `InvalidArgument` for an unknown catch-up policy.
+pub fn schedule_request(s: pb::Schedule) -> Result<Schedule> {
+    let catch_up = match pb::CatchUp::try_from(s.catch_up) {
+        Ok(pb::CatchUp::Unspecified | pb::CatchUp::All) => CatchUp::All,
+        Ok(pb::CatchUp::Latest) => CatchUp::Latest,
+        Ok(pb::CatchUp::Skip) => CatchUp::Skip,
+        Err(_) => {
+            return Err(Error::invalid(format!(
+                "catch_up {} is not a CatchUp value",
+                s.catch_up
+            )))
+        }
+    };
+    Ok(Schedule {
+        schedule_id: s.schedule_id,
+        plan_id: s.plan_id,
+        cron: s.cron,
+        time_zone: s.time_zone,
+        inputs: s.inputs.into_iter().map(|i| i.values).collect(),
+        max_attempts: s.max_attempts,
+        scheduling: Scheduling {
+            priority: s.priority,
+            worker_selector: s.worker_selector,
+            concurrency_key: s.concurrency_key,
+            max_running: s.max_running,
+        },
+        catch_up,
+        ..Default::default()
     })
 }
 

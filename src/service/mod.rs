@@ -10,6 +10,7 @@ pub mod convert;
 mod job;
 mod plan;
 mod queue;
+mod schedule;
 pub mod status;
 mod worker;
 
@@ -19,7 +20,8 @@ use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
 pub(crate) use self::{
-    action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, worker::WorkerApi,
+    action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, schedule::ScheduleApi,
+    worker::WorkerApi,
 };
 use crate::core::SharedEngine;
 

@@ -141,6 +141,9 @@ impl TestServer {
     pub async fn queue(&self) -> queue_service_client::QueueServiceClient<Channel> {
         queue_service_client::QueueServiceClient::new(self.channel().await)
     }
+    pub async fn schedules(&self) -> schedule_service_client::ScheduleServiceClient<Channel> {
+        schedule_service_client::ScheduleServiceClient::new(self.channel().await)
+    }
 }
 
 /// An interceptor adding a bearer token.

@@ -3,12 +3,16 @@
 //! retention sweeper, the store-health gauge, and the refresh of the
 //! gauges served by `/metrics`.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
-use super::{sql::retention, state::State, writer::Writer};
+use super::{
+    sql::{self, retention},
+    state::State,
+    writer::Writer,
+};
 use crate::{
     config::EngineConfig,
     core::model::{JobStatus, QueueStats, WorkerState},
@@ -25,6 +29,7 @@ pub(super) fn start(
     cfg: &EngineConfig,
     mut up: watch::Receiver<bool>,
     store_up: Gauge,
+    schedules_changed: Arc<Notify>,
     stop: watch::Receiver<bool>,
 ) {
     let mut stop_gauge = stop.clone();
@@ -40,7 +45,55 @@ pub(super) fn start(
     if let Some(retention) = cfg.job_retention {
         tokio::spawn(retention_sweeper(writer.clone(), retention, stop.clone()));
     }
+    tokio::spawn(schedule_loop(
+        writer.clone(),
+        schedules_changed,
+        stop.clone(),
+    ));
     tokio::spawn(reaper(writer.clone(), tick_period(cfg), stop));
+}
+
+/// Longest the schedule loop sleeps without looking at the schedules again.
+const SCHEDULE_POLL: Duration = Duration::from_secs(60);
+
+/// The schedule loop: sleeps until the soonest tick of an active schedule
+/// (or a change of the schedules, or [`SCHEDULE_POLL`]), then fires what is
+/// due ([`State::fire_schedules`]) in one operation.
+async fn schedule_loop(
+    writer: Writer<State>,
+    changed: Arc<Notify>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let next = match writer.run(|_, c| sql::schedules::next_due(c)).await {
+            Ok(n) => n,
+            Err(Error::Unavailable) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the next schedule tick failed");
+                Some(now_ms() + 1000)
+            }
+        };
+        let wait = match next {
+            Some(t) => Duration::from_millis(u64::try_from(t - now_ms()).unwrap_or(0)),
+            None => SCHEDULE_POLL,
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait.min(SCHEDULE_POLL)) => {}
+            _ = changed.notified() => continue,
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        match writer.write(|s, c| s.fire_schedules(c, now_ms())).await {
+            Ok(_) => {}
+            Err(Error::Unavailable) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "firing schedules failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
 }
 
 /// How often the reaper runs: a tenth of the heartbeat interval or of the

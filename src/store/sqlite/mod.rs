@@ -14,6 +14,7 @@ mod loops;
 #[cfg(test)]
 mod pick_props;
 mod scheduler;
+mod schedules;
 pub(crate) mod sql;
 mod state;
 #[cfg(test)]
@@ -40,8 +41,8 @@ use crate::{
         },
         model::{
             ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
-            PlanVersion, QueueStats, Registered, Registration, SubmittedPlan, Worker, WorkerState,
-            WorkerStats,
+            PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan, Worker,
+            WorkerState, WorkerStats,
         },
         page, validate,
         watch::{WatchSubscription, Watchers},
@@ -62,6 +63,9 @@ pub struct SqliteEngine {
     checkpointer: std::sync::Mutex<Option<sql::Checkpointer>>,
     stop_loops: watch::Sender<bool>,
     health: StoreHealth,
+    /// Woken when a schedule is created or resumed, so the schedule loop
+    /// recomputes its next wake-up.
+    schedules_changed: Arc<tokio::sync::Notify>,
 }
 
 impl SqliteEngine {
@@ -100,12 +104,14 @@ impl SqliteEngine {
             checkpointer: std::sync::Mutex::new(Some(checkpointer)),
             stop_loops,
             health,
+            schedules_changed: Arc::new(tokio::sync::Notify::new()),
         });
         loops::start(
             &engine.writer,
             &engine.cfg,
             engine.health.subscribe(),
             engine.metrics.store_up.clone(),
+            engine.schedules_changed.clone(),
             stop_rx,
         );
         Ok(engine)
@@ -559,5 +565,55 @@ impl Engine for SqliteEngine {
         if let Some(t) = thread {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
+    }
+
+    async fn create_schedule(&self, schedule: Schedule) -> Result<Schedule> {
+        let s = validate::schedule(schedule, &self.cfg, now_ms())?;
+        let stored = self
+            .writer
+            .write_direct(move |st, c| st.create_schedule(c, s))
+            .await?;
+        self.schedules_changed.notify_one();
+        Ok(stored)
+    }
+
+    async fn get_schedule(&self, schedule_id: String) -> Result<Schedule> {
+        validate::object_id("schedule_id", &schedule_id)?;
+        self.read(move |c| {
+            sql::schedules::get(c, &schedule_id)?
+                .ok_or_else(|| Error::not_found(format!("schedule {schedule_id} not found")))
+        })
+        .await
+    }
+
+    async fn list_schedules(&self, page_size: u32, page_token: String) -> Result<Page<Schedule>> {
+        let limit = page::page_size(page_size)?;
+        let after = page::decode_token("schedule", &page_token)?;
+        let found = self
+            .read(move |c| sql::schedules::list(c, after.as_deref(), limit + 1))
+            .await?;
+        let (items, next_page_token) =
+            page::split_page(found, limit, "schedule", |s| s.schedule_id.clone());
+        Ok(Page {
+            items,
+            next_page_token,
+        })
+    }
+
+    async fn set_schedule_paused(&self, schedule_id: String, paused: bool) -> Result<Schedule> {
+        validate::object_id("schedule_id", &schedule_id)?;
+        let s = self
+            .writer
+            .write_direct(move |st, c| st.set_schedule_paused(c, &schedule_id, paused))
+            .await?;
+        self.schedules_changed.notify_one();
+        Ok(s)
+    }
+
+    async fn delete_schedule(&self, schedule_id: String) -> Result<()> {
+        validate::object_id("schedule_id", &schedule_id)?;
+        self.writer
+            .write_direct(move |st, c| st.delete_schedule(c, &schedule_id))
+            .await
     }
 }

@@ -5,6 +5,7 @@
 pub mod jobs;
 pub mod plans;
 pub mod retention;
+pub mod schedules;
 pub mod workers;
 
 use std::{
@@ -34,6 +35,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0009_plan_versions.sql"),
     include_str!("migrations/0010_worker_quarantine.sql"),
     include_str!("migrations/0011_fleet_scheduling.sql"),
+    include_str!("migrations/0012_schedules.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).

@@ -1,0 +1,203 @@
+//! Recurring schedules in the SQLite engine: create, pause, resume,
+//! delete, and the firing of due ticks. A firing submits each tick's
+//! action through [`State::submit_action`] and records the tick on the
+//! schedule in the same transaction, so a tick fires exactly once.
+
+use super::{
+    jobs::{NewAction, NewJob},
+    sql::schedules::{self as store, Fired},
+    state::State,
+};
+use crate::{
+    core::{
+        cron::CronSchedule,
+        model::{CatchUp, Schedule, MAX_CATCH_UP, SKIP_GRACE_MS},
+    },
+    error::{Error, Result},
+    time::{now_ms, rfc3339},
+};
+
+impl State {
+    /// Stores a validated schedule with its first tick after now
+    /// (CreateSchedule). Returns it as stored.
+    ///
+    /// Errors: `NotFound` (plan), `AlreadyExists` (id), `InvalidArgument`
+    /// (the expression never fires), storage errors.
+    pub(super) fn create_schedule(
+        &mut self,
+        conn: &rusqlite::Connection,
+        s: Schedule,
+    ) -> Result<Schedule> {
+        if !self.plans.contains_key(&s.plan_id) {
+            return Err(Error::not_found(format!("plan {} not found", s.plan_id)));
+        }
+        let cron = CronSchedule::parse(&s.cron, &s.time_zone)?;
+        let next = cron
+            .next_after_ms(now_ms())
+            .ok_or_else(|| Error::invalid(format!("cron {:?} never fires again", s.cron)))?;
+        if !store::insert(conn, &s, next)? {
+            return Err(Error::AlreadyExists(format!(
+                "schedule {} already exists",
+                s.schedule_id
+            )));
+        }
+        store::get(conn, &s.schedule_id)?
+            .ok_or_else(|| Error::Internal(format!("schedule {} was not stored", s.schedule_id)))
+    }
+
+    /// Pauses or resumes (from the first tick after now) schedule `id`.
+    ///
+    /// Errors: `NotFound`, `FailedPrecondition` (resuming an expression
+    /// that never fires again), storage errors.
+    pub(super) fn set_schedule_paused(
+        &mut self,
+        conn: &rusqlite::Connection,
+        id: &str,
+        paused: bool,
+    ) -> Result<Schedule> {
+        let s = store::get(conn, id)?
+            .ok_or_else(|| Error::not_found(format!("schedule {id} not found")))?;
+        if s.paused == paused {
+            return Ok(s);
+        }
+        let next = if paused {
+            None
+        } else {
+            let cron = CronSchedule::parse(&s.cron, &s.time_zone)?;
+            Some(cron.next_after_ms(now_ms()).ok_or_else(|| {
+                Error::precondition(format!(
+                    "schedule {id}: cron {:?} never fires again",
+                    s.cron
+                ))
+            })?)
+        };
+        store::set_next_run(conn, id, next)?;
+        store::get(conn, id)?.ok_or_else(|| Error::Internal(format!("schedule {id} vanished")))
+    }
+
+    /// Deletes schedule `id`.
+    ///
+    /// Errors: `NotFound`, storage errors.
+    pub(super) fn delete_schedule(&mut self, conn: &rusqlite::Connection, id: &str) -> Result<()> {
+        if !store::delete(conn, id)? {
+            return Err(Error::not_found(format!("schedule {id} not found")));
+        }
+        Ok(())
+    }
+
+    /// Fires every schedule due at `now_ms`: submits the actions of its
+    /// due ticks by its catch-up policy and records the firing, all in
+    /// this operation's transaction. A tick whose action cannot be
+    /// submitted (its plan was deleted, say) is recorded in `last_error`
+    /// and not retried. Returns the number of actions submitted.
+    ///
+    /// Errors: storage errors (the whole firing is rolled back and
+    /// retried by the next call).
+    pub(super) fn fire_schedules(
+        &mut self,
+        conn: &rusqlite::Connection,
+        now_ms: i64,
+    ) -> Result<usize> {
+        let mut submitted = 0;
+        for s in store::due(conn, now_ms)? {
+            let Some(from) = s.next_run_at_ms else {
+                continue;
+            };
+            let cron = match CronSchedule::parse(&s.cron, &s.time_zone) {
+                Ok(c) => c,
+                Err(e) => {
+                    // A zone gone from the system's database, say: pause it
+                    // with the reason rather than retry every second.
+                    let error = format!("paused: {e}");
+                    store::record_firing(
+                        conn,
+                        &s.schedule_id,
+                        &Fired {
+                            next_run_ms: None,
+                            last_run_ms: None,
+                            last_action_id: None,
+                            runs: 0,
+                            error: &error,
+                        },
+                    )?;
+                    continue;
+                }
+            };
+            let (mut ticks, more) = cron.ticks_between(from, now_ms, MAX_CATCH_UP);
+            let mut errors = Vec::new();
+            match s.catch_up {
+                CatchUp::All if more => errors.push(format!(
+                    "ticks before {} were dropped: at most {MAX_CATCH_UP} missed ticks are caught up",
+                    ticks.first().map_or_else(String::new, |t| rfc3339(*t))
+                )),
+                CatchUp::All => {}
+                CatchUp::Latest | CatchUp::Skip => {
+                    if ticks.len() > 1 || more {
+                        errors.push(format!(
+                            "missed ticks before {} were dropped (catch_up {})",
+                            ticks.last().map_or_else(String::new, |t| rfc3339(*t)),
+                            if s.catch_up == CatchUp::Skip { "skip" } else { "latest" }
+                        ));
+                    }
+                    ticks = ticks.split_off(ticks.len().saturating_sub(1));
+                    if s.catch_up == CatchUp::Skip
+                        && ticks.first().is_some_and(|t| now_ms - t >= SKIP_GRACE_MS)
+                    {
+                        ticks.clear();
+                    }
+                }
+            }
+            let mut last: Option<(i64, String)> = None;
+            let mut runs = 0;
+            for tick in ticks {
+                let action_id = format!("{}-{}", s.schedule_id, tick.div_euclid(1000));
+                let jobs = s
+                    .inputs
+                    .iter()
+                    .map(|i| NewJob::new(i.clone()))
+                    .collect::<Result<Vec<_>>>()?;
+                let a = NewAction {
+                    action_id: action_id.clone(),
+                    plan_id: s.plan_id.clone(),
+                    jobs,
+                    run_at_ms: None,
+                    max_attempts: s.max_attempts,
+                    traceparent: None,
+                    scheduling: s.scheduling.clone(),
+                };
+                match self.submit_action(conn, a) {
+                    Ok(_) => {
+                        runs += 1;
+                        last = Some((tick, action_id));
+                    }
+                    // Refused before anything was written: recorded, not retried.
+                    Err(
+                        e @ (Error::NotFound(_)
+                        | Error::AlreadyExists(_)
+                        | Error::InvalidArgument(_)
+                        | Error::FailedPrecondition(_)),
+                    ) => errors.push(format!("tick {}: {e}", rfc3339(tick))),
+                    Err(e) => return Err(e),
+                }
+            }
+            submitted += runs;
+            self.metrics.schedule_runs.inc_by(runs as u64);
+            let error = errors.join("; ");
+            store::record_firing(
+                conn,
+                &s.schedule_id,
+                &Fired {
+                    next_run_ms: cron.next_after_ms(now_ms),
+                    last_run_ms: last.as_ref().map(|(t, _)| *t),
+                    last_action_id: last.as_ref().map(|(_, id)| id.as_str()),
+                    runs: runs as u64,
+                    error: &error,
+                },
+            )?;
+            if !error.is_empty() {
+                tracing::warn!(schedule_id = %s.schedule_id, error = %error, "schedule tick not submitted");
+            }
+        }
+        Ok(submitted)
+    }
+}

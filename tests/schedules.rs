@@ -1,0 +1,377 @@
+//! Recurring schedules over the generated client: create, get, list,
+//! pause, resume, delete; bad input refused with nothing stored; a
+//! schedule every second submits exactly one action per second across a
+//! server restart (the ticks missed while it was down are caught up); a
+//! tick whose plan is gone records why.
+
+mod common;
+
+use std::{collections::BTreeSet, time::Duration};
+
+use agq::{
+    auth::Authenticator,
+    pb::{self, ActionInput, CatchUp, SubmitPlanRequest},
+};
+use common::{eventually, fast_config, plan, TestServer};
+use tonic::Code;
+
+async fn put_plan(s: &TestServer, id: &str) {
+    s.plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan(id, &["true"])),
+            replace: false,
+        })
+        .await
+        .expect("submit plan");
+}
+
+fn every_second(id: &str, plan_id: &str) -> pb::Schedule {
+    pb::Schedule {
+        schedule_id: id.into(),
+        plan_id: plan_id.into(),
+        cron: "* * * * * *".into(),
+        inputs: vec![ActionInput {
+            values: [("n".to_string(), "1".to_string())].into(),
+        }],
+        ..Default::default()
+    }
+}
+
+async fn create(s: &TestServer, sch: pb::Schedule) -> Result<pb::Schedule, tonic::Status> {
+    s.schedules()
+        .await
+        .create_schedule(pb::CreateScheduleRequest {
+            schedule: Some(sch),
+        })
+        .await
+        .map(|r| r.into_inner().schedule.unwrap())
+}
+
+async fn get(s: &TestServer, id: &str) -> pb::Schedule {
+    s.schedules()
+        .await
+        .get_schedule(pb::GetScheduleRequest {
+            schedule_id: id.into(),
+        })
+        .await
+        .expect("get schedule")
+        .into_inner()
+        .schedule
+        .unwrap()
+}
+
+/// Ids of every action of `plan_id`.
+async fn actions_of(s: &TestServer, plan_id: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    let mut token = String::new();
+    for _ in 0..100 {
+        let page = s
+            .actions()
+            .await
+            .list_actions(pb::ListActionsRequest {
+                plan_id: plan_id.into(),
+                page_size: 1000,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        ids.extend(page.actions.into_iter().map(|a| a.action_id));
+        if page.next_page_token.is_empty() {
+            return ids;
+        }
+        token = page.next_page_token;
+    }
+    panic!("too many pages");
+}
+
+/// The ticks (seconds) of `schedule_id`'s actions among `ids`.
+fn ticks(schedule_id: &str, ids: &[String]) -> Vec<i64> {
+    let prefix = format!("{schedule_id}-");
+    let mut t: Vec<i64> = ids
+        .iter()
+        .map(|id| {
+            id.strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("{id} is not an action of {schedule_id}"))
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    t.sort();
+    t
+}
+
+#[tokio::test]
+async fn a_schedule_every_second_submits_one_action_per_second_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let s = TestServer::start(&db, fast_config()).await;
+    put_plan(&s, "tick").await;
+    let created = create(&s, every_second("every-second", "tick"))
+        .await
+        .unwrap();
+    assert!(created.next_run_at.is_some());
+    assert_eq!(
+        created.catch_up,
+        CatchUp::Unspecified as i32 + 1,
+        "ALL by default"
+    );
+    eventually(10, "two ticks fired", || async {
+        get(&s, "every-second").await.runs >= 2
+    })
+    .await;
+    let addr = s.addr;
+    s.stop().await;
+    // Down for about two seconds: its ticks are caught up at start.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let s = TestServer::start_with(&db, fast_config(), Authenticator::default(), Some(addr)).await;
+    eventually(10, "ticks after the restart", || async {
+        get(&s, "every-second").await.runs >= 7
+    })
+    .await;
+    let paused = s
+        .schedules()
+        .await
+        .pause_schedule(pb::PauseScheduleRequest {
+            schedule_id: "every-second".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .schedule
+        .unwrap();
+    assert!(paused.paused && paused.next_run_at.is_none());
+    let ids = actions_of(&s, "tick").await;
+    let t = ticks("every-second", &ids);
+    let (first, last) = (t[0], *t.last().unwrap());
+    assert_eq!(
+        t,
+        (first..=last).collect::<Vec<_>>(),
+        "exactly one action per second, none missing, none twice"
+    );
+    assert_eq!(paused.runs as usize, t.len());
+    assert_eq!(
+        paused.last_action_id,
+        format!("every-second-{last}"),
+        "the last tick is recorded with its action"
+    );
+    assert!(last - first >= 5, "{t:?}");
+    assert!(paused.last_error.is_empty(), "{}", paused.last_error);
+
+    // Paused: nothing more fires, and resuming does not catch up the pause.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(actions_of(&s, "tick").await.len(), t.len());
+    let resumed = s
+        .schedules()
+        .await
+        .resume_schedule(pb::ResumeScheduleRequest {
+            schedule_id: "every-second".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .schedule
+        .unwrap();
+    assert!(!resumed.paused);
+    eventually(10, "a tick after resuming", || async {
+        get(&s, "every-second").await.runs > paused.runs
+    })
+    .await;
+    let after = ticks("every-second", &actions_of(&s, "tick").await);
+    assert!(
+        after[t.len()] >= last + 2,
+        "the paused ticks were not caught up: {after:?}"
+    );
+    // This process submitted the caught-up ticks and the later ones.
+    let counted = common::metric(&s, "agq_schedule_runs_total").await as usize;
+    assert!(
+        counted > 2 && counted < after.len(),
+        "{counted} of {}",
+        after.len()
+    );
+}
+
+#[tokio::test]
+async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    let daily = pb::Schedule {
+        cron: "0 30 9 * * Mon-Fri".into(),
+        time_zone: "Europe/Paris".into(),
+        priority: 5,
+        worker_selector: "region in (eu)".into(),
+        catch_up: CatchUp::Latest as i32,
+        ..every_second("daily", "p")
+    };
+    let stored = create(&s, daily).await.unwrap();
+    assert_eq!(stored.worker_selector, "region in (eu)");
+    assert_eq!(stored.max_attempts, 3, "the default applied");
+    assert_eq!(stored.catch_up, CatchUp::Latest as i32);
+    let next = stored.next_run_at.unwrap().seconds;
+    assert!(next > 0);
+    create(
+        &s,
+        pb::Schedule {
+            cron: "*/15 * * * *".into(),
+            ..every_second("classic", "p")
+        },
+    )
+    .await
+    .unwrap();
+
+    let err = create(&s, every_second("daily", "p")).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let bad = [
+        (
+            pb::Schedule {
+                cron: "* * *".into(),
+                ..every_second("b1", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            pb::Schedule {
+                cron: "99 * * * * *".into(),
+                ..every_second("b2", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            pb::Schedule {
+                time_zone: "Mars/Olympus".into(),
+                ..every_second("b3", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            pb::Schedule {
+                inputs: vec![],
+                ..every_second("b4", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            pb::Schedule {
+                worker_selector: "a in (".into(),
+                ..every_second("b5", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            pb::Schedule {
+                catch_up: 42,
+                ..every_second("b6", "p")
+            },
+            Code::InvalidArgument,
+        ),
+        (every_second(&"x".repeat(101), "p"), Code::InvalidArgument),
+        (every_second("bad id", "p"), Code::InvalidArgument),
+        (every_second("b7", "no-such-plan"), Code::NotFound),
+    ];
+    for (sch, code) in bad {
+        let id = sch.schedule_id.clone();
+        let err = create(&s, sch).await.unwrap_err();
+        assert_eq!(err.code(), code, "{id}: {err:?}");
+    }
+    let listed = s
+        .schedules()
+        .await
+        .list_schedules(pb::ListSchedulesRequest {
+            page_size: 1,
+            page_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.schedules.len(), 1);
+    assert_eq!(listed.schedules[0].schedule_id, "classic");
+    let rest = s
+        .schedules()
+        .await
+        .list_schedules(pb::ListSchedulesRequest {
+            page_size: 10,
+            page_token: listed.next_page_token,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let ids: BTreeSet<_> = rest
+        .schedules
+        .iter()
+        .map(|s| s.schedule_id.as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        BTreeSet::from(["daily"]),
+        "nothing of the refused ones"
+    );
+    assert!(rest.next_page_token.is_empty());
+
+    s.schedules()
+        .await
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: "daily".into(),
+        })
+        .await
+        .unwrap();
+    let err = s
+        .schedules()
+        .await
+        .get_schedule(pb::GetScheduleRequest {
+            schedule_id: "daily".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = s
+        .schedules()
+        .await
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: "daily".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "doomed").await;
+    create(&s, every_second("orphan", "doomed")).await.unwrap();
+    // The plan goes before the first tick can use it (no job is open yet,
+    // so the delete is allowed).
+    s.plans()
+        .await
+        .delete_plan(pb::DeletePlanRequest {
+            plan_id: "doomed".into(),
+        })
+        .await
+        .unwrap();
+    eventually(10, "a failed tick recorded", || async {
+        !get(&s, "orphan").await.last_error.is_empty()
+    })
+    .await;
+    let sch = get(&s, "orphan").await;
+    assert!(
+        sch.last_error.contains("plan doomed not found"),
+        "{}",
+        sch.last_error
+    );
+    assert_eq!(sch.runs, 0);
+    assert!(
+        !sch.paused && sch.next_run_at.is_some(),
+        "it keeps its schedule"
+    );
+    // Once the plan is back, ticks submit again.
+    put_plan(&s, "doomed").await;
+    eventually(10, "a tick submits again", || async {
+        let sch = get(&s, "orphan").await;
+        sch.runs >= 1 && sch.last_error.is_empty()
+    })
+    .await;
+}
