@@ -632,6 +632,7 @@ async fn an_unadvertised_command_is_refused_and_nothing_runs() {
             capabilities: Some(WorkerCapabilities {
                 tools: vec!["tee".into(), "rm".into()],
                 agentic_units: vec![],
+                ..Default::default()
             }),
             max_concurrent_jobs: 1,
             tags: HashMap::new(),

@@ -887,6 +887,7 @@ async fn auth_matrix() {
         capabilities: Some(WorkerCapabilities {
             tools: vec!["cat".into()],
             agentic_units: vec![],
+            ..Default::default()
         }),
         ..Default::default()
     };

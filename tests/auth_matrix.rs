@@ -193,6 +193,14 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        "VerifyWorker" => w
+            .verify_worker(VerifyWorkerRequest {
+                worker_id: worker.into(),
+                tool: "sort".into(),
+                args: vec![],
+            })
+            .await
+            .map(|_| ()),
         "CreateSchedule" => sc
             .create_schedule(CreateScheduleRequest::default())
             .await
@@ -261,6 +269,8 @@ const RPCS: &[(&str, Kind)] = &[
     ("ForgetWorker", Kind::Worker),
     // Ending a quarantine is an operator's decision, not the worker's own.
     ("ReleaseWorker", Kind::Admin),
+    // Challenging a worker is an operator's decision too.
+    ("VerifyWorker", Kind::Admin),
 ];
 
 #[tokio::test]
@@ -347,7 +357,7 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 36);
+    assert_eq!(checked, 37);
     s.stop().await;
 }
 
@@ -434,7 +444,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 36);
+    assert_eq!(checked, 37);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

@@ -317,6 +317,7 @@ async fn tokens_grant_exactly_their_roles_and_state_changes_need_the_console() {
             capabilities: Some(pb::WorkerCapabilities {
                 tools: vec!["cat".into()],
                 agentic_units: vec![],
+                ..Default::default()
             }),
             max_concurrent_jobs: 1,
             ..Default::default()

@@ -117,6 +117,7 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
             capabilities: Some(WorkerCapabilities {
                 tools: vec!["cat".into()],
                 agentic_units: vec![],
+                ..Default::default()
             }),
             max_concurrent_jobs: 4,
             ..Default::default()

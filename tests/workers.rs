@@ -475,6 +475,7 @@ async fn registration_rules_and_heartbeat_errors() {
     r.capabilities = Some(WorkerCapabilities {
         tools: vec!["/bin/sh".into()],
         agentic_units: vec![],
+        ..Default::default()
     });
     assert_eq!(
         c.register_worker(r).await.unwrap_err().code(),
@@ -594,6 +595,7 @@ async fn a_worker_that_registers_and_never_heartbeats_strands_nothing() {
         capabilities: Some(WorkerCapabilities {
             tools: vec!["cat".into()],
             agentic_units: vec![],
+            ..Default::default()
         }),
         max_concurrent_jobs: 1,
         ..Default::default()

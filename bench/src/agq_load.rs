@@ -130,6 +130,7 @@ pub fn register_request(id: &str, slots: u32) -> pb::RegisterWorkerRequest {
         capabilities: Some(pb::WorkerCapabilities {
             tools: vec![TOOL.into()],
             agentic_units: vec![],
+            ..Default::default()
         }),
         max_concurrent_jobs: slots,
         tags: Default::default(),
@@ -301,6 +302,7 @@ async fn worker_main(
             worker_id: id.clone(),
             stats: Some(pb::WorkerStats::default()),
             held_leases: None,
+            ..Default::default()
         };
         let first = now_us();
         let _ = hb_tx.send(beat()).await;

@@ -58,6 +58,7 @@ impl CtlWorker {
                 worker_id: id.clone(),
                 stats: Some(pb::WorkerStats::default()),
                 held_leases: None,
+                ..Default::default()
             }
         };
         let first = now_us();

@@ -91,6 +91,7 @@ impl From<PlanView> for pb::Plan {
             // Read-only: the server sets it.
             version: 0,
             worker_selector: p.worker_selector,
+            require_verified_tools: p.require_verified_tools,
         }
     }
 }

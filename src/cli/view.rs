@@ -176,6 +176,13 @@ pub struct PlanView {
         skip_serializing_if = "String::is_empty"
     )]
     pub worker_selector: String,
+    /// Only workers that passed a verification of every command run it.
+    #[serde(
+        default,
+        alias = "requireVerifiedTools",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub require_verified_tools: bool,
 }
 
 /// True for 0 (fields the JSON output leaves out when unset).
@@ -213,6 +220,7 @@ impl From<pb::Plan> for PlanView {
             require_sandbox: p.require_sandbox,
             version: p.version,
             worker_selector: p.worker_selector,
+            require_verified_tools: p.require_verified_tools,
         }
     }
 }
@@ -240,6 +248,14 @@ impl PlanView {
                     "any".into()
                 } else {
                     format!("matching {}", self.worker_selector)
+                },
+            ),
+            (
+                "verification",
+                if self.require_verified_tools {
+                    "required (every command verified on the worker)".into()
+                } else {
+                    "not required".into()
                 },
             ),
         ]);
@@ -887,6 +903,12 @@ pub struct WorkerView {
     pub tools: Vec<String>,
     /// Advertised agentic units.
     pub agentic_units: Vec<String>,
+    /// The agentic units as they described themselves.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub units: Vec<UnitView>,
+    /// The latest verification of each command it was challenged on.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub verifications: Vec<VerificationView>,
     /// Labels.
     pub tags: BTreeMap<String, String>,
     /// Last heartbeat.
@@ -923,6 +945,21 @@ impl From<pb::Worker> for WorkerView {
             }),
             tools: caps.tools,
             agentic_units: caps.agentic_units,
+            units: caps
+                .units
+                .into_iter()
+                .map(|u| UnitView {
+                    name: u.name,
+                    version: u.version,
+                    description: u.description,
+                    inputs: u.inputs.into_iter().map(|i| i.name).collect(),
+                })
+                .collect(),
+            verifications: w
+                .verifications
+                .into_iter()
+                .map(VerificationView::from)
+                .collect(),
             tags: w.tags.into_iter().collect(),
             worker_id: w.worker_id,
             fresh: w.fresh,
@@ -934,6 +971,85 @@ impl From<pb::Worker> for WorkerView {
             max_concurrent_jobs: w.max_concurrent_jobs,
             active_leases: w.active_leases,
             quarantine_reason: w.quarantine_reason,
+        }
+    }
+}
+
+/// An agentic unit of a worker.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct UnitView {
+    /// Name tasks use.
+    pub name: String,
+    /// Version.
+    pub version: String,
+    /// What it does.
+    pub description: String,
+    /// Names of its inputs.
+    pub inputs: Vec<String>,
+}
+
+/// A capability verification of a worker.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct VerificationView {
+    /// Tool or unit.
+    pub tool: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Challenge id.
+    pub challenge_id: String,
+    /// When it was sent.
+    pub requested_at: Option<String>,
+    /// When the answer came; `None` while pending.
+    pub answered_at: Option<String>,
+    /// Exit 0.
+    pub passed: bool,
+    /// Exit code.
+    pub exit_code: i32,
+    /// Start of its output.
+    pub output: String,
+    /// Why it did not pass.
+    pub error: String,
+}
+
+impl From<pb::Verification> for VerificationView {
+    fn from(v: pb::Verification) -> Self {
+        VerificationView {
+            requested_at: rfc3339(v.requested_at.as_ref()),
+            answered_at: rfc3339(v.answered_at.as_ref()),
+            tool: v.tool,
+            args: v.args,
+            challenge_id: v.challenge_id,
+            passed: v.passed,
+            exit_code: v.exit_code,
+            output: v.output,
+            error: v.error,
+        }
+    }
+}
+
+impl VerificationView {
+    /// `tool args: passed at T ("first line of output")`.
+    pub fn line(&self) -> String {
+        let cmd = format!("{} {}", self.tool, shell_words(&self.args));
+        match &self.answered_at {
+            None => format!(
+                "{cmd}: pending (asked {})",
+                self.requested_at.clone().unwrap_or_default()
+            ),
+            Some(at) if self.passed => format!(
+                "{cmd}: passed at {at} ({:?})",
+                self.output
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .chars()
+                    .take(60)
+                    .collect::<String>()
+            ),
+            Some(at) => format!(
+                "{cmd}: FAILED at {at} (exit {}): {}",
+                self.exit_code, self.error
+            ),
         }
     }
 }
@@ -968,6 +1084,22 @@ impl WorkerView {
         ]);
         if !self.agentic_units.is_empty() {
             pairs.push(("agentic units", self.agentic_units.join(" ")));
+        }
+        for u in &self.units {
+            let mut line = u.name.clone();
+            if !u.version.is_empty() {
+                line.push_str(&format!(" {}", u.version));
+            }
+            if !u.description.is_empty() {
+                line.push_str(&format!(": {}", u.description));
+            }
+            if !u.inputs.is_empty() {
+                line.push_str(&format!(" (inputs: {})", u.inputs.join(", ")));
+            }
+            pairs.push(("unit", line));
+        }
+        for v in &self.verifications {
+            pairs.push(("verified", v.line()));
         }
         if !self.tags.is_empty() {
             pairs.push(("tags", input_text(&self.tags)));

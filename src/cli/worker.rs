@@ -1,9 +1,9 @@
-//! `agq worker list|get|drain|forget|release`.
+//! `agq worker list|get|drain|forget|release|verify`.
 
 use super::{
     print_json,
     table::emit,
-    view::{workers_table, StateArg, WorkerView},
+    view::{workers_table, StateArg, VerificationView, WorkerView},
     CliError, Clients, OutputFormat,
 };
 use crate::pb::{self, WorkerState};
@@ -38,6 +38,21 @@ pub enum WorkerCommand {
     Release {
         /// Worker id.
         worker_id: String,
+    },
+    /// Challenge a worker to run one of its tools or agentic units with
+    /// fixed arguments and wait for its answer (WORKER.VERIFY). Needs an
+    /// admin token.
+    Verify {
+        /// Worker id.
+        worker_id: String,
+        /// Tool or agentic unit.
+        tool: String,
+        /// Arguments [default: --describe for a unit, --version for a tool].
+        #[arg(last = true)]
+        args: Vec<String>,
+        /// Seconds to wait for the answer (0: do not wait).
+        #[arg(long, default_value_t = 30)]
+        wait_secs: u64,
     },
 }
 
@@ -94,6 +109,60 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
             .await?
             .into_inner()
             .worker),
+        WorkerCommand::Verify {
+            worker_id,
+            tool,
+            args,
+            wait_secs,
+        } => {
+            let pending = c
+                .worker
+                .clone()
+                .verify_worker(pb::VerifyWorkerRequest {
+                    worker_id: worker_id.clone(),
+                    tool,
+                    args,
+                })
+                .await?
+                .into_inner()
+                .verification
+                .unwrap_or_default();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_secs);
+            let mut last = pending.clone();
+            while wait_secs > 0 && std::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                let w = c
+                    .worker
+                    .clone()
+                    .get_worker(pb::GetWorkerRequest {
+                        worker_id: worker_id.clone(),
+                    })
+                    .await?
+                    .into_inner()
+                    .worker
+                    .unwrap_or_default();
+                if let Some(v) = w
+                    .verifications
+                    .into_iter()
+                    .find(|v| v.challenge_id == pending.challenge_id && v.answered_at.is_some())
+                {
+                    last = v;
+                    break;
+                }
+            }
+            let view = VerificationView::from(last);
+            match out {
+                OutputFormat::Json => print_json(&view)?,
+                OutputFormat::Table => emit(&format!("{}\n", view.line()))?,
+            }
+            if view.answered_at.is_some() && !view.passed {
+                return Err(CliError::Failed(format!(
+                    "worker {worker_id} failed the verification of {}",
+                    view.tool
+                )));
+            }
+            Ok(())
+        }
         WorkerCommand::Forget { worker_id } => {
             c.worker
                 .clone()

@@ -17,8 +17,8 @@ use tokio::sync::{mpsc, watch};
 use super::{
     model::{
         ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
-        PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan, Worker,
-        WorkerState, WorkerStats,
+        PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan, Verification,
+        VerificationAnswer, Worker, WorkerState, WorkerStats,
     },
     watch::WatchSubscription,
 };
@@ -404,6 +404,32 @@ pub trait Engine: Send + Sync {
     /// One worker (the `GET worker:<id>:stats` command).
     /// Errors: `InvalidArgument`, `NotFound`.
     async fn get_worker(&self, worker_id: String) -> Result<Worker>;
+
+    /// Challenges a worker to run one of its tools or agentic units with
+    /// `args` (empty: `--describe` for a unit, `--version` for a tool) over
+    /// its heartbeat stream (the WORKER.VERIFY command); returns the
+    /// pending verification. The answer arrives through
+    /// [`Engine::answer_verification`].
+    ///
+    /// Errors: `InvalidArgument` (id, command name, more than 16 args or
+    /// one over 256 bytes), `NotFound`, `FailedPrecondition` (not live,
+    /// command not advertised, no heartbeat stream).
+    async fn verify_worker(
+        &self,
+        worker_id: String,
+        command: String,
+        args: Vec<String>,
+    ) -> Result<Verification>;
+
+    /// Records a worker's answer to a challenge (sent on its heartbeat
+    /// stream); an answer to no pending challenge is ignored.
+    ///
+    /// Errors: `InvalidArgument` (worker id).
+    async fn answer_verification(
+        &self,
+        worker_id: String,
+        answer: VerificationAnswer,
+    ) -> Result<()>;
 
     // ---- queue and operations ----
 

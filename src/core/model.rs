@@ -149,6 +149,9 @@ pub struct Plan {
     /// [`super::selector`]): an action submitted without its own selector
     /// runs only on workers whose tags match this one. Empty: any worker.
     pub worker_selector: String,
+    /// Only workers that passed a verification of every command of its
+    /// tasks run it.
+    pub require_verified_tools: bool,
 }
 
 impl Plan {
@@ -161,6 +164,7 @@ impl Plan {
             && self.tasks == other.tasks
             && self.require_sandbox == other.require_sandbox
             && self.worker_selector == other.worker_selector
+            && self.require_verified_tools == other.require_verified_tools
     }
 }
 
@@ -325,8 +329,85 @@ pub struct Scheduling {
 pub struct WorkerCapabilities {
     /// Executables it advertises.
     pub tools: Vec<String>,
-    /// Agentic units it advertises.
+    /// Names of the agentic units it advertises (those of `units`).
     pub agentic_units: Vec<String>,
+    /// The agentic units, as each described itself.
+    pub units: Vec<AgenticUnit>,
+}
+
+impl WorkerCapabilities {
+    /// Every command name a task may use on the worker: its tools and its
+    /// agentic units.
+    pub fn commands(&self) -> impl Iterator<Item = &String> {
+        self.tools.iter().chain(self.units.iter().map(|u| &u.name))
+    }
+}
+
+/// An agentic unit a worker offers: an executable that describes itself
+/// (`UNIT --describe`) and that a task runs by naming it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgenticUnit {
+    /// The command name tasks use.
+    pub name: String,
+    /// Its version, free text.
+    #[serde(default)]
+    pub version: String,
+    /// What it does.
+    #[serde(default)]
+    pub description: String,
+    /// The inputs it reads.
+    #[serde(default)]
+    pub inputs: Vec<AgenticUnitInput>,
+}
+
+/// One input of an [`AgenticUnit`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgenticUnitInput {
+    /// The input's name.
+    pub name: String,
+    /// What it is.
+    #[serde(default)]
+    pub description: String,
+}
+
+/// A capability verification: a challenge to run a tool or unit with
+/// fixed arguments and the worker's answer (WORKER.VERIFY).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verification {
+    /// The tool or unit.
+    pub tool: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Id of the challenge.
+    pub challenge_id: String,
+    /// When it was sent, ms.
+    pub requested_at_ms: i64,
+    /// When the answer arrived, ms; `None` while pending.
+    pub answered_at_ms: Option<i64>,
+    /// The command exited 0.
+    pub passed: bool,
+    /// Its exit code; -1 when it did not run.
+    pub exit_code: i32,
+    /// The start of its stdout (at most [`MAX_VERIFY_OUTPUT`] bytes).
+    pub output: String,
+    /// Why it did not pass.
+    pub error: String,
+}
+
+/// Most bytes of a verification answer's output (and error) kept.
+pub const MAX_VERIFY_OUTPUT: usize = 4096;
+
+/// A worker's answer to a verification challenge.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VerificationAnswer {
+    /// The challenge answered.
+    pub challenge_id: String,
+    /// Exit code; -1 when the command did not run.
+    pub exit_code: i32,
+    /// Start of its stdout.
+    pub output: String,
+    /// Why it failed; empty on exit 0.
+    pub error: String,
 }
 
 /// Figures a worker reports with each heartbeat.
@@ -387,6 +468,8 @@ pub struct Worker {
     pub instance_id: String,
     /// Why it is quarantined; empty when it is not.
     pub quarantine_reason: String,
+    /// The latest verification of each tool or unit it was challenged on.
+    pub verifications: Vec<Verification>,
 }
 
 /// A worker's registration, validated (see
@@ -476,6 +559,15 @@ pub enum WorkerCommand {
     },
     /// Stop running this job (cancelled, or its lease was lost).
     CancelJob(String),
+    /// Run `command` with `args` and answer (a capability verification).
+    Verify {
+        /// Id to answer with.
+        challenge_id: String,
+        /// Tool or agentic unit.
+        command: String,
+        /// Its arguments.
+        args: Vec<String>,
+    },
 }
 
 /// One message of a worker's heartbeat stream.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use super::{
     engine::{ActionQuery, ActionRequest},
-    model::{JobReport, JobStatus, Plan, Registration, Schedule, Scheduling},
+    model::{AgenticUnit, JobReport, JobStatus, Plan, Registration, Schedule, Scheduling},
     page::MAX_PAGE,
     selector::Selector,
 };
@@ -41,6 +41,34 @@ pub const MAX_TOOLS: usize = 1024;
 pub const MAX_CONCURRENT_JOBS: u32 = 1024;
 /// Most attempts per job.
 pub const MAX_ATTEMPTS: u32 = 100;
+/// Most agentic units one worker may advertise.
+pub const MAX_UNITS: usize = 256;
+/// Most arguments of a verification challenge.
+pub const MAX_CHALLENGE_ARGS: usize = 16;
+
+/// Checks a verification challenge (VerifyWorker): a command name (a tool
+/// or agentic unit) and at most [`MAX_CHALLENGE_ARGS`] arguments of at
+/// most 256 bytes without NUL.
+///
+/// Errors: `InvalidArgument` naming the rule.
+pub fn challenge(command: &str, args: &[String]) -> Result<()> {
+    command_name(command).map_err(|e| Error::invalid(format!("tool: {e}")))?;
+    if args.len() > MAX_CHALLENGE_ARGS {
+        return Err(Error::invalid(format!(
+            "at most {MAX_CHALLENGE_ARGS} args, got {}",
+            args.len()
+        )));
+    }
+    for a in args {
+        if a.len() > 256 || a.contains('\0') {
+            return Err(Error::invalid(
+                "each arg is at most 256 bytes and has no NUL byte",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Highest job priority; the lowest is its negation.
 pub const MAX_PRIORITY: i32 = 1000;
 /// Largest `max_running` of a concurrency key.
@@ -408,9 +436,55 @@ pub fn registration(mut req: Registration) -> Result<Registration> {
     for tool in &caps.tools {
         command_name(tool).map_err(|e| Error::invalid(format!("capabilities.tools: {e}")))?;
     }
-    for unit in &caps.agentic_units {
-        short_text("agentic unit", unit, 1, 128)?;
+    if caps.units.len() > MAX_UNITS {
+        return Err(Error::invalid(format!("at most {MAX_UNITS} agentic units")));
     }
+    // A name in agentic_units without its description is a unit all the same.
+    for name in std::mem::take(&mut caps.agentic_units) {
+        if !caps.units.iter().any(|u| u.name == name) {
+            caps.units.push(AgenticUnit {
+                name,
+                ..Default::default()
+            });
+        }
+    }
+    if caps.units.len() > MAX_UNITS {
+        return Err(Error::invalid(format!("at most {MAX_UNITS} agentic units")));
+    }
+    for unit in &caps.units {
+        command_name(&unit.name).map_err(|e| Error::invalid(format!("capabilities.units: {e}")))?;
+        short_text("agentic unit version", &unit.version, 0, 64)?;
+        if unit.description.len() > MAX_DESCRIPTION_BYTES {
+            return Err(Error::invalid(format!(
+                "agentic unit {}: description is at most {MAX_DESCRIPTION_BYTES} bytes",
+                unit.name
+            )));
+        }
+        if unit.inputs.len() > 64 {
+            return Err(Error::invalid(format!(
+                "agentic unit {}: at most 64 inputs",
+                unit.name
+            )));
+        }
+        for input in &unit.inputs {
+            short_text("agentic unit input name", &input.name, 1, 128)?;
+            if input.description.len() > 1024 {
+                return Err(Error::invalid(format!(
+                    "agentic unit {}: input description is at most 1024 bytes",
+                    unit.name
+                )));
+            }
+        }
+        if caps.tools.contains(&unit.name) {
+            return Err(Error::invalid(format!(
+                "{:?} is both a tool and an agentic unit; a task's command must name one",
+                unit.name
+            )));
+        }
+    }
+    caps.units.sort_by(|a, b| a.name.cmp(&b.name));
+    caps.units.dedup_by(|a, b| a.name == b.name);
+    caps.agentic_units = caps.units.iter().map(|u| u.name.clone()).collect();
     caps.tools.sort();
     caps.tools.dedup();
     if req.tags.len() > 64 {

@@ -9,9 +9,10 @@ use crate::{
     core::{
         engine::{ActionQuery, ActionRequest, ActionState, JobQuery},
         model::{
-            ActionStatus, CatchUp, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan,
-            PlanSummary, PlanVersion, QueueStats, Registration, Schedule, Scheduling, Task,
-            TaskResult, Worker, WorkerCapabilities, WorkerCommand, WorkerState, WorkerStats,
+            ActionStatus, AgenticUnit, AgenticUnitInput, CatchUp, HeartbeatReply, Job, JobLease,
+            JobReport, JobStatus, Plan, PlanSummary, PlanVersion, QueueStats, Registration,
+            Schedule, Scheduling, Task, TaskResult, Verification, VerificationAnswer, Worker,
+            WorkerCapabilities, WorkerCommand, WorkerState, WorkerStats,
         },
     },
     error::{Error, Result},
@@ -56,6 +57,7 @@ impl From<&Plan> for pb::Plan {
             require_sandbox: p.require_sandbox,
             version: p.version,
             worker_selector: p.worker_selector.clone(),
+            require_verified_tools: p.require_verified_tools,
         }
     }
 }
@@ -69,6 +71,7 @@ impl From<pb::Plan> for Plan {
             require_sandbox: p.require_sandbox,
             version: p.version,
             worker_selector: p.worker_selector,
+            require_verified_tools: p.require_verified_tools,
         }
     }
 }
@@ -272,6 +275,12 @@ impl From<Worker> for pb::Worker {
             capabilities: Some(pb::WorkerCapabilities {
                 tools: w.capabilities.tools,
                 agentic_units: w.capabilities.agentic_units,
+                units: w
+                    .capabilities
+                    .units
+                    .into_iter()
+                    .map(pb::AgenticUnit::from)
+                    .collect(),
             }),
             max_concurrent_jobs: w.max_concurrent_jobs,
             tags: w.tags,
@@ -285,6 +294,74 @@ impl From<Worker> for pb::Worker {
             sandboxed: w.sandboxed,
             instance_id: w.instance_id,
             quarantine_reason: w.quarantine_reason,
+            verifications: w
+                .verifications
+                .into_iter()
+                .map(pb::Verification::from)
+                .collect(),
+        }
+    }
+}
+
+impl From<AgenticUnit> for pb::AgenticUnit {
+    fn from(u: AgenticUnit) -> Self {
+        pb::AgenticUnit {
+            name: u.name,
+            version: u.version,
+            description: u.description,
+            inputs: u
+                .inputs
+                .into_iter()
+                .map(|i| pb::AgenticUnitInput {
+                    name: i.name,
+                    description: i.description,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<pb::AgenticUnit> for AgenticUnit {
+    fn from(u: pb::AgenticUnit) -> Self {
+        AgenticUnit {
+            name: u.name,
+            version: u.version,
+            description: u.description,
+            inputs: u
+                .inputs
+                .into_iter()
+                .map(|i| AgenticUnitInput {
+                    name: i.name,
+                    description: i.description,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<Verification> for pb::Verification {
+    fn from(v: Verification) -> Self {
+        pb::Verification {
+            tool: v.tool,
+            args: v.args,
+            challenge_id: v.challenge_id,
+            requested_at: Some(ts(v.requested_at_ms)),
+            answered_at: v.answered_at_ms.map(ts),
+            passed: v.passed,
+            exit_code: v.exit_code,
+            output: v.output,
+            error: v.error,
+        }
+    }
+}
+
+impl From<pb::VerificationAnswer> for VerificationAnswer {
+    fn from(a: pb::VerificationAnswer) -> Self {
+        VerificationAnswer {
+            challenge_id: a.challenge_id,
+            exit_code: a.exit_code,
+            output: a.output,
+            error: a.error,
         }
     }
 }
@@ -300,6 +377,7 @@ impl From<pb::RegisterWorkerRequest> for Registration {
             capabilities: WorkerCapabilities {
                 tools: caps.tools,
                 agentic_units: caps.agentic_units,
+                units: caps.units.into_iter().map(AgenticUnit::from).collect(),
             },
             max_concurrent_jobs: r.max_concurrent_jobs,
             tags: r.tags,
@@ -349,6 +427,15 @@ impl From<HeartbeatReply> for pb::HeartbeatResponse {
                     pb::heartbeat_response::Command::Drain(pb::DrainCommand { reason })
                 }
                 WorkerCommand::CancelJob(id) => pb::heartbeat_response::Command::CancelJobId(id),
+                WorkerCommand::Verify {
+                    challenge_id,
+                    command,
+                    args,
+                } => pb::heartbeat_response::Command::Verify(pb::VerifyCommand {
+                    challenge_id,
+                    command,
+                    args,
+                }),
             }),
         }
     }
@@ -571,6 +658,7 @@ mod tests {
             require_sandbox: true,
             version: 3,
             worker_selector: "gpu=true".into(),
+            require_verified_tools: true,
         };
         assert_eq!(Plan::from(pb::Plan::from(&plan)), plan);
     }

@@ -135,6 +135,15 @@ impl WorkerService for WorkerApi {
             let (tx, rx) = mpsc::unbounded_channel();
             let engine = self.engine.clone();
             let sid = engine.open_heartbeat(worker_id.clone(), tx.clone()).await?;
+            if let Some(answer) = first.verification {
+                if let Err(e) = engine
+                    .answer_verification(worker_id.clone(), answer.into())
+                    .await
+                {
+                    engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
+                    return Err(e.into());
+                }
+            }
             let held = first.held_leases.map(|h| h.lease_ids);
             let stats = first.stats.map(Into::into);
             match engine.heartbeat(worker_id.clone(), stats, held).await {
@@ -162,6 +171,16 @@ impl WorkerService for WorkerApi {
                             "worker_id changed within one heartbeat stream",
                         )));
                         break;
+                    }
+                    if let Some(answer) = m.verification {
+                        // Recorded before the heartbeat is answered.
+                        if let Err(e) = engine
+                            .answer_verification(worker_id.clone(), answer.into())
+                            .await
+                        {
+                            let _ = tx.send(HeartbeatEvent::End(e));
+                            break;
+                        }
                     }
                     let held = m.held_leases.map(|h| h.lease_ids);
                     let stats = m.stats.map(Into::into);
@@ -349,6 +368,25 @@ impl WorkerService for WorkerApi {
                 .await?;
             Ok(pb::ReleaseWorkerResponse {
                 worker: Some(worker.into()),
+            })
+        })
+        .await
+    }
+
+    async fn verify_worker(
+        &self,
+        req: Request<pb::VerifyWorkerRequest>,
+    ) -> Result<Response<pb::VerifyWorkerResponse>, Status> {
+        rpc(&self.engine, "WorkerService/VerifyWorker", async {
+            // Challenging a worker is an operator's decision, as releasing it.
+            require_admin(&identity(&req))?;
+            let r = req.into_inner();
+            let v = self
+                .engine
+                .verify_worker(r.worker_id, r.tool, r.args)
+                .await?;
+            Ok(pb::VerifyWorkerResponse {
+                verification: Some(v.into()),
             })
         })
         .await

@@ -50,8 +50,9 @@ use super::{
 };
 use crate::pb::{
     heartbeat_response::Command, DrainWorkerRequest, HeartbeatRequest, HeartbeatResponse,
-    HeldLeases, JobLease, JobStatus, LeaseJobsRequest, RegisterWorkerRequest,
-    UnregisterWorkerRequest, UpdateJobRequest, WorkerCapabilities,
+    HeldLeases, JobLease, JobStatus, LeaseJobsRequest, Plan, RegisterWorkerRequest, Task,
+    UnregisterWorkerRequest, UpdateJobRequest, VerificationAnswer, VerifyCommand,
+    WorkerCapabilities,
 };
 use crate::telemetry;
 
@@ -123,7 +124,16 @@ struct Shared {
     leaving: AtomicBool,
     /// Set once a session got both streams open.
     registered: AtomicBool,
+    /// Answers to capability challenges, sent on the heartbeat stream.
+    answers_tx: mpsc::UnboundedSender<VerificationAnswer>,
+    /// Their receiver, taken by the session that has the stream open.
+    answers_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<VerificationAnswer>>,
 }
+
+/// Longest a capability challenge may run.
+const CHALLENGE_TIMEOUT_SECS: u32 = 10;
+/// Most bytes of a challenge's stdout (and error) sent back.
+const CHALLENGE_OUTPUT_BYTES: usize = 4096;
 
 /// How a session ended.
 #[derive(Debug)]
@@ -170,6 +180,7 @@ impl Shared {
         let cwd = std::env::current_dir().unwrap_or_else(|_| "/".into());
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
         let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
+        let (answers_tx, answers_rx) = mpsc::unbounded_channel();
         Ok(Arc::new(Shared {
             cfg,
             client,
@@ -182,6 +193,8 @@ impl Shared {
             interval: Mutex::new(None),
             leaving: AtomicBool::new(false),
             registered: AtomicBool::new(false),
+            answers_tx,
+            answers_rx: tokio::sync::Mutex::new(answers_rx),
         }))
     }
 
@@ -259,11 +272,62 @@ impl Shared {
             held_leases: first.then(|| HeldLeases {
                 lease_ids: self.held_leases(),
             }),
+            verification: None,
+        }
+    }
+
+    /// Runs a capability challenge: the command with its arguments, as a
+    /// one-task plan in the task sandbox (at most
+    /// [`CHALLENGE_TIMEOUT_SECS`]), and the answer to send back.
+    async fn run_challenge(&self, v: VerifyCommand) -> VerificationAnswer {
+        let cut = |mut s: String| {
+            if s.len() > CHALLENGE_OUTPUT_BYTES {
+                let mut end = CHALLENGE_OUTPUT_BYTES;
+                while !s.is_char_boundary(end) {
+                    end -= 1;
+                }
+                s.truncate(end);
+            }
+            s
+        };
+        if !self.cfg.tools.contains(&v.command) {
+            return VerificationAnswer {
+                challenge_id: v.challenge_id,
+                exit_code: -1,
+                output: String::new(),
+                error: format!(
+                    "{:?} is not a tool or agentic unit of this worker",
+                    v.command
+                ),
+            };
+        }
+        let plan = Plan {
+            plan_id: "capability-challenge".into(),
+            tasks: vec![Task {
+                task_number: 1,
+                command: v.command.clone(),
+                args: v.args.clone(),
+                timeout_secs: CHALLENGE_TIMEOUT_SECS,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let (_abort, abort_rx) = abort_channel();
+        let out = self
+            .executor
+            .run(&plan, &HashMap::new(), abort_rx, |_| {})
+            .await;
+        let result = out.task_results.into_iter().next();
+        VerificationAnswer {
+            challenge_id: v.challenge_id,
+            exit_code: result.as_ref().map_or(-1, |r| r.exit_code),
+            output: cut(result.map(|r| r.stdout).unwrap_or_default()),
+            error: cut(out.error),
         }
     }
 
     /// Acts on a server message of the heartbeat stream.
-    fn on_heartbeat_response(&self, r: HeartbeatResponse) {
+    fn on_heartbeat_response(self: &Arc<Self>, r: HeartbeatResponse) {
         match r.command {
             Some(Command::Drain(d)) => {
                 if self.draining() {
@@ -279,6 +343,14 @@ impl Shared {
                 } else {
                     debug!(%job_id, "cancel for a job that is not running here");
                 }
+            }
+            Some(Command::Verify(v)) => {
+                info!(command = %v.command, challenge_id = %v.challenge_id, "capability challenge");
+                let me = Arc::clone(self);
+                tokio::spawn(async move {
+                    let answer = me.run_challenge(v).await;
+                    let _ = me.answers_tx.send(answer);
+                });
             }
             None => {}
         }
@@ -611,8 +683,21 @@ async fn session(
         platform: platform(),
         agw_version: env!("CARGO_PKG_VERSION").to_owned(),
         capabilities: Some(WorkerCapabilities {
-            tools: cfg.tools.names().to_vec(),
-            agentic_units: Vec::new(),
+            // The units are advertised as units, not as tools.
+            tools: cfg
+                .tools
+                .names()
+                .iter()
+                .filter(|n| !cfg.units.iter().any(|u| &u.name == *n))
+                .cloned()
+                .collect(),
+            agentic_units: cfg.units.iter().map(|u| u.name.clone()).collect(),
+            units: cfg
+                .units
+                .iter()
+                .cloned()
+                .map(crate::pb::AgenticUnit::from)
+                .collect(),
         }),
         max_concurrent_jobs: cfg.max_concurrent_jobs,
         tags: cfg.tags.clone(),
@@ -738,8 +823,16 @@ async fn session(
     // 5. Serve both streams.
     let mut tick = tokio::time::interval_at(Instant::now() + interval, interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut answers = shared.answers_rx.lock().await;
     loop {
         tokio::select! {
+            Some(answer) = answers.recv() => {
+                let mut hb = shared.heartbeat(false).await;
+                hb.verification = Some(answer);
+                if hb_tx.send(hb).await.is_err() {
+                    return Err(SessionEnd::Lost("heartbeat stream closed".into()));
+                }
+            }
             _ = tick.tick() => {
                 let hb = shared.heartbeat(false).await;
                 match hb_tx.try_send(hb) {

@@ -3,6 +3,8 @@
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
+use crate::core::model::AgenticUnit;
+
 use clap::{Parser, ValueEnum};
 
 use super::{
@@ -11,6 +13,7 @@ use super::{
     executor::DEFAULT_OUTPUT_CAP_BYTES,
     sandbox::{self, ResourceLimits, RunAs, Sandbox, SandboxConfig, DEFAULT_READ_PATHS},
     tools::{ToolSet, DEFAULT_TOOLS},
+    units,
 };
 
 /// Log line format.
@@ -69,6 +72,24 @@ pub struct AgwArgs {
     /// A label `key=value` sent at registration; repeat for more.
     #[arg(long = "tag", env = "AGW_TAGS", value_delimiter = ',', value_parser = parse_tag)]
     pub tags: Vec<(String, String)>,
+
+    /// An agentic unit to offer: an executable that prints a JSON
+    /// description (name, version, description, inputs) when run with
+    /// `--describe`. Tasks run it by naming it as their command, in the
+    /// same sandbox as the tools (a script unit needs its interpreter in
+    /// --tools). Repeatable.
+    #[arg(
+        long = "agentic-unit",
+        env = "AGW_AGENTIC_UNITS",
+        value_delimiter = ',',
+        value_name = "PATH"
+    )]
+    pub agentic_units: Vec<PathBuf>,
+
+    /// A directory whose executable files are agentic units (as
+    /// --agentic-unit).
+    #[arg(long, env = "AGW_AGENTIC_UNIT_DIR", value_name = "DIR")]
+    pub agentic_unit_dir: Option<PathBuf>,
 
     /// Seconds running jobs get to finish after SIGTERM/SIGINT before they
     /// are killed.
@@ -196,8 +217,11 @@ pub struct WorkerConfig {
     pub hostname: String,
     /// Jobs run at once (≥ 1).
     pub max_concurrent_jobs: u32,
-    /// The advertised tools.
+    /// The advertised tools, agentic units included (by name, each with
+    /// its executable).
     pub tools: Arc<ToolSet>,
+    /// The agentic units, as they described themselves.
+    pub units: Vec<AgenticUnit>,
     /// The sandbox every task runs in.
     pub sandbox: Arc<Sandbox>,
     /// Labels sent at registration.
@@ -269,7 +293,7 @@ impl AgwArgs {
                 .map(|n| u32::try_from(n.get()).unwrap_or(1024).min(1024))
                 .unwrap_or(1)
         });
-        let tools = match self.tools {
+        let mut tools = match self.tools {
             Some(list) => ToolSet::from_env(list),
             None => ToolSet::from_env(DEFAULT_TOOLS),
         };
@@ -277,6 +301,19 @@ impl AgwArgs {
             return Err(WorkerError::Config(
                 "none of the --tools is an executable on $PATH".into(),
             ));
+        }
+        let found = units::discover(&self.agentic_units, self.agentic_unit_dir.as_deref())?;
+        let mut units = Vec::with_capacity(found.len());
+        for (unit, path) in found {
+            if tools.contains(&unit.name) {
+                return Err(WorkerError::Config(format!(
+                    "agentic unit {} ({}) has the name of a tool; rename one of them",
+                    unit.name,
+                    path.display()
+                )));
+            }
+            tools.add(&unit.name, path);
+            units.push(unit);
         }
         let enabled = if self.insecure_no_sandbox {
             tracing::warn!(
@@ -327,6 +364,9 @@ impl AgwArgs {
                 "none of the --tools can run in the sandbox".into(),
             ));
         }
+        // A unit the sandbox cannot start (a script whose interpreter is not
+        // a tool) is not offered.
+        units.retain(|u| tools.contains(&u.name));
         Ok(WorkerConfig {
             server: self.server,
             token: token.filter(|t| !t.is_empty()),
@@ -335,6 +375,7 @@ impl AgwArgs {
             hostname,
             max_concurrent_jobs,
             tools: Arc::new(tools),
+            units,
             sandbox: Arc::new(sandbox),
             tags: self.tags.into_iter().collect(),
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),

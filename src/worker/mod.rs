@@ -29,6 +29,7 @@ pub mod sandbox;
 pub mod stats;
 pub mod template;
 pub mod tools;
+pub mod units;
 
 pub use agent::{run, Exit};
 pub use config::{AgwArgs, LogFormat, WorkerConfig};

@@ -109,6 +109,15 @@ impl ToolSet {
         set
     }
 
+    /// Adds `name` run by the executable `path` (an agentic unit), after
+    /// the others; a name already in the set keeps its executable.
+    pub fn add(&mut self, name: &str, path: PathBuf) {
+        if !self.paths.contains_key(name) {
+            self.names.push(name.to_owned());
+            self.paths.insert(name.to_owned(), path);
+        }
+    }
+
     /// The advertised names, in allowlist order.
     pub fn names(&self) -> &[String] {
         &self.names

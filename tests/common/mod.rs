@@ -303,6 +303,7 @@ impl SimWorker {
                 capabilities: Some(WorkerCapabilities {
                     tools: tools.iter().map(|t| t.to_string()).collect(),
                     agentic_units: vec![],
+                    units: vec![],
                 }),
                 max_concurrent_jobs: max,
                 tags: tags
@@ -338,6 +339,7 @@ impl SimWorker {
             worker_id: self.id.clone(),
             stats: Some(WorkerStats::default()),
             held_leases: held.map(|lease_ids| HeldLeases { lease_ids }),
+            verification: None,
         })
         .await
         .unwrap();
@@ -356,7 +358,7 @@ impl SimWorker {
             loop {
                 tokio::select! {
                     _ = ticker.tick() => {
-                        let req = HeartbeatRequest { worker_id: id.clone(), stats: Some(WorkerStats::default()), held_leases: None };
+                        let req = HeartbeatRequest { worker_id: id.clone(), stats: Some(WorkerStats::default()), held_leases: None, verification: None };
                         if beat.send(req).await.is_err() { return; }
                     }
                     msg = inbound.next() => match msg {

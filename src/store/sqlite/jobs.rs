@@ -124,6 +124,7 @@ impl State {
             created: true,
         };
         let entry = Arc::new(PlanEntry::new(plan));
+        let verify = entry.plan.require_verified_tools;
         if let Some(old) = self.plans.insert(submitted.plan_id.clone(), entry) {
             // Open jobs may still run the replaced version: a retry of one
             // of them finds it here while they hold it.
@@ -131,6 +132,13 @@ impl State {
                 (submitted.plan_id.clone(), old.plan.version),
                 Arc::downgrade(&old),
             );
+        }
+        if verify {
+            // Challenge the workers that could run it but are not verified.
+            let ids: Vec<String> = self.workers.keys().cloned().collect();
+            for id in ids {
+                self.challenge_missing(&id);
+            }
         }
         Ok(submitted)
     }

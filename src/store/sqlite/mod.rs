@@ -19,6 +19,7 @@ pub(crate) mod sql;
 mod state;
 #[cfg(test)]
 mod tests;
+mod verify;
 mod workers;
 mod writer;
 
@@ -41,8 +42,8 @@ use crate::{
         },
         model::{
             ActionStatus, HeartbeatReply, Job, JobLease, JobReport, JobStatus, Plan, PlanSummary,
-            PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan, Worker,
-            WorkerState, WorkerStats,
+            PlanVersion, QueueStats, Registered, Registration, Schedule, SubmittedPlan,
+            Verification, VerificationAnswer, Worker, WorkerState, WorkerStats,
         },
         page, validate,
         watch::{WatchSubscription, Watchers},
@@ -565,6 +566,30 @@ impl Engine for SqliteEngine {
         if let Some(t) = thread {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
+    }
+
+    async fn verify_worker(
+        &self,
+        worker_id: String,
+        command: String,
+        args: Vec<String>,
+    ) -> Result<Verification> {
+        validate::worker_id(&worker_id)?;
+        validate::challenge(&command, &args)?;
+        self.writer
+            .write_direct(move |s, _| s.verify_worker(&worker_id, &command, args))
+            .await
+    }
+
+    async fn answer_verification(
+        &self,
+        worker_id: String,
+        answer: VerificationAnswer,
+    ) -> Result<()> {
+        validate::worker_id(&worker_id)?;
+        self.writer
+            .write_direct(move |s, c| s.answer_verification(c, &worker_id, answer))
+            .await
     }
 
     async fn create_schedule(&self, schedule: Schedule) -> Result<Schedule> {

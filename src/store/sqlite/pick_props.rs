@@ -341,6 +341,7 @@ fn run_case(
             capabilities: WorkerCapabilities {
                 tools: tools_of(spec.tools),
                 agentic_units: vec![],
+                ..Default::default()
             },
             max_concurrent_jobs: spec.max,
             tags,

@@ -580,6 +580,31 @@ impl State {
                     && sched.admits(w)
             })
             .collect();
+        if capable.is_empty() && plan.plan.require_verified_tools {
+            let unverified: Vec<&str> = self
+                .workers
+                .values()
+                .filter(|w| {
+                    w.state == WorkerState::Active
+                        && self.is_fresh(w, now)
+                        && w.lease_stream.is_some()
+                        && (!plan.plan.require_sandbox || w.info.sandboxed)
+                        && plan.tools.iter().all(|t| w.tools.contains(t))
+                        && sched.admits(w)
+                })
+                .map(|w| w.info.worker_id.as_str())
+                .collect();
+            if !unverified.is_empty() {
+                return format!(
+                    "no fresh worker has passed a verification of [{}] (the plan sets require_verified_tools); \
+                     {} worker(s) advertise them but are not verified ({}): the server challenges them; \
+                     see agq worker get ID, or agq worker verify ID TOOL",
+                    plan.tools.join(", "),
+                    unverified.len(),
+                    unverified.join(", ")
+                );
+            }
+        }
         if capable.is_empty() {
             let sandbox = if plan.plan.require_sandbox {
                 " and runs tasks in the kernel sandbox (the plan sets require_sandbox)"

@@ -22,8 +22,8 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, QueueName},
         model::{
-            HeartbeatReply, JobLease, JobStatus, Plan, Scheduling, Worker, WorkerCommand,
-            WorkerState, WorkerStats,
+            HeartbeatReply, JobLease, JobStatus, Plan, Scheduling, Verification, Worker,
+            WorkerCommand, WorkerState, WorkerStats,
         },
         selector::Selector,
         validate,
@@ -130,12 +130,14 @@ impl PlanEntry {
         }
     }
 
-    /// True when worker `w` can run this plan: it advertises every tool, and
-    /// runs tasks in the kernel sandbox if the plan requires it. Freshness,
-    /// state and free slots are the scheduler's to check.
+    /// True when worker `w` can run this plan: it advertises every tool
+    /// (or agentic unit), runs tasks in the kernel sandbox if the plan
+    /// requires it, and passed a verification of each if the plan requires
+    /// that. Freshness, state and free slots are the scheduler's to check.
     pub(super) fn runs_on(&self, w: &WorkerEntry) -> bool {
         (!self.plan.require_sandbox || w.info.sandboxed)
             && self.tools.iter().all(|t| w.tools.contains(t))
+            && (!self.plan.require_verified_tools || self.tools.iter().all(|t| w.verified(t)))
     }
 }
 
@@ -188,6 +190,19 @@ pub(super) struct WorkerEntry {
     /// When its recent leases hit the job timeout (ms, oldest first),
     /// within the quarantine window; not persisted.
     pub(super) timeouts: std::collections::VecDeque<i64>,
+    /// The latest answered verification of each command it was
+    /// challenged on, by command.
+    pub(super) verified: BTreeMap<String, Verification>,
+    /// Challenges sent and not answered yet, by challenge id (at most one
+    /// per command; in memory only).
+    pub(super) pending: HashMap<String, Verification>,
+}
+
+impl WorkerEntry {
+    /// True when the worker passed a verification of `command`.
+    pub(super) fn verified(&self, command: &str) -> bool {
+        self.verified.get(command).is_some_and(|v| v.passed)
+    }
 }
 
 /// A granted lease.
@@ -443,11 +458,12 @@ impl State {
         let mut old = std::mem::take(&mut self.workers);
         self.available.clear();
         self.fleet_slots = 0;
+        let mut verifications = sql::workers::load_verifications(conn)?;
         for row in sql::workers::load_all(conn)? {
             let id = row.worker.worker_id.clone();
             let state = row.worker.state;
             let prev = old.remove(&id);
-            let tools: HashSet<String> = row.worker.capabilities.tools.iter().cloned().collect();
+            let tools: HashSet<String> = row.worker.capabilities.commands().cloned().collect();
             let live = state.is_live();
             let mut entry = WorkerEntry {
                 max: row.worker.max_concurrent_jobs.max(1),
@@ -467,6 +483,13 @@ impl State {
                 last_lease_seq: 0,
                 fleet_slots: 0,
                 timeouts: Default::default(),
+                verified: verifications
+                    .remove(&id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|v| (v.tool.clone(), v))
+                    .collect(),
+                pending: HashMap::new(),
             };
             if let Some(p) = prev {
                 entry.last_heartbeat = p.last_heartbeat;
@@ -476,6 +499,8 @@ impl State {
                 entry.lease_stream = p.lease_stream;
                 entry.suspect_since = p.suspect_since;
                 entry.last_lease_seq = p.last_lease_seq;
+                // Challenges still waiting for an answer live in memory only.
+                entry.pending = p.pending;
             }
             self.workers.insert(id, entry);
         }

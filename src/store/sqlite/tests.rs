@@ -73,6 +73,7 @@ impl Worker {
             capabilities: WorkerCapabilities {
                 tools: tools.iter().map(|t| t.to_string()).collect(),
                 agentic_units: vec![],
+                ..Default::default()
             },
             max_concurrent_jobs: max,
             ..Default::default()

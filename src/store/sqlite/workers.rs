@@ -19,7 +19,7 @@ use crate::{
         engine::{EventTx, HeartbeatEvent, StreamKind},
         model::{
             Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats, Registration,
-            Worker, WorkerCommand, WorkerState, WorkerStats,
+            Verification, Worker, WorkerCommand, WorkerState, WorkerStats,
         },
         selector::Selector,
     },
@@ -138,9 +138,12 @@ impl State {
             sandboxed: req.sandboxed,
             instance_id: req.instance_id,
             quarantine_reason,
+            verifications: Vec::new(),
         };
         wstore::upsert(conn, &info, now_ms)?;
-        let tools: HashSet<String> = info.capabilities.tools.iter().cloned().collect();
+        // Verifications were of the process that registered before.
+        wstore::clear_verifications(conn, &req.worker_id)?;
+        let tools: HashSet<String> = info.capabilities.commands().cloned().collect();
         let entry = WorkerEntry {
             max: info.max_concurrent_jobs.max(1),
             info,
@@ -159,6 +162,8 @@ impl State {
             fleet_slots: 0,
             last_lease_seq: 0,
             timeouts: Default::default(),
+            verified: Default::default(),
+            pending: Default::default(),
         };
         if let Some(old) = self.workers.insert(req.worker_id.clone(), entry) {
             if let Some((load, seq)) = old.avail_key {
@@ -182,6 +187,7 @@ impl State {
         if let Some(w) = self.workers.get_mut(id) {
             w.heartbeat = Some(StreamSlot { id: sid, tx });
         }
+        self.challenge_missing(id);
         Ok(sid)
     }
 
@@ -623,6 +629,10 @@ impl State {
         v.connected =
             w.heartbeat.is_some() && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
         v.registered_at_ms = w.registered_at_ms;
+        v.verifications = w.verified.values().cloned().collect();
+        let mut pending: Vec<Verification> = w.pending.values().cloned().collect();
+        pending.sort_by(|a, b| a.tool.cmp(&b.tool));
+        v.verifications.extend(pending);
         v
     }
 

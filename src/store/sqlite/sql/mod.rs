@@ -36,6 +36,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0010_worker_quarantine.sql"),
     include_str!("migrations/0011_fleet_scheduling.sql"),
     include_str!("migrations/0012_schedules.sql"),
+    include_str!("migrations/0013_worker_verification.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).

@@ -6,7 +6,9 @@ use prost::Message;
 use rusqlite::{params, Connection};
 
 use crate::{
-    core::model::{Worker, WorkerCapabilities, WorkerState, WorkerStats},
+    core::model::{
+        AgenticUnit, Verification, Worker, WorkerCapabilities, WorkerState, WorkerStats,
+    },
     error::{Error, Result},
     pb,
 };
@@ -27,8 +29,8 @@ pub struct WorkerRow {
 /// Errors: [`Error::Storage`].
 pub fn upsert(conn: &Connection, w: &Worker, now_ms: i64) -> Result<()> {
     let caps = &w.capabilities;
-    let units =
-        serde_json::to_string(&caps.agentic_units).map_err(|e| Error::Internal(e.to_string()))?;
+    // The units as they described themselves (older rows hold their names).
+    let units = serde_json::to_string(&caps.units).map_err(|e| Error::Internal(e.to_string()))?;
     let tags = serde_json::to_string(&w.tags).map_err(|e| Error::Internal(e.to_string()))?;
     conn.prepare_cached(
         "INSERT INTO workers (worker_id, hostname, platform, agw_version, agentic_units, tags,
@@ -167,10 +169,23 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             quarantine_reason,
         ) = row?;
         let bad = |e: serde_json::Error| Error::Internal(format!("worker {id}: {e}"));
+        let units: Vec<AgenticUnit> = match serde_json::from_str(&units) {
+            Ok(u) => u,
+            // Rows of schema 11 and older: the names alone.
+            Err(_) => serde_json::from_str::<Vec<String>>(&units)
+                .map_err(bad)?
+                .into_iter()
+                .map(|name| AgenticUnit {
+                    name,
+                    ..Default::default()
+                })
+                .collect(),
+        };
         let worker = Worker {
             capabilities: WorkerCapabilities {
                 tools: tools.remove(&id).unwrap_or_default(),
-                agentic_units: serde_json::from_str(&units).map_err(bad)?,
+                agentic_units: units.iter().map(|u| u.name.clone()).collect(),
+                units,
             },
             tags: serde_json::from_str(&tags).map_err(bad)?,
             hostname,
@@ -192,6 +207,7 @@ pub fn load_all(conn: &Connection) -> Result<Vec<WorkerRow>> {
             instance_id: instance,
             sandboxed,
             quarantine_reason,
+            verifications: Vec::new(),
         };
         out.push(WorkerRow {
             worker,
@@ -209,4 +225,76 @@ pub fn delete(conn: &Connection, worker_id: &str) -> Result<()> {
     conn.prepare_cached("DELETE FROM workers WHERE worker_id = ?1")?
         .execute([worker_id])?;
     Ok(())
+}
+
+/// Stores the answered verification `v` of worker `worker_id` (replacing
+/// the one of the same tool).
+///
+/// Errors: [`Error::Storage`], `Internal` if the arguments cannot be written.
+pub fn put_verification(conn: &Connection, worker_id: &str, v: &Verification) -> Result<()> {
+    let args = serde_json::to_string(&v.args).map_err(|e| Error::Internal(e.to_string()))?;
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO worker_verifications (worker_id, tool, args, challenge_id,
+            requested_at_ms, answered_at_ms, passed, exit_code, output, error)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )?
+    .execute(params![
+        worker_id,
+        v.tool,
+        args,
+        v.challenge_id,
+        v.requested_at_ms,
+        v.answered_at_ms,
+        v.passed,
+        v.exit_code,
+        v.output,
+        v.error
+    ])?;
+    Ok(())
+}
+
+/// Deletes every verification of worker `worker_id` (it registered as a
+/// new process).
+///
+/// Errors: [`Error::Storage`].
+pub fn clear_verifications(conn: &Connection, worker_id: &str) -> Result<()> {
+    conn.prepare_cached("DELETE FROM worker_verifications WHERE worker_id = ?1")?
+        .execute([worker_id])?;
+    Ok(())
+}
+
+/// Every stored verification, by worker id.
+///
+/// Errors: [`Error::Storage`], `Internal` for undecodable arguments.
+pub fn load_verifications(conn: &Connection) -> Result<HashMap<String, Vec<Verification>>> {
+    let mut stmt = conn.prepare(
+        "SELECT worker_id, tool, args, challenge_id, requested_at_ms, answered_at_ms, passed,
+                exit_code, output, error
+         FROM worker_verifications ORDER BY worker_id, tool",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(2)?,
+            Verification {
+                tool: r.get(1)?,
+                args: Vec::new(),
+                challenge_id: r.get(3)?,
+                requested_at_ms: r.get(4)?,
+                answered_at_ms: r.get(5)?,
+                passed: r.get(6)?,
+                exit_code: r.get(7)?,
+                output: r.get(8)?,
+                error: r.get(9)?,
+            },
+        ))
+    })?;
+    let mut out: HashMap<String, Vec<Verification>> = HashMap::new();
+    for row in rows {
+        let (worker, args, mut v) = row?;
+        v.args = serde_json::from_str(&args)
+            .map_err(|e| Error::Internal(format!("verification of {worker}: {e}")))?;
+        out.entry(worker).or_default().push(v);
+    }
+    Ok(out)
 }

@@ -192,6 +192,7 @@ class Plan(_message.Message):
     REQUIRE_SANDBOX_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     WORKER_SELECTOR_FIELD_NUMBER: _builtins.int
+    REQUIRE_VERIFIED_TOOLS_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """Unique id, [A-Za-z0-9._-]{1,128}."""
     plan_description: _builtins.str
@@ -216,6 +217,13 @@ class Plan(_message.Message):
     `key notin (v1, v2)`, `key` (tag present) or `!key` (tag absent).
     Empty: any worker. Stored in canonical form.
     """
+    require_verified_tools: _builtins.bool
+    """Only workers on which every command of the Plan's tasks (tool or
+    agentic unit) passed a capability verification (Worker.verifications,
+    WorkerService.VerifyWorker) get the Plan's jobs; the server challenges
+    the workers that advertise them but lack one, and a job with no
+    verified worker says so in its waiting_reason.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """The tasks, 1..=100 of them, numbered 1..=n in order."""
@@ -229,10 +237,11 @@ class Plan(_message.Message):
         require_sandbox: _builtins.bool = ...,
         version: _builtins.int = ...,
         worker_selector: _builtins.str = ...,
+        require_verified_tools: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "tasks", b"tasks", "version", b"version", "worker_selector", b"worker_selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_description", b"plan_description", "plan_id", b"plan_id", "require_sandbox", b"require_sandbox", "require_verified_tools", b"require_verified_tools", "tasks", b"tasks", "version", b"version", "worker_selector", b"worker_selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,27 +576,171 @@ class WorkerCapabilities(_message.Message):
 
     TOOLS_FIELD_NUMBER: _builtins.int
     AGENTIC_UNITS_FIELD_NUMBER: _builtins.int
+    UNITS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Executable names the worker has and allows, e.g. ["sort", "jq"]."""
 
     @_builtins.property
     def agentic_units(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Names of agentic units the worker offers (informational)."""
+        """Names of the agentic units the worker offers (those of units). A
+        task whose command is one of them runs that unit; the server treats
+        them as tools when it matches Plans to workers.
+        """
+
+    @_builtins.property
+    def units(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgenticUnit]:
+        """The agentic units the worker offers, as each described itself
+        (`UNIT --describe`), at most 256.
+        """
 
     def __init__(
         self,
         *,
         tools: _abc.Iterable[_builtins.str] | None = ...,
         agentic_units: _abc.Iterable[_builtins.str] | None = ...,
+        units: _abc.Iterable[Global___AgenticUnit] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agentic_units", b"agentic_units", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agentic_units", b"agentic_units", "tools", b"tools", "units", b"units"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerCapabilities: _TypeAlias = WorkerCapabilities  # noqa: Y015
+
+@_typing.final
+class AgenticUnit(_message.Message):
+    """An agentic unit: an executable installed on a worker that describes
+    itself with `--describe` (a JSON object with these fields) and that a
+    task runs by naming it as its command.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name a task uses as its command; the same rules as a tool name."""
+    version: _builtins.str
+    """The unit's version, free text, at most 64 bytes."""
+    description: _builtins.str
+    """What the unit does, for people; at most 4096 bytes."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgenticUnitInput]:
+        """The inputs the unit reads, at most 64."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        description: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___AgenticUnitInput] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "inputs", b"inputs", "name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgenticUnit: _TypeAlias = AgenticUnit  # noqa: Y015
+
+@_typing.final
+class AgenticUnitInput(_message.Message):
+    """One input of an agentic unit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name of the input (a job input key the Plan passes to the unit)."""
+    description: _builtins.str
+    """What the input is, for people; at most 1024 bytes."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgenticUnitInput: _TypeAlias = AgenticUnitInput  # noqa: Y015
+
+@_typing.final
+class Verification(_message.Message):
+    """A capability verification: the server asked the worker to run a tool or
+    agentic unit with fixed arguments (WorkerService.VerifyWorker, or the
+    server itself for a Plan with require_verified_tools) and records its
+    answer. It proves that the worker process, in its sandbox, started the
+    executable it advertises under that name and got that answer; it is kept
+    until the worker registers again as another process.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    CHALLENGE_ID_FIELD_NUMBER: _builtins.int
+    REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    ANSWERED_AT_FIELD_NUMBER: _builtins.int
+    PASSED_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    tool: _builtins.str
+    """The tool or agentic unit run."""
+    challenge_id: _builtins.str
+    """Id of the challenge (unique per server)."""
+    passed: _builtins.bool
+    """True when the command exited 0."""
+    exit_code: _builtins.int
+    """Exit code of the command; -1 when it did not run or was killed."""
+    output: _builtins.str
+    """The first 4096 bytes of its stdout."""
+    error: _builtins.str
+    """Why it did not pass, when it did not (stderr excerpt, timeout, not
+    advertised); empty when it passed.
+    """
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Its arguments."""
+
+    @_builtins.property
+    def requested_at(self) -> _timestamp_pb2.Timestamp:
+        """When the server sent the challenge."""
+
+    @_builtins.property
+    def answered_at(self) -> _timestamp_pb2.Timestamp:
+        """When the answer arrived; unset while the challenge is pending."""
+
+    def __init__(
+        self,
+        *,
+        tool: _builtins.str = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+        challenge_id: _builtins.str = ...,
+        requested_at: _timestamp_pb2.Timestamp | None = ...,
+        answered_at: _timestamp_pb2.Timestamp | None = ...,
+        passed: _builtins.bool = ...,
+        exit_code: _builtins.int = ...,
+        output: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answered_at", b"answered_at", "requested_at", b"requested_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_at", b"answered_at", "args", b"args", "challenge_id", b"challenge_id", "error", b"error", "exit_code", b"exit_code", "output", b"output", "passed", b"passed", "requested_at", b"requested_at", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Verification: _TypeAlias = Verification  # noqa: Y015
 
 @_typing.final
 class WorkerStats(_message.Message):
@@ -684,6 +837,7 @@ class Worker(_message.Message):
     SANDBOXED_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     QUARANTINE_REASON_FIELD_NUMBER: _builtins.int
+    VERIFICATIONS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique id, [A-Za-z0-9_-]{1,64}."""
     hostname: _builtins.str
@@ -735,6 +889,12 @@ class Worker(_message.Message):
     def registered_at(self) -> _timestamp_pb2.Timestamp:
         """When the worker registered."""
 
+    @_builtins.property
+    def verifications(self) -> _containers.RepeatedCompositeFieldContainer[Global___Verification]:
+        """The latest verification of each tool or agentic unit the worker was
+        challenged on, by tool name.
+        """
+
     def __init__(
         self,
         *,
@@ -755,10 +915,11 @@ class Worker(_message.Message):
         sandboxed: _builtins.bool = ...,
         instance_id: _builtins.str = ...,
         quarantine_reason: _builtins.str = ...,
+        verifications: _abc.Iterable[Global___Verification] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "last_heartbeat_at", b"last_heartbeat_at", "registered_at", b"registered_at", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "instance_id", b"instance_id", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "quarantine_reason", b"quarantine_reason", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "agw_version", b"agw_version", "capabilities", b"capabilities", "connected", b"connected", "fresh", b"fresh", "hostname", b"hostname", "instance_id", b"instance_id", "last_heartbeat_at", b"last_heartbeat_at", "max_concurrent_jobs", b"max_concurrent_jobs", "platform", b"platform", "quarantine_reason", b"quarantine_reason", "registered_at", b"registered_at", "sandboxed", b"sandboxed", "state", b"state", "stats", b"stats", "tags", b"tags", "verifications", b"verifications", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

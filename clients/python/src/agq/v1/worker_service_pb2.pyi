@@ -182,6 +182,7 @@ class HeartbeatRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     HELD_LEASES_FIELD_NUMBER: _builtins.int
+    VERIFICATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker; must be the same on every message of a stream."""
     @_builtins.property
@@ -195,20 +196,94 @@ class HeartbeatRequest(_message.Message):
         agw sends it on the first message after a reconnect.
         """
 
+    @_builtins.property
+    def verification(self) -> Global___VerificationAnswer:
+        """The answer to a VerifyCommand, when the worker has one to give."""
+
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         stats: _common_pb2.WorkerStats | None = ...,
         held_leases: Global___HeldLeases | None = ...,
+        verification: Global___VerificationAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["held_leases", b"held_leases", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held_leases", b"held_leases", "stats", b"stats", "verification", b"verification"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_leases", b"held_leases", "stats", b"stats", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_leases", b"held_leases", "stats", b"stats", "verification", b"verification", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class VerificationAnswer(_message.Message):
+    """A worker's answer to a VerifyCommand."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHALLENGE_ID_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    challenge_id: _builtins.str
+    """The challenge_id of the VerifyCommand."""
+    exit_code: _builtins.int
+    """Exit code of the command; -1 when it could not run or was killed."""
+    output: _builtins.str
+    """The first 4096 bytes of its stdout."""
+    error: _builtins.str
+    """Why it did not run or failed (stderr excerpt, timeout); empty on exit 0."""
+    def __init__(
+        self,
+        *,
+        challenge_id: _builtins.str = ...,
+        exit_code: _builtins.int = ...,
+        output: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["challenge_id", b"challenge_id", "error", b"error", "exit_code", b"exit_code", "output", b"output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerificationAnswer: _TypeAlias = VerificationAnswer  # noqa: Y015
+
+@_typing.final
+class VerifyCommand(_message.Message):
+    """Server-pushed command: run a tool or agentic unit with these arguments
+    (in the task sandbox, with a short timeout) and answer on the heartbeat
+    stream (HeartbeatRequest.verification).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHALLENGE_ID_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    challenge_id: _builtins.str
+    """Id to echo in the answer."""
+    command: _builtins.str
+    """The tool or agentic unit to run."""
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Its arguments, passed verbatim."""
+
+    def __init__(
+        self,
+        *,
+        challenge_id: _builtins.str = ...,
+        command: _builtins.str = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "challenge_id", b"challenge_id", "command", b"command"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyCommand: _TypeAlias = VerifyCommand  # noqa: Y015
 
 @_typing.final
 class DrainCommand(_message.Message):
@@ -241,6 +316,7 @@ class HeartbeatResponse(_message.Message):
     NEXT_DEADLINE_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
     CANCEL_JOB_ID_FIELD_NUMBER: _builtins.int
+    VERIFY_FIELD_NUMBER: _builtins.int
     cancel_job_id: _builtins.str
     """Kill the job with this id and report it; its lease is already revoked."""
     @_builtins.property
@@ -253,18 +329,23 @@ class HeartbeatResponse(_message.Message):
     def drain(self) -> Global___DrainCommand:
         """Drain: take no new leases, finish running jobs."""
 
+    @_builtins.property
+    def verify(self) -> Global___VerifyCommand:
+        """Run a command and answer with the result (capability verification)."""
+
     def __init__(
         self,
         *,
         next_deadline: _timestamp_pb2.Timestamp | None = ...,
         drain: Global___DrainCommand | None = ...,
         cancel_job_id: _builtins.str = ...,
+        verify: Global___VerifyCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["drain", "cancel_job_id"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["drain", "cancel_job_id", "verify"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -779,3 +860,63 @@ class ReleaseWorkerResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseWorkerResponse: _TypeAlias = ReleaseWorkerResponse  # noqa: Y015
+
+@_typing.final
+class VerifyWorkerRequest(_message.Message):
+    """Request of VerifyWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The worker to challenge."""
+    tool: _builtins.str
+    """One of its tools or agentic units."""
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Arguments, at most 16 of at most 256 bytes each; empty: `--describe`
+        for an agentic unit, `--version` for a tool.
+        """
+
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        tool: _builtins.str = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "tool", b"tool", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyWorkerRequest: _TypeAlias = VerifyWorkerRequest  # noqa: Y015
+
+@_typing.final
+class VerifyWorkerResponse(_message.Message):
+    """Response of VerifyWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERIFICATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def verification(self) -> _common_pb2.Verification:
+        """The verification, pending (no answered_at) until the worker answers;
+        GetWorker shows the answer.
+        """
+
+    def __init__(
+        self,
+        *,
+        verification: _common_pb2.Verification | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["verification", b"verification"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["verification", b"verification"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyWorkerResponse: _TypeAlias = VerifyWorkerResponse  # noqa: Y015

@@ -93,6 +93,11 @@ class WorkerServiceStub:
                 request_serializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.FromString,
                 _registered_method=True)
+        self.VerifyWorker = channel.unary_unary(
+                '/agq.v1.WorkerService/VerifyWorker',
+                request_serializer=agq_dot_v1_dot_worker__service__pb2.VerifyWorkerRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_worker__service__pb2.VerifyWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -220,6 +225,23 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyWorker(self, request, context):
+        """Challenges a worker to run one of its tools or agentic units with
+        fixed arguments (the specification's WORKER.VERIFY command): the
+        server sends the challenge over the worker's heartbeat stream, the
+        worker runs the command in its sandbox and answers on the stream, and
+        the answer is recorded in Worker.verifications (see Verification).
+        Returns the pending verification at once. Admin tokens only (anyone
+        when auth is off).
+        Errors: INVALID_ARGUMENT (bad id, tool name or arguments), NOT_FOUND
+        (unknown worker), FAILED_PRECONDITION (the worker does not advertise
+        the tool, is not live, or has no heartbeat stream open),
+        PERMISSION_DENIED (not an admin token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +299,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReleaseWorker,
                     request_deserializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.FromString,
                     response_serializer=agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.SerializeToString,
+            ),
+            'VerifyWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyWorker,
+                    request_deserializer=agq_dot_v1_dot_worker__service__pb2.VerifyWorkerRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_worker__service__pb2.VerifyWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -580,6 +607,33 @@ class WorkerService:
             '/agq.v1.WorkerService/ReleaseWorker',
             agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerRequest.SerializeToString,
             agq_dot_v1_dot_worker__service__pb2.ReleaseWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agq.v1.WorkerService/VerifyWorker',
+            agq_dot_v1_dot_worker__service__pb2.VerifyWorkerRequest.SerializeToString,
+            agq_dot_v1_dot_worker__service__pb2.VerifyWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,6 +110,19 @@ class WorkerServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     (not quarantined), PERMISSION_DENIED (not an admin token).
     """
+    VerifyWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.VerifyWorkerRequest, _worker_service_pb2.VerifyWorkerResponse]
+    """Challenges a worker to run one of its tools or agentic units with
+    fixed arguments (the specification's WORKER.VERIFY command): the
+    server sends the challenge over the worker's heartbeat stream, the
+    worker runs the command in its sandbox and answers on the stream, and
+    the answer is recorded in Worker.verifications (see Verification).
+    Returns the pending verification at once. Admin tokens only (anyone
+    when auth is off).
+    Errors: INVALID_ARGUMENT (bad id, tool name or arguments), NOT_FOUND
+    (unknown worker), FAILED_PRECONDITION (the worker does not advertise
+    the tool, is not live, or has no heartbeat stream open),
+    PERMISSION_DENIED (not an admin token).
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -192,6 +205,19 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     only (anyone when auth is off).
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     (not quarantined), PERMISSION_DENIED (not an admin token).
+    """
+    VerifyWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.VerifyWorkerRequest, _worker_service_pb2.VerifyWorkerResponse]  # type: ignore[assignment]
+    """Challenges a worker to run one of its tools or agentic units with
+    fixed arguments (the specification's WORKER.VERIFY command): the
+    server sends the challenge over the worker's heartbeat stream, the
+    worker runs the command in its sandbox and answers on the stream, and
+    the answer is recorded in Worker.verifications (see Verification).
+    Returns the pending verification at once. Admin tokens only (anyone
+    when auth is off).
+    Errors: INVALID_ARGUMENT (bad id, tool name or arguments), NOT_FOUND
+    (unknown worker), FAILED_PRECONDITION (the worker does not advertise
+    the tool, is not live, or has no heartbeat stream open),
+    PERMISSION_DENIED (not an admin token).
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -338,6 +364,25 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         only (anyone when auth is off).
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
         (not quarantined), PERMISSION_DENIED (not an admin token).
+        """
+
+    @_abc_1.abstractmethod
+    def VerifyWorker(
+        self,
+        request: _worker_service_pb2.VerifyWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.VerifyWorkerResponse, _abc.Awaitable[_worker_service_pb2.VerifyWorkerResponse]]:
+        """Challenges a worker to run one of its tools or agentic units with
+        fixed arguments (the specification's WORKER.VERIFY command): the
+        server sends the challenge over the worker's heartbeat stream, the
+        worker runs the command in its sandbox and answers on the stream, and
+        the answer is recorded in Worker.verifications (see Verification).
+        Returns the pending verification at once. Admin tokens only (anyone
+        when auth is off).
+        Errors: INVALID_ARGUMENT (bad id, tool name or arguments), NOT_FOUND
+        (unknown worker), FAILED_PRECONDITION (the worker does not advertise
+        the tool, is not live, or has no heartbeat stream open),
+        PERMISSION_DENIED (not an admin token).
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
