@@ -76,6 +76,7 @@ pub fn fixture_plan() -> pb::Plan {
         require_sandbox: false,
         version: 0,
         worker_selector: String::new(),
+        require_verified_tools: false,
     }
 }
 
