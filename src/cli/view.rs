@@ -405,7 +405,7 @@ impl ActionView {
                 },
             ),
             (
-                "concurrency",
+                "limit",
                 if self.concurrency_key.is_empty() {
                     "unlimited".into()
                 } else {
