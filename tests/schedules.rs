@@ -2,9 +2,11 @@
 //! pause, resume, delete; bad input refused with nothing stored; a
 //! schedule every second submits exactly one action per second across a
 //! server restart (the ticks missed while it was down are caught up); a
-//! tick whose plan is gone records why.
+//! tick whose plan is gone records why; and the same across `kill -9` of
+//! a real `agq serve` process.
 
 mod common;
+mod process;
 
 use std::{collections::BTreeSet, time::Duration};
 
@@ -374,4 +376,103 @@ async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on() {
         sch.runs >= 1 && sch.last_error.is_empty()
     })
     .await;
+}
+
+/// The server process is killed with SIGKILL between ticks and started
+/// again on the same database: every second still has exactly one action.
+#[tokio::test]
+async fn ticks_fire_exactly_once_across_a_kill_9() {
+    use agq::pb::{
+        action_service_client::ActionServiceClient, plan_service_client::PlanServiceClient,
+        schedule_service_client::ScheduleServiceClient,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let serve = || {
+        process::Serve::new(&db)
+            .args(["--heartbeat-interval-ms", "200"])
+            .kill_on_drop()
+            .spawn()
+            .expect("agq serve started")
+    };
+    let mut first = serve();
+    let url = first.url();
+    let ch = tonic::transport::Channel::from_shared(url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    PlanServiceClient::new(ch.clone())
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("tick", &["true"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    ScheduleServiceClient::new(ch.clone())
+        .create_schedule(pb::CreateScheduleRequest {
+            schedule: Some(every_second("crashy", "tick")),
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    first.kill();
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = serve();
+    let ch = tonic::transport::Channel::from_shared(second.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut schedules = ScheduleServiceClient::new(ch.clone());
+    let mut runs = 0;
+    for _ in 0..100 {
+        runs = schedules
+            .get_schedule(pb::GetScheduleRequest {
+                schedule_id: "crashy".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .schedule
+            .unwrap()
+            .runs;
+        if runs >= 7 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(runs >= 7, "only {runs} ticks fired");
+    let paused = schedules
+        .pause_schedule(pb::PauseScheduleRequest {
+            schedule_id: "crashy".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .schedule
+        .unwrap();
+    let listed = ActionServiceClient::new(ch)
+        .list_actions(pb::ListActionsRequest {
+            plan_id: "tick".into(),
+            page_size: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let ids: Vec<String> = listed.actions.into_iter().map(|a| a.action_id).collect();
+    let t = ticks("crashy", &ids);
+    let (lo, hi) = (t[0], *t.last().unwrap());
+    assert_eq!(
+        t,
+        (lo..=hi).collect::<Vec<_>>(),
+        "one action per second across the kill, none missing, none twice"
+    );
+    assert_eq!(
+        paused.runs as usize,
+        t.len(),
+        "the recorded runs are the actions"
+    );
 }
