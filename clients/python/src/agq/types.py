@@ -444,7 +444,13 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class QueueStats:
-    """Queue depths (jobs), ages (seconds) and worker counts."""
+    """Queue depths (jobs), ages (seconds) and worker counts.
+
+    The worker counts split the live workers: ``workers_active`` (fresh,
+    ACTIVE, running at least one job), ``workers_idle`` (fresh, ACTIVE,
+    running none), ``workers_draining``, ``workers_quarantined`` and
+    ``workers_stale`` add up to ``workers_total``.
+    """
 
     ready_length: int
     scheduled_length: int
@@ -455,6 +461,10 @@ class QueueStats:
     workers_active: int
     workers_idle: int
     workers_stale: int
+    #: Seconds the newest ready job has waited.
+    newest_job_age_secs: int = 0
+    workers_draining: int = 0
+    workers_quarantined: int = 0
 
     @classmethod
     def from_pb(cls, s: queue_service_pb2.GetQueueStatsResponse) -> QueueStats:
@@ -469,6 +479,9 @@ class QueueStats:
             workers_active=s.workers_active,
             workers_idle=s.workers_idle,
             workers_stale=s.workers_stale,
+            newest_job_age_secs=s.newest_job_age_secs,
+            workers_draining=s.workers_draining,
+            workers_quarantined=s.workers_quarantined,
         )
 
 
