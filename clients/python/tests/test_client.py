@@ -218,6 +218,36 @@ def test_a_selector_keeps_jobs_on_matching_workers_and_priorities_show(
     with pytest.raises(agq.AgqError) as e:
         client.submit_action("py-where", [{"n": "x"}], worker_selector="gpu in (a")
     assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    pending = client.verify_worker("py-gpu", "where")
+    assert pending.tool == "where" and pending.args == ("--version",)
+    assert pending.answered_at is None and not pending.passed
+    assert [v.challenge_id for v in client.get_worker("py-gpu").verifications] == [
+        pending.challenge_id
+    ]
+
+
+def test_schedules_submit_an_action_per_tick(client: agq.Client) -> None:
+    client.submit_plan(agq.Plan("py-sched", [agq.Task("noop", timeout_secs=10)]))
+    s = client.create_schedule(
+        "py-every-second", "py-sched", "* * * * * *", [{"n": "1"}], catch_up="skip", priority=3
+    )
+    assert s.catch_up == "skip" and s.priority == 3 and not s.paused
+    assert s.next_run_at is not None
+    wait_until(lambda: client.get_schedule("py-every-second").runs >= 2, "two ticks")
+    paused = client.pause_schedule("py-every-second")
+    assert paused.paused and paused.next_run_at is None
+    assert paused.last_action_id.startswith("py-every-second-")
+    assert client.get_action(paused.last_action_id).priority == 3
+    listed, token = client.list_schedules()
+    assert [x.schedule_id for x in listed] == ["py-every-second"] and token == ""
+    assert not client.resume_schedule("py-every-second").paused
+    client.delete_schedule("py-every-second")
+    with pytest.raises(agq.AgqError) as e:
+        client.get_schedule("py-every-second")
+    assert e.value.code is grpc.StatusCode.NOT_FOUND
+    with pytest.raises(agq.AgqError) as e:
+        client.create_schedule("bad", "py-sched", "not a cron", [{"n": "1"}])
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_missing_function_and_missing_variable_fail_the_job(

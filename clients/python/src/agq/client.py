@@ -13,13 +13,16 @@ import grpc
 
 from agq._rpc import AgqError, Metadata, RetryPolicy, bearer, call_unary, make_channel, status_of
 from agq.types import (
+    CATCH_UP,
     ActionStatus,
     Job,
     JobStatus,
     Page,
     Plan,
     QueueStats,
+    Schedule,
     SubmittedAction,
+    Verification,
     WorkerInfo,
     WorkerState,
     to_timestamp,
@@ -34,6 +37,8 @@ from agq.v1 import (
     plan_service_pb2_grpc,
     queue_service_pb2,
     queue_service_pb2_grpc,
+    schedule_service_pb2,
+    schedule_service_pb2_grpc,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
@@ -85,6 +90,7 @@ class Client:
         self._jobs = job_service_pb2_grpc.JobServiceStub(self.channel)
         self._workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
         self._queue = queue_service_pb2_grpc.QueueServiceStub(self.channel)
+        self._schedules = schedule_service_pb2_grpc.ScheduleServiceStub(self.channel)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -473,6 +479,125 @@ class Client:
             timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
         )
         return WorkerInfo.from_pb(resp.worker)
+
+    def verify_worker(
+        self,
+        worker_id: str,
+        tool: str,
+        args: Sequence[str] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Verification:
+        """Challenges an ``agw`` worker to run one of its tools or agentic
+        units with ``args`` (default ``--describe`` for a unit, ``--version``
+        for a tool) and returns the pending verification; ``get_worker``
+        shows the answer (WORKER.VERIFY). Python workers do not answer
+        challenges. Needs an admin token when auth is on.
+        Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (not
+        advertised, not live, no heartbeat stream), PERMISSION_DENIED."""
+        resp = call_unary(
+            "VerifyWorker", self._workers.VerifyWorker,
+            worker_service_pb2.VerifyWorkerRequest(worker_id=worker_id, tool=tool, args=list(args)),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Verification.from_pb(resp.verification)
+
+    # -- schedules -------------------------------------------------------
+
+    def create_schedule(
+        self,
+        schedule_id: str,
+        plan_id: str,
+        cron: str,
+        inputs: Sequence[Mapping[str, str]],
+        *,
+        time_zone: str = "",
+        max_attempts: int = 0,
+        priority: int = 0,
+        worker_selector: str = "",
+        concurrency_key: str = "",
+        max_running: int = 0,
+        catch_up: str = "all",
+        timeout: float | None = None,
+    ) -> Schedule:
+        """Creates a recurring schedule: an action of ``plan_id`` with
+        ``inputs`` at every tick of ``cron`` ("sec min hour day-of-month
+        month day-of-week [year]", or the classic five fields) read in
+        ``time_zone`` (IANA; "" is UTC). Each tick's action is
+        ``<schedule_id>-<unix seconds>``, submitted exactly once.
+        ``catch_up`` ("all", "latest", "skip") says what happens to ticks
+        missed while the server was down.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (plan), ALREADY_EXISTS."""
+        if catch_up not in CATCH_UP:
+            raise ValueError(f"catch_up must be one of {sorted(CATCH_UP)}, got {catch_up!r}")
+        schedule = schedule_service_pb2.Schedule(
+            schedule_id=schedule_id,
+            plan_id=plan_id,
+            cron=cron,
+            time_zone=time_zone,
+            inputs=[common_pb2.ActionInput(values=dict(i)) for i in inputs],
+            max_attempts=max_attempts,
+            priority=priority,
+            worker_selector=worker_selector,
+            concurrency_key=concurrency_key,
+            max_running=max_running,
+            catch_up=CATCH_UP[catch_up],
+        )
+        resp = call_unary(
+            "CreateSchedule", self._schedules.CreateSchedule,
+            schedule_service_pb2.CreateScheduleRequest(schedule=schedule),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Schedule.from_pb(resp.schedule)
+
+    def get_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
+        """One schedule. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "GetSchedule", self._schedules.GetSchedule,
+            schedule_service_pb2.GetScheduleRequest(schedule_id=schedule_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Schedule.from_pb(resp.schedule)
+
+    def list_schedules(
+        self, page_size: int = 0, page_token: str = "", *, timeout: float | None = None
+    ) -> tuple[list[Schedule], str]:
+        """One page of schedules by id and the next page's token ("" on the
+        last page). Errors: INVALID_ARGUMENT."""
+        resp = call_unary(
+            "ListSchedules", self._schedules.ListSchedules,
+            schedule_service_pb2.ListSchedulesRequest(page_size=page_size, page_token=page_token),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return [Schedule.from_pb(s) for s in resp.schedules], resp.next_page_token
+
+    def pause_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
+        """Pauses a schedule (its ticks are skipped, never caught up).
+        Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "PauseSchedule", self._schedules.PauseSchedule,
+            schedule_service_pb2.PauseScheduleRequest(schedule_id=schedule_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Schedule.from_pb(resp.schedule)
+
+    def resume_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
+        """Resumes a paused schedule from its next tick.
+        Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        resp = call_unary(
+            "ResumeSchedule", self._schedules.ResumeSchedule,
+            schedule_service_pb2.ResumeScheduleRequest(schedule_id=schedule_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return Schedule.from_pb(resp.schedule)
+
+    def delete_schedule(self, schedule_id: str, *, timeout: float | None = None) -> None:
+        """Deletes a schedule (its actions stay). Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        call_unary(
+            "DeleteSchedule", self._schedules.DeleteSchedule,
+            schedule_service_pb2.DeleteScheduleRequest(schedule_id=schedule_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
 
     # -- queue -----------------------------------------------------------
 

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from google.protobuf import message, timestamp_pb2
 
-from agq.v1 import common_pb2, queue_service_pb2
+from agq.v1 import common_pb2, queue_service_pb2, schedule_service_pb2
 
 
 class JobStatus(enum.IntEnum):
@@ -418,6 +418,10 @@ class WorkerInfo:
     sandboxed: bool
     #: Why it is quarantined; empty when it is not.
     quarantine_reason: str = ""
+    #: Names of the agentic units it offers.
+    agentic_units: tuple[str, ...] = ()
+    #: The latest verification of each command it was challenged on.
+    verifications: tuple[Verification, ...] = ()
 
     @classmethod
     def from_pb(cls, w: common_pb2.Worker) -> WorkerInfo:
@@ -439,6 +443,94 @@ class WorkerInfo:
             registered_at=optional_timestamp(w, "registered_at"),
             sandboxed=w.sandboxed,
             quarantine_reason=w.quarantine_reason,
+            agentic_units=tuple(w.capabilities.agentic_units),
+            verifications=tuple(Verification.from_pb(v) for v in w.verifications),
+        )
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A capability verification: the server asked the worker to run
+    ``tool`` with ``args`` and recorded its answer (WORKER.VERIFY)."""
+
+    tool: str
+    args: tuple[str, ...]
+    challenge_id: str
+    requested_at: datetime | None
+    #: None while the challenge is pending.
+    answered_at: datetime | None
+    passed: bool
+    exit_code: int
+    #: The start of its stdout.
+    output: str
+    #: Why it did not pass.
+    error: str
+
+    @classmethod
+    def from_pb(cls, v: common_pb2.Verification) -> Verification:
+        """The verification of a protobuf message."""
+        return cls(
+            tool=v.tool,
+            args=tuple(v.args),
+            challenge_id=v.challenge_id,
+            requested_at=optional_timestamp(v, "requested_at"),
+            answered_at=optional_timestamp(v, "answered_at"),
+            passed=v.passed,
+            exit_code=v.exit_code,
+            output=v.output,
+            error=v.error,
+        )
+
+
+#: Catch-up policies of a schedule by name (``agq.v1.CatchUp``).
+CATCH_UP = {
+    "all": schedule_service_pb2.CATCH_UP_ALL,
+    "latest": schedule_service_pb2.CATCH_UP_LATEST,
+    "skip": schedule_service_pb2.CATCH_UP_SKIP,
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A recurring schedule: an action of ``plan_id`` with ``inputs`` at
+    every tick of ``cron`` (with seconds) in ``time_zone``."""
+
+    schedule_id: str
+    plan_id: str
+    cron: str
+    time_zone: str
+    inputs: tuple[Mapping[str, str], ...]
+    #: "all", "latest" or "skip": what happens to ticks missed while the
+    #: server was down.
+    catch_up: str
+    paused: bool
+    next_run_at: datetime | None
+    last_run_at: datetime | None
+    last_action_id: str
+    runs: int
+    last_error: str
+    priority: int = 0
+    worker_selector: str = ""
+
+    @classmethod
+    def from_pb(cls, s: schedule_service_pb2.Schedule) -> Schedule:
+        """The schedule of a protobuf message."""
+        names = {v: k for k, v in CATCH_UP.items()}
+        return cls(
+            schedule_id=s.schedule_id,
+            plan_id=s.plan_id,
+            cron=s.cron,
+            time_zone=s.time_zone,
+            inputs=tuple(dict(i.values) for i in s.inputs),
+            catch_up=names.get(s.catch_up, "all"),
+            paused=s.paused,
+            next_run_at=optional_timestamp(s, "next_run_at"),
+            last_run_at=optional_timestamp(s, "last_run_at"),
+            last_action_id=s.last_action_id,
+            runs=s.runs,
+            last_error=s.last_error,
+            priority=s.priority,
+            worker_selector=s.worker_selector,
         )
 
 
@@ -500,7 +592,9 @@ __all__ = [
     "Page",
     "Plan",
     "QueueStats",
+    "Schedule",
     "SubmittedAction",
+    "Verification",
     "Task",
     "TaskResult",
     "WorkerInfo",

@@ -708,6 +708,14 @@ class Worker:
             if running is not None:
                 log.info("job %s cancelled by the server: stopping it", r.cancel_job_id)
                 running.stop("cancelled")
+        elif which == "verify":
+            # Capability challenges are for agw's executables; a Python
+            # worker's functions are not verified (its challenge stays
+            # pending, so plans that require verification never run here).
+            log.warning(
+                "capability challenge for %s ignored: Python workers do not answer them",
+                r.verify.command,
+            )
 
     # -- jobs ------------------------------------------------------------------
 
