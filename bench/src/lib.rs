@@ -1,11 +1,13 @@
-//! `agq-bench`: AGQ measured against a Redis-list job queue, in one run,
-//! on one machine. Its own crate in the workspace (`bench/`), outside the
-//! `agq` package; it uses only agq's public API.
+//! `agq-bench`: AGQ measured against a Redis-list job queue and against
+//! BullMQ, in one run, on one machine. Its own crate in the workspace
+//! (`bench/`), outside the `agq` package; it uses only agq's public API.
 //!
 //! AGQ runs in-process ([`harness`]) on 127.0.0.1:0 with a temporary
 //! database and is driven over gRPC by simulated workers and submit
 //! clients ([`agq_load`]); the Redis design runs on a real `redis-server`
-//! child ([`redis_peer`]) with the same workers, jobs and payload. Modes:
+//! child ([`redis_peer`]) with the same workers, jobs and payload, and so
+//! does BullMQ, from a Node.js harness in `bench/bullmq/` on a
+//! `redis-server` of its own ([`bullmq_peer`]). Modes:
 //!
 //! - default: peak throughput and latency, then latency at half of peak,
 //!   and an idle phase where only heartbeats flow (with `--workers 10000`
@@ -22,6 +24,7 @@
 
 pub mod agq_load;
 pub mod backlog;
+pub mod bullmq_peer;
 pub mod engine_only;
 pub mod failover;
 pub mod harness;
@@ -107,6 +110,14 @@ pub struct BenchArgs {
     /// Skip the Redis peer.
     #[arg(long, env = "AGQ_BENCH_NO_REDIS", default_value_t = false)]
     pub no_redis: bool,
+    /// Skip the BullMQ peer (it runs when `node` is on PATH, redis-server
+    /// is installed and `npm ci --prefix bench/bullmq` was run).
+    #[arg(long, env = "AGQ_BENCH_NO_BULLMQ", default_value_t = false)]
+    pub no_bullmq: bool,
+    /// Directory of the BullMQ harness (`run.mjs` and its `node_modules`);
+    /// default: `bench/bullmq` of the source tree this bench was built from.
+    #[arg(long, env = "AGQ_BENCH_BULLMQ_DIR")]
+    pub bullmq_dir: Option<PathBuf>,
     /// Backlog mode: lease latency with this many pending jobs against 1,000.
     #[arg(long, env = "AGQ_BENCH_BACKLOG")]
     pub backlog: Option<usize>,

@@ -1,6 +1,7 @@
-//! `agq-bench`: AGQ against a Redis-list job queue, on the same machine.
-//! Starts AGQ in-process and (when installed) a `redis-server`, drives both
-//! with simulated workers and clients, prints the figures and the ratios.
+//! `agq-bench`: AGQ against a Redis-list job queue and BullMQ, on the same
+//! machine. Starts AGQ in-process and (when installed) a `redis-server` for
+//! each peer, drives them with simulated workers and clients (BullMQ's from
+//! its Node.js harness), prints the figures and the ratios.
 //! Its global allocator tags each heap block with the side (server or
 //! clients) that allocated it. See the `agq_bench` library and BENCHMARKS.md.
 
@@ -12,7 +13,7 @@ use clap::Parser;
 #[global_allocator]
 static ALLOC: agq_bench::heap::Tagged = agq_bench::heap::Tagged;
 
-/// Benchmark AGQ against a Redis-list job queue (LPUSH/BRPOP), in one run.
+/// Benchmark AGQ against a Redis-list job queue (LPUSH/BRPOP) and BullMQ, in one run.
 #[derive(Debug, Parser)]
 #[command(name = "agq-bench", version, about)]
 struct Cli {

@@ -1,5 +1,6 @@
-//! The default mode (peak, half-peak and idle phases on AGQ and on the
-//! Redis peer) and the printing of its table, with the issue's bars.
+//! The default mode (peak, half-peak and idle phases on AGQ, peak and
+//! half-peak on the Redis peer and on the BullMQ peer) and the printing of
+//! its table, with the issue's bars.
 
 use std::{
     path::Path,
@@ -11,6 +12,7 @@ use tonic::transport::Channel;
 
 use super::{
     agq_load::{self, Fleet},
+    bullmq_peer::{self, BullmqRun},
     harness::Harness,
     procstat::{self, CpuMark},
     redis_peer::{self, RedisServer},
@@ -466,114 +468,177 @@ fn ratio(a: f64, b: f64) -> String {
     }
 }
 
-fn row(name: &str, agq: String, redis: Option<String>, r: Option<String>) {
-    println!(
-        "  {name:<38} {agq:>14} {:>14} {:>10}",
-        redis.unwrap_or_else(|| "-".into()),
-        r.unwrap_or_default()
-    );
+/// The report's columns: AGQ, Redis and AGQ/Redis always, BullMQ and
+/// AGQ/BullMQ when the BullMQ peer ran.
+#[derive(Debug, Clone, Copy)]
+struct Table {
+    bullmq: bool,
+}
+
+/// A peer's cells in one row: its figure and AGQ's ratio to it.
+type Cells = (Option<String>, Option<String>);
+
+/// AGQ's figure of a phase against a peer's, as a ratio cell.
+type Cmp<'a> = &'a dyn Fn(&Phase, &Phase) -> String;
+
+impl Table {
+    fn header(&self) {
+        self.row(
+            "",
+            "AGQ".into(),
+            (Some("Redis".into()), Some("AGQ/Redis".into())),
+            (Some("BullMQ".into()), Some("AGQ/BullMQ".into())),
+        );
+    }
+
+    /// One row: AGQ's figure, then (figure, ratio) of Redis and of BullMQ
+    /// (a missing figure is `-`, a missing ratio blank; no trailing blanks).
+    fn row(&self, name: &str, agq: String, redis: Cells, bullmq: Cells) {
+        let mut line = format!(
+            "  {name:<38} {agq:>14} {:>14} {:>10}",
+            redis.0.unwrap_or_else(|| "-".into()),
+            redis.1.unwrap_or_default()
+        );
+        if self.bullmq {
+            line.push_str(&format!(
+                " {:>14} {:>11}",
+                bullmq.0.unwrap_or_else(|| "-".into()),
+                bullmq.1.unwrap_or_default()
+            ));
+        }
+        println!("{}", line.trim_end());
+    }
+
+    /// A row of AGQ's figure alone.
+    fn agq_row(&self, name: &str, agq: String) {
+        self.row(name, agq, (None, None), (None, None));
+    }
+
+    /// A row of a loaded phase: `value` of each system and, with `cmp`,
+    /// AGQ's figure against each peer's.
+    fn phase_row(
+        &self,
+        name: &str,
+        a: &Phase,
+        peers: [Option<&Phase>; 2],
+        value: &dyn Fn(&Phase) -> String,
+        cmp: Option<Cmp<'_>>,
+    ) {
+        let cells =
+            |p: Option<&Phase>| -> Cells { (p.map(value), p.and_then(|p| cmp.map(|c| c(a, p)))) };
+        self.row(name, value(a), cells(peers[0]), cells(peers[1]));
+    }
 }
 
 fn lat(s: &Summary) -> String {
     format!("{:.2}/{:.2}/{:.1}", s.p50, s.p99, s.max)
 }
 
-fn print_phase(a: &Phase, r: Option<&Phase>, paced: bool) {
+/// Server CPU per completed job, µs.
+fn cpu_per_job(p: &Phase) -> f64 {
+    if p.completed > 0 {
+        p.server_cpu * 1e6 / p.completed as f64
+    } else {
+        0.0
+    }
+}
+
+/// Prints a loaded phase of AGQ (`a`) beside the peers' (Redis, BullMQ).
+fn print_phase(t: &Table, a: &Phase, peers: [Option<&Phase>; 2], paced: bool) {
     if !paced {
-        row(
+        t.phase_row(
             "submit throughput (jobs/s)",
-            format!("{:.0}", a.submit_rate()),
-            r.map(|r| format!("{:.0}", r.submit_rate())),
-            r.map(|r| ratio(a.submit_rate(), r.submit_rate())),
+            a,
+            peers,
+            &|p| format!("{:.0}", p.submit_rate()),
+            Some(&|a, p| ratio(a.submit_rate(), p.submit_rate())),
         );
     } else {
-        row(
+        t.phase_row(
             "offered load (jobs/s)",
-            format!("{:.0}", a.rate),
-            r.map(|r| format!("{:.0}", r.rate)),
+            a,
+            peers,
+            &|p| format!("{:.0}", p.rate),
             None,
         );
     }
-    row(
+    t.phase_row(
         "end-to-end throughput (jobs/s)",
-        format!("{:.0}", a.e2e_rate()),
-        r.map(|r| format!("{:.0}", r.e2e_rate())),
-        r.map(|r| ratio(a.e2e_rate(), r.e2e_rate())),
+        a,
+        peers,
+        &|p| format!("{:.0}", p.e2e_rate()),
+        Some(&|a, p| ratio(a.e2e_rate(), p.e2e_rate())),
     );
-    row(
+    t.phase_row(
         "jobs completed",
-        format!("{}/{}", a.completed, a.jobs),
-        r.map(|r| format!("{}/{}", r.completed, r.jobs)),
+        a,
+        peers,
+        &|p| format!("{}/{}", p.completed, p.jobs),
         None,
     );
-    row(
+    t.phase_row(
         "enqueue-to-lease p50/p99/max (ms)",
-        lat(&a.lease),
-        r.map(|r| lat(&r.lease)),
-        r.map(|r| ratio(a.lease.p99, r.lease.p99) + " p99"),
+        a,
+        peers,
+        &|p| lat(&p.lease),
+        Some(&|a, p| ratio(a.lease.p99, p.lease.p99) + " p99"),
     );
-    row(
+    t.phase_row(
         "completion ack p50/p99/max (ms)",
-        lat(&a.ack),
-        r.map(|r| lat(&r.ack)),
-        r.map(|r| ratio(a.ack.p99, r.ack.p99) + " p99"),
+        a,
+        peers,
+        &|p| lat(&p.ack),
+        Some(&|a, p| ratio(a.ack.p99, p.ack.p99) + " p99"),
     );
-    row(
+    t.phase_row(
         "server CPU (s)",
-        format!("{:.2}", a.server_cpu),
-        r.map(|r| format!("{:.2}", r.server_cpu)),
-        r.map(|r| ratio(a.server_cpu, r.server_cpu)),
+        a,
+        peers,
+        &|p| format!("{:.2}", p.server_cpu),
+        Some(&|a, p| ratio(a.server_cpu, p.server_cpu)),
     );
-    let per_k = |p: &Phase| {
-        if p.completed > 0 {
-            p.server_cpu * 1e6 / p.completed as f64
-        } else {
-            0.0
-        }
-    };
-    row(
+    t.phase_row(
         "server CPU per job (µs)",
-        format!("{:.1}", per_k(a)),
-        r.map(|r| format!("{:.1}", per_k(r))),
-        r.map(|r| ratio(per_k(a), per_k(r))),
+        a,
+        peers,
+        &|p| format!("{:.1}", cpu_per_job(p)),
+        Some(&|a, p| ratio(cpu_per_job(a), cpu_per_job(p))),
     );
     if a.e2e_secs > 0.0 && a.completed > 0 && a.writer_cpu > 0.0 {
-        row(
+        t.agq_row(
             "AGQ writer thread: busy %, CPU/job (µs)",
             format!(
                 "{:.0}%, {:.1}",
                 a.writer_cpu * 100.0 / a.e2e_secs,
                 a.writer_cpu * 1e6 / a.completed as f64
             ),
-            None,
-            None,
         );
     }
     if a.commits.0 > 0 {
-        row(
+        t.agq_row(
             "AGQ commits/s, operations per commit",
             format!(
                 "{:.0}, {:.1}",
                 a.commits.0 as f64 / a.e2e_secs.max(1e-9),
                 a.commits.1 as f64 / a.commits.0 as f64
             ),
-            None,
-            None,
         );
     }
-    row(
+    t.phase_row(
         "client CPU (s)",
-        format!("{:.2}", a.client_cpu),
-        r.map(|r| format!("{:.2}", r.client_cpu)),
+        a,
+        peers,
+        &|p| format!("{:.2}", p.client_cpu),
         None,
     );
-    row(
+    t.phase_row(
         "peak RSS (MB)",
-        format!("{:.0}", mb(a.peak_rss)),
-        r.map(|r| format!("{:.0}", mb(r.peak_rss))),
+        a,
+        peers,
+        &|p| format!("{:.0}", mb(p.peak_rss)),
         None,
     );
-    for (name, p) in [("AGQ", Some(a)), ("Redis", r)] {
+    for (name, p) in [("AGQ", Some(a)), ("Redis", peers[0]), ("BullMQ", peers[1])] {
         if let Some(p) = p {
             if p.errors > 0 {
                 println!(
@@ -629,16 +694,34 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
         );
         Some(run_redis(args).await?)
     };
+    let (bullmq, bullmq_ok) = run_bullmq_or_skip(args, nofile).await;
+    let bullmq = bullmq.map(|b| b.run);
     println!();
-    println!(
-        "  {:<38} {:>14} {:>14} {:>10}",
-        "", "AGQ", "Redis", "AGQ/Redis"
-    );
+    let t = Table {
+        bullmq: bullmq.is_some(),
+    };
+    t.header();
     println!("peak load (closed loop, {} submit clients)", args.clients);
-    print_phase(&agq.peak, redis.as_ref().map(|r| &r.peak), false);
+    print_phase(
+        &t,
+        &agq.peak,
+        [
+            redis.as_ref().map(|r| &r.peak),
+            bullmq.as_ref().map(|b| &b.peak),
+        ],
+        false,
+    );
     if let Some(p) = &agq.paced {
         println!("half of each system's peak (open loop)");
-        print_phase(p, redis.as_ref().and_then(|r| r.paced.as_ref()), true);
+        print_phase(
+            &t,
+            p,
+            [
+                redis.as_ref().and_then(|r| r.paced.as_ref()),
+                bullmq.as_ref().and_then(|b| b.paced.as_ref()),
+            ],
+            true,
+        );
     }
     if let Some(i) = &agq.idle {
         println!(
@@ -650,55 +733,44 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
             args.heartbeat_ms,
             i.secs
         );
-        row(
+        t.agq_row(
             "register + connect all workers (s)",
             format!("{:.2}", i.connect_secs),
-            None,
-            None,
         );
-        row(
-            "heartbeat ack p50/p99/max (ms)",
-            lat(&i.heartbeat),
-            None,
-            None,
-        );
-        row(
+        t.agq_row("heartbeat ack p50/p99/max (ms)", lat(&i.heartbeat));
+        t.agq_row(
             "server CPU (% of one core)",
             format!("{:.1}", i.server_cpu_share * 100.0),
-            None,
-            None,
         );
-        row(
+        t.agq_row(
             if args.agq_binary.is_some() {
                 "agq serve RSS now / peak (MB)"
             } else {
                 "process RSS now / peak (MB)"
             },
             format!("{:.0} / {:.0}", mb(i.rss), mb(i.peak_rss)),
-            None,
-            None,
         );
         if args.agq_binary.is_none() {
-            row(
+            t.agq_row(
                 "live heap: server / clients (MB)",
                 format!("{} / {}", heap_mb(i.server_heap), heap_mb(i.client_heap)),
-                None,
-                None,
             );
-            row(
+            t.agq_row(
                 "server RSS bound: RSS - client heap (MB)",
                 format!("{:.0}", mb(i.server_rss_bound())),
-                None,
-                None,
             );
         }
     }
     println!();
     if !args.smoke {
-        print_bars(args, &agq, redis.as_ref());
+        print_bars(args, &agq, redis.as_ref(), bullmq.as_ref());
     }
-    let mut ok = true;
-    for (name, run) in [("AGQ", Some(&agq)), ("Redis", redis.as_ref())] {
+    let mut ok = bullmq_ok;
+    for (name, run) in [
+        ("AGQ", Some(&agq)),
+        ("Redis", redis.as_ref()),
+        ("BullMQ", bullmq.as_ref()),
+    ] {
         let Some(run) = run else { continue };
         for p in std::iter::once(&run.peak).chain(run.paced.iter()) {
             if p.completed != p.jobs || p.errors > 0 {
@@ -715,27 +787,97 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
             "smoke: {}",
             if ok {
                 "every job completed"
-            } else {
+            } else if bullmq_ok {
                 "FAILED: not every job completed"
+            } else {
+                "FAILED: the BullMQ peer failed"
             }
         );
     }
     Ok(ok)
 }
 
-/// Prints the issue's bars that the default mode measures.
-fn print_bars(args: &BenchArgs, agq: &SystemRun, redis: Option<&SystemRun>) {
+/// Runs the BullMQ peer unless it is skipped (`--no-bullmq`, no
+/// redis-server, more than [`bullmq_peer::MAX_WORKERS`] workers, no node
+/// or harness, too few file descriptors), printing
+/// one line that says which. Returns its run, if any, and false when it
+/// was run and failed (the failure is printed; the report goes on
+/// without it).
+async fn run_bullmq_or_skip(args: &BenchArgs, nofile: u64) -> (Option<BullmqRun>, bool) {
+    let conns = bullmq_peer::connections(args) as u64;
+    let dir = bullmq_peer::dir(args);
+    if args.no_bullmq {
+        println!("BullMQ peer: skipped (--no-bullmq)");
+        return (None, true);
+    }
+    if !redis_peer::available() {
+        println!("BullMQ peer: skipped: {}", redis_peer::INSTALL_HINT);
+        return (None, true);
+    }
+    if args.workers > bullmq_peer::MAX_WORKERS {
+        println!(
+            "BullMQ peer: skipped: W={} is more Workers than one node process runs here (at \
+             most {})",
+            args.workers,
+            bullmq_peer::MAX_WORKERS
+        );
+        return (None, true);
+    }
+    if let Err(why) = bullmq_peer::check(&dir) {
+        println!("BullMQ peer: skipped: {why}");
+        return (None, true);
+    }
+    if conns + 256 > nofile {
+        println!(
+            "BullMQ peer: skipped: it needs {conns} connections (2 x W) and the open-files \
+             limit is {nofile}; use fewer workers or raise `ulimit -n`"
+        );
+        return (None, true);
+    }
+    println!(
+        "BullMQ peer: bullmq on node ({}), its own redis-server, appendonly yes, appendfsync \
+         everysec, save '' ({} Workers x concurrency {} in one node process, Queue.addBulk \
+         of K jobs, completed jobs kept)",
+        dir.display(),
+        args.workers,
+        args.slots
+    );
+    match bullmq_peer::run(args, &dir).await {
+        Ok(b) => {
+            println!("BullMQ peer: bullmq {} on node {}", b.bullmq, b.node);
+            (Some(b), true)
+        }
+        Err(e) => {
+            println!("BullMQ peer: FAILED: {e}");
+            (None, false)
+        }
+    }
+}
+
+/// Prints the issue's bars that the default mode measures, and AGQ's
+/// end-to-end throughput against the peers'.
+fn print_bars(
+    args: &BenchArgs,
+    agq: &SystemRun,
+    redis: Option<&SystemRun>,
+    bullmq: Option<&SystemRun>,
+) {
     println!("bars (issue 7):");
     let e2e = agq.peak.e2e_rate();
-    if let Some(r) = redis {
-        let re = r.peak.e2e_rate();
+    let against = |name: &str, times: f64, peer: &SystemRun| {
+        let pe = peer.peak.e2e_rate();
         println!(
-            "  e2e >= 1.0 x Redis: {:.0} vs {:.0} jobs/s = {} -> {}",
-            e2e,
-            re,
-            ratio(e2e, re),
-            verdict(e2e >= re)
+            "  e2e >= {times:.1} x {name}: {e2e:.0} vs {pe:.0} jobs/s = {} -> {}",
+            ratio(e2e, pe),
+            verdict(e2e >= times * pe)
         );
+    };
+    if let Some(r) = redis {
+        against("Redis", 1.0, r);
+        against("Redis", 1.3, r);
+    }
+    if let Some(b) = bullmq {
+        against("BullMQ", 3.0, b);
     }
     println!(
         "  e2e >= 20,000 jobs/s: {:.0} -> {}",
