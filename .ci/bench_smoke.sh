@@ -4,8 +4,10 @@
 # unless every job completed. The Redis peer
 # runs when redis-server can be had (this script tries Debian's package, as
 # root, and goes on without it when that fails: the bench then skips the
-# peer). Numbers are printed, never asserted: performance is measured by
-# hand (BENCHMARKS.md), not in CI.
+# peer). The BullMQ peer runs when redis-server and node are there and its
+# harness installs (`npm ci --prefix bench/bullmq`, tried when npm is on
+# PATH; without it the bench skips the peer). Numbers are printed, never
+# asserted: performance is measured by hand (BENCHMARKS.md), not in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +15,16 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
   echo "installing redis-server (Debian package) for the Redis peer"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
     || echo "redis-server could not be installed; the smoke run skips the Redis peer"
+fi
+
+bullmq=0
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  echo "installing the BullMQ harness (npm ci --prefix bench/bullmq) for the BullMQ peer"
+  if npm ci --prefix bench/bullmq --no-audit --no-fund >/dev/null; then
+    bullmq=1
+  else
+    echo "the BullMQ harness could not be installed; the smoke run skips the BullMQ peer"
+  fi
 fi
 
 target="${CARGO_TARGET_DIR:-target}"
@@ -27,6 +39,12 @@ out="$(mktemp)"
 if command -v redis-server >/dev/null; then
   grep -Eq 'end-to-end throughput \(jobs/s\) +[0-9]+ +[0-9]+ +[0-9.]+x' "$out" \
     || { echo "bench smoke: no AGQ vs Redis end-to-end figures and ratio in the report" >&2; exit 1; }
+  # With the harness installed, the BullMQ columns follow: its figure and
+  # the AGQ/BullMQ ratio.
+  if [ "$bullmq" = 1 ]; then
+    grep -Eq 'end-to-end throughput \(jobs/s\) +[0-9]+ +[0-9]+ +[0-9.]+x +[0-9]+ +[0-9.]+x' "$out" \
+      || { echo "bench smoke: no BullMQ end-to-end figure and AGQ/BullMQ ratio in the report" >&2; exit 1; }
+  fi
 fi
 rm -f "$out"
 "$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
