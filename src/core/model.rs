@@ -209,8 +209,9 @@ pub struct PlanVersion {
     pub created_at_ms: i64,
 }
 
-/// Outcome of one task of a job attempt.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Outcome of one task of a job attempt. Serialized (JSON) as stored in
+/// the SQLite engine's job rows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TaskResult {
     /// Which task.
     pub task_number: u32,

@@ -283,7 +283,12 @@ impl State {
     /// Errors: `NotFound` (job), `PermissionDenied` (another worker's lease),
     /// `FailedPrecondition` (stale lease id, job not running),
     /// `InvalidArgument` (status not RUNNING/COMPLETED/FAILED), storage errors.
-    pub(super) fn update_job(&mut self, conn: &Connection, req: JobReport) -> Result<JobStatus> {
+    pub(super) fn update_job(
+        &mut self,
+        conn: &Connection,
+        req: JobReport,
+        results: Option<String>,
+    ) -> Result<JobStatus> {
         // A job under lease is found in memory; only reports on other jobs
         // (rejected below) need the database to say what the job is.
         let leased = self
@@ -356,51 +361,49 @@ impl State {
         };
         // The fenced statement runs first: when it changes nothing (memory
         // and database disagree on the lease), nothing else is written.
-        let after = match status {
-            Some(JobStatus::Running) => {
-                let changed =
-                    jobs::set_progress(conn, row, fence, req.current_task, req.progress_percent)?;
-                self.fenced(changed, &lease)?;
-                if !req.task_results.is_empty() {
-                    jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
-                    if let Some(l) = self.leases.get_mut(&row) {
-                        l.results_stored = true;
-                    }
+        let after =
+            match status {
+                Some(JobStatus::Running) => {
+                    let changed = jobs::set_progress(
+                        conn,
+                        row,
+                        fence,
+                        req.current_task,
+                        req.progress_percent,
+                        results.as_deref(),
+                    )?;
+                    self.fenced(changed, &lease)?;
+                    JobStatus::Running
                 }
-                JobStatus::Running
-            }
-            Some(JobStatus::Completed) => {
-                let changed = jobs::complete(conn, row, fence, now_ms)?;
-                self.fenced(changed, &lease)?;
-                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
-                self.metrics.transition(JobStatus::Completed);
-                self.metrics
-                    .job_duration
-                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                self.release(row, &lease.worker_id);
-                self.touch(&lease.action_id);
-                JobStatus::Completed
-            }
-            Some(JobStatus::Failed) => {
-                let error = if req.error.is_empty() {
-                    "the worker reported failure".to_string()
-                } else {
-                    req.error.clone()
-                };
-                let after = self.end_attempt(conn, row, &lease, &error, true, req.permanent)?;
-                jobs::replace_task_results(conn, row, &req.task_results, lease.results_stored)?;
-                self.metrics
-                    .job_duration
-                    .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                self.metrics.requeue("job_failed");
-                after
-            }
-            _ => {
-                return Err(Error::invalid(
+                Some(JobStatus::Completed) => {
+                    let changed = jobs::complete(conn, row, fence, now_ms, results.as_deref())?;
+                    self.fenced(changed, &lease)?;
+                    self.metrics.transition(JobStatus::Completed);
+                    self.metrics
+                        .job_duration
+                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                    self.release(row, &lease.worker_id);
+                    self.touch(&lease.action_id);
+                    JobStatus::Completed
+                }
+                Some(JobStatus::Failed) => {
+                    let error = if req.error.is_empty() {
+                        "the worker reported failure".to_string()
+                    } else {
+                        req.error.clone()
+                    };
+                    let after = self.end_attempt(conn, row, &lease, &error, true, req.permanent)?;
+                    jobs::set_task_results(conn, row, results.as_deref())?;
+                    self.metrics
+                        .job_duration
+                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
+                    self.metrics.requeue("job_failed");
+                    after
+                }
+                _ => return Err(Error::invalid(
                     "status must be JOB_STATUS_RUNNING, JOB_STATUS_COMPLETED or JOB_STATUS_FAILED",
-                ))
-            }
-        };
+                )),
+            };
         Ok(after)
     }
 

@@ -460,10 +460,12 @@ impl Engine for SqliteEngine {
 
     async fn update_job(&self, report: JobReport) -> Result<JobStatus> {
         validate::report(&report, self.cfg.max_report_bytes)?;
+        // Encoded here, off the writer thread.
+        let results = jstore::encode_task_results(&report.task_results);
         // update_job checks the lease, fencing and request before it
         // writes: no savepoint needed (see `Writer::write_direct`).
         self.writer
-            .write_direct(move |s, c| s.update_job(c, report))
+            .write_direct(move |s, c| s.update_job(c, report, results))
             .await
     }
 

@@ -421,6 +421,7 @@ fn run_case(
                         status: Some(JobStatus::Completed),
                         ..Default::default()
                     },
+                    None,
                 )
                 .unwrap();
         }

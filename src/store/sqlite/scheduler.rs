@@ -48,7 +48,6 @@ struct NewLease<'a> {
     waiting_since_ms: i64,
     now_ms: i64,
     expires_at_ms: i64,
-    results_stored: bool,
     /// The action's W3C `traceparent`, for the lease.
     traceparent: Option<Arc<str>>,
 }
@@ -173,7 +172,6 @@ impl State {
             );
             Some((view, f.traceparent))
         });
-        let fresh = cached.is_some();
         let (job, traceparent) = match cached {
             Some((job, traceparent)) => (Some(job), traceparent),
             None => match jobs::get_by_row(conn, row, false)? {
@@ -217,7 +215,6 @@ impl State {
                 waiting_since_ms: waiting.since_ms,
                 now_ms,
                 expires_at_ms,
-                results_stored: !fresh,
                 traceparent,
             },
         );
@@ -308,7 +305,6 @@ impl State {
                 waiting_since_ms: now_ms,
                 now_ms,
                 expires_at_ms,
-                results_stored: false,
                 traceparent,
             },
         );
@@ -352,7 +348,6 @@ impl State {
                     .get(worker_id)
                     .and_then(|w| w.lease_stream.as_ref())
                     .map_or(0, |s| s.id),
-                results_stored: l.results_stored,
             },
         );
         self.touch(&l.action_id);

@@ -231,11 +231,6 @@ pub(super) struct Lease {
     pub(super) granted_at_ms: i64,
     /// Id of the lease stream it was sent on (0: loaded at startup).
     pub(super) stream_id: u64,
-    /// Whether the job may have task results stored (from an earlier
-    /// attempt or a progress report of this one). False only for a new
-    /// job's first lease until it reports results: storing its results
-    /// then needs no look for old ones.
-    pub(super) results_stored: bool,
 }
 
 /// A pending job waiting in a queue.
@@ -557,7 +552,6 @@ impl State {
                         expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
                         granted_at_ms: now_ms,
                         stream_id: 0,
-                        results_stored: true,
                     };
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
                     if let Some((key, _)) = &sched.limit {

@@ -226,8 +226,10 @@ pub fn grant_lease(
     Ok(())
 }
 
-/// Stores a progress report of the job running under `fence`. Returns
-/// false (nothing changed) when it does not run under that lease.
+/// Stores a progress report of the job running under `fence`, with its
+/// task results when `results` is `Some` (encoded by
+/// [`encode_task_results`]; `None` keeps those stored). Returns false
+/// (nothing changed) when it does not run under that lease.
 ///
 /// Errors: [`Error::Storage`].
 pub fn set_progress(
@@ -236,10 +238,12 @@ pub fn set_progress(
     fence: Fence<'_>,
     current_task: u32,
     progress: u32,
+    results: Option<&str>,
 ) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "UPDATE jobs SET current_task = ?2, progress_percent = ?3
+            "UPDATE jobs SET current_task = ?2, progress_percent = ?3,
+                    task_results = coalesce(?7, task_results)
              WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
         )?
         .execute(params![
@@ -248,66 +252,65 @@ pub fn set_progress(
             progress,
             RUNNING,
             fence.lease_id,
-            fence.worker_id
+            fence.worker_id,
+            results
         ])?;
     Ok(n == 1)
 }
 
-/// Replaces the job's task results with `results`. `maybe_stored` false
-/// says the job is known to have none stored (a new job's first lease
-/// before any report with results), which saves looking.
+/// Encodes task results for the job row's `task_results` column: a JSON
+/// array in task order, `None` for no results. Done before the writer
+/// thread, so the writer only binds the text.
+pub fn encode_task_results(results: &[TaskResult]) -> Option<String> {
+    if results.is_empty() {
+        return None;
+    }
+    // Serializing plain structs of strings and numbers cannot fail.
+    serde_json::to_string(results).ok()
+}
+
+/// Decodes the `task_results` column (see [`encode_task_results`]).
+///
+/// Errors: [`Error::Internal`] when the stored text is not such an array.
+fn decode_task_results(text: Option<String>) -> Result<Vec<TaskResult>> {
+    let Some(text) = text else {
+        return Ok(Vec::new());
+    };
+    let mut results: Vec<TaskResult> = serde_json::from_str(&text)
+        .map_err(|e| Error::Internal(format!("stored task results are not valid: {e}")))?;
+    results.sort_by_key(|r| r.task_number);
+    Ok(results)
+}
+
+/// Replaces the task results of the job at `row` with `results` (encoded
+/// by [`encode_task_results`]; `None` clears them). Not fenced: the caller
+/// runs it after the fenced statement of the same report changed the row.
 ///
 /// Errors: [`Error::Storage`].
-pub fn replace_task_results(
-    conn: &Connection,
-    row: i64,
-    results: &[TaskResult],
-    maybe_stored: bool,
-) -> Result<()> {
-    // Most jobs have no results yet. Look before deleting: a DELETE on this
-    // WITHOUT ROWID table (with foreign keys on) builds a temporary b-tree
-    // of the keys to delete every time, even when it deletes nothing.
-    let stored = maybe_stored
-        && conn
-            .prepare_cached("SELECT 1 FROM task_results WHERE job_row = ?1 LIMIT 1")?
-            .query_row([row], |_| Ok(()))
-            .optional()?
-            .is_some();
-    if stored {
-        conn.prepare_cached("DELETE FROM task_results WHERE job_row = ?1")?
-            .execute([row])?;
-    }
-    let mut stmt = conn.prepare_cached(
-        "INSERT OR REPLACE INTO task_results (job_row, task_number, command, exit_code, stdout, stderr,
-            duration_ms, stdout_truncated, stderr_truncated) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-    )?;
-    for t in results {
-        stmt.execute(params![
-            row,
-            t.task_number,
-            t.command,
-            t.exit_code,
-            t.stdout,
-            t.stderr,
-            t.duration_ms as i64,
-            t.stdout_truncated,
-            t.stderr_truncated
-        ])?;
-    }
+pub fn set_task_results(conn: &Connection, row: i64, results: Option<&str>) -> Result<()> {
+    conn.prepare_cached("UPDATE jobs SET task_results = ?2 WHERE id = ?1")?
+        .execute(params![row, results])?;
     Ok(())
 }
 
 /// Marks the job running under `fence` completed (its worker reported
-/// it). The lease id stays as the one that recorded the outcome (see
+/// it) with the task results `results` (encoded by
+/// [`encode_task_results`]; `None`: none). The lease id stays as the one that recorded the outcome (see
 /// [`JobKey::lease_id`]). Returns false (nothing changed) when the job
 /// does not run under that lease.
 ///
 /// Errors: [`Error::Storage`].
-pub fn complete(conn: &Connection, row: i64, fence: Fence<'_>, now_ms: i64) -> Result<bool> {
+pub fn complete(
+    conn: &Connection,
+    row: i64,
+    fence: Fence<'_>,
+    now_ms: i64,
+    results: Option<&str>,
+) -> Result<bool> {
     let n = conn
         .prepare_cached(
             "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_expires_at_ms = NULL,
-                    error = '', progress_percent = 100
+                    error = '', progress_percent = 100, task_results = ?7
              WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
         )?
         .execute(params![
@@ -316,7 +319,8 @@ pub fn complete(conn: &Connection, row: i64, fence: Fence<'_>, now_ms: i64) -> R
             now_ms,
             RUNNING,
             fence.lease_id,
-            fence.worker_id
+            fence.worker_id,
+            results
         ])?;
     Ok(n == 1)
 }
@@ -542,10 +546,10 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
         .prepare_cached(
             "SELECT job_id, action_id, plan_id, status, input, attempt, max_attempts, created_at_ms,
                     started_at_ms, completed_at_ms, worker_id, error, current_task, progress_percent, ready_at_ms,
-                    plan_version, priority
+                    plan_version, priority, CASE WHEN ?2 THEN task_results END
              FROM jobs WHERE id = ?1",
         )?
-        .query_row([row], |r| {
+        .query_row(params![row, with_results], |r| {
             Ok((
                 Job {
                     job_id: r.get(0)?,
@@ -570,10 +574,11 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
                 },
                 r.get::<_, String>(4)?,
                 r.get::<_, i64>(14)?,
+                r.get::<_, Option<String>>(17)?,
             ))
         })
         .optional()?;
-    let Some((mut job, input, ready_at_ms)) = found else {
+    let Some((mut job, input, ready_at_ms, results)) = found else {
         return Ok(None);
     };
     job.input = parse_input(&input)?;
@@ -581,30 +586,8 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
     if waiting && ready_at_ms > now_ms() {
         job.ready_at_ms = Some(ready_at_ms);
     }
-    if with_results {
-        job.task_results = task_results(conn, row)?;
-    }
+    job.task_results = decode_task_results(results)?;
     Ok(Some(job))
-}
-
-fn task_results(conn: &Connection, row: i64) -> Result<Vec<TaskResult>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT task_number, command, exit_code, stdout, stderr, duration_ms, stdout_truncated, stderr_truncated
-         FROM task_results WHERE job_row = ?1 ORDER BY task_number",
-    )?;
-    let rows = stmt.query_map([row], |r| {
-        Ok(TaskResult {
-            task_number: r.get(0)?,
-            command: r.get(1)?,
-            exit_code: r.get(2)?,
-            stdout: r.get(3)?,
-            stderr: r.get(4)?,
-            duration_ms: r.get::<_, i64>(5)? as u64,
-            stdout_truncated: r.get(6)?,
-            stderr_truncated: r.get(7)?,
-        })
-    })?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
 /// Aggregate counts of the action `action_id`.
@@ -905,23 +888,52 @@ mod tests {
             lease_id: "L1",
             worker_id: "w2",
         };
+        let result = |n: u32| TaskResult {
+            task_number: n,
+            command: "wc".into(),
+            stdout: format!("{n}\n"),
+            ..Default::default()
+        };
+        let one = encode_task_results(&[result(1)]);
+        let two = encode_task_results(&[result(1), result(2)]);
         for fence in [stale, thief] {
-            assert!(!complete(&conn, row, fence, 1).unwrap(), "{fence:?}");
+            assert!(
+                !complete(&conn, row, fence, 1, two.as_deref()).unwrap(),
+                "{fence:?}"
+            );
             assert!(!fail_attempt(&conn, row, fence, true, "x", 1, 1, true).unwrap());
-            assert!(!set_progress(&conn, row, fence, 1, 50).unwrap());
+            assert!(!set_progress(&conn, row, fence, 1, 50, one.as_deref()).unwrap());
             assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
         }
-        let job = get_by_row(&conn, row, false).unwrap().unwrap();
+        let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!((job.progress_percent, job.error.as_str()), (0, ""));
+        assert!(job.task_results.is_empty());
         let holder = Fence {
             lease_id: "L1",
             worker_id: "w1",
         };
-        assert!(set_progress(&conn, row, holder, 1, 50).unwrap());
-        assert!(complete(&conn, row, holder, 1).unwrap());
+        assert!(set_progress(&conn, row, holder, 1, 50, one.as_deref()).unwrap());
+        assert_eq!(
+            get_by_row(&conn, row, true).unwrap().unwrap().task_results,
+            [result(1)]
+        );
+        // A progress report without results keeps the stored ones.
+        assert!(set_progress(&conn, row, holder, 2, 60, None).unwrap());
+        assert_eq!(
+            get_by_row(&conn, row, true).unwrap().unwrap().task_results,
+            [result(1)]
+        );
+        assert!(get_by_row(&conn, row, false)
+            .unwrap()
+            .unwrap()
+            .task_results
+            .is_empty());
+        assert!(complete(&conn, row, holder, 1, two.as_deref()).unwrap());
         assert_eq!(status(&conn, row), JobStatus::Completed);
+        let job = get_by_row(&conn, row, true).unwrap().unwrap();
+        assert_eq!(job.task_results, [result(1), result(2)]);
         // The attempt has ended: even its own lease records nothing more.
-        assert!(!complete(&conn, row, holder, 2).unwrap());
+        assert!(!complete(&conn, row, holder, 2, None).unwrap());
         assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
         assert_eq!(status(&conn, row), JobStatus::Completed);
     }

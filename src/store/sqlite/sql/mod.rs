@@ -37,6 +37,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0011_fleet_scheduling.sql"),
     include_str!("migrations/0012_schedules.sql"),
     include_str!("migrations/0013_worker_verification.sql"),
+    include_str!("migrations/0014_task_results_in_job_row.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -274,6 +275,7 @@ pub fn store_fault(e: &rusqlite::Error) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::model::TaskResult;
 
     /// A full disk, an I/O error or a read-only file is a store fault
     /// naming its cause (UNAVAILABLE to clients); a constraint failure (a
@@ -319,7 +321,10 @@ mod tests {
                  VALUES ('j', 'a', 'p', 1, '{}', 3, 0, 0);
              INSERT INTO actions VALUES ('b', 'p', 2, 3, NULL, 0);
              INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms, completed_at_ms)
-                 VALUES ('k', 'b', 'p', 3, '{}', 3, 0, 0, 40), ('l', 'b', 'p', 6, '{}', 3, 0, 0, 50);",
+                 VALUES ('k', 'b', 'p', 3, '{}', 3, 0, 0, 40), ('l', 'b', 'p', 6, '{}', 3, 0, 0, 50);
+             INSERT INTO task_results VALUES
+                 ((SELECT id FROM jobs WHERE job_id = 'k'), 2, 'wc', 1, 'out\"2', '', 7, 0, 1),
+                 ((SELECT id FROM jobs WHERE job_id = 'k'), 1, 'cat', 0, 'a\nb', 'e', 5, 1, 0);",
         )
         .unwrap();
         migrate(&mut conn).unwrap();
@@ -394,6 +399,45 @@ mod tests {
             .collect::<rusqlite::Result<_>>()
             .unwrap();
         assert_eq!(versions, [1; 5]);
+
+        // Version 14: task results in the job row, in task order.
+        let k = conn
+            .query_row("SELECT id FROM jobs WHERE job_id = 'k'", [], |r| r.get(0))
+            .unwrap();
+        let got = jobs::get_by_row(&conn, k, true).unwrap().unwrap();
+        assert_eq!(
+            got.task_results,
+            [
+                TaskResult {
+                    task_number: 1,
+                    command: "cat".into(),
+                    exit_code: 0,
+                    stdout: "a\nb".into(),
+                    stderr: "e".into(),
+                    duration_ms: 5,
+                    stdout_truncated: true,
+                    stderr_truncated: false,
+                },
+                TaskResult {
+                    task_number: 2,
+                    command: "wc".into(),
+                    exit_code: 1,
+                    stdout: "out\"2".into(),
+                    stderr: String::new(),
+                    duration_ms: 7,
+                    stdout_truncated: false,
+                    stderr_truncated: true,
+                },
+            ]
+        );
+        let tables: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'task_results'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(tables, 0);
 
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();
