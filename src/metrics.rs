@@ -83,6 +83,11 @@ pub struct Metrics {
     /// Jobs entering each status (counter, `agq_jobs_total{status}`, the
     /// specification's name).
     pub jobs_total: Family<StatusLabel, Counter>,
+    /// The counters of [`Metrics::jobs_total`], one per status in
+    /// [`JobStatus::ALL`](crate::core::model::JobStatus::ALL) order, made
+    /// once: counting a transition neither allocates a label nor takes the
+    /// family's lock.
+    jobs_total_by_status: Vec<Counter>,
     /// Jobs currently in each status (gauge, `agq_jobs_current{status}`,
     /// refreshed at scrape).
     pub jobs: Family<StatusLabel, Gauge>,
@@ -285,12 +290,23 @@ impl Metrics {
             "Open WatchAction streams",
             watch_streams.clone(),
         );
+        let jobs_total_by_status = crate::core::model::JobStatus::ALL
+            .iter()
+            .map(|s| {
+                jobs_total
+                    .get_or_create(&StatusLabel {
+                        status: s.name().into(),
+                    })
+                    .clone()
+            })
+            .collect();
         Metrics {
             registry: root,
             store_write_errors,
             store_up,
             watch_streams,
             jobs_total,
+            jobs_total_by_status,
             jobs,
             queue_length,
             pool_queue_length,
@@ -313,11 +329,10 @@ impl Metrics {
 
     /// Counts a job entering `status`.
     pub fn transition(&self, status: crate::core::model::JobStatus) {
-        self.jobs_total
-            .get_or_create(&StatusLabel {
-                status: status.name().into(),
-            })
-            .inc();
+        // ALL is in wire order from 1.
+        if let Some(c) = self.jobs_total_by_status.get(status as usize - 1) {
+            c.inc();
+        }
     }
 
     /// Records a job's wait from ready to leased, in ms: the

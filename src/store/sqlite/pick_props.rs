@@ -207,7 +207,7 @@ fn snapshot(state: &State, conn: &Connection) -> Model {
                 eligible: w.state == WorkerState::Active
                     && state.is_fresh(w, now)
                     && w.lease_stream.is_some(),
-                tools: w.tools.clone(),
+                tools: w.tools.iter().cloned().collect(),
                 tags: w.info.tags.clone(),
                 free: w.max.saturating_sub(w.leases.len() as u32),
             };

@@ -9,7 +9,7 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     sync::Arc,
     time::Instant,
 };
@@ -33,6 +33,13 @@ use crate::{
     metrics::SharedMetrics,
     time::now_ms,
 };
+
+/// The engine's in-memory maps, hashed with foldhash (seeded per map):
+/// a third of the instructions of the standard library's SipHash on the
+/// writer thread's per-job lookups.
+pub(super) type Map<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
+/// The set counterpart of [`Map`].
+pub(super) type Set<K> = std::collections::HashSet<K, foldhash::quality::RandomState>;
 
 /// Which ready jobs take turns as one: the jobs of one action at one
 /// priority (a RetryJob may give a job another priority than its
@@ -159,7 +166,7 @@ pub(super) struct WorkerEntry {
     /// Lifecycle state.
     pub(super) state: WorkerState,
     /// Advertised tools.
-    pub(super) tools: HashSet<String>,
+    pub(super) tools: Set<String>,
     /// Leases it may hold at once.
     pub(super) max: u32,
     /// Rows of the jobs it holds leases for.
@@ -281,7 +288,7 @@ pub(super) enum Effect {
     Heartbeat(EventTx<HeartbeatEvent>, HeartbeatEvent),
 }
 
-fn intern_in(map: &mut HashMap<String, std::sync::Weak<str>>, s: &str) -> Arc<str> {
+fn intern_in(map: &mut Map<String, std::sync::Weak<str>>, s: &str) -> Arc<str> {
     if let Some(a) = map.get(s).and_then(|w| w.upgrade()) {
         return a;
     }
@@ -297,21 +304,21 @@ pub(super) struct State {
     /// Metrics.
     pub(super) metrics: SharedMetrics,
     /// The latest version of every plan, by id.
-    pub(super) plans: HashMap<String, Arc<PlanEntry>>,
+    pub(super) plans: Map<String, Arc<PlanEntry>>,
     /// Older versions read back from the database (for a retry, or at
     /// start for the open jobs that run them), weakly held: an entry lives
     /// while a queued job or lease holds it; dead entries are swept with
     /// the interned ids.
-    pub(super) old_plans: HashMap<(String, u32), std::sync::Weak<PlanEntry>>,
+    pub(super) old_plans: Map<(String, u32), std::sync::Weak<PlanEntry>>,
     /// Ready pending jobs by row (FIFO).
     pub(super) ready: BTreeMap<i64, Waiting>,
     /// Ready jobs grouped by action and priority, each group FIFO.
-    pub(super) groups: HashMap<GroupKey, ReadyGroup>,
+    pub(super) groups: Map<GroupKey, ReadyGroup>,
     /// The groups with ready jobs in the order the dispatcher tries them
     /// (see [`OrderKey`]).
     pub(super) order: BTreeSet<(OrderKey, GroupKey)>,
     /// Leases held per concurrency key.
-    pub(super) running_by_key: HashMap<Arc<str>, u32>,
+    pub(super) running_by_key: Map<Arc<str>, u32>,
     /// Leases granted by the dispatcher since the starvation guard last
     /// placed the oldest ready job.
     pub(super) since_guard: u32,
@@ -321,21 +328,21 @@ pub(super) struct State {
     /// Jobs waiting for a time: (due ms, row).
     pub(super) delayed: BTreeSet<(i64, i64)>,
     /// Delayed jobs by row.
-    pub(super) delayed_jobs: HashMap<i64, Waiting>,
+    pub(super) delayed_jobs: Map<i64, Waiting>,
     /// Leases by job row.
-    pub(super) leases: HashMap<i64, Lease>,
+    pub(super) leases: Map<i64, Lease>,
     /// Row of each leased job by public job id (the same jobs as
     /// [`State::leases`]), so a worker's report finds its job without a query.
-    pub(super) lease_by_job: HashMap<String, i64>,
+    pub(super) lease_by_job: Map<String, i64>,
     /// Every known worker by id.
-    pub(super) workers: HashMap<String, WorkerEntry>,
+    pub(super) workers: Map<String, WorkerEntry>,
     /// Workers that can take a lease now (ACTIVE, lease stream open, free
     /// slot), least loaded first: (active leases, last lease seq, id).
     pub(super) available: BTreeSet<(u32, u64, String)>,
     /// Side effects of the current batch.
     pub(super) outbox: Vec<Effect>,
     /// Actions whose jobs changed in the current batch.
-    pub(super) changed_actions: HashSet<Arc<str>>,
+    pub(super) changed_actions: std::collections::HashSet<Arc<str>>,
     /// WatchAction subscribers.
     pub(super) watchers: Arc<Watchers>,
     /// Set when the dispatcher may find work (job ready, slot freed).
@@ -347,7 +354,7 @@ pub(super) struct State {
     /// Interned action ids, weakly held: the strong count of an action's id is the
     /// number of its open jobs in memory (queued, delayed or leased) plus
     /// transient holders such as [`State::changed_actions`].
-    pub(super) interned_actions: HashMap<String, std::sync::Weak<str>>,
+    pub(super) interned_actions: Map<String, std::sync::Weak<str>>,
     /// Size of [`State::interned_actions`] and [`State::old_plans`] after
     /// the last sweep.
     pub(super) interned_after_sweep: usize,
@@ -362,27 +369,27 @@ impl State {
         State {
             cfg,
             metrics,
-            plans: HashMap::new(),
-            old_plans: HashMap::new(),
+            plans: Map::default(),
+            old_plans: Map::default(),
             ready: BTreeMap::new(),
-            groups: HashMap::new(),
+            groups: Map::default(),
             order: BTreeSet::new(),
-            running_by_key: HashMap::new(),
+            running_by_key: Map::default(),
             since_guard: 0,
             fleet_slots: 0,
             delayed: BTreeSet::new(),
-            delayed_jobs: HashMap::new(),
-            leases: HashMap::new(),
-            lease_by_job: HashMap::new(),
-            workers: HashMap::new(),
+            delayed_jobs: Map::default(),
+            leases: Map::default(),
+            lease_by_job: Map::default(),
+            workers: Map::default(),
             available: BTreeSet::new(),
             outbox: Vec::new(),
-            changed_actions: HashSet::new(),
+            changed_actions: Default::default(),
             watchers,
             wants_dispatch: true,
             next_stream_id: 1,
             lease_seq: 0,
-            interned_actions: HashMap::new(),
+            interned_actions: Map::default(),
             interned_after_sweep: 0,
             expired_in_batch: 0,
         }
@@ -458,7 +465,7 @@ impl State {
             let id = row.worker.worker_id.clone();
             let state = row.worker.state;
             let prev = old.remove(&id);
-            let tools: HashSet<String> = row.worker.capabilities.commands().cloned().collect();
+            let tools: Set<String> = row.worker.capabilities.commands().cloned().collect();
             let live = state.is_live();
             let mut entry = WorkerEntry {
                 max: row.worker.max_concurrent_jobs.max(1),

@@ -143,7 +143,7 @@ impl State {
         wstore::upsert(conn, &info, now_ms)?;
         // Verifications were of the process that registered before.
         wstore::clear_verifications(conn, &req.worker_id)?;
-        let tools: HashSet<String> = info.capabilities.commands().cloned().collect();
+        let tools: super::state::Set<String> = info.capabilities.commands().cloned().collect();
         let entry = WorkerEntry {
             max: info.max_concurrent_jobs.max(1),
             info,
