@@ -23,15 +23,49 @@ pub enum SyncMode {
     Normal,
 }
 
+/// The store `agq serve` keeps its state in (`--store`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Store {
+    /// The embedded SQLite database at `--db`: one server.
+    Sqlite,
+    /// A PostgreSQL database (a `postgres://` or `postgresql://` URL, or a
+    /// libpq key=value string starting with `host=`) shared by any number
+    /// of replicas.
+    Postgres(String),
+}
+
+/// Parses `--store`: `sqlite`, or a PostgreSQL connection string.
+///
+/// Errors: any other value, with what is accepted.
+pub fn parse_store(text: &str) -> Result<Store, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("sqlite") {
+        Ok(Store::Sqlite)
+    } else if t.starts_with("postgres://")
+        || t.starts_with("postgresql://")
+        || t.starts_with("host=")
+    {
+        Ok(Store::Postgres(t.to_string()))
+    } else {
+        Err("expected `sqlite` or a PostgreSQL URL (postgres://user@host:port/db)".into())
+    }
+}
+
 /// Flags of `agq serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// gRPC listen address.
     #[arg(long, env = "AGQ_LISTEN", default_value = "127.0.0.1:6380")]
     pub listen: SocketAddr,
-    /// SQLite database file; missing directories are created.
+    /// SQLite database file; missing directories are created. Used when
+    /// --store is `sqlite`.
     #[arg(long, env = "AGQ_DB", default_value = "./agq-data/agq.db")]
     pub db: PathBuf,
+    /// Where the state lives: `sqlite` (the embedded database at --db, one
+    /// server) or a PostgreSQL connection URL (`postgres://user@host/db`),
+    /// which several `agq serve` replicas may share (the clustered mode).
+    #[arg(long, env = "AGQ_STORE", default_value = "sqlite", value_parser = parse_store)]
+    pub store: Store,
     /// Interval workers must heartbeat at, in seconds; a worker silent for
     /// 3 x this interval is stale and gets no leases.
     #[arg(long, env = "AGQ_HEARTBEAT_INTERVAL_SECS", default_value_t = 30,

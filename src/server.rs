@@ -47,7 +47,9 @@ pub struct TlsFiles {
 
 /// Everything [`run`] needs besides the listeners.
 pub struct ServerOptions {
-    /// SQLite database file.
+    /// The store: SQLite at `db`, or PostgreSQL.
+    pub store: crate::config::Store,
+    /// SQLite database file (with [`crate::config::Store::Sqlite`]).
     pub db: std::path::PathBuf,
     /// SQLite `synchronous` mode of the database.
     pub sqlite_synchronous: SyncMode,
@@ -83,13 +85,20 @@ pub async fn run(
     ready: impl FnOnce(&SharedEngine),
 ) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let engine: SharedEngine = SqliteEngine::open(
-        &opts.db,
-        opts.sqlite_synchronous,
-        opts.engine.clone(),
-        metrics,
-    )
-    .await?;
+    let engine: SharedEngine = match &opts.store {
+        crate::config::Store::Sqlite => {
+            SqliteEngine::open(
+                &opts.db,
+                opts.sqlite_synchronous,
+                opts.engine.clone(),
+                metrics,
+            )
+            .await?
+        }
+        crate::config::Store::Postgres(url) => {
+            crate::store::postgres::PgEngine::open(url, opts.engine.clone(), metrics).await?
+        }
+    };
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

@@ -97,6 +97,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let maddr = metrics_listener.local_addr().map_err(|e| e.to_string())?;
     let opts = ServerOptions {
+        store: args.store.clone(),
         db: args.db.clone(),
         sqlite_synchronous: args.sqlite_synchronous,
         engine: args.engine_config(),
@@ -112,7 +113,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             }),
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace_secs),
     };
-    let db = args.db.display().to_string();
+    // The PostgreSQL URL may carry a password: only the SQLite path is logged.
+    let db = match &args.store {
+        agq::config::Store::Sqlite => args.db.display().to_string(),
+        agq::config::Store::Postgres(_) => "postgresql".to_string(),
+    };
     server::run(
         listener,
         Some(metrics_listener),

@@ -130,6 +130,15 @@ impl Watchers {
         }
     }
 
+    /// Wakes every subscription (after a gap in change notifications,
+    /// when any action may have changed).
+    pub fn notify_all(&self) {
+        let inner = self.lock();
+        for tx in inner.map.values() {
+            tx.send_modify(|v| *v += 1);
+        }
+    }
+
     /// Wakes the subscribers of every action in `actions` and empties it.
     /// Engines call it after the commit that changed those actions' jobs.
     pub fn notify(&self, actions: &mut HashSet<Arc<str>>) {

@@ -86,6 +86,7 @@ impl TestServer {
         console: bool,
     ) -> TestServer {
         let opts = ServerOptions {
+            store: agq::config::Store::Sqlite,
             sqlite_synchronous: Default::default(),
             db: db.to_path_buf(),
             engine: cfg,

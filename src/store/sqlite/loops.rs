@@ -110,7 +110,7 @@ fn tick_period(cfg: &EngineConfig) -> Duration {
 /// Sets the gauges of `/metrics` from a snapshot: jobs by status
 /// (`counts`, keyed by the stored status value), queue depths, and
 /// workers by (state, fresh).
-pub(super) fn refresh_gauges(
+pub(crate) fn refresh_gauges(
     m: &SharedMetrics,
     counts: &HashMap<i32, i64>,
     queue: &QueueStats,

@@ -10,7 +10,7 @@
 //! SQL in [`sql`].
 
 mod jobs;
-mod loops;
+pub(crate) mod loops;
 #[cfg(test)]
 mod pick_props;
 mod scheduler;

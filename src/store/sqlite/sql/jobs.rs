@@ -272,7 +272,7 @@ pub fn encode_task_results(results: &[TaskResult]) -> Option<String> {
 /// Decodes the `task_results` column (see [`encode_task_results`]).
 ///
 /// Errors: [`Error::Internal`] when the stored text is not such an array.
-fn decode_task_results(text: Option<String>) -> Result<Vec<TaskResult>> {
+pub fn decode_task_results(text: Option<String>) -> Result<Vec<TaskResult>> {
     let Some(text) = text else {
         return Ok(Vec::new());
     };

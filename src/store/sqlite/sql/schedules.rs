@@ -21,7 +21,7 @@ pub fn catch_up_code(c: CatchUp) -> i32 {
     }
 }
 
-fn catch_up_of(code: i32) -> CatchUp {
+pub fn catch_up_of(code: i32) -> CatchUp {
     match code {
         2 => CatchUp::Latest,
         3 => CatchUp::Skip,

@@ -1,0 +1,435 @@
+//! Maintenance in the clustered mode, run by one leader at a time: lease
+//! expiry (with quarantine of workers whose leases keep timing out),
+//! promotion of jobs whose backoff ended, stale workers declared DEAD,
+//! leases of workers whose heartbeat stream dropped past the grace,
+//! retention, forgetting departed workers and vanished replicas.
+//!
+//! The leader holds the row `leader('maintenance')` for [`LEADER_TTL_MS`]
+//! and renews it every tick; when it stops renewing (killed, paused,
+//! partitioned) another replica takes the row once it expired. Every
+//! statement re-checks the state it changes, so a late leader (a paused
+//! process that wakes up) changes nothing that another already handled.
+//!
+//! Every replica also refreshes its own `replicas` row and the health
+//! gauge every second ([`replica_heartbeat`]).
+
+use std::{sync::Arc, time::Duration};
+
+use super::{db_err, workers::queue_end, PgEngine};
+use crate::{core::model::WorkerState, error::Result, store::postgres::workers::LIVE};
+
+/// How long the leader's row is valid without renewal, ms.
+pub(super) const LEADER_TTL_MS: i64 = 3_000;
+
+/// A replica not seen for this long is forgotten, ms.
+const REPLICA_GONE_MS: i64 = 60_000;
+
+/// DEAD and UNREGISTERED workers are forgotten after this, ms (24 h).
+const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
+
+/// Undelivered commands are dropped after this, ms (1 h).
+const COMMAND_RETENTION_MS: i64 = 3600 * 1000;
+
+/// The maintenance tick: half the heartbeat interval, between 50 ms and
+/// 1 s.
+fn tick(engine: &PgEngine) -> Duration {
+    (engine.cfg.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// The maintenance loop: every tick, take or renew the leadership, and
+/// when held, run one maintenance pass.
+pub(super) async fn run(engine: Arc<PgEngine>) {
+    let mut stop = engine.stopping();
+    let period = tick(&engine);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stop.changed() => return,
+        }
+        match engine.lead().await {
+            Ok(true) => {
+                let r = engine.maintain().await;
+                if let Err(e) = engine.observe(r) {
+                    tracing::warn!(error = %e, "maintenance pass failed");
+                }
+            }
+            Ok(false) => {}
+            Err(e) => {
+                let _ = engine.observe::<()>(Err(e));
+            }
+        }
+    }
+}
+
+/// Refreshes this replica's row every second and the health it reports:
+/// SERVING while the database answers.
+pub(super) async fn replica_heartbeat(engine: Arc<PgEngine>) {
+    let mut stop = engine.stopping();
+    loop {
+        let up = async {
+            let c = engine.client().await?;
+            let n = c
+                .execute(
+                    "UPDATE replicas SET last_seen_ms = agq_now_ms() WHERE replica_id = $1",
+                    &[&engine.replica_id],
+                )
+                .await
+                .map_err(db_err)?;
+            if n == 0 {
+                c.execute(
+                    "INSERT INTO replicas (replica_id, hostname, started_at_ms, last_seen_ms)
+                     VALUES ($1, '', agq_now_ms(), agq_now_ms()) ON CONFLICT DO NOTHING",
+                    &[&engine.replica_id],
+                )
+                .await
+                .map_err(db_err)?;
+            }
+            Ok::<(), crate::error::Error>(())
+        }
+        .await
+        .is_ok();
+        engine.metrics.store_up.set(i64::from(up));
+        let _ = engine
+            .health
+            .send_if_modified(|h| std::mem::replace(h, up) != up);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Recurring schedules are fired by the leader's maintenance pass; this
+/// loop only wakes it early when a schedule changes.
+pub(super) async fn schedule_loop(engine: Arc<PgEngine>) {
+    let mut stop = engine.stopping();
+    while super::wait(&engine.schedules_wake, Duration::from_secs(3600), &mut stop).await {}
+}
+
+impl PgEngine {
+    /// Takes or renews the leadership; true while this replica holds it.
+    ///
+    /// Errors: storage errors.
+    async fn lead(&self) -> Result<bool> {
+        let c = self.client().await?;
+        let held = c
+            .query_opt(
+                "INSERT INTO leader (name, holder, term, expires_at_ms)
+                 VALUES ('maintenance', $1, 1, agq_now_ms() + $2)
+                 ON CONFLICT (name) DO UPDATE SET holder = $1,
+                     term = leader.term + CASE WHEN leader.holder = $1 THEN 0 ELSE 1 END,
+                     expires_at_ms = agq_now_ms() + $2
+                 WHERE leader.holder = $1 OR leader.expires_at_ms < agq_now_ms()
+                 RETURNING term",
+                &[&self.replica_id, &LEADER_TTL_MS],
+            )
+            .await
+            .map_err(db_err)?;
+        Ok(held.is_some())
+    }
+
+    /// One maintenance pass.
+    ///
+    /// Errors: storage errors.
+    async fn maintain(&self) -> Result<()> {
+        self.promote_due().await?;
+        self.expire_leases().await?;
+        self.declare_stale().await?;
+        self.lose_suspects().await?;
+        self.expire_finished().await?;
+        self.fire_schedules().await?;
+        let c = self.client().await?;
+        c.execute(
+            "DELETE FROM workers WHERE state IN (3, 4) AND last_heartbeat_at_ms < agq_now_ms() - $1",
+            &[&DEPARTED_RETENTION_MS],
+        )
+        .await
+        .map_err(db_err)?;
+        c.execute(
+            "DELETE FROM worker_commands WHERE created_at_ms < agq_now_ms() - $1",
+            &[&COMMAND_RETENTION_MS],
+        )
+        .await
+        .map_err(db_err)?;
+        c.execute(
+            "DELETE FROM replicas WHERE last_seen_ms < agq_now_ms() - $1",
+            &[&REPLICA_GONE_MS],
+        )
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    /// Failed jobs whose backoff ended are pending again.
+    async fn promote_due(&self) -> Result<()> {
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                "WITH due AS (
+                     UPDATE jobs SET status = 1
+                     WHERE id IN (SELECT id FROM jobs WHERE status = 4 AND ready_at_ms <= agq_now_ms()
+                                  ORDER BY ready_at_ms LIMIT 10000 FOR UPDATE SKIP LOCKED)
+                     RETURNING action_id)
+                 SELECT DISTINCT action_id FROM due",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let actions: Vec<String> = rows.into_iter().map(|r| r.get(0)).collect();
+        super::notify_names(&c, super::READY_CHANNEL, &[String::new()]).await?;
+        self.touch(actions.iter().map(String::as_str));
+        Ok(())
+    }
+
+    /// Running jobs past their lease's expiry fail their attempt; a worker
+    /// with too many timeouts in the window is quarantined.
+    async fn expire_leases(&self) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let expired: Vec<(i64, Option<String>)> = tx
+            .query(
+                "SELECT id, worker_id FROM jobs WHERE status = 2 AND lease_expires_at_ms <= agq_now_ms()
+                 ORDER BY lease_expires_at_ms LIMIT 1000 FOR UPDATE SKIP LOCKED",
+                &[],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        if expired.is_empty() {
+            return Ok(());
+        }
+        let secs = self.cfg.job_timeout.as_secs();
+        let mut actions = Vec::new();
+        for (id, worker) in expired {
+            let Some(e) = self
+                .lose_lease(
+                    &tx,
+                    id,
+                    &format!("job timed out: lease expired after {secs} s"),
+                    "timeout",
+                )
+                .await?
+            else {
+                continue;
+            };
+            actions.push(e.action_id);
+            if let Some(w) = worker {
+                self.count_timeout(&tx, &w).await?;
+            }
+        }
+        tx.commit().await.map_err(db_err)?;
+        self.touch(actions.iter().map(String::as_str));
+        Ok(())
+    }
+
+    /// Records a lease timeout of worker `id`; quarantines it when the
+    /// window holds `quarantine_after_timeouts` of them.
+    async fn count_timeout(&self, tx: &deadpool_postgres::Transaction<'_>, id: &str) -> Result<()> {
+        let window = i64::try_from(self.cfg.quarantine_window.as_millis()).unwrap_or(i64::MAX / 4);
+        let Some(r) = tx
+            .query_opt(
+                "UPDATE workers SET timeouts_ms = array_append(
+                     ARRAY(SELECT t FROM unnest(timeouts_ms) AS t WHERE t > agq_now_ms() - $2),
+                     agq_now_ms())
+                 WHERE worker_id = $1 RETURNING cardinality(timeouts_ms), state, agq_now_ms()",
+                &[&id, &window],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Ok(());
+        };
+        let n: i32 = r.get(0);
+        let state: i16 = r.get(1);
+        let limit = self.cfg.quarantine_after_timeouts;
+        if limit == 0 || (n as u32) < limit || state != WorkerState::Active as i16 {
+            return Ok(());
+        }
+        let reason = format!(
+            "{n} leases hit the job timeout ({} s) within {} s, the last at {}; the worker \
+             kept heartbeating (hung?). Investigate it, then `agq worker release {id}`",
+            self.cfg.job_timeout.as_secs(),
+            self.cfg.quarantine_window.as_secs(),
+            crate::time::rfc3339(r.get(2))
+        );
+        tx.execute(
+            "UPDATE workers SET state = $2, quarantine_reason = $3, timeouts_ms = '{}' WHERE worker_id = $1",
+            &[&id, &(WorkerState::Quarantined as i16), &reason],
+        )
+        .await
+        .map_err(db_err)?;
+        self.metrics.worker_quarantines.inc();
+        tracing::warn!(worker_id = %id, reason, "worker quarantined");
+        Ok(())
+    }
+
+    /// Live workers without a heartbeat for 3 x the interval are DEAD;
+    /// their leases are re-queued and their streams ended.
+    async fn declare_stale(&self) -> Result<()> {
+        let stale = self.stale_ms();
+        let c = self.client().await?;
+        let ids: Vec<String> = c
+            .query(
+                "SELECT worker_id FROM workers
+                 WHERE state = ANY($1) AND last_heartbeat_at_ms < agq_now_ms() - $2",
+                &[&LIVE.to_vec(), &stale],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        drop(c);
+        for id in ids {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await.map_err(db_err)?;
+            // Re-checked under the row lock: a heartbeat meanwhile wins.
+            let n = tx
+                .execute(
+                    "UPDATE workers SET state = 3, heartbeat_open = false
+                     WHERE worker_id = $1 AND state = ANY($2) AND last_heartbeat_at_ms < agq_now_ms() - $3",
+                    &[&id, &LIVE.to_vec(), &stale],
+                )
+                .await
+                .map_err(db_err)?;
+            if n == 0 {
+                continue;
+            }
+            let secs = self.cfg.stale_after().as_secs_f64();
+            tracing::warn!(worker_id = %id, "no heartbeat for {secs:.1} s; worker is DEAD");
+            self.lose_all_of(
+                &tx,
+                &id,
+                &format!("the worker sent no heartbeat for {secs:.1} s"),
+                "stale_heartbeat",
+            )
+            .await?;
+            queue_end(
+                &tx,
+                &id,
+                "no heartbeat for 3 x the interval: worker declared DEAD; register again",
+            )
+            .await?;
+            tx.commit().await.map_err(db_err)?;
+        }
+        Ok(())
+    }
+
+    /// Leases of workers whose heartbeat stream dropped longer than the
+    /// grace ago (and did not come back) are re-queued.
+    async fn lose_suspects(&self) -> Result<()> {
+        let grace = i64::try_from(self.cfg.lease_grace.as_millis()).unwrap_or(i64::MAX / 4);
+        let c = self.client().await?;
+        let ids: Vec<String> = c
+            .query(
+                "SELECT w.worker_id FROM workers w
+                 WHERE w.state = ANY($1) AND NOT w.heartbeat_open
+                   AND w.suspect_since_ms <= agq_now_ms() - $2
+                   AND EXISTS (SELECT 1 FROM jobs j WHERE j.status = 2 AND j.worker_id = w.worker_id)",
+                &[&LIVE.to_vec(), &grace],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        drop(c);
+        for id in ids {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await.map_err(db_err)?;
+            let still = tx
+                .query_opt(
+                    "SELECT 1 FROM workers WHERE worker_id = $1 AND NOT heartbeat_open
+                       AND suspect_since_ms <= agq_now_ms() - $2 FOR UPDATE",
+                    &[&id, &grace],
+                )
+                .await
+                .map_err(db_err)?;
+            if still.is_none() {
+                continue;
+            }
+            self.lose_all_of(
+                &tx,
+                &id,
+                "the worker's heartbeat stream dropped and it did not come back",
+                "stream_lost",
+            )
+            .await?;
+            tx.commit().await.map_err(db_err)?;
+        }
+        Ok(())
+    }
+
+    /// Loses every running lease of worker `id`.
+    async fn lose_all_of(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        id: &str,
+        reason: &str,
+        label: &str,
+    ) -> Result<()> {
+        let rows: Vec<i64> = tx
+            .query(
+                "SELECT id FROM jobs WHERE status = 2 AND worker_id = $1 ORDER BY id",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut actions = Vec::new();
+        for row in rows {
+            if let Some(e) = self.lose_lease(tx, row, reason, label).await? {
+                actions.push(e.action_id);
+            }
+        }
+        self.touch(actions.iter().map(String::as_str));
+        Ok(())
+    }
+
+    /// Deletes actions finished longer than the retention ago with their
+    /// jobs (100 actions per pass).
+    async fn expire_finished(&self) -> Result<()> {
+        let Some(retention) = self.cfg.job_retention else {
+            return Ok(());
+        };
+        let retention = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX / 4);
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                "DELETE FROM actions WHERE action_id IN (
+                     SELECT action_id FROM actions
+                     WHERE finished_at_ms IS NOT NULL AND finished_at_ms < agq_now_ms() - $1
+                     ORDER BY finished_at_ms LIMIT 100 FOR UPDATE SKIP LOCKED)
+                 RETURNING action_id, total_jobs",
+                &[&retention],
+            )
+            .await
+            .map_err(db_err)?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut jobs = 0u64;
+        let ids: Vec<String> = rows
+            .into_iter()
+            .map(|r| {
+                jobs += u64::try_from(r.get::<_, i32>(1)).unwrap_or(0);
+                r.get(0)
+            })
+            .collect();
+        self.metrics.expired_jobs.inc_by(jobs);
+        tracing::debug!(
+            actions = ids.len(),
+            jobs,
+            "retention deleted finished actions"
+        );
+        self.touch(ids.iter().map(String::as_str));
+        Ok(())
+    }
+}

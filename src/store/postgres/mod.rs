@@ -1,0 +1,397 @@
+//! The PostgreSQL engine, AGQ's clustered mode: any number of `agq serve`
+//! replicas share one PostgreSQL database, which holds the whole state.
+//! A replica keeps in memory only the streams of the workers connected to
+//! it (their heartbeat freshness, the lease ids it pushed on their current
+//! lease stream) and a cache of immutable plan versions. Every time that
+//! decides anything comes from the database's clock (`agq_now_ms()`).
+//!
+//! Where things are: the job state machine in [`jobs`], worker streams and
+//! lifecycle in [`workers`], lease claims in [`dispatch`], the maintenance
+//! leader (lease expiry, backoff promotion, stale workers, retention,
+//! schedules) in [`maintenance`], LISTEN/NOTIFY in [`listen`], rows to
+//! domain types in [`rows`], the schema and its migrations in [`schema`].
+//! docs/scaling.md describes the design and its failure table.
+
+mod dispatch;
+mod jobs;
+mod listen;
+mod maintenance;
+mod rows;
+mod schedules;
+mod schema;
+mod workers;
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
+    time::{Duration, Instant},
+};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio::{
+    sync::{watch, Notify},
+    task::JoinHandle,
+};
+
+use crate::{
+    config::EngineConfig,
+    core::{
+        engine::{EventTx, HeartbeatEvent},
+        model::{JobLease, Plan},
+        watch::Watchers,
+    },
+    error::{Error, Result},
+    metrics::SharedMetrics,
+};
+
+/// Channel of `NOTIFY` sent once per committed batch that made jobs ready.
+const READY_CHANNEL: &str = "agq_ready";
+/// Channel of `NOTIFY` naming workers with new commands (comma-separated).
+const COMMAND_CHANNEL: &str = "agq_commands";
+/// Channel of `NOTIFY` naming actions whose jobs changed (comma-separated,
+/// or `*` for all).
+const WATCH_CHANNEL: &str = "agq_watch";
+/// Largest `NOTIFY` payload AGQ sends, in bytes (PostgreSQL's limit is
+/// 8000).
+const MAX_PAYLOAD: usize = 7000;
+
+/// How often a dispatcher claims without having been woken, at most: a
+/// lost notification delays a lease by no more than this.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Connections of one replica's pool.
+const POOL_SIZE: usize = 16;
+
+/// One stream of a worker held by this replica.
+struct StreamSlot<T> {
+    id: u64,
+    tx: EventTx<T>,
+}
+
+/// A worker whose streams this replica holds.
+struct LocalWorker {
+    /// `workers.conn_epoch` when this replica took its heartbeat stream:
+    /// every write the replica makes for the worker is fenced by it.
+    epoch: i64,
+    heartbeat: Option<StreamSlot<HeartbeatEvent>>,
+    lease: Option<StreamSlot<JobLease>>,
+    /// Last heartbeat received here.
+    last_heartbeat: Instant,
+    /// Lease ids pushed on the current lease stream: they may still be in
+    /// flight, so a heartbeat that does not name them loses nothing.
+    in_flight: HashSet<String>,
+    /// Commands it advertises, sorted.
+    tools: Vec<String>,
+    /// Tags, for worker selectors.
+    tags: HashMap<String, String>,
+    sandboxed: bool,
+    max: u32,
+}
+
+/// What a replica keeps in memory.
+#[derive(Default)]
+struct Local {
+    workers: HashMap<String, LocalWorker>,
+    next_stream_id: u64,
+    /// Actions touched since the last watch notification.
+    touched: HashSet<String>,
+}
+
+/// The PostgreSQL engine of one replica. Cheap to share behind an `Arc`.
+pub struct PgEngine {
+    /// This engine, for tasks it spawns from `&self`.
+    me: std::sync::Weak<PgEngine>,
+    pool: Pool,
+    /// The connection string, for the listener's own connection.
+    pg_config: tokio_postgres::Config,
+    cfg: EngineConfig,
+    metrics: SharedMetrics,
+    watchers: Arc<Watchers>,
+    /// This replica's id (`hostname-uuid`), in `workers.replica_id`.
+    replica_id: String,
+    local: Mutex<Local>,
+    /// Plan versions by (id, version): immutable rows, cached for leases.
+    plans: Mutex<HashMap<(String, u32), Arc<Plan>>>,
+    /// Wakes the dispatcher (jobs ready, a slot freed, a stream opened).
+    dispatch_wake: Notify,
+    /// Wakes the command pump (commands for local workers).
+    commands_wake: Notify,
+    /// Wakes the watch notifier.
+    watch_wake: Notify,
+    /// Wakes the schedule firing loop.
+    schedules_wake: Notify,
+    health: watch::Sender<bool>,
+    stop: watch::Sender<bool>,
+    closed: AtomicBool,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Leases granted by this replica (for the enqueue-to-lease metric).
+    granted: AtomicU64,
+}
+
+/// Locks a mutex, recovering from poisoning (the data are plain maps).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Maps a database error: a lost or refused connection is
+/// `StoreUnavailable` (the client retries; health turns NOT_SERVING), any
+/// other is a storage error (`Internal`).
+fn db_err(e: tokio_postgres::Error) -> Error {
+    if e.is_closed() || e.code().is_none() {
+        tracing::warn!(error = %e, "database unreachable");
+        return Error::StoreUnavailable("the PostgreSQL database is unreachable");
+    }
+    let code = e.code().map(|c| c.code()).unwrap_or_default();
+    // Connection-class (08), admin shutdown (57P0x), too many connections
+    // (53300): the database is unavailable, not the request wrong.
+    if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
+        tracing::warn!(error = %e, "database unavailable");
+        return Error::StoreUnavailable("the PostgreSQL database is unavailable");
+    }
+    Error::Storage {
+        detail: format!("{e}: {}", e.as_db_error().map_or("", |d| d.message())),
+        fault: None,
+    }
+}
+
+impl PgEngine {
+    /// Connects to the database at `url` (a `postgres://` URL or a libpq
+    /// key=value string), runs the migrations under a transaction-level
+    /// advisory lock (replicas starting together take turns), registers
+    /// this replica, and starts its dispatcher, listener, command pump and
+    /// maintenance loops.
+    ///
+    /// Errors: `InvalidArgument` (an unparsable URL), `StoreUnavailable`
+    /// (the database cannot be reached), `Internal` (the schema is newer
+    /// than this binary), storage errors.
+    pub async fn open(
+        url: &str,
+        cfg: EngineConfig,
+        metrics: SharedMetrics,
+    ) -> Result<Arc<PgEngine>> {
+        let pg_config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| Error::invalid(format!("--store: not a PostgreSQL URL: {e}")))?;
+        let manager = Manager::from_config(
+            pg_config.clone(),
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(Duration::from_secs(10)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| Error::Internal(format!("PostgreSQL pool: {e}")))?;
+        {
+            let mut client = pool.get().await.map_err(pool_err)?;
+            schema::migrate(&mut client).await?;
+        }
+        let host = sysinfo::System::host_name().unwrap_or_else(|| "agq".into());
+        let replica_id = format!("{host}-{}", uuid::Uuid::new_v4().simple());
+        let watchers = Arc::new(Watchers::new(
+            cfg.max_watch_streams,
+            cfg.max_watch_streams_per_connection,
+            metrics.watch_streams.clone(),
+        ));
+        let engine = Arc::new_cyclic(|me| PgEngine {
+            me: me.clone(),
+            pool,
+            pg_config,
+            cfg,
+            metrics,
+            watchers,
+            replica_id,
+            local: Mutex::default(),
+            plans: Mutex::default(),
+            dispatch_wake: Notify::new(),
+            commands_wake: Notify::new(),
+            watch_wake: Notify::new(),
+            schedules_wake: Notify::new(),
+            health: watch::channel(true).0,
+            stop: watch::channel(false).0,
+            closed: AtomicBool::new(false),
+            tasks: Mutex::default(),
+            granted: AtomicU64::new(0),
+        });
+        engine
+            .client()
+            .await?
+            .execute(
+                "INSERT INTO replicas (replica_id, hostname, started_at_ms, last_seen_ms)
+                 VALUES ($1, $2, agq_now_ms(), agq_now_ms())",
+                &[&engine.replica_id, &host],
+            )
+            .await
+            .map_err(db_err)?;
+        engine.metrics.store_up.set(1);
+        let tasks = vec![
+            tokio::spawn(dispatch::run(engine.clone())),
+            tokio::spawn(listen::run(engine.clone())),
+            tokio::spawn(workers::command_pump(engine.clone())),
+            tokio::spawn(listen::watch_notifier(engine.clone())),
+            tokio::spawn(maintenance::run(engine.clone())),
+            tokio::spawn(maintenance::replica_heartbeat(engine.clone())),
+            tokio::spawn(maintenance::schedule_loop(engine.clone())),
+        ];
+        *lock(&engine.tasks) = tasks;
+        tracing::info!(replica_id = %engine.replica_id, "PostgreSQL engine started");
+        Ok(engine)
+    }
+
+    /// A pooled connection.
+    ///
+    /// Errors: `Unavailable` after close, `StoreUnavailable` when none can
+    /// be had.
+    async fn client(&self) -> Result<deadpool_postgres::Object> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable);
+        }
+        self.pool.get().await.map_err(|e| {
+            let _ = self
+                .health
+                .send_if_modified(|up| std::mem::replace(up, false));
+            pool_err(e)
+        })
+    }
+
+    /// Marks `actions` as changed: their watchers, on every replica, are
+    /// woken by the next watch notification.
+    fn touch<'a>(&self, actions: impl IntoIterator<Item = &'a str>) {
+        let mut local = lock(&self.local);
+        let before = local.touched.len();
+        local
+            .touched
+            .extend(actions.into_iter().map(str::to_string));
+        if local.touched.len() != before {
+            drop(local);
+            self.watch_wake.notify_one();
+        }
+    }
+
+    /// Records the outcome of an operation for health: a database that
+    /// cannot be reached turns health NOT_SERVING until it answers again.
+    fn observe<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(Error::StoreUnavailable(_)) = &r {
+            let _ = self
+                .health
+                .send_if_modified(|up| std::mem::replace(up, false));
+        }
+        r
+    }
+
+    /// The plan version `(plan_id, version)`, from the cache or the
+    /// database; `None` when it was deleted.
+    ///
+    /// Errors: storage errors.
+    async fn plan_version(
+        &self,
+        c: &impl deadpool_postgres::GenericClient,
+        plan_id: &str,
+        version: u32,
+    ) -> Result<Option<Arc<Plan>>> {
+        if let Some(p) = lock(&self.plans).get(&(plan_id.to_string(), version)) {
+            return Ok(Some(p.clone()));
+        }
+        let Some(plan) = rows::get_plan_version(c, plan_id, version).await? else {
+            return Ok(None);
+        };
+        let plan = Arc::new(plan);
+        let mut cache = lock(&self.plans);
+        if cache.len() > 10_000 {
+            cache.clear();
+        }
+        cache.insert((plan_id.to_string(), version), plan.clone());
+        Ok(Some(plan))
+    }
+
+    /// This engine as an `Arc`, unless it is being dropped.
+    fn me(&self) -> Option<Arc<PgEngine>> {
+        self.me.upgrade()
+    }
+
+    /// Refreshes the job, queue and worker gauges from the database.
+    ///
+    /// Errors: storage errors.
+    async fn refresh_gauges(&self) -> Result<()> {
+        let c = self.client().await?;
+        let counts: HashMap<i32, i64> = c
+            .query("SELECT status, count(*) FROM jobs GROUP BY status", &[])
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| (i32::from(r.get::<_, i16>(0)), r.get(1)))
+            .collect();
+        drop(c);
+        let queue = self.pg_queue_stats().await?;
+        let mut workers: HashMap<(crate::core::model::WorkerState, bool), i64> = HashMap::new();
+        for w in self.pg_workers(None, None).await? {
+            *workers.entry((w.state, w.fresh)).or_default() += 1;
+        }
+        crate::store::sqlite::loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
+        Ok(())
+    }
+
+    /// Whether the engine is stopping.
+    fn stopping(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+}
+
+/// Maps a pool error to `StoreUnavailable`.
+fn pool_err(e: deadpool_postgres::PoolError) -> Error {
+    tracing::warn!(error = %e, "no PostgreSQL connection");
+    Error::StoreUnavailable("the PostgreSQL database is unreachable")
+}
+
+/// Waits for `wake` or `timeout`, whichever first; false when the engine
+/// stops meanwhile.
+async fn wait(wake: &Notify, timeout: Duration, stop: &mut watch::Receiver<bool>) -> bool {
+    if *stop.borrow() {
+        return false;
+    }
+    tokio::select! {
+        _ = wake.notified() => true,
+        _ = tokio::time::sleep(timeout) => true,
+        _ = stop.changed() => false,
+    }
+}
+
+/// Sends `NOTIFY channel, payload` for each payload: a list of names is
+/// split so that no payload exceeds [`MAX_PAYLOAD`].
+///
+/// Errors: storage errors.
+async fn notify_names(
+    c: &impl deadpool_postgres::GenericClient,
+    channel: &str,
+    names: &[String],
+) -> Result<()> {
+    let mut payload = String::new();
+    for n in names {
+        if !payload.is_empty() && payload.len() + n.len() + 1 > MAX_PAYLOAD {
+            c.execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
+                .await
+                .map_err(db_err)?;
+            payload.clear();
+        }
+        if !payload.is_empty() {
+            payload.push(',');
+        }
+        payload.push_str(n);
+    }
+    if !payload.is_empty() {
+        c.execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
+            .await
+            .map_err(db_err)?;
+    }
+    Ok(())
+}
+
+mod engine_impl;

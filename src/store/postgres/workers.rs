@@ -1,0 +1,1267 @@
+//! Workers in the PostgreSQL engine: registration, the streams this
+//! replica holds (ownership fenced by `workers.replica_id` and
+//! `conn_epoch`), heartbeats, drain, unregister, quarantine release,
+//! capability challenges, the command pump that delivers queued commands
+//! to the workers connected here, and the views of workers and queues.
+
+use std::{collections::HashSet, sync::Arc, time::Instant};
+
+use deadpool_postgres::GenericClient;
+use serde_json::json;
+
+use super::{
+    db_err, jobs::queue_command, lock, rows, wait, LocalWorker, PgEngine, StreamSlot, POLL_INTERVAL,
+};
+use crate::{
+    core::{
+        engine::{EventTx, HeartbeatEvent, QueueName, StreamKind},
+        model::{
+            Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats, Registration,
+            Verification, VerificationAnswer, Worker, WorkerCommand, WorkerState, WorkerStats,
+            MAX_VERIFY_OUTPUT,
+        },
+        selector::Selector,
+    },
+    error::{Error, Result},
+};
+
+/// Live worker states as stored (ACTIVE, DRAINING, QUARANTINED).
+pub(super) const LIVE: [i16; 3] = [
+    WorkerState::Active as i16,
+    WorkerState::Draining as i16,
+    WorkerState::Quarantined as i16,
+];
+
+/// A queued command: one of [`WorkerCommand`], or the end of the
+/// worker's heartbeat stream with a reason.
+pub(super) enum Queued {
+    Command(WorkerCommand),
+    End(String),
+}
+
+/// Encodes a command for `worker_commands.command`.
+pub(super) fn encode_command(c: &WorkerCommand) -> String {
+    match c {
+        WorkerCommand::Drain { reason } => json!({"drain": reason}),
+        WorkerCommand::CancelJob(id) => json!({"cancel": id}),
+        WorkerCommand::Verify {
+            challenge_id,
+            command,
+            args,
+        } => json!({"verify": {"challenge_id": challenge_id, "command": command, "args": args}}),
+    }
+    .to_string()
+}
+
+/// Encodes the end of a worker's heartbeat stream.
+fn encode_end(reason: &str) -> String {
+    json!({ "end": reason }).to_string()
+}
+
+/// Decodes a `worker_commands.command`; `None` for a form this binary
+/// does not know (skipped).
+fn decode_command(text: &str) -> Option<Queued> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let s = |v: &serde_json::Value| v.as_str().map(str::to_string);
+    if let Some(r) = v.get("drain") {
+        return Some(Queued::Command(WorkerCommand::Drain { reason: s(r)? }));
+    }
+    if let Some(id) = v.get("cancel") {
+        return Some(Queued::Command(WorkerCommand::CancelJob(s(id)?)));
+    }
+    if let Some(e) = v.get("end") {
+        return Some(Queued::End(s(e)?));
+    }
+    let c = v.get("verify")?;
+    Some(Queued::Command(WorkerCommand::Verify {
+        challenge_id: s(c.get("challenge_id")?)?,
+        command: s(c.get("command")?)?,
+        args: c.get("args")?.as_array()?.iter().filter_map(s).collect(),
+    }))
+}
+
+/// Cuts `s` to at most `max` bytes at a character boundary.
+fn cut(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
+}
+
+/// The error for a worker that exists but is not live.
+fn not_live(id: &str, state: i16) -> Error {
+    let name = WorkerState::from_i32(i32::from(state)).map_or("gone", WorkerState::name);
+    Error::precondition(format!("worker {id} is {name}; register it again"))
+}
+
+impl PgEngine {
+    /// The heartbeat age past which a worker is stale, ms.
+    pub(super) fn stale_ms(&self) -> i64 {
+        self.cfg.stale_after().as_millis() as i64
+    }
+
+    /// `NotFound` or `FailedPrecondition` for a worker a statement could
+    /// not change because it is missing or not live.
+    async fn explain_worker(&self, c: &impl GenericClient, id: &str) -> Error {
+        match c
+            .query_opt("SELECT state FROM workers WHERE worker_id = $1", &[&id])
+            .await
+        {
+            Err(e) => db_err(e),
+            Ok(None) => Error::not_found(format!("worker {id} is not registered")),
+            Ok(Some(r)) => {
+                let state: i16 = r.get(0);
+                if LIVE.contains(&state) {
+                    Error::precondition(format!(
+                        "worker {id}'s streams moved to another replica; reconnect"
+                    ))
+                } else {
+                    not_live(id, state)
+                }
+            }
+        }
+    }
+
+    /// Loses every running lease of worker `id` in `tx`; returns how many.
+    async fn lose_all(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        id: &str,
+        reason: &str,
+        label: &str,
+    ) -> Result<u32> {
+        let ids: Vec<i64> = tx
+            .query(
+                "SELECT id FROM jobs WHERE status = 2 AND worker_id = $1 ORDER BY id",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut actions = Vec::new();
+        for row in &ids {
+            if let Some(e) = self.lose_lease(tx, *row, reason, label).await? {
+                actions.push(e.action_id);
+            }
+        }
+        self.touch(actions.iter().map(String::as_str));
+        Ok(ids.len() as u32)
+    }
+
+    pub(super) async fn pg_register(&self, req: Registration) -> Result<bool> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let old = tx
+            .query_opt(
+                "SELECT state, instance_id, heartbeat_open, last_heartbeat_at_ms, hostname,
+                        quarantine_reason, agq_now_ms()
+                 FROM workers WHERE worker_id = $1 FOR UPDATE",
+                &[&req.worker_id],
+            )
+            .await
+            .map_err(db_err)?;
+        let mut quarantine_reason = String::new();
+        if let Some(r) = &old {
+            let state: i16 = r.get(0);
+            quarantine_reason = r.get(5);
+            if LIVE.contains(&state) {
+                let current: String = r.get(1);
+                let name =
+                    WorkerState::from_i32(i32::from(state)).map_or("live", WorkerState::name);
+                if req.instance_id.is_empty() || current.is_empty() {
+                    return Err(Error::AlreadyExists(format!(
+                        "worker {} is already registered and {name}",
+                        req.worker_id
+                    )));
+                }
+                if current == req.instance_id {
+                    return Ok(true);
+                }
+                let last: i64 = r.get(3);
+                let now: i64 = r.get(6);
+                let connected: bool = r.get(2);
+                if now - last < self.stale_ms() && connected {
+                    let hostname: String = r.get(4);
+                    return Err(Error::AlreadyExists(format!(
+                        "worker {} is already run by another live agw process (instance {current}, \
+                         hostname {hostname:?}, last heartbeat {:.1} s ago); stop that process or give \
+                         this one another worker id",
+                        req.worker_id,
+                        (now - last) as f64 / 1000.0
+                    )));
+                }
+                let n = self
+                    .lose_all(
+                        &tx,
+                        &req.worker_id,
+                        "its worker process was replaced by a new instance",
+                        "takeover",
+                    )
+                    .await?;
+                tracing::info!(
+                    worker_id = %req.worker_id, old_instance = %current,
+                    new_instance = %req.instance_id, requeued = n,
+                    "a new instance took over a worker whose process is gone"
+                );
+            }
+        }
+        let state = if quarantine_reason.is_empty() {
+            WorkerState::Active
+        } else {
+            WorkerState::Quarantined
+        };
+        let caps = &req.capabilities;
+        let units =
+            serde_json::to_string(&caps.units).map_err(|e| Error::Internal(e.to_string()))?;
+        let tags = serde_json::to_string(&req.tags).map_err(|e| Error::Internal(e.to_string()))?;
+        let mut tools: Vec<String> = caps.commands().cloned().collect();
+        tools.sort();
+        tools.dedup();
+        // Commands for the process that registered before are void; its
+        // streams (wherever they are) are ended.
+        tx.execute(
+            "DELETE FROM worker_commands WHERE worker_id = $1",
+            &[&req.worker_id],
+        )
+        .await
+        .map_err(db_err)?;
+        if old.is_some() {
+            queue_end(
+                &tx,
+                &req.worker_id,
+                "another instance of this worker id took over; this process must stop",
+            )
+            .await?;
+        }
+        tx.execute(
+            "INSERT INTO workers (worker_id, hostname, platform, agw_version, units, tools, tags,
+                 max_concurrent_jobs, state, registered_at_ms, last_heartbeat_at_ms, instance_id,
+                 sandboxed, quarantine_reason)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, agq_now_ms(), agq_now_ms(), $10, $11, $12)
+             ON CONFLICT (worker_id) DO UPDATE SET hostname = $2, platform = $3, agw_version = $4,
+                 units = $5, tools = $6, tags = $7, max_concurrent_jobs = $8, state = $9,
+                 registered_at_ms = agq_now_ms(), last_heartbeat_at_ms = agq_now_ms(), stats = NULL,
+                 instance_id = $10, sandboxed = $11, quarantine_reason = $12, timeouts_ms = '{}',
+                 replica_id = NULL, conn_epoch = workers.conn_epoch + 1, heartbeat_open = false,
+                 lease_stream_open = false, suspect_since_ms = NULL",
+            &[
+                &req.worker_id,
+                &req.hostname,
+                &req.platform,
+                &req.agw_version,
+                &units,
+                &tools,
+                &tags,
+                &(req.max_concurrent_jobs as i32),
+                &(state as i16),
+                &req.instance_id,
+                &req.sandboxed,
+                &quarantine_reason,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+        // Verifications were of the process that registered before.
+        tx.execute(
+            "DELETE FROM worker_verifications WHERE worker_id = $1",
+            &[&req.worker_id],
+        )
+        .await
+        .map_err(db_err)?;
+        tx.execute(
+            "DELETE FROM worker_challenges WHERE worker_id = $1",
+            &[&req.worker_id],
+        )
+        .await
+        .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = %req.worker_id, state = state.name(), "worker registered");
+        Ok(false)
+    }
+
+    /// Takes or refreshes this replica's local entry of worker `id` from
+    /// its row; returns the entry's epoch.
+    fn local_entry(&self, id: &str, r: &tokio_postgres::Row, epoch: i64) -> Result<()> {
+        let tags = serde_json::from_str(r.get("tags"))
+            .map_err(|e| Error::Internal(format!("worker {id}: {e}")))?;
+        let mut local = lock(&self.local);
+        let w = local
+            .workers
+            .entry(id.to_string())
+            .or_insert_with(|| LocalWorker {
+                epoch,
+                heartbeat: None,
+                lease: None,
+                last_heartbeat: Instant::now(),
+                in_flight: HashSet::new(),
+                tools: Vec::new(),
+                tags: Default::default(),
+                sandboxed: false,
+                max: 1,
+            });
+        w.epoch = epoch;
+        w.tools = r.get("tools");
+        w.tags = tags;
+        w.sandboxed = r.get("sandboxed");
+        w.max = u32::try_from(r.get::<_, i32>("max_concurrent_jobs"))
+            .unwrap_or(1)
+            .max(1);
+        Ok(())
+    }
+
+    pub(super) async fn pg_open_heartbeat(
+        &self,
+        id: String,
+        tx: EventTx<HeartbeatEvent>,
+    ) -> Result<u64> {
+        let c = self.client().await?;
+        let Some(r) = c
+            .query_opt(
+                "UPDATE workers SET replica_id = $2, conn_epoch = conn_epoch + 1,
+                        heartbeat_open = true, suspect_since_ms = NULL
+                 WHERE worker_id = $1 AND state = ANY($3)
+                 RETURNING conn_epoch, tools, tags, sandboxed, max_concurrent_jobs",
+                &[&id, &self.replica_id, &LIVE.to_vec()],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Err(self.explain_worker(&c, &id).await);
+        };
+        self.local_entry(&id, &r, r.get(0))?;
+        let sid = {
+            let mut local = lock(&self.local);
+            local.next_stream_id += 1;
+            let sid = local.next_stream_id;
+            if let Some(w) = local.workers.get_mut(&id) {
+                w.heartbeat = Some(StreamSlot { id: sid, tx });
+            }
+            sid
+        };
+        self.commands_wake.notify_one();
+        self.dispatch_wake.notify_one();
+        self.challenge_missing(&c, &id).await?;
+        Ok(sid)
+    }
+
+    pub(super) async fn pg_open_lease_stream(
+        &self,
+        id: String,
+        tx: EventTx<JobLease>,
+    ) -> Result<u64> {
+        let c = self.client().await?;
+        let Some(r) = c
+            .query_opt(
+                "UPDATE workers SET lease_stream_open = true
+                 WHERE worker_id = $1 AND state = ANY($2)
+                 RETURNING conn_epoch, tools, tags, sandboxed, max_concurrent_jobs, replica_id",
+                &[&id, &LIVE.to_vec()],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Err(self.explain_worker(&c, &id).await);
+        };
+        let owner: Option<String> = r.get(5);
+        // Leases go only to workers whose heartbeat stream is here too
+        // (agw opens both on one connection); the claim re-checks.
+        let epoch = if owner.as_deref() == Some(self.replica_id.as_str()) {
+            r.get(0)
+        } else {
+            -1
+        };
+        let known = lock(&self.local).workers.get(&id).map(|w| w.epoch);
+        self.local_entry(&id, &r, known.filter(|e| *e >= 0).unwrap_or(epoch))?;
+        let mut local = lock(&self.local);
+        local.next_stream_id += 1;
+        let sid = local.next_stream_id;
+        if let Some(w) = local.workers.get_mut(&id) {
+            w.lease = Some(StreamSlot { id: sid, tx });
+            w.in_flight.clear();
+        }
+        drop(local);
+        self.dispatch_wake.notify_one();
+        Ok(sid)
+    }
+
+    pub(super) async fn pg_heartbeat(
+        &self,
+        id: String,
+        stats: Option<WorkerStats>,
+        held: Option<Vec<String>>,
+    ) -> Result<HeartbeatReply> {
+        let (epoch, was_fresh) = {
+            let local = lock(&self.local);
+            match local.workers.get(&id) {
+                Some(w) if w.heartbeat.is_some() && w.epoch >= 0 => (
+                    Some(w.epoch),
+                    w.last_heartbeat.elapsed() < self.cfg.stale_after(),
+                ),
+                _ => (None, false),
+            }
+        };
+        let stats = stats.map(|s| rows::encode_stats(&s));
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let updated = tx
+            .query_opt(
+                "UPDATE workers SET last_heartbeat_at_ms = agq_now_ms(), stats = coalesce($2, stats),
+                        suspect_since_ms = CASE WHEN heartbeat_open THEN NULL ELSE suspect_since_ms END
+                 WHERE worker_id = $1 AND state = ANY($3)
+                   AND ($4::bigint IS NULL OR (replica_id = $5 AND conn_epoch = $4))
+                 RETURNING state",
+                &[&id, &stats, &LIVE.to_vec(), &epoch, &self.replica_id],
+            )
+            .await
+            .map_err(db_err)?;
+        if updated.is_none() {
+            let e = self.explain_worker(&tx, &id).await;
+            if let Some(w) = lock(&self.local).workers.get_mut(&id) {
+                w.heartbeat = None;
+            }
+            return Err(e);
+        }
+        if let Some(held) = held {
+            let held: HashSet<String> = held.into_iter().collect();
+            let in_flight = lock(&self.local)
+                .workers
+                .get(&id)
+                .map(|w| w.in_flight.clone())
+                .unwrap_or_default();
+            let lost: Vec<i64> = tx
+                .query(
+                    "SELECT id, lease_id FROM jobs WHERE status = 2 AND worker_id = $1",
+                    &[&id],
+                )
+                .await
+                .map_err(db_err)?
+                .into_iter()
+                .filter(|r| {
+                    let lease: Option<String> = r.get(1);
+                    lease.is_some_and(|l| !held.contains(&l) && !in_flight.contains(&l))
+                })
+                .map(|r| r.get(0))
+                .collect();
+            let mut actions = Vec::new();
+            for row in lost {
+                if let Some(e) = self
+                    .lose_lease(
+                        &tx,
+                        row,
+                        "the worker no longer runs it (reconnected without it)",
+                        "not_held",
+                    )
+                    .await?
+                {
+                    actions.push(e.action_id);
+                }
+            }
+            tx.commit().await.map_err(db_err)?;
+            self.touch(actions.iter().map(String::as_str));
+        } else {
+            tx.commit().await.map_err(db_err)?;
+        }
+        if let Some(w) = lock(&self.local).workers.get_mut(&id) {
+            w.last_heartbeat = Instant::now();
+        }
+        if !was_fresh {
+            self.dispatch_wake.notify_one();
+        }
+        Ok(HeartbeatReply {
+            next_deadline_ms: crate::time::now_ms()
+                + self.cfg.heartbeat_interval.as_millis() as i64,
+            command: None,
+        })
+    }
+
+    /// A stream of worker `id` ended here (see `Engine::close_stream`).
+    pub(super) async fn pg_close_stream(
+        &self,
+        id: String,
+        kind: StreamKind,
+        sid: u64,
+    ) -> Result<()> {
+        let epoch = {
+            let mut local = lock(&self.local);
+            let Some(w) = local.workers.get_mut(&id) else {
+                return Ok(());
+            };
+            let epoch = w.epoch;
+            match kind {
+                StreamKind::Lease if w.lease.as_ref().is_some_and(|s| s.id == sid) => {
+                    w.lease = None;
+                }
+                StreamKind::Heartbeat if w.heartbeat.as_ref().is_some_and(|s| s.id == sid) => {
+                    w.heartbeat = None;
+                }
+                _ => return Ok(()),
+            }
+            if w.lease.is_none() && w.heartbeat.is_none() {
+                local.workers.remove(&id);
+            }
+            epoch
+        };
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        match kind {
+            StreamKind::Lease => {
+                tx.execute(
+                    "UPDATE workers SET lease_stream_open = false
+                     WHERE worker_id = $1 AND (replica_id IS NULL OR (replica_id = $2 AND conn_epoch = $3))",
+                    &[&id, &self.replica_id, &epoch],
+                )
+                .await
+                .map_err(db_err)?;
+            }
+            StreamKind::Heartbeat => {
+                let n = tx
+                    .execute(
+                        "UPDATE workers SET heartbeat_open = false, suspect_since_ms = agq_now_ms()
+                         WHERE worker_id = $1 AND replica_id = $2 AND conn_epoch = $3
+                           AND state = ANY($4)",
+                        &[&id, &self.replica_id, &epoch, &LIVE.to_vec()],
+                    )
+                    .await
+                    .map_err(db_err)?;
+                if n == 1 {
+                    tracing::info!(worker_id = %id, "heartbeat stream dropped; worker is suspect");
+                    if self.cfg.lease_grace.is_zero() {
+                        self.lose_all(&tx, &id, "worker's heartbeat stream dropped", "stream_lost")
+                            .await?;
+                    }
+                }
+            }
+        }
+        tx.commit().await.map_err(db_err)
+    }
+
+    pub(super) async fn pg_unregister(&self, id: &str) -> Result<u32> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let found = tx
+            .query_opt(
+                "SELECT 1 FROM workers WHERE worker_id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?;
+        if found.is_none() {
+            return Err(Error::not_found(format!("worker {id} is not registered")));
+        }
+        let n = self
+            .lose_all(
+                &tx,
+                id,
+                "the worker unregistered while running it",
+                "unregister",
+            )
+            .await?;
+        tx.execute(
+            "UPDATE workers SET state = $2 WHERE worker_id = $1",
+            &[&id, &(WorkerState::Unregistered as i16)],
+        )
+        .await
+        .map_err(db_err)?;
+        queue_end(&tx, id, "worker unregistered").await?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = %id, requeued = n, "worker unregistered");
+        Ok(n)
+    }
+
+    pub(super) async fn pg_drain(&self, id: &str) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let n = tx
+            .execute(
+                "UPDATE workers SET state = $2 WHERE worker_id = $1 AND state = ANY($3)",
+                &[&id, &(WorkerState::Draining as i16), &LIVE.to_vec()],
+            )
+            .await
+            .map_err(db_err)?;
+        if n == 0 {
+            return Err(self.explain_worker(&tx, id).await);
+        }
+        queue_command(
+            &tx,
+            id,
+            &WorkerCommand::Drain {
+                reason: "drain requested".into(),
+            },
+        )
+        .await?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = %id, "worker draining");
+        Ok(())
+    }
+
+    pub(super) async fn pg_forget(&self, id: &str) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let Some(r) = tx
+            .query_opt(
+                "SELECT state FROM workers WHERE worker_id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Err(Error::not_found(format!("worker {id} is not registered")));
+        };
+        let state: i16 = r.get(0);
+        if LIVE.contains(&state) {
+            let name = WorkerState::from_i32(i32::from(state)).map_or("live", WorkerState::name);
+            return Err(Error::precondition(format!(
+                "worker {id} is {name}; only a DEAD or UNREGISTERED worker can be forgotten \
+                 (drain and unregister it first)"
+            )));
+        }
+        tx.execute("DELETE FROM workers WHERE worker_id = $1", &[&id])
+            .await
+            .map_err(db_err)?;
+        tx.execute("DELETE FROM worker_commands WHERE worker_id = $1", &[&id])
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = %id, "worker forgotten");
+        Ok(())
+    }
+
+    pub(super) async fn pg_release(&self, id: &str) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let Some(r) = tx
+            .query_opt(
+                "SELECT state, quarantine_reason FROM workers WHERE worker_id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Err(Error::not_found(format!("worker {id} is not registered")));
+        };
+        let state: i16 = r.get(0);
+        let reason: String = r.get(1);
+        let quarantined = WorkerState::Quarantined as i16;
+        if reason.is_empty() && state != quarantined {
+            let name = WorkerState::from_i32(i32::from(state)).map_or("gone", WorkerState::name);
+            return Err(Error::precondition(format!(
+                "worker {id} is {name} and not quarantined"
+            )));
+        }
+        let state = if state == quarantined {
+            WorkerState::Active as i16
+        } else {
+            state
+        };
+        tx.execute(
+            "UPDATE workers SET state = $2, quarantine_reason = '', timeouts_ms = '{}' WHERE worker_id = $1",
+            &[&id, &state],
+        )
+        .await
+        .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = %id, "worker released from quarantine");
+        self.dispatch_wake.notify_one();
+        Ok(())
+    }
+
+    /// Workers (of `state` when given; only `id` when given), by id.
+    pub(super) async fn pg_workers(
+        &self,
+        state: Option<WorkerState>,
+        id: Option<&str>,
+    ) -> Result<Vec<Worker>> {
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                &format!(
+                    "SELECT {} FROM workers w
+                     WHERE ($1::smallint IS NULL OR w.state = $1) AND ($2::text IS NULL OR w.worker_id = $2)
+                     ORDER BY w.worker_id",
+                    rows::WORKER_COLS
+                ),
+                &[&state.map(|s| s as i16), &id],
+            )
+            .await
+            .map_err(db_err)?;
+        let stale = self.stale_ms();
+        let mut out = rows
+            .iter()
+            .map(|r| rows::worker(r, stale))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<String> = out.iter().map(|w| w.worker_id.clone()).collect();
+        let mut verifications = rows::verifications(&c, &ids).await?;
+        for w in &mut out {
+            w.verifications = verifications.remove(&w.worker_id).unwrap_or_default();
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn pg_verify_worker(
+        &self,
+        id: &str,
+        command: &str,
+        args: Vec<String>,
+    ) -> Result<Verification> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let Some(r) = tx
+            .query_opt(
+                "SELECT state, tools, units, heartbeat_open FROM workers WHERE worker_id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Err(Error::not_found(format!("worker {id} is not registered")));
+        };
+        let state: i16 = r.get(0);
+        if !LIVE.contains(&state) {
+            let name = WorkerState::from_i32(i32::from(state)).map_or("gone", WorkerState::name);
+            return Err(Error::precondition(format!(
+                "worker {id} is {name}; only a live worker can be challenged"
+            )));
+        }
+        let tools: Vec<String> = r.get(1);
+        if !tools.iter().any(|t| t == command) {
+            return Err(Error::precondition(format!(
+                "worker {id} does not advertise {command:?} (neither a tool nor an agentic unit)"
+            )));
+        }
+        if !r.get::<_, bool>(3) {
+            return Err(Error::precondition(format!(
+                "worker {id} has no heartbeat stream open to send the challenge on"
+            )));
+        }
+        let units: String = r.get(2);
+        let args = if args.is_empty() {
+            let unit = serde_json::from_str::<Vec<crate::core::model::AgenticUnit>>(&units)
+                .is_ok_and(|u| u.iter().any(|u| u.name == command));
+            vec![if unit { "--describe" } else { "--version" }.to_string()]
+        } else {
+            args
+        };
+        let v = challenge(&tx, id, command, args).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(v)
+    }
+
+    /// Challenges worker `id` (heartbeat stream open, live) for every
+    /// command of a plan with `require_verified_tools` it advertises and
+    /// has neither passed nor been challenged for.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn challenge_missing(&self, c: &impl GenericClient, id: &str) -> Result<()> {
+        let missing = c
+            .query(
+                "SELECT DISTINCT t.tool, w.units FROM workers w,
+                     plan_versions pv JOIN plans p ON p.plan_id = pv.plan_id AND p.version = pv.version,
+                     unnest(pv.tools) AS t(tool)
+                 WHERE w.worker_id = $1 AND w.state = ANY($2) AND w.heartbeat_open
+                   AND pv.require_verified AND t.tool = ANY(w.tools)
+                   AND NOT EXISTS (SELECT 1 FROM worker_verifications v
+                                   WHERE v.worker_id = w.worker_id AND v.tool = t.tool AND v.passed)
+                   AND NOT EXISTS (SELECT 1 FROM worker_challenges ch
+                                   WHERE ch.worker_id = w.worker_id AND ch.tool = t.tool)
+                 ORDER BY t.tool",
+                &[&id, &LIVE.to_vec()],
+            )
+            .await
+            .map_err(db_err)?;
+        for r in missing {
+            let tool: String = r.get(0);
+            let units: String = r.get(1);
+            let unit = serde_json::from_str::<Vec<crate::core::model::AgenticUnit>>(&units)
+                .is_ok_and(|u| u.iter().any(|u| u.name == tool));
+            let args = vec![if unit { "--describe" } else { "--version" }.to_string()];
+            challenge(c, id, &tool, args).await?;
+        }
+        Ok(())
+    }
+
+    /// [`PgEngine::challenge_missing`] for every worker connected here.
+    pub(super) async fn challenge_all_missing(&self) {
+        let ids: Vec<String> = lock(&self.local).workers.keys().cloned().collect();
+        let Ok(c) = self.client().await else { return };
+        for id in ids {
+            if let Err(e) = self.challenge_missing(&c, &id).await {
+                tracing::warn!(worker_id = %id, error = %e, "capability challenge not sent");
+            }
+        }
+    }
+
+    pub(super) async fn pg_answer(&self, id: &str, a: VerificationAnswer) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let Some(r) = tx
+            .query_opt(
+                "DELETE FROM worker_challenges WHERE challenge_id = $1 AND worker_id = $2
+                 RETURNING tool, args, requested_at_ms",
+                &[&a.challenge_id, &id],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            tracing::debug!(worker_id = id, challenge_id = %a.challenge_id, "answer to no pending challenge: ignored");
+            return Ok(());
+        };
+        let passed = a.exit_code == 0;
+        let output = cut(a.output, MAX_VERIFY_OUTPUT);
+        let error = if passed {
+            String::new()
+        } else if a.error.is_empty() {
+            format!("exited with code {}", a.exit_code)
+        } else {
+            cut(a.error, MAX_VERIFY_OUTPUT)
+        };
+        let tool: String = r.get(0);
+        tx.execute(
+            "INSERT INTO worker_verifications (worker_id, tool, args, challenge_id, requested_at_ms,
+                 answered_at_ms, passed, exit_code, output, error)
+             VALUES ($1, $2, $3, $4, $5, agq_now_ms(), $6, $7, $8, $9)
+             ON CONFLICT (worker_id, tool) DO UPDATE SET args = $3, challenge_id = $4,
+                 requested_at_ms = $5, answered_at_ms = agq_now_ms(), passed = $6, exit_code = $7,
+                 output = $8, error = $9",
+            &[
+                &id,
+                &tool,
+                &r.get::<_, String>(1),
+                &a.challenge_id,
+                &r.get::<_, i64>(2),
+                &passed,
+                &a.exit_code,
+                &output,
+                &error,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::info!(worker_id = id, command = %tool, passed, "capability verification answered");
+        self.dispatch_wake.notify_one();
+        Ok(())
+    }
+
+    /// A slot of worker `id` was freed: wake the dispatcher if the worker
+    /// is connected here (its owner's dispatcher polls otherwise).
+    pub(super) fn slot_freed(&self, id: &str) {
+        if lock(&self.local).workers.contains_key(id) {
+            self.dispatch_wake.notify_one();
+        }
+    }
+
+    /// Delivers queued commands to the workers whose heartbeat streams this
+    /// replica holds.
+    ///
+    /// Errors: storage errors.
+    async fn deliver_commands(&self) -> Result<()> {
+        let ids: Vec<String> = lock(&self.local)
+            .workers
+            .iter()
+            .filter(|(_, w)| w.heartbeat.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                "DELETE FROM worker_commands WHERE id IN (
+                     SELECT id FROM worker_commands WHERE worker_id = ANY($1) ORDER BY id
+                     LIMIT 1000 FOR UPDATE SKIP LOCKED)
+                 RETURNING id, worker_id, command",
+                &[&ids],
+            )
+            .await
+            .map_err(db_err)?;
+        let mut rows: Vec<(i64, String, String)> = rows
+            .into_iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        rows.sort();
+        let next_deadline_ms =
+            crate::time::now_ms() + self.cfg.heartbeat_interval.as_millis() as i64;
+        let mut local = lock(&self.local);
+        for (_, worker, text) in rows {
+            let Some(w) = local.workers.get_mut(&worker) else {
+                continue;
+            };
+            let Some(hb) = &w.heartbeat else { continue };
+            match decode_command(&text) {
+                Some(Queued::Command(command)) => {
+                    let _ = hb.tx.send(HeartbeatEvent::Reply(HeartbeatReply {
+                        next_deadline_ms,
+                        command: Some(command),
+                    }));
+                }
+                Some(Queued::End(reason)) => {
+                    let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(reason)));
+                    w.heartbeat = None;
+                    w.lease = None;
+                }
+                None => tracing::warn!(worker_id = %worker, "unknown queued command skipped"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waiting reason of the pending or failed job at row `id`.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn waiting_reason(&self, c: &impl GenericClient, id: i64) -> Result<String> {
+        let Some(r) = c
+            .query_opt(
+                "SELECT j.status, j.ready_at_ms, agq_now_ms(), j.worker_selector, j.concurrency_key,
+                        j.max_running, j.priority, pv.tools, pv.require_sandbox, pv.require_verified,
+                        j.action_id
+                 FROM jobs j JOIN plan_versions pv
+                   ON pv.plan_id = j.plan_id AND pv.version = j.plan_version
+                 WHERE j.id = $1 AND j.status IN (1, 4)",
+                &[&id],
+            )
+            .await
+            .map_err(db_err)?
+        else {
+            return Ok(String::new());
+        };
+        let status: i16 = r.get(0);
+        let ready_at: i64 = r.get(1);
+        let now: i64 = r.get(2);
+        if ready_at > now || status == super::jobs::FAILED {
+            return Ok(if status == super::jobs::FAILED {
+                format!(
+                    "backing off until {} before the next attempt",
+                    crate::time::rfc3339(ready_at)
+                )
+            } else {
+                format!("scheduled for {}", crate::time::rfc3339(ready_at))
+            });
+        }
+        let selector_text: String = r.get(3);
+        let key: String = r.get(4);
+        let max_running: i32 = r.get(5);
+        let priority: i32 = r.get(6);
+        let tools: Vec<String> = r.get(7);
+        let require_sandbox: bool = r.get(8);
+        let require_verified: bool = r.get(9);
+        let action_id: String = r.get(10);
+        let selector = Selector::parse(&selector_text)
+            .map_err(|e| Error::Internal(format!("stored selector: {e}")))?;
+        let workers = self.pg_workers(None, None).await?;
+        let runs = |w: &Worker, verified: bool| {
+            (!require_sandbox || w.sandboxed)
+                && tools.iter().all(|t| {
+                    w.capabilities.tools.contains(t) || w.capabilities.agentic_units.contains(t)
+                })
+                && selector.matches(&w.tags)
+                && (!verified
+                    || !require_verified
+                    || tools
+                        .iter()
+                        .all(|t| w.verifications.iter().any(|v| &v.tool == t && v.passed)))
+        };
+        let usable = |w: &Worker| w.state == WorkerState::Active && w.fresh && w.connected;
+        let capable: Vec<&Worker> = workers
+            .iter()
+            .filter(|w| usable(w) && runs(w, true))
+            .collect();
+        let sel = if selector_text.is_empty() {
+            String::new()
+        } else {
+            format!(" and matches worker selector `{selector_text}`")
+        };
+        if capable.is_empty() && require_verified {
+            let unverified: Vec<&str> = workers
+                .iter()
+                .filter(|w| usable(w) && runs(w, false))
+                .map(|w| w.worker_id.as_str())
+                .collect();
+            if !unverified.is_empty() {
+                return Ok(format!(
+                    "no fresh worker has passed a verification of [{}] (the plan sets require_verified_tools); \
+                     {} worker(s) advertise them but are not verified ({}): the server challenges them; \
+                     see agq worker get ID, or agq worker verify ID TOOL",
+                    tools.join(", "),
+                    unverified.len(),
+                    unverified.join(", ")
+                ));
+            }
+        }
+        if capable.is_empty() {
+            let sandbox = if require_sandbox {
+                " and runs tasks in the kernel sandbox (the plan sets require_sandbox)"
+            } else {
+                ""
+            };
+            let quarantined = workers
+                .iter()
+                .filter(|w| w.state == WorkerState::Quarantined && runs(w, true))
+                .count();
+            let quarantined = if quarantined > 0 {
+                format!(
+                    " ({quarantined} worker(s) that could are quarantined: agq worker list --state quarantined)"
+                )
+            } else {
+                String::new()
+            };
+            let hint = if sel.is_empty() {
+                "start or repair a worker that advertises them"
+            } else {
+                "start a worker with matching tags (agw --tag KEY=VALUE) and those tools"
+            };
+            return Ok(format!(
+                "no fresh worker has tools [{}]{sandbox}{sel}; {hint}{quarantined}",
+                tools.join(", ")
+            ));
+        }
+        if !key.is_empty() {
+            let running: i64 = c
+                .query_one(
+                    "SELECT count(*) FROM jobs WHERE status = 2 AND concurrency_key = $1",
+                    &[&key],
+                )
+                .await
+                .map_err(db_err)?
+                .get(0);
+            if running >= i64::from(max_running) {
+                return Ok(format!(
+                    "concurrency limit of {key} reached ({running} running, max_running {max_running})"
+                ));
+            }
+        }
+        if capable
+            .iter()
+            .all(|w| w.active_leases >= w.max_concurrent_jobs.max(1))
+        {
+            let slots: u32 = capable.iter().map(|w| w.max_concurrent_jobs.max(1)).sum();
+            return Ok(format!(
+                "all {} capable workers are busy ({slots} of {slots} slots leased)",
+                capable.len()
+            ));
+        }
+        let ahead = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE priority > $2),
+                        count(*) FILTER (WHERE priority = $2 AND action_id = $3 AND id < $1)
+                 FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms()",
+                &[&id, &priority, &action_id],
+            )
+            .await
+            .map_err(db_err)?;
+        Ok(format!(
+            "ready at priority {priority}; {} jobs of higher priority and {} earlier jobs of its action wait ahead of it",
+            ahead.get::<_, i64>(0),
+            ahead.get::<_, i64>(1)
+        ))
+    }
+
+    pub(super) async fn pg_queue_stats(&self) -> Result<QueueStats> {
+        let c = self.client().await?;
+        let r = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE status = 1 AND ready_at_ms <= now),
+                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
+                        count(*) FILTER (WHERE status = 2),
+                        min(ready_at_ms) FILTER (WHERE status = 1 AND ready_at_ms <= now),
+                        min(ready_at_ms) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
+                        max(created_at_ms), max(now)
+                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        let n = |i: usize| u64::try_from(r.get::<_, i64>(i)).unwrap_or(0);
+        let now: i64 = r
+            .get::<_, Option<i64>>(6)
+            .unwrap_or_else(crate::time::now_ms);
+        let secs = |t: Option<i64>, later: bool| {
+            t.map_or(0, |t| {
+                let d = if later { t - now } else { now - t };
+                u64::try_from(d.max(0) / 1000).unwrap_or(0)
+            })
+        };
+        let mut stats = QueueStats {
+            ready_length: n(0),
+            scheduled_length: n(1),
+            running_length: n(2),
+            oldest_ready_age_secs: secs(r.get(3), false),
+            next_scheduled_due_in_secs: secs(r.get(4), true),
+            newest_job_age_secs: secs(r.get(5), false),
+            ..Default::default()
+        };
+        let by_priority = c
+            .query(
+                "SELECT priority, count(*) FILTER (WHERE status = 1 AND ready_at_ms <= n.now),
+                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > n.now) OR status = 4),
+                        count(*) FILTER (WHERE status = 2)
+                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)
+                 GROUP BY priority ORDER BY priority DESC",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        let depths = |r: &tokio_postgres::Row| Depths {
+            ready: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+            scheduled: u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
+            running: u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
+        };
+        stats.by_priority = by_priority
+            .iter()
+            .map(|r| PriorityStats {
+                priority: r.get(0),
+                depths: depths(r),
+            })
+            .collect();
+        let by_pool = c
+            .query(
+                "SELECT worker_selector, count(*) FILTER (WHERE status = 1 AND ready_at_ms <= n.now),
+                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > n.now) OR status = 4),
+                        count(*) FILTER (WHERE status = 2)
+                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)
+                 GROUP BY worker_selector ORDER BY worker_selector",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        let workers = self.pg_workers(None, None).await?;
+        for r in &by_pool {
+            let text: String = r.get(0);
+            let matching = Selector::parse(&text).map_or(0, |s| {
+                workers
+                    .iter()
+                    .filter(|w| w.state.is_live() && s.matches(&w.tags))
+                    .count() as u32
+            });
+            stats.by_pool.push(PoolStats {
+                worker_selector: text,
+                depths: depths(r),
+                workers_matching: matching,
+            });
+        }
+        for w in &workers {
+            if !w.state.is_live() {
+                continue;
+            }
+            stats.workers_total += 1;
+            match w.state {
+                WorkerState::Draining => stats.workers_draining += 1,
+                WorkerState::Quarantined => stats.workers_quarantined += 1,
+                _ => {}
+            }
+            if !w.fresh {
+                stats.workers_stale += 1;
+            } else if w.state == WorkerState::Active {
+                if w.active_leases > 0 {
+                    stats.workers_active += 1;
+                } else {
+                    stats.workers_idle += 1;
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    pub(super) async fn pg_peek(&self, queue: QueueName, count: usize) -> Result<Vec<String>> {
+        let c = self.client().await?;
+        let sql = match queue {
+            QueueName::Ready => {
+                "SELECT job_id FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms()
+                 ORDER BY priority DESC, id LIMIT $1"
+            }
+            QueueName::Scheduled => {
+                "SELECT job_id FROM jobs
+                 WHERE (status = 1 AND ready_at_ms > agq_now_ms()) OR status = 4
+                 ORDER BY ready_at_ms, id LIMIT $1"
+            }
+        };
+        Ok(c.query(sql, &[&(count as i64)])
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect())
+    }
+}
+
+/// Queues the end of worker `id`'s heartbeat stream.
+///
+/// Errors: storage errors.
+pub(super) async fn queue_end(c: &impl GenericClient, id: &str, reason: &str) -> Result<()> {
+    c.execute(
+        "INSERT INTO worker_commands (worker_id, command, created_at_ms) VALUES ($1, $2, agq_now_ms())",
+        &[&id, &encode_end(reason)],
+    )
+    .await
+    .map_err(db_err)?;
+    super::notify_names(c, super::COMMAND_CHANNEL, &[id.to_string()]).await
+}
+
+/// Records a challenge of worker `id` to run `command` with `args` and
+/// queues it.
+///
+/// Errors: storage errors.
+async fn challenge(
+    c: &impl GenericClient,
+    id: &str,
+    command: &str,
+    args: Vec<String>,
+) -> Result<Verification> {
+    let challenge_id = uuid::Uuid::new_v4().to_string();
+    let args_json = serde_json::to_string(&args).map_err(|e| Error::Internal(e.to_string()))?;
+    c.execute(
+        "DELETE FROM worker_challenges WHERE worker_id = $1 AND tool = $2",
+        &[&id, &command],
+    )
+    .await
+    .map_err(db_err)?;
+    let requested: i64 = c
+        .query_one(
+            "INSERT INTO worker_challenges (challenge_id, worker_id, tool, args, requested_at_ms)
+             VALUES ($1, $2, $3, $4, agq_now_ms()) RETURNING requested_at_ms",
+            &[&challenge_id, &id, &command, &args_json],
+        )
+        .await
+        .map_err(db_err)?
+        .get(0);
+    queue_command(
+        c,
+        id,
+        &WorkerCommand::Verify {
+            challenge_id: challenge_id.clone(),
+            command: command.to_string(),
+            args: args.clone(),
+        },
+    )
+    .await?;
+    tracing::info!(worker_id = id, command, challenge_id = %challenge_id, "capability challenge sent");
+    Ok(Verification {
+        tool: command.to_string(),
+        args,
+        challenge_id,
+        requested_at_ms: requested,
+        answered_at_ms: None,
+        passed: false,
+        exit_code: -1,
+        output: String::new(),
+        error: String::new(),
+    })
+}
+
+/// The command pump: delivers queued commands to the workers connected
+/// here, woken by `NOTIFY agq_commands` and polling as a fallback.
+pub(super) async fn command_pump(engine: Arc<PgEngine>) {
+    let mut stop = engine.stopping();
+    while wait(&engine.commands_wake, POLL_INTERVAL, &mut stop).await {
+        let r = engine.deliver_commands().await;
+        if let Err(e) = engine.observe(r) {
+            tracing::debug!(error = %e, "command delivery failed; retrying");
+        }
+    }
+}
