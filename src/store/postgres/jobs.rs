@@ -157,8 +157,8 @@ impl PgEngine {
             format!("attempt {attempt} of {max_attempts}: {error}")
         };
         tx.execute(
-            "UPDATE jobs SET status = $2, error = $3, ready_at_ms = agq_now_ms() + $4,
-                    completed_at_ms = CASE WHEN $2 = 5 THEN agq_now_ms() END,
+            "UPDATE jobs SET status = $2::smallint, error = $3, ready_at_ms = agq_now_ms() + $4,
+                    completed_at_ms = CASE WHEN $2::smallint = 5 THEN agq_now_ms() END,
                     lease_id = CASE WHEN $5 THEN lease_id END, lease_expires_at_ms = NULL
              WHERE id = $1",
             &[&id, &(status as i16), &error, &backoff, &reported],
