@@ -1,5 +1,6 @@
 //! Core service: every RPC's happy path, every validation rule with its
 //! exact status code, the auth matrix, and persistence across a restart.
+//! Each test runs on SQLite and on PostgreSQL (`sqlite::` and `postgres::`).
 
 mod common;
 
@@ -13,6 +14,27 @@ use agq::{
 use common::*;
 use tonic::Code;
 
+// Every test runs on both stores: `sqlite::NAME` and `postgres::NAME`.
+store_tests! {
+    plan_submit_get_list_delete,
+    plan_validation_rules,
+    submit_action_rejects_bad_requests_and_leaves_no_jobs,
+    submit_action_creates_one_pending_job_per_input,
+    a_taken_action_id_is_already_exists_and_adds_no_jobs,
+    get_job_shows_input_attempts_and_why_it_waits,
+    list_jobs_pages_through_an_action,
+    cancel_and_retry_follow_the_job_state_rules,
+    search_jobs_filters_by_status_plan_and_time,
+    run_at_schedules_the_jobs,
+    queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs,
+    delete_plan_is_refused_while_jobs_are_pending,
+    watch_action_streams_until_terminal,
+    auth_matrix,
+    state_survives_a_restart,
+    shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams,
+    finished_actions_expire_after_the_retention_with_their_jobs,
+}
+
 fn task(n: u32, cmd: &str) -> Task {
     Task {
         task_number: n,
@@ -24,10 +46,10 @@ fn task(n: u32, cmd: &str) -> Task {
     }
 }
 
-#[tokio::test]
-async fn plan_submit_get_list_delete() {
+async fn plan_submit_get_list_delete(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
+    let s =
+        TestServer::start_store(store, &dir.path().join("agq.db"), EngineConfig::default()).await;
     let mut plans = s.plans().await;
     for id in ["alpha-1", "alpha-2", "alpha-3", "beta.1"] {
         let r = plans
@@ -125,10 +147,10 @@ async fn plan_submit_get_list_delete() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn plan_validation_rules() {
+async fn plan_validation_rules(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), EngineConfig::default()).await;
+    let s =
+        TestServer::start_store(store, &dir.path().join("agq.db"), EngineConfig::default()).await;
     let mut plans = s.plans().await;
     let base = plan("ok", &["cat", "sort"]);
     let mut cases: Vec<(String, Plan)> = Vec::new();
@@ -261,9 +283,9 @@ fn action_config() -> EngineConfig {
     }
 }
 
-/// A server with [`action_config`] and the one-task plan `p` stored.
-async fn server_with_plan_p(dir: &tempfile::TempDir) -> TestServer {
-    let s = TestServer::start(&dir.path().join("agq.db"), action_config()).await;
+/// A server on `store` with [`action_config`] and the one-task plan `p` stored.
+async fn server_with_plan_p(store: TestStore, dir: &tempfile::TempDir) -> TestServer {
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), action_config()).await;
     s.plans()
         .await
         .submit_plan(SubmitPlanRequest {
@@ -314,10 +336,9 @@ const YEAR_2096: prost_types::Timestamp = prost_types::Timestamp {
     nanos: 0,
 };
 
-#[tokio::test]
-async fn submit_action_rejects_bad_requests_and_leaves_no_jobs() {
+async fn submit_action_rejects_bad_requests_and_leaves_no_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let mut actions = s.actions().await;
     let mut jobs = s.jobs().await;
     let on_p = |inputs: Vec<ActionInput>| SubmitActionRequest {
@@ -417,10 +438,9 @@ async fn submit_action_rejects_bad_requests_and_leaves_no_jobs() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn submit_action_creates_one_pending_job_per_input() {
+async fn submit_action_creates_one_pending_job_per_input(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     // 5 jobs, server-made id
     let r = submit_p(&s, 5).await;
     assert_eq!(r.jobs_created, 5);
@@ -442,10 +462,9 @@ async fn submit_action_creates_one_pending_job_per_input() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_taken_action_id_is_already_exists_and_adds_no_jobs() {
+async fn a_taken_action_id_is_already_exists_and_adds_no_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let mut actions = s.actions().await;
     let named = actions
         .submit_action(SubmitActionRequest {
@@ -482,10 +501,9 @@ async fn a_taken_action_id_is_already_exists_and_adds_no_jobs() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn get_job_shows_input_attempts_and_why_it_waits() {
+async fn get_job_shows_input_attempts_and_why_it_waits(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let r = submit_p(&s, 1).await;
     let j = job(&s, &r.job_ids[0]).await;
     assert_eq!(j.status, JobStatus::Pending as i32);
@@ -509,10 +527,9 @@ async fn get_job_shows_input_attempts_and_why_it_waits() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn list_jobs_pages_through_an_action() {
+async fn list_jobs_pages_through_an_action(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let mut jobs = s.jobs().await;
     let r = submit_p(&s, 5).await;
     let p1 = jobs
@@ -548,10 +565,9 @@ async fn list_jobs_pages_through_an_action() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn cancel_and_retry_follow_the_job_state_rules() {
+async fn cancel_and_retry_follow_the_job_state_rules(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let mut jobs = s.jobs().await;
     let r = submit_p(&s, 5).await;
     let (pending, cancelled) = (&r.job_ids[0], &r.job_ids[4]);
@@ -595,10 +611,9 @@ async fn cancel_and_retry_follow_the_job_state_rules() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn search_jobs_filters_by_status_plan_and_time() {
+async fn search_jobs_filters_by_status_plan_and_time(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let mut jobs = s.jobs().await;
     // 5 pending jobs and a cancelled one
     let r = submit_p(&s, 6).await;
@@ -631,10 +646,9 @@ async fn search_jobs_filters_by_status_plan_and_time() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn run_at_schedules_the_jobs() {
+async fn run_at_schedules_the_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     let sch = s
         .actions()
         .await
@@ -656,10 +670,9 @@ async fn run_at_schedules_the_jobs() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs() {
+async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     // 5 ready jobs, a cancelled one, and one scheduled for 2096
     let r = submit_p(&s, 6).await;
     cancel(&s, &r.job_ids[5]).await;
@@ -737,10 +750,9 @@ async fn queue_stats_peek_and_metrics_count_ready_and_scheduled_jobs() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn delete_plan_is_refused_while_jobs_are_pending() {
+async fn delete_plan_is_refused_while_jobs_are_pending(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server_with_plan_p(&dir).await;
+    let s = server_with_plan_p(store, &dir).await;
     submit_p(&s, 1).await;
     let e = s
         .plans()
@@ -754,10 +766,9 @@ async fn delete_plan_is_refused_while_jobs_are_pending() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn watch_action_streams_until_terminal() {
+async fn watch_action_streams_until_terminal(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (action_id, ids) = submit(&s, plan("w", &["cat"]), 3, 1).await;
     let mut stream = s
         .actions()
@@ -871,14 +882,20 @@ enum AuthCall {
     Unregister(&'static str),
 }
 
-#[tokio::test]
-async fn auth_matrix() {
+async fn auth_matrix(store: TestStore) {
     const CLIENT: Option<&str> = Some("client-token-0123456789");
     const ADMIN: Option<&str> = Some("admin-token-0123456789");
     const WORKER_W1: Option<&str> = Some("worker-token-0123456789");
     use AuthCall::*;
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), tokens(), None).await;
+    let s = TestServer::start_store_with(
+        store,
+        &dir.path().join("agq.db"),
+        fast_config(),
+        tokens(),
+        None,
+    )
+    .await;
     let ch = s.channel().await;
     let reg = |id: &str| RegisterWorkerRequest {
         worker_id: id.into(),
@@ -999,11 +1016,11 @@ async fn auth_matrix() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn state_survives_a_restart() {
+async fn state_survives_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("nested/dir/agq.db");
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_store(store, &db, fast_config()).await;
+    let backing = s.backing.clone();
     let (action_id, ids) = submit(&s, plan("keep", &["cat"]), 4, 3).await;
     s.jobs()
         .await
@@ -1014,7 +1031,7 @@ async fn state_survives_a_restart() {
         .unwrap();
     s.stop().await;
 
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_on(&backing, fast_config()).await;
     let p = s
         .plans()
         .await
@@ -1064,13 +1081,12 @@ async fn state_survives_a_restart() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams() {
+async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams(store: TestStore) {
     use tonic_health::pb::{
         health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
     };
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut health = HealthClient::new(s.channel().await);
     let mut watch = health
         .watch(HealthCheckRequest {
@@ -1115,14 +1131,13 @@ async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams(
 /// an open job is kept however old its other jobs are, and a dead job
 /// retried before the deadline opens its action again until it ends anew.
 /// Completed, dead and cancelled endings all count.
-#[tokio::test]
-async fn finished_actions_expire_after_the_retention_with_their_jobs() {
+async fn finished_actions_expire_after_the_retention_with_their_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = EngineConfig {
         job_retention: Some(std::time::Duration::from_secs(1)),
         ..fast_config()
     };
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     let mut w = SimWorker::start(&s, "ret-w", &["cat"], 4).await;
     let mut jobs = s.jobs().await;
     let actions = s.actions().await;

@@ -1,7 +1,11 @@
 //! Test harness: a real AGQ server on 127.0.0.1:0 with a temporary
 //! database, generated clients, and simulated workers that drive the
-//! WorkerService like agw does.
+//! WorkerService like agw does. A test server keeps its state in SQLite
+//! or, with [`TestStore::Postgres`], in a fresh database of the throwaway
+//! PostgreSQL cluster of [`pg`]; [`store_tests!`] runs a test on both.
 #![allow(dead_code)]
+
+pub mod pg;
 
 use std::{
     net::SocketAddr,
@@ -11,7 +15,7 @@ use std::{
 
 use agq::{
     auth::Authenticator,
-    config::EngineConfig,
+    config::{EngineConfig, Store},
     local::LocalServer,
     pb::{self, *},
     server::ServerOptions,
@@ -35,6 +39,54 @@ pub fn fast_config() -> EngineConfig {
     }
 }
 
+/// The store a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestStore {
+    /// SQLite at the test's database path.
+    Sqlite,
+    /// A fresh database of the test PostgreSQL server ([`pg`]).
+    Postgres,
+}
+
+/// Where a test server keeps its state, resolved: start a server again on
+/// the same [`Backing`] to reopen the same database.
+#[derive(Debug, Clone)]
+pub struct Backing {
+    pub test_store: TestStore,
+    /// [`ServerOptions::store`].
+    pub store: Store,
+    /// [`ServerOptions::db`]: the SQLite file; with PostgreSQL, a path no
+    /// SQLite database can be created at (see [`Backing::new`]).
+    pub db: PathBuf,
+}
+
+impl Backing {
+    /// SQLite at `db`, or a fresh PostgreSQL database. With PostgreSQL the
+    /// server's SQLite path lies under a regular file, so a server that
+    /// opened SQLite instead of the PostgreSQL store fails to start rather
+    /// than pass the test on the wrong store.
+    pub async fn new(test_store: TestStore, db: &Path) -> Backing {
+        match test_store {
+            TestStore::Sqlite => Backing {
+                test_store,
+                store: Store::Sqlite,
+                db: db.to_path_buf(),
+            },
+            TestStore::Postgres => {
+                let parent = db.parent().unwrap_or(Path::new("."));
+                std::fs::create_dir_all(parent).unwrap();
+                let blocker = parent.join("postgres-store-has-no-sqlite-file");
+                std::fs::write(&blocker, "the PostgreSQL store must not open SQLite\n").unwrap();
+                Backing {
+                    test_store,
+                    store: Store::Postgres(pg::fresh_database().await),
+                    db: blocker.join("agq.db"),
+                }
+            }
+        }
+    }
+}
+
 /// A running server: an [`agq::local::LocalServer`] and its database.
 pub struct TestServer {
     pub addr: SocketAddr,
@@ -42,14 +94,74 @@ pub struct TestServer {
     pub metrics_addr: Option<SocketAddr>,
     /// `http://ADDR` of the web console, when started with it.
     pub console_url: Option<String>,
+    /// The SQLite file ([`Backing::db`]).
     pub db: PathBuf,
+    /// Where the state is: [`TestServer::start_on`] reopens it.
+    pub backing: Backing,
     server: LocalServer,
 }
 
 impl TestServer {
-    /// Starts a server on `db` (created if missing).
+    /// Starts a server on SQLite at `db` (created if missing).
     pub async fn start(db: &Path, cfg: EngineConfig) -> TestServer {
         Self::start_with(db, cfg, Authenticator::default(), None).await
+    }
+
+    /// Starts a server on `store`: SQLite at `db`, or a fresh PostgreSQL
+    /// database.
+    pub async fn start_store(store: TestStore, db: &Path, cfg: EngineConfig) -> TestServer {
+        Self::start_store_with(store, db, cfg, Authenticator::default(), None).await
+    }
+
+    /// [`TestServer::start_store`] with auth, optionally on a fixed address.
+    pub async fn start_store_with(
+        store: TestStore,
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+        addr: Option<SocketAddr>,
+    ) -> TestServer {
+        let b = Backing::new(store, db).await;
+        Self::start_full(&b, cfg, auth, addr, false, false).await
+    }
+
+    /// [`TestServer::start_store`] also serving `GET /metrics` on
+    /// 127.0.0.1:0.
+    pub async fn start_store_with_metrics(
+        store: TestStore,
+        db: &Path,
+        cfg: EngineConfig,
+    ) -> TestServer {
+        let b = Backing::new(store, db).await;
+        Self::start_full(&b, cfg, Authenticator::default(), None, true, false).await
+    }
+
+    /// [`TestServer::start_store`] also serving `GET /metrics` and the web
+    /// console on 127.0.0.1:0.
+    pub async fn start_store_with_console(
+        store: TestStore,
+        db: &Path,
+        cfg: EngineConfig,
+        auth: Authenticator,
+    ) -> TestServer {
+        let b = Backing::new(store, db).await;
+        Self::start_full(&b, cfg, auth, None, true, true).await
+    }
+
+    /// Starts a server on an existing backing (a restart: the same SQLite
+    /// file or PostgreSQL database).
+    pub async fn start_on(backing: &Backing, cfg: EngineConfig) -> TestServer {
+        Self::start_on_with(backing, cfg, Authenticator::default(), None).await
+    }
+
+    /// [`TestServer::start_on`] with auth, optionally on a fixed address.
+    pub async fn start_on_with(
+        backing: &Backing,
+        cfg: EngineConfig,
+        auth: Authenticator,
+        addr: Option<SocketAddr>,
+    ) -> TestServer {
+        Self::start_full(backing, cfg, auth, addr, false, false).await
     }
 
     /// Starts a server with auth, optionally on a fixed address.
@@ -59,7 +171,7 @@ impl TestServer {
         auth: Authenticator,
         addr: Option<SocketAddr>,
     ) -> TestServer {
-        Self::start_full(db, cfg, auth, addr, false, false).await
+        Self::start_full(&sqlite(db), cfg, auth, addr, false, false).await
     }
 
     /// Starts a server that also serves `GET /metrics` and the web console
@@ -69,16 +181,24 @@ impl TestServer {
         cfg: EngineConfig,
         auth: Authenticator,
     ) -> TestServer {
-        Self::start_full(db, cfg, auth, None, true, true).await
+        Self::start_full(&sqlite(db), cfg, auth, None, true, true).await
     }
 
     /// Starts a server that also serves `GET /metrics` on 127.0.0.1:0.
     pub async fn start_with_metrics(db: &Path, cfg: EngineConfig) -> TestServer {
-        Self::start_full(db, cfg, Authenticator::default(), None, true, false).await
+        Self::start_full(
+            &sqlite(db),
+            cfg,
+            Authenticator::default(),
+            None,
+            true,
+            false,
+        )
+        .await
     }
 
     async fn start_full(
-        db: &Path,
+        backing: &Backing,
         cfg: EngineConfig,
         auth: Authenticator,
         addr: Option<SocketAddr>,
@@ -86,9 +206,9 @@ impl TestServer {
         console: bool,
     ) -> TestServer {
         let opts = ServerOptions {
-            store: agq::config::Store::Sqlite,
+            store: backing.store.clone(),
             sqlite_synchronous: Default::default(),
-            db: db.to_path_buf(),
+            db: backing.db.clone(),
             engine: cfg,
             auth,
             tls: None,
@@ -102,7 +222,8 @@ impl TestServer {
             addr: server.addr(),
             metrics_addr: server.metrics_addr(),
             console_url: server.console_url(),
-            db: db.to_path_buf(),
+            db: backing.db.clone(),
+            backing: backing.clone(),
             server,
         }
     }
@@ -146,6 +267,44 @@ impl TestServer {
         schedule_service_client::ScheduleServiceClient::new(self.channel().await)
     }
 }
+
+/// The backing of SQLite at `db`.
+fn sqlite(db: &Path) -> Backing {
+    Backing {
+        test_store: TestStore::Sqlite,
+        store: Store::Sqlite,
+        db: db.to_path_buf(),
+    }
+}
+
+/// Runs each listed test on both stores. Every name is an
+/// `async fn NAME(store: TestStore)` of the test file; the macro writes
+/// `sqlite::NAME` and `postgres::NAME`, `#[tokio::test]`s calling it with
+/// [`TestStore::Sqlite`] and [`TestStore::Postgres`] (run one half with
+/// `cargo test --test FILE sqlite::` or `postgres::`).
+#[allow(unused_macros)]
+macro_rules! store_tests {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name($crate::common::TestStore::Sqlite).await
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name($crate::common::TestStore::Postgres).await
+                }
+            )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use store_tests;
 
 /// An interceptor adding a bearer token.
 #[derive(Clone)]
