@@ -3,6 +3,7 @@
 //! routing, least-loaded choice, slots, freshness, fencing, grace,
 //! reconnects, max attempts, drain, cancel and server restarts. Every test
 //! ends by checking that no running job is stranded.
+//! Each test runs on SQLite and on PostgreSQL (`sqlite::` and `postgres::`).
 
 mod common;
 
@@ -12,10 +13,29 @@ use agq::pb::*;
 use common::*;
 use tonic::Code;
 
-#[tokio::test]
-async fn capability_routing_and_waiting_reason() {
+// Every test runs on both stores: `sqlite::NAME` and `postgres::NAME`.
+store_tests! {
+    capability_routing_and_waiting_reason,
+    least_loaded_and_max_concurrent_jobs,
+    a_worker_that_stops_heartbeating_gets_no_new_lease,
+    frozen_worker_loses_its_lease_and_fencing_rejects_its_late_report,
+    dropped_worker_job_is_re_leased_after_the_grace,
+    a_worker_that_reconnects_within_the_grace_keeps_its_leases,
+    max_attempts_then_dead,
+    drain_keeps_leases_but_gives_no_new_ones,
+    cancel_of_a_running_job_reaches_the_worker,
+    registration_rules_and_heartbeat_errors,
+    server_restart_mid_lease_strands_nothing,
+    a_worker_that_registers_and_never_heartbeats_strands_nothing,
+    batch_update_jobs_applies_each_report_on_its_own,
+    agw_reporter_batches_queued_reports,
+    a_lease_carries_the_job_as_stored,
+    task_results_are_replaced_by_the_next_report,
+}
+
+async fn capability_routing_and_waiting_reason(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("needs-jq", &["cat", "jq"]), 1, 3).await;
     let mut plain = SimWorker::start(&s, "plain", &["cat", "sort"], 4).await;
     assert!(
@@ -53,10 +73,9 @@ async fn capability_routing_and_waiting_reason() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn least_loaded_and_max_concurrent_jobs() {
+async fn least_loaded_and_max_concurrent_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut a = SimWorker::start(&s, "a", &["cat"], 3).await;
     let mut b = SimWorker::start(&s, "b", &["cat"], 3).await;
     // 4 jobs over 6 slots: least loaded spreads them 2 and 2 (filling the
@@ -133,10 +152,9 @@ async fn least_loaded_and_max_concurrent_jobs() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_worker_that_stops_heartbeating_gets_no_new_lease() {
+async fn a_worker_that_stops_heartbeating_gets_no_new_lease(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut w = SimWorker::start(&s, "frozen", &["cat"], 4).await;
     w.freeze(); // lease stream stays open, heartbeats stop
     tokio::time::sleep(Duration::from_millis(700)).await; // > 3 x 200 ms
@@ -176,10 +194,9 @@ async fn a_worker_that_stops_heartbeating_gets_no_new_lease() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn frozen_worker_loses_its_lease_and_fencing_rejects_its_late_report() {
+async fn frozen_worker_loses_its_lease_and_fencing_rejects_its_late_report(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
     let mut old = SimWorker::start(&s, "old", &["cat"], 1).await;
     let stale = old.lease().await;
@@ -224,10 +241,9 @@ async fn frozen_worker_loses_its_lease_and_fencing_rejects_its_late_report() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn dropped_worker_job_is_re_leased_after_the_grace() {
+async fn dropped_worker_job_is_re_leased_after_the_grace(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
     let mut a = SimWorker::start(&s, "a", &["cat"], 1).await;
     let mut b = SimWorker::start(&s, "b", &["cat"], 1).await;
@@ -260,12 +276,11 @@ async fn dropped_worker_job_is_re_leased_after_the_grace() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_worker_that_reconnects_within_the_grace_keeps_its_leases() {
+async fn a_worker_that_reconnects_within_the_grace_keeps_its_leases(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = fast_config();
     cfg.lease_grace = std::time::Duration::from_millis(1500);
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
     let mut w = SimWorker::start(&s, "blip", &["cat"], 2).await;
     let l1 = w.lease().await;
@@ -308,10 +323,9 @@ async fn a_worker_that_reconnects_within_the_grace_keeps_its_leases() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn max_attempts_then_dead() {
+async fn max_attempts_then_dead(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (action_id, ids) = submit(&s, plan("p", &["false"]), 1, 3).await;
     let mut w = SimWorker::start(&s, "w", &["false"], 1).await;
     for attempt in 1..=3 {
@@ -352,10 +366,9 @@ async fn max_attempts_then_dead() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn drain_keeps_leases_but_gives_no_new_ones() {
+async fn drain_keeps_leases_but_gives_no_new_ones(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 3, 3).await;
     let mut w = SimWorker::start(&s, "d", &["cat"], 1).await;
     let l = w.lease().await;
@@ -414,10 +427,9 @@ async fn drain_keeps_leases_but_gives_no_new_ones() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn cancel_of_a_running_job_reaches_the_worker() {
+async fn cancel_of_a_running_job_reaches_the_worker(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["sleep"]), 1, 3).await;
     let mut w = SimWorker::start(&s, "c", &["sleep"], 1).await;
     let l = w.lease().await;
@@ -448,10 +460,9 @@ async fn cancel_of_a_running_job_reaches_the_worker() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn registration_rules_and_heartbeat_errors() {
+async fn registration_rules_and_heartbeat_errors(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut c = s.workers().await;
     let reg = |id: &str| RegisterWorkerRequest {
         worker_id: id.into(),
@@ -539,12 +550,11 @@ async fn registration_rules_and_heartbeat_errors() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn server_restart_mid_lease_strands_nothing() {
+async fn server_restart_mid_lease_strands_nothing(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let s = TestServer::start(&db, fast_config()).await;
-    let addr = s.addr;
+    let s = TestServer::start_store(store, &db, fast_config()).await;
+    let (addr, backing) = (s.addr, s.backing.clone());
     let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
     let mut keeper = SimWorker::start(&s, "keeper", &["cat"], 1).await;
     let mut gone = SimWorker::start(&s, "gone", &["cat"], 1).await;
@@ -553,7 +563,8 @@ async fn server_restart_mid_lease_strands_nothing() {
     s.stop().await;
     drop(gone); // never comes back
 
-    let s = TestServer::start_with(&db, fast_config(), Default::default(), Some(addr)).await;
+    let s =
+        TestServer::start_on_with(&backing, fast_config(), Default::default(), Some(addr)).await;
     assert_eq!(
         s.queue()
             .await
@@ -583,10 +594,9 @@ async fn server_restart_mid_lease_strands_nothing() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_worker_that_registers_and_never_heartbeats_strands_nothing() {
+async fn a_worker_that_registers_and_never_heartbeats_strands_nothing(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
     let mut c = s.workers().await;
     c.register_worker(RegisterWorkerRequest {
@@ -641,10 +651,9 @@ fn batched(lease: &JobLease, status: JobStatus) -> UpdateJobRequest {
     }
 }
 
-#[tokio::test]
-async fn batch_update_jobs_applies_each_report_on_its_own() {
+async fn batch_update_jobs_applies_each_report_on_its_own(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     submit(&s, plan("p", &["cat"]), 4, 3).await;
     let mut w1 = SimWorker::start(&s, "w1", &["cat"], 3).await;
     let (l1, l2, l3) = (w1.lease().await, w1.lease().await, w1.lease().await);
@@ -736,11 +745,10 @@ async fn batch_update_jobs_applies_each_report_on_its_own() {
 
 /// agw's reporter: reports queued while no call is in flight go in one
 /// BatchUpdateJobs call, and each caller gets its own report's outcome.
-#[tokio::test]
-async fn agw_reporter_batches_queued_reports() {
+async fn agw_reporter_batches_queued_reports(store: TestStore) {
     use agq::worker::{client::worker_client, reporter::Reporter};
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 5, 3).await;
     let mut w = SimWorker::start(&s, "w1", &["cat"], 5).await;
     let mut leases = Vec::new();
@@ -809,10 +817,9 @@ async fn agw_reporter_batches_queued_reports() {
 /// scheduler keeps in memory until its first lease), for a retried one
 /// (read back from the database) and for one leased in the transaction
 /// that inserts it.
-#[tokio::test]
-async fn a_lease_carries_the_job_as_stored() {
+async fn a_lease_carries_the_job_as_stored(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
     let mut w = SimWorker::start(&s, "w1", &["cat"], 1).await;
     let first = w.lease().await;
@@ -862,10 +869,9 @@ async fn a_lease_carries_the_job_as_stored() {
 /// A report's task results replace whatever the job had stored: those of
 /// a progress report of the same attempt (a new job's first lease, which
 /// the server knows starts with none) and those of an earlier attempt.
-#[tokio::test]
-async fn task_results_are_replaced_by_the_next_report() {
+async fn task_results_are_replaced_by_the_next_report(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("p", &["cat", "sort"]), 1, 3).await;
     let mut w = SimWorker::start(&s, "w1", &["cat", "sort"], 1).await;
     let result = |n: u32, out: &str| TaskResult {

@@ -60,17 +60,13 @@ impl PgEngine {
     ///
     /// Errors: storage errors.
     async fn dispatch_round(&self) -> Result<bool> {
-        let stale = self.cfg.stale_after();
         let candidates: Vec<Candidate> = {
             let local = lock(&self.local);
             local
                 .workers
                 .iter()
                 .filter(|(_, w)| {
-                    w.epoch >= 0
-                        && w.heartbeat.is_some()
-                        && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
-                        && w.last_heartbeat.elapsed() < stale
+                    w.epoch >= 0 && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
                 })
                 .map(|(id, w)| Candidate {
                     id: id.clone(),
@@ -108,27 +104,66 @@ impl PgEngine {
                 (text, parsed)
             })
             .collect();
+        // Least loaded first: the ready jobs (at most the free slots) are
+        // shared out one at a time to the worker with the fewest leases,
+        // and each worker then claims its share in one transaction.
+        let ids: Vec<String> = candidates.iter().map(|w| w.id.clone()).collect();
+        let loads: HashMap<String, i64> = c
+            .query(
+                "SELECT worker_id, count(*) FROM jobs WHERE status = 2 AND worker_id = ANY($1)
+                 GROUP BY worker_id",
+                &[&ids],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let free: Vec<i64> = candidates
+            .iter()
+            .map(|w| (i64::from(w.max) - loads.get(&w.id).copied().unwrap_or(0)).max(0))
+            .collect();
+        let total_free: i64 = free.iter().sum();
+        if total_free == 0 {
+            return Ok(false);
+        }
+        let ready: i64 = c
+            .query_one(
+                "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE status = 1
+                     AND ready_at_ms <= agq_now_ms() LIMIT $1) r",
+                &[&total_free],
+            )
+            .await
+            .map_err(db_err)?
+            .get(0);
         drop(c);
-        let mut again = false;
-        for w in candidates {
+        let shares = share_out(&candidates, &loads, &free, ready);
+        let mut granted_any = false;
+        for (w, share) in candidates.iter().zip(shares) {
+            if share == 0 {
+                continue;
+            }
             let matching: Vec<String> = selectors
                 .iter()
                 .filter(|(_, s)| s.as_ref().is_some_and(|s| s.matches(&w.tags)))
                 .map(|(t, _)| t.clone())
                 .collect();
-            let (granted, free) = self.claim(&w, &matching).await?;
-            if granted > 0 && granted == free {
-                again = true;
-            }
+            let (granted, _) = self.claim(w, &matching, share).await?;
+            granted_any |= granted > 0;
         }
-        Ok(again)
+        Ok(granted_any)
     }
 
-    /// Claims up to the free slots of worker `w` and pushes the leases.
-    /// Returns (granted, free slots before).
+    /// Claims up to `share` of the free slots of worker `w` and pushes
+    /// the leases. Returns (granted, slots it could take).
     ///
     /// Errors: storage errors.
-    async fn claim(&self, w: &Candidate, selectors: &[String]) -> Result<(usize, usize)> {
+    async fn claim(
+        &self,
+        w: &Candidate,
+        selectors: &[String],
+        share: usize,
+    ) -> Result<(usize, usize)> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
         let Some(r) = tx
@@ -136,9 +171,10 @@ impl PgEngine {
                 "SELECT w.state, w.conn_epoch, w.replica_id,
                         (SELECT count(*) FROM jobs r WHERE r.status = 2 AND r.worker_id = w.worker_id),
                         ARRAY(SELECT v.tool FROM worker_verifications v
-                              WHERE v.worker_id = w.worker_id AND v.passed)
+                              WHERE v.worker_id = w.worker_id AND v.passed),
+                        w.last_heartbeat_at_ms > agq_now_ms() - $2
                  FROM workers w WHERE w.worker_id = $1 FOR UPDATE",
-                &[&w.id],
+                &[&w.id, &self.stale_ms()],
             )
             .await
             .map_err(db_err)?
@@ -158,11 +194,13 @@ impl PgEngine {
             }
             return Ok((0, 0));
         }
-        if state != WorkerState::Active as i16 {
+        // Only ACTIVE and fresh (a heartbeat, or the registration, within
+        // 3 x the interval, by the database's clock).
+        if state != WorkerState::Active as i16 || !r.get::<_, bool>(5) {
             return Ok((0, 0));
         }
         let running = usize::try_from(r.get::<_, i64>(3)).unwrap_or(usize::MAX);
-        let free = (w.max as usize).saturating_sub(running);
+        let free = (w.max as usize).saturating_sub(running).min(share);
         if free == 0 {
             return Ok((0, 0));
         }
@@ -325,4 +363,33 @@ impl PgEngine {
         self.touch(actions.iter().map(String::as_str));
         Ok((n, free))
     }
+}
+
+/// Shares `ready` jobs out over `workers` one at a time, each to the
+/// worker with the fewest leases (its current `loads` plus its share so
+/// far) among those with a free slot left; ties go to the earlier
+/// worker. Returns each worker's share.
+fn share_out(
+    workers: &[Candidate],
+    loads: &HashMap<String, i64>,
+    free: &[i64],
+    ready: i64,
+) -> Vec<usize> {
+    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(i64, usize)>> = workers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| free[*i] > 0)
+        .map(|(i, w)| std::cmp::Reverse((loads.get(&w.id).copied().unwrap_or(0), i)))
+        .collect();
+    let mut shares = vec![0usize; workers.len()];
+    for _ in 0..ready.max(0) {
+        let Some(std::cmp::Reverse((load, i))) = heap.pop() else {
+            break;
+        };
+        shares[i] += 1;
+        if (shares[i] as i64) < free[i] {
+            heap.push(std::cmp::Reverse((load + 1, i)));
+        }
+    }
+    shares
 }

@@ -358,10 +358,14 @@ impl PgEngine {
         let c = self.client().await?;
         let Some(r) = c
             .query_opt(
-                "UPDATE workers SET lease_stream_open = true
+                "UPDATE workers SET lease_stream_open = true,
+                        replica_id = CASE WHEN heartbeat_open AND replica_id IS NOT NULL
+                                          THEN replica_id ELSE $3 END,
+                        conn_epoch = CASE WHEN heartbeat_open AND replica_id IS NOT NULL
+                                          THEN conn_epoch ELSE conn_epoch + 1 END
                  WHERE worker_id = $1 AND state = ANY($2)
                  RETURNING conn_epoch, tools, tags, sandboxed, max_concurrent_jobs, replica_id",
-                &[&id, &LIVE.to_vec()],
+                &[&id, &LIVE.to_vec(), &self.replica_id],
             )
             .await
             .map_err(db_err)?
@@ -369,15 +373,15 @@ impl PgEngine {
             return Err(self.explain_worker(&c, &id).await);
         };
         let owner: Option<String> = r.get(5);
-        // Leases go only to workers whose heartbeat stream is here too
-        // (agw opens both on one connection); the claim re-checks.
+        // The replica holding the heartbeat stream owns the worker (agw
+        // opens both streams on one connection); without one open, the
+        // lease stream takes the ownership. The claim re-checks it.
         let epoch = if owner.as_deref() == Some(self.replica_id.as_str()) {
             r.get(0)
         } else {
             -1
         };
-        let known = lock(&self.local).workers.get(&id).map(|w| w.epoch);
-        self.local_entry(&id, &r, known.filter(|e| *e >= 0).unwrap_or(epoch))?;
+        self.local_entry(&id, &r, epoch)?;
         let mut local = lock(&self.local);
         local.next_stream_id += 1;
         let sid = local.next_stream_id;
