@@ -138,20 +138,44 @@ impl PgEngine {
             .get(0);
         drop(c);
         let shares = share_out(&candidates, &loads, &free, ready);
-        let mut granted_any = false;
-        for (w, share) in candidates.iter().zip(shares) {
-            if share == 0 {
-                continue;
-            }
-            let matching: Vec<String> = selectors
+        let matching = |w: &Candidate| -> Vec<String> {
+            selectors
                 .iter()
                 .filter(|(_, s)| s.as_ref().is_some_and(|s| s.matches(&w.tags)))
                 .map(|(t, _)| t.clone())
-                .collect();
-            let (granted, _) = self.claim(w, &matching, share).await?;
-            granted_any |= granted > 0;
+                .collect()
+        };
+        let mut granted_total = 0i64;
+        let mut left = free.clone();
+        for (i, (w, share)) in candidates.iter().zip(shares).enumerate() {
+            if share == 0 {
+                continue;
+            }
+            let (granted, _) = self.claim(w, &matching(w), share).await?;
+            granted_total += granted as i64;
+            left[i] -= granted as i64;
         }
-        Ok(granted_any)
+        // Shares a worker could not use (jobs it cannot run) go to the
+        // others, least loaded first.
+        let mut order: Vec<usize> = (0..candidates.len()).filter(|i| left[*i] > 0).collect();
+        order.sort_by_key(|i| {
+            let w = &candidates[*i];
+            (
+                loads.get(&w.id).copied().unwrap_or(0) + free[*i] - left[*i],
+                *i,
+            )
+        });
+        for i in order {
+            let rest = ready - granted_total;
+            if rest <= 0 {
+                break;
+            }
+            let w = &candidates[i];
+            let share = usize::try_from(rest.min(left[i])).unwrap_or(0);
+            let (granted, _) = self.claim(w, &matching(w), share).await?;
+            granted_total += granted as i64;
+        }
+        Ok(granted_total > 0)
     }
 
     /// Claims up to `share` of the free slots of worker `w` and pushes
