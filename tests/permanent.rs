@@ -9,13 +9,18 @@ use agq::pb::{
     self, GetJobRequest, GetPlanRequest, JobStatus, RetryJobRequest, SubmitPlanRequest,
     UpdateJobRequest,
 };
-use common::{fast_config, job, plan, submit, SimWorker, TestServer};
+use common::{fast_config, job, plan, store_tests, submit, SimWorker, TestServer, TestStore};
 use tonic::Code;
 
-#[tokio::test]
-async fn bad_permanent_exit_codes_are_refused_and_store_nothing() {
+store_tests! {
+    bad_permanent_exit_codes_are_refused_and_store_nothing,
+    a_permanent_failure_is_dead_at_once_and_can_still_be_retried,
+    an_ordinary_failure_is_still_retried,
+}
+
+async fn bad_permanent_exit_codes_are_refused_and_store_nothing(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     let cases: [(&str, Vec<i32>); 5] = [
         ("zero", vec![0]),
@@ -72,10 +77,9 @@ async fn bad_permanent_exit_codes_are_refused_and_store_nothing() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_permanent_failure_is_dead_at_once_and_can_still_be_retried() {
+async fn a_permanent_failure_is_dead_at_once_and_can_still_be_retried(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("perm", &["false"]), 1, 5).await;
     let mut w = SimWorker::start(&s, "w1", &["false"], 1).await;
     let lease = w.lease().await;
@@ -165,10 +169,9 @@ async fn a_permanent_failure_is_dead_at_once_and_can_still_be_retried() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn an_ordinary_failure_is_still_retried() {
+async fn an_ordinary_failure_is_still_retried(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let (_, ids) = submit(&s, plan("retry", &["false"]), 1, 2).await;
     let mut w = SimWorker::start(&s, "w1", &["false"], 1).await;
     let first = w.lease().await;

@@ -11,6 +11,15 @@ use agq::pb::*;
 use common::*;
 use tonic::{transport::Channel, Code};
 
+store_tests! {
+    replace_stores_a_new_version_and_get_fetches_either,
+    list_plan_versions_refuses_bad_requests,
+    a_pending_job_keeps_its_version,
+    running_failed_and_retried_jobs_keep_their_version,
+    versions_survive_a_restart,
+    delete_removes_every_version,
+}
+
 type Plans = plan_service_client::PlanServiceClient<Channel>;
 
 /// A plan whose tasks run `cmds` in order, described as `desc`.
@@ -103,10 +112,9 @@ fn job_id(l: &JobLease) -> &str {
     &l.job.as_ref().unwrap().job_id
 }
 
-#[tokio::test]
-async fn replace_stores_a_new_version_and_get_fetches_either() {
+async fn replace_stores_a_new_version_and_get_fetches_either(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     let v1 = described("p", &["cat"], "first");
     let v2 = described("p", &["cat", "sort"], "second");
@@ -222,10 +230,9 @@ async fn replace_stores_a_new_version_and_get_fetches_either() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn list_plan_versions_refuses_bad_requests() {
+async fn list_plan_versions_refuses_bad_requests(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     for (id, cmd) in [("p", "cat"), ("p", "sort"), ("q", "cat"), ("q", "sort")] {
         submit_plan(&mut plans, plan(id, &[cmd]), true)
@@ -298,10 +305,9 @@ async fn list_plan_versions_refuses_bad_requests() {
 /// A pending job created under version 1 and leased after version 2 was
 /// stored runs version 1's tasks, routed on version 1's tools; new jobs
 /// run version 2.
-#[tokio::test]
-async fn a_pending_job_keeps_its_version() {
+async fn a_pending_job_keeps_its_version(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     submit_plan(&mut plans, plan("p", &["cat"]), false)
         .await
@@ -350,10 +356,9 @@ async fn a_pending_job_keeps_its_version() {
 /// A running job keeps its version through a replacement, its next
 /// attempt after a failure, and a RetryJob after it went dead (which reads
 /// the old version back from the database).
-#[tokio::test]
-async fn running_failed_and_retried_jobs_keep_their_version() {
+async fn running_failed_and_retried_jobs_keep_their_version(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     submit_plan(&mut plans, plan("p", &["cat"]), false)
         .await
@@ -406,11 +411,11 @@ async fn running_failed_and_retried_jobs_keep_their_version() {
 
 /// Versions are durable: after a restart a pending job of version 1 still
 /// runs version 1, and GetPlan serves both versions.
-#[tokio::test]
-async fn versions_survive_a_restart() {
+async fn versions_survive_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_store(store, &db, fast_config()).await;
+    let backing = s.backing.clone();
     let mut plans = s.plans().await;
     submit_plan(&mut plans, plan("p", &["cat"]), false)
         .await
@@ -423,7 +428,7 @@ async fn versions_survive_a_restart() {
     drop(plans);
     s.stop().await;
 
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_on(&backing, fast_config()).await;
     let mut plans = s.plans().await;
     assert_eq!(get_plan(&mut plans, "p", 0).await.unwrap().version, 2);
     assert_eq!(
@@ -460,10 +465,9 @@ async fn versions_survive_a_restart() {
 
 /// DeletePlan is refused while a job of any version is open, then
 /// removes every version; the id starts again at version 1.
-#[tokio::test]
-async fn delete_removes_every_version() {
+async fn delete_removes_every_version(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut plans = s.plans().await;
     submit_plan(&mut plans, plan("p", &["cat"]), false)
         .await

@@ -14,8 +14,17 @@ use agq::{
     config::EngineConfig,
     pb::{self, JobStatus, ReleaseWorkerRequest, SubmitPlanRequest, WorkerState},
 };
-use common::{eventually, fast_config, job, metric, plan, submit, worker, SimWorker, TestServer};
+use common::{
+    eventually, fast_config, job, metric, plan, store_tests, submit, worker, Backing, SimWorker,
+    TestServer, TestStore,
+};
 use tonic::Code;
+
+store_tests! {
+    a_worker_whose_leases_time_out_is_quarantined_until_released,
+    only_an_admin_releases_and_zero_never_quarantines,
+    a_task_longer_than_the_job_timeout_is_refused,
+}
 
 /// A 1 s job timeout and quarantine after 2 timeouts within an hour.
 fn cfg() -> EngineConfig {
@@ -34,10 +43,9 @@ fn short_plan(id: &str) -> pb::Plan {
     p
 }
 
-#[tokio::test]
-async fn a_worker_whose_leases_time_out_is_quarantined_until_released() {
+async fn a_worker_whose_leases_time_out_is_quarantined_until_released(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg()).await;
     let (_, ids) = submit(&s, short_plan("hang"), 3, 5).await;
     let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
 
@@ -140,8 +148,7 @@ async fn a_worker_whose_leases_time_out_is_quarantined_until_released() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn only_an_admin_releases_and_zero_never_quarantines() {
+async fn only_an_admin_releases_and_zero_never_quarantines(store: TestStore) {
     let tokens = |t: &str, role| TokenEntry {
         token: t.into(),
         role,
@@ -162,7 +169,8 @@ async fn only_an_admin_releases_and_zero_never_quarantines() {
     )
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start_with(&dir.path().join("agq.db"), cfg(), auth, None).await;
+    let backing = Backing::new(store, &dir.path().join("agq.db")).await;
+    let s = TestServer::start_on_with(&backing, cfg(), auth, None).await;
     for (token, code) in [
         (None, Code::Unauthenticated),
         (Some("client-token-0123456789"), Code::PermissionDenied),
@@ -189,7 +197,7 @@ async fn only_an_admin_releases_and_zero_never_quarantines() {
         quarantine_after_timeouts: 0,
         ..cfg()
     };
-    let s = TestServer::start(&dir.path().join("agq.db"), off).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), off).await;
     submit(&s, short_plan("hang"), 3, 5).await;
     let mut w = SimWorker::start(&s, "w-slow", &["sleep"], 1).await;
     for _ in 0..3 {
@@ -199,10 +207,9 @@ async fn only_an_admin_releases_and_zero_never_quarantines() {
     s.stop().await;
 }
 
-#[tokio::test]
-async fn a_task_longer_than_the_job_timeout_is_refused() {
+async fn a_task_longer_than_the_job_timeout_is_refused(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg()).await;
     let mut p = short_plan("long");
     p.tasks[0].timeout_secs = 2;
     let err = s

@@ -14,8 +14,14 @@ use agq::{
     auth::Authenticator,
     pb::{self, ActionInput, CatchUp, SubmitPlanRequest},
 };
-use common::{eventually, fast_config, plan, TestServer};
+use common::{eventually, fast_config, plan, store_tests, TestServer, TestStore};
 use tonic::Code;
+
+store_tests! {
+    a_schedule_every_second_submits_one_action_per_second_across_a_restart,
+    schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing,
+    a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on,
+}
 
 async fn put_plan(s: &TestServer, id: &str) {
     s.plans()
@@ -105,11 +111,11 @@ fn ticks(schedule_id: &str, ids: &[String]) -> Vec<i64> {
     t
 }
 
-#[tokio::test]
-async fn a_schedule_every_second_submits_one_action_per_second_across_a_restart() {
+async fn a_schedule_every_second_submits_one_action_per_second_across_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_store(store, &db, fast_config()).await;
+    let backing = s.backing.clone();
     put_plan(&s, "tick").await;
     let created = create(&s, every_second("every-second", "tick"))
         .await
@@ -128,7 +134,13 @@ async fn a_schedule_every_second_submits_one_action_per_second_across_a_restart(
     s.stop().await;
     // Down for about two seconds: its ticks are caught up at start.
     tokio::time::sleep(Duration::from_millis(2200)).await;
-    let s = TestServer::start_with(&db, fast_config(), Authenticator::default(), Some(addr)).await;
+    let s = TestServer::start_on_with(
+        &backing,
+        fast_config(),
+        Authenticator::default(),
+        Some(addr),
+    )
+    .await;
     eventually(10, "ticks after the restart", || async {
         get(&s, "every-second").await.runs >= 7
     })
@@ -195,10 +207,9 @@ async fn a_schedule_every_second_submits_one_action_per_second_across_a_restart(
     );
 }
 
-#[tokio::test]
-async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing() {
+async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, "p").await;
     let daily = pb::Schedule {
         cron: "0 30 9 * * Mon-Fri".into(),
@@ -339,10 +350,9 @@ async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing() {
     assert_eq!(err.code(), Code::NotFound);
 }
 
-#[tokio::test]
-async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on() {
+async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, "doomed").await;
     create(&s, every_second("orphan", "doomed")).await.unwrap();
     // The plan goes before the first tick can use it (no job is open yet,
@@ -380,6 +390,8 @@ async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on() {
 
 /// The server process is killed with SIGKILL between ticks and started
 /// again on the same database: every second still has exactly one action.
+// SQLite only: it kills a real `agq serve` on its database file (tests/cluster.rs
+// kills replicas on PostgreSQL).
 #[tokio::test]
 async fn ticks_fire_exactly_once_across_a_kill_9() {
     use agq::pb::{

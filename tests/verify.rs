@@ -16,8 +16,14 @@ use agq::pb::{
     self, heartbeat_response::Command, ActionInput, JobStatus, SubmitActionRequest,
     SubmitPlanRequest, VerifyWorkerRequest,
 };
-use common::{eventually, fast_config, job, worker, SimWorker, TestServer};
+use common::{eventually, fast_config, job, store_tests, worker, SimWorker, TestServer, TestStore};
 use tonic::Code;
+
+store_tests! {
+    an_agentic_unit_is_advertised_described_and_runs,
+    a_plan_requiring_verified_tools_runs_only_on_workers_that_answered,
+    bad_challenges_are_refused_with_precise_statuses,
+}
 
 /// A directory the sandboxed tasks (run as `nobody` under a root agw) can
 /// read.
@@ -94,10 +100,9 @@ async fn submit(s: &TestServer, plan_id: &str, input: &[(&str, &str)]) -> String
         .remove(0)
 }
 
-#[tokio::test]
-async fn an_agentic_unit_is_advertised_described_and_runs() {
+async fn an_agentic_unit_is_advertised_described_and_runs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let files = open_dir();
     let unit = files.path().join("shout-unit");
     std::fs::write(
@@ -150,10 +155,9 @@ tr a-z A-Z < "$1"
     assert_eq!(done.worker_id, "unit-host");
 }
 
-#[tokio::test]
-async fn a_plan_requiring_verified_tools_runs_only_on_workers_that_answered() {
+async fn a_plan_requiring_verified_tools_runs_only_on_workers_that_answered(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     // A worker that advertises sort but never answers a challenge.
     let mut liar = SimWorker::start(&s, "liar", &["sort"], 1).await;
     put_plan(&s, plan("checked-sort", "sort", &[], true)).await;
@@ -247,10 +251,9 @@ async fn a_plan_requiring_verified_tools_runs_only_on_workers_that_answered() {
     .await;
 }
 
-#[tokio::test]
-async fn bad_challenges_are_refused_with_precise_statuses() {
+async fn bad_challenges_are_refused_with_precise_statuses(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let _w = SimWorker::start(&s, "w1", &["sort"], 1).await;
     let mut workers = s.workers().await;
     let cases = [

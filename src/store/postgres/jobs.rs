@@ -377,7 +377,7 @@ impl PgEngine {
         let found = c
             .query(
                 "SELECT version, description, task_count, created_at_ms FROM plan_versions
-                 WHERE plan_id = $1 AND version < $2 ORDER BY version DESC LIMIT $3",
+                 WHERE plan_id = $1 AND version < $2::bigint ORDER BY version DESC LIMIT $3",
                 &[&q.plan_id, &before, &((limit + 1) as i64)],
             )
             .await

@@ -140,7 +140,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `StoreUnavailable` (the client retries; health turns NOT_SERVING), any
 /// other is a storage error (`Internal`).
 fn db_err(e: tokio_postgres::Error) -> Error {
-    if e.is_closed() || e.code().is_none() {
+    let io = std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>());
+    if e.is_closed() || io {
         tracing::warn!(error = %e, "database unreachable");
         return Error::StoreUnavailable("the PostgreSQL database is unreachable");
     }

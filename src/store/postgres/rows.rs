@@ -275,8 +275,17 @@ pub async fn verifications(
         )
         .await
         .map_err(db_err)?;
+    let pending = c
+        .query(
+            "SELECT worker_id, tool, args, challenge_id, requested_at_ms, NULL::bigint, false, -1,
+                    '', ''
+             FROM worker_challenges WHERE worker_id = ANY($1) ORDER BY worker_id, tool",
+            &[&ids],
+        )
+        .await
+        .map_err(db_err)?;
     let mut out: HashMap<String, Vec<Verification>> = HashMap::new();
-    for r in rows {
+    for r in rows.into_iter().chain(pending) {
         let args: Vec<String> = serde_json::from_str(r.get(2))
             .map_err(|e| Error::Internal(format!("stored verification arguments: {e}")))?;
         out.entry(r.get(0)).or_default().push(Verification {
@@ -290,6 +299,9 @@ pub async fn verifications(
             output: r.get(8),
             error: r.get(9),
         });
+    }
+    for v in out.values_mut() {
+        v.sort_by(|a, b| a.tool.cmp(&b.tool));
     }
     Ok(out)
 }

@@ -36,7 +36,9 @@ pub(super) const LIVE: [i16; 3] = [
 /// worker's heartbeat stream with a reason.
 pub(super) enum Queued {
     Command(WorkerCommand),
-    End(String),
+    /// The end of the streams opened up to connection epoch `.1` (streams
+    /// of a later registration are not ended).
+    End(String, Option<i64>),
 }
 
 /// Encodes a command for `worker_commands.command`.
@@ -53,11 +55,6 @@ pub(super) fn encode_command(c: &WorkerCommand) -> String {
     .to_string()
 }
 
-/// Encodes the end of a worker's heartbeat stream.
-fn encode_end(reason: &str) -> String {
-    json!({ "end": reason }).to_string()
-}
-
 /// Decodes a `worker_commands.command`; `None` for a form this binary
 /// does not know (skipped).
 fn decode_command(text: &str) -> Option<Queued> {
@@ -70,7 +67,7 @@ fn decode_command(text: &str) -> Option<Queued> {
         return Some(Queued::Command(WorkerCommand::CancelJob(s(id)?)));
     }
     if let Some(e) = v.get("end") {
-        return Some(Queued::End(s(e)?));
+        return Some(Queued::End(s(e)?, v.get("epoch").and_then(|e| e.as_i64())));
     }
     let c = v.get("verify")?;
     Some(Queued::Command(WorkerCommand::Verify {
@@ -905,7 +902,10 @@ impl PgEngine {
                         command: Some(command),
                     }));
                 }
-                Some(Queued::End(reason)) => {
+                Some(Queued::End(reason, epoch)) => {
+                    if epoch.is_some_and(|e| w.epoch > e) {
+                        continue;
+                    }
                     let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(reason)));
                     w.heartbeat = None;
                     w.lease = None;
@@ -1194,13 +1194,17 @@ impl PgEngine {
     }
 }
 
-/// Queues the end of worker `id`'s heartbeat stream.
+/// Queues the end of worker `id`'s streams opened so far (those of its
+/// current connection epoch and before).
 ///
 /// Errors: storage errors.
 pub(super) async fn queue_end(c: &impl GenericClient, id: &str, reason: &str) -> Result<()> {
     c.execute(
-        "INSERT INTO worker_commands (worker_id, command, created_at_ms) VALUES ($1, $2, agq_now_ms())",
-        &[&id, &encode_end(reason)],
+        "INSERT INTO worker_commands (worker_id, command, created_at_ms)
+         VALUES ($1, json_build_object('end', $2::text,
+                     'epoch', (SELECT conn_epoch FROM workers WHERE worker_id = $1))::text,
+                 agq_now_ms())",
+        &[&id, &reason],
     )
     .await
     .map_err(db_err)?;
