@@ -19,8 +19,19 @@ use agq::{
     config::EngineConfig,
     pb::{self, ActionInput, JobStatus, SubmitActionRequest, SubmitPlanRequest},
 };
-use common::{eventually, fast_config, job, plan, SimWorker, TestServer};
+use common::{eventually, fast_config, job, plan, store_tests, SimWorker, TestServer, TestStore};
 use tonic::Code;
+
+store_tests! {
+    a_selector_keeps_jobs_off_workers_whose_tags_do_not_match,
+    a_plan_default_selector_applies_unless_the_action_sets_one,
+    malformed_scheduling_settings_are_refused_and_store_nothing,
+    a_high_priority_action_overtakes_a_10000_job_backlog,
+    a_concurrency_key_of_2_never_has_3_running,
+    retry_job_may_change_a_jobs_priority,
+    scheduling_settings_and_running_counts_survive_a_restart,
+    queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart,
+}
 
 /// `n` inputs `{n: i}`.
 fn inputs(n: usize) -> Vec<ActionInput> {
@@ -79,10 +90,9 @@ fn job_of(l: &pb::JobLease) -> &pb::Job {
     l.job.as_ref().expect("a lease carries its job")
 }
 
-#[tokio::test]
-async fn a_selector_keeps_jobs_off_workers_whose_tags_do_not_match() {
+async fn a_selector_keeps_jobs_off_workers_whose_tags_do_not_match(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("train", &["python3"])).await;
     let mut plain = SimWorker::start(&s, "w-cpu", &["python3"], 4).await;
     let mut spot = SimWorker::start_tagged(
@@ -147,10 +157,9 @@ async fn a_selector_keeps_jobs_off_workers_whose_tags_do_not_match() {
     assert_eq!(job_of(&any).action_id, "a-any");
 }
 
-#[tokio::test]
-async fn a_plan_default_selector_applies_unless_the_action_sets_one() {
+async fn a_plan_default_selector_applies_unless_the_action_sets_one(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     let mut p = plan("render", &["blender"]);
     p.worker_selector = "region   in (eu,us)".into();
     put_plan(&s, p).await;
@@ -192,10 +201,9 @@ async fn a_plan_default_selector_applies_unless_the_action_sets_one() {
     assert_eq!(job_of(&l).action_id, "a-own");
 }
 
-#[tokio::test]
-async fn malformed_scheduling_settings_are_refused_and_store_nothing() {
+async fn malformed_scheduling_settings_are_refused_and_store_nothing(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     let bad = [
         SubmitActionRequest {
@@ -259,10 +267,9 @@ async fn malformed_scheduling_settings_are_refused_and_store_nothing() {
     assert_eq!(plans.plan_ids, vec!["p".to_string()]);
 }
 
-#[tokio::test]
-async fn a_high_priority_action_overtakes_a_10000_job_backlog() {
+async fn a_high_priority_action_overtakes_a_10000_job_backlog(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     submit(&s, action("p", "backlog", 10_000)).await;
     let mut w = SimWorker::start(&s, "w1", &["true"], 1).await;
@@ -308,15 +315,18 @@ async fn a_high_priority_action_overtakes_a_10000_job_backlog() {
 
 /// With the guard every 5 leases, a low-priority job older than a stream
 /// of high-priority ones is leased 5th; with the guard off, last.
+// SQLite only: the PostgreSQL claim is FIFO within a priority (no round
+// robin among actions, no starvation guard; docs/scaling.md).
 #[tokio::test]
 async fn the_starvation_guard_bounds_how_long_a_low_priority_job_waits() {
+    let store = TestStore::Sqlite;
     for (every, want_position) in [(5u32, 5usize), (0, 31)] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = EngineConfig {
             starvation_guard_every: every,
             ..fast_config()
         };
-        let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+        let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
         put_plan(&s, plan("p", &["true"])).await;
         let low = submit(
             &s,
@@ -355,10 +365,13 @@ async fn the_starvation_guard_bounds_how_long_a_low_priority_job_waits() {
     }
 }
 
+// SQLite only: the PostgreSQL claim is FIFO within a priority (no round
+// robin among actions, no starvation guard; docs/scaling.md).
 #[tokio::test]
 async fn actions_of_equal_priority_take_turns_on_one_slot() {
+    let store = TestStore::Sqlite;
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     let a_ids = submit(&s, action("p", "big", 50)).await;
     let b_ids = submit(&s, action("p", "small", 5)).await;
@@ -388,10 +401,9 @@ async fn actions_of_equal_priority_take_turns_on_one_slot() {
 
 /// Two actions share the key `db` with max_running 2; three workers with
 /// three slots each count, on their side, the leases they are running.
-#[tokio::test]
-async fn a_concurrency_key_of_2_never_has_3_running() {
+async fn a_concurrency_key_of_2_never_has_3_running(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     for id in ["migrate-1", "migrate-2"] {
         submit(
@@ -474,10 +486,9 @@ async fn a_concurrency_key_of_2_never_has_3_running() {
     assert_eq!(action_status(&s, "migrate-2").await.completed, 12);
 }
 
-#[tokio::test]
-async fn retry_job_may_change_a_jobs_priority() {
+async fn retry_job_may_change_a_jobs_priority(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     let first = submit(
         &s,
@@ -536,11 +547,11 @@ async fn retry_job_may_change_a_jobs_priority() {
     let _ = queued;
 }
 
-#[tokio::test]
-async fn scheduling_settings_and_running_counts_survive_a_restart() {
+async fn scheduling_settings_and_running_counts_survive_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agq.db");
-    let s = TestServer::start(&db, fast_config()).await;
+    let s = TestServer::start_store(store, &db, fast_config()).await;
+    let backing = s.backing.clone();
     put_plan(&s, plan("p", &["true"])).await;
     submit(
         &s,
@@ -561,7 +572,13 @@ async fn scheduling_settings_and_running_counts_survive_a_restart() {
     s.stop().await;
 
     // The same address, so the worker's client reconnects as agw would.
-    let s = TestServer::start_with(&db, fast_config(), Authenticator::default(), Some(addr)).await;
+    let s = TestServer::start_on_with(
+        &backing,
+        fast_config(),
+        Authenticator::default(),
+        Some(addr),
+    )
+    .await;
     let a = action_status(&s, "a").await;
     assert_eq!(
         (
@@ -593,10 +610,11 @@ async fn scheduling_settings_and_running_counts_survive_a_restart() {
     assert!(w.lease_within(300).await.is_none(), "still max_running 1");
 }
 
-#[tokio::test]
-async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart() {
+async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart(
+    store: TestStore,
+) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
     put_plan(&s, plan("p", &["true"])).await;
     let mut busy = SimWorker::start(&s, "w-busy", &["true"], 1).await;
     let _idle = SimWorker::start(&s, "w-idle", &["other"], 1).await;
@@ -739,14 +757,17 @@ async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apar
 
 /// A round-robin turn of 3 leases (`--round-robin-quantum 3`): on one
 /// slot, three jobs of one action, then three of the other.
+// SQLite only: the PostgreSQL claim is FIFO within a priority (no round
+// robin among actions, no starvation guard; docs/scaling.md).
 #[tokio::test]
 async fn a_longer_round_robin_turn_keeps_an_actions_jobs_together() {
+    let store = TestStore::Sqlite;
     let dir = tempfile::tempdir().unwrap();
     let cfg = EngineConfig {
         round_robin_quantum: 3,
         ..fast_config()
     };
-    let s = TestServer::start(&dir.path().join("agq.db"), cfg).await;
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     put_plan(&s, plan("p", &["true"])).await;
     submit(&s, action("p", "a", 9)).await;
     submit(&s, action("p", "b", 9)).await;

@@ -1140,7 +1140,7 @@ impl PgEngine {
             let matching = Selector::parse(&text).map_or(0, |s| {
                 workers
                     .iter()
-                    .filter(|w| w.state.is_live() && s.matches(&w.tags))
+                    .filter(|w| w.state == WorkerState::Active && w.fresh && s.matches(&w.tags))
                     .count() as u32
             });
             stats.by_pool.push(PoolStats {
