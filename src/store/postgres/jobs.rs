@@ -27,42 +27,6 @@ pub(super) const RUNNING: i16 = JobStatus::Running as i16;
 pub(super) const FAILED: i16 = JobStatus::Failed as i16;
 pub(super) const DEAD: i16 = JobStatus::Dead as i16;
 
-/// Decrements the open-job count of `action_id` by `n` (jobs that became
-/// completed, dead or cancelled), stamping its finish time at zero.
-///
-/// Errors: storage errors.
-pub(super) async fn close_jobs(c: &impl GenericClient, action_id: &str, n: i32) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    c.execute(
-        "UPDATE actions SET open_jobs = open_jobs - $2,
-                finished_at_ms = CASE WHEN open_jobs - $2 <= 0 THEN agq_now_ms() END
-         WHERE action_id = $1",
-        &[&action_id, &n],
-    )
-    .await
-    .map_err(db_err)?;
-    Ok(())
-}
-
-/// Increments the open-job count of `action_id` by `n` (jobs retried out
-/// of dead), clearing its finish time.
-///
-/// Errors: storage errors.
-async fn reopen_jobs(c: &impl GenericClient, action_id: &str, n: i32) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    c.execute(
-        "UPDATE actions SET open_jobs = open_jobs + $2, finished_at_ms = NULL WHERE action_id = $1",
-        &[&action_id, &n],
-    )
-    .await
-    .map_err(db_err)?;
-    Ok(())
-}
-
 /// Queues `command` for worker `worker_id` (delivered by the replica that
 /// holds its heartbeat stream, after the commit).
 ///
@@ -165,9 +129,6 @@ impl PgEngine {
         )
         .await
         .map_err(db_err)?;
-        if dead {
-            close_jobs(tx, &action_id, 1).await?;
-        }
         if !reported && !worker_id.is_empty() {
             queue_command(tx, &worker_id, &WorkerCommand::CancelJob(job_id)).await?;
         }
@@ -491,10 +452,10 @@ impl PgEngine {
         let ready_at = v.run_at_ms.unwrap_or(now).max(now);
         let inserted = tx
             .execute(
-                "INSERT INTO actions (action_id, plan_id, plan_version, total_jobs, open_jobs,
-                     max_attempts, run_at_ms, created_at_ms, traceparent, priority, worker_selector,
+                "INSERT INTO actions (action_id, plan_id, plan_version, total_jobs, max_attempts,
+                     run_at_ms, created_at_ms, traceparent, priority, worker_selector,
                      concurrency_key, max_running)
-                 VALUES ($1, $2, $3, $4, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
                  ON CONFLICT (action_id) DO NOTHING",
                 &[
                     &v.action_id,
@@ -591,8 +552,11 @@ impl PgEngine {
                    AND ($3::bigint IS NULL OR a.created_at_ms < $3)
                    AND ($4::bigint IS NULL OR a.created_at_ms < $4
                         OR (a.created_at_ms = $4 AND a.seq < $5))
-                   AND ($6 = 0 OR ($6 = 1 AND a.finished_at_ms IS NULL)
-                        OR ($6 = 2 AND a.finished_at_ms IS NOT NULL)
+                   AND ($6 = 0
+                        OR ($6 = 1 AND EXISTS (SELECT 1 FROM jobs o WHERE o.action_id = a.action_id
+                                               AND o.status IN (1, 2, 4)))
+                        OR ($6 = 2 AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.action_id = a.action_id
+                                                   AND o.status IN (1, 2, 4)))
                         OR ($6 = 3 AND EXISTS (SELECT 1 FROM jobs j
                                                WHERE j.action_id = a.action_id AND j.status = 5)))
                  ORDER BY a.created_at_ms DESC, a.seq DESC LIMIT $7",
@@ -655,7 +619,6 @@ impl PgEngine {
                 }
             }
         }
-        close_jobs(tx, action_id, rows.len() as i32).await?;
         Ok(rows.len() as u32)
     }
 
@@ -696,8 +659,6 @@ impl PgEngine {
             )
             .await
             .map_err(db_err)?;
-        let dead = rows.iter().filter(|r| r.get::<_, i16>(0) == DEAD).count() as i32;
-        reopen_jobs(tx, action_id, dead).await?;
         tx.execute(
             "UPDATE actions SET finished_at_ms = NULL WHERE action_id = $1",
             &[&action_id],
@@ -897,6 +858,54 @@ impl PgEngine {
     pub(super) async fn pg_update_job(&self, req: JobReport) -> Result<JobStatus> {
         let results = encode_task_results(&req.task_results);
         let mut client = self.client().await?;
+        // The common reports in one fenced statement (one round trip, no
+        // explicit transaction); any other case, a rejection included,
+        // takes the path below, which says precisely why.
+        if req.progress_percent <= 100 && !req.permanent {
+            let fast = match req.status {
+                Some(JobStatus::Completed) => Some(
+                    "UPDATE jobs SET status = 3, completed_at_ms = agq_now_ms(),
+                            lease_expires_at_ms = NULL, task_results = coalesce($4, task_results)
+                     WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
+                     RETURNING action_id, started_at_ms, completed_at_ms",
+                ),
+                Some(JobStatus::Running) => Some(
+                    "UPDATE jobs SET current_task = $5, progress_percent = $6,
+                            task_results = coalesce($4, task_results)
+                     WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
+                     RETURNING action_id, started_at_ms, NULL::bigint",
+                ),
+                _ => None,
+            };
+            if let Some(sql) = fast {
+                let task = req.current_task as i32;
+                let percent = req.progress_percent as i32;
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    vec![&req.job_id, &req.lease_id, &req.worker_id, &results];
+                if req.status == Some(JobStatus::Running) {
+                    params.push(&task);
+                    params.push(&percent);
+                }
+                let done = client.query_opt(sql, &params).await.map_err(db_err)?;
+                if let Some(r) = done {
+                    if req.status == Some(JobStatus::Running) {
+                        return Ok(JobStatus::Running);
+                    }
+                    let action_id: String = r.get(0);
+                    let started: Option<i64> = r.get(1);
+                    let ended: Option<i64> = r.get(2);
+                    self.metrics.transition(JobStatus::Completed);
+                    if let (Some(s), Some(e)) = (started, ended) {
+                        self.metrics
+                            .job_duration
+                            .observe((e - s).max(0) as f64 / 1000.0);
+                    }
+                    self.touch([action_id.as_str()]);
+                    self.slot_freed(&req.worker_id);
+                    return Ok(JobStatus::Completed);
+                }
+            }
+        }
         let tx = client.transaction().await.map_err(db_err)?;
         let r = tx
             .query_opt(
@@ -991,7 +1000,6 @@ impl PgEngine {
                     )
                     .await
                     .map_err(db_err)?;
-                    close_jobs(&tx, &action_id, 1).await?;
                     self.metrics.transition(JobStatus::Completed);
                     JobStatus::Completed
                 }

@@ -136,6 +136,7 @@ impl PgEngine {
         self.expire_leases().await?;
         self.declare_stale().await?;
         self.lose_suspects().await?;
+        self.mark_finished().await?;
         self.expire_finished().await?;
         self.fire_schedules().await?;
         let c = self.client().await?;
@@ -390,6 +391,26 @@ impl PgEngine {
             }
         }
         self.touch(actions.iter().map(String::as_str));
+        Ok(())
+    }
+
+    /// Stamps the finish time (its last job's end) of actions with no
+    /// pending, running or failed job left, for retention and listings
+    /// (1000 of the oldest open actions per pass).
+    async fn mark_finished(&self) -> Result<()> {
+        let c = self.client().await?;
+        c.execute(
+            "UPDATE actions a SET finished_at_ms = coalesce(
+                 (SELECT max(j.completed_at_ms) FROM jobs j WHERE j.action_id = a.action_id),
+                 agq_now_ms())
+             WHERE a.action_id IN (SELECT action_id FROM actions WHERE finished_at_ms IS NULL
+                                   ORDER BY seq LIMIT 1000)
+               AND NOT EXISTS (SELECT 1 FROM jobs j
+                               WHERE j.action_id = a.action_id AND j.status IN (1, 2, 4))",
+            &[],
+        )
+        .await
+        .map_err(db_err)?;
         Ok(())
     }
 

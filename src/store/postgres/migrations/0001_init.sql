@@ -34,11 +34,10 @@ CREATE TABLE actions (
     plan_id          text NOT NULL REFERENCES plans (plan_id) ON DELETE CASCADE,
     plan_version     integer NOT NULL,
     total_jobs       integer NOT NULL,
-    open_jobs        integer NOT NULL,         -- jobs not completed, dead or cancelled
     max_attempts     integer NOT NULL,
     run_at_ms        bigint,
     created_at_ms    bigint NOT NULL,
-    finished_at_ms   bigint,                   -- set while open_jobs = 0
+    finished_at_ms   bigint,                   -- set once no job is pending, running or failed
     traceparent      text,
     priority         integer NOT NULL,
     worker_selector  text NOT NULL,
@@ -48,6 +47,7 @@ CREATE TABLE actions (
 CREATE INDEX actions_by_created ON actions (created_at_ms, seq);
 CREATE INDEX actions_by_plan ON actions (plan_id, created_at_ms, seq);
 CREATE INDEX actions_by_finished ON actions (finished_at_ms) WHERE finished_at_ms IS NOT NULL;
+CREATE INDEX actions_open ON actions (seq) WHERE finished_at_ms IS NULL;
 
 CREATE TABLE jobs (
     id                   bigserial PRIMARY KEY,
@@ -80,6 +80,8 @@ CREATE TABLE jobs (
 -- claimed rows leave the index, so a claim never walks past them.
 CREATE INDEX jobs_claim ON jobs (priority DESC, id) WHERE status = 1;
 CREATE INDEX jobs_by_action ON jobs (action_id, id);
+-- Whether an action still has work (pending, running, failed).
+CREATE INDEX jobs_open_by_action ON jobs (action_id) WHERE status IN (1, 2, 4);
 CREATE INDEX jobs_by_status ON jobs (status, id);
 CREATE INDEX jobs_running_by_worker ON jobs (worker_id) WHERE status = 2;
 CREATE INDEX jobs_lease_expiry ON jobs (lease_expires_at_ms) WHERE status = 2;
