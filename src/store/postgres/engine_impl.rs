@@ -225,7 +225,51 @@ impl Engine for PgEngine {
         reports: Vec<JobReport>,
     ) -> Result<Vec<Result<JobStatus>>> {
         let reports = validate::batch(&worker_id, reports)?;
-        Ok(futures_util::future::join_all(reports.into_iter().map(|r| self.update_job(r))).await)
+        // Valid completions of the worker's current leases in one
+        // statement; the rest (and any completion it did not apply: a
+        // rejection, a repeat) each as by update_job.
+        let mut out: Vec<Option<Result<JobStatus>>> = Vec::with_capacity(reports.len());
+        let mut completions = Vec::new();
+        for (i, r) in reports.iter().enumerate() {
+            let valid = validate::report(r, self.cfg.max_report_bytes);
+            let batched = valid.is_ok()
+                && r.status == Some(JobStatus::Completed)
+                && !r.permanent
+                && r.progress_percent <= 100
+                && r.worker_id == worker_id;
+            out.push(match valid {
+                Err(e) => Some(Err(e)),
+                Ok(()) => None,
+            });
+            if batched {
+                completions.push(i);
+            }
+        }
+        if completions.len() > 1 {
+            let done = self
+                .pg_complete_batch(&worker_id, &reports, &completions)
+                .await;
+            for i in self.observe(done)? {
+                out[i] = Some(Ok(JobStatus::Completed));
+            }
+        }
+        let rest = out
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.is_none())
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>();
+        let results = futures_util::future::join_all(
+            rest.iter().map(|i| self.update_job(reports[*i].clone())),
+        )
+        .await;
+        for (i, r) in rest.into_iter().zip(results) {
+            out[i] = Some(r);
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Error::Internal("report not applied".into()))))
+            .collect())
     }
 
     async fn unregister_worker(&self, worker_id: String) -> Result<u32> {

@@ -852,6 +852,64 @@ impl PgEngine {
         Ok(())
     }
 
+    /// Completes the reports at `which` of worker `worker_id` in one
+    /// statement fenced per job like a single report. Returns the indexes
+    /// it applied; the others are left to the caller.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn pg_complete_batch(
+        &self,
+        worker_id: &str,
+        reports: &[JobReport],
+        which: &[usize],
+    ) -> Result<Vec<usize>> {
+        let ids: Vec<&str> = which.iter().map(|i| reports[*i].job_id.as_str()).collect();
+        let leases: Vec<&str> = which
+            .iter()
+            .map(|i| reports[*i].lease_id.as_str())
+            .collect();
+        let results: Vec<Option<String>> = which
+            .iter()
+            .map(|i| encode_task_results(&reports[*i].task_results))
+            .collect();
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                "UPDATE jobs j SET status = 3, completed_at_ms = agq_now_ms(),
+                        lease_expires_at_ms = NULL, task_results = coalesce(u.results, j.task_results)
+                 FROM unnest($1::text[], $2::text[], $3::text[]) AS u(job_id, lease_id, results)
+                 WHERE j.job_id = u.job_id AND j.status = 2 AND j.lease_id = u.lease_id
+                   AND j.worker_id = $4
+                 RETURNING j.job_id, j.action_id, j.started_at_ms, j.completed_at_ms",
+                &[&ids, &leases, &results, &worker_id],
+            )
+            .await
+            .map_err(db_err)?;
+        let mut done = std::collections::HashSet::new();
+        let mut actions = Vec::new();
+        for r in &rows {
+            let job_id: String = r.get(0);
+            actions.push(r.get::<_, String>(1));
+            let (s, e): (Option<i64>, Option<i64>) = (r.get(2), r.get(3));
+            self.metrics.transition(JobStatus::Completed);
+            if let (Some(s), Some(e)) = (s, e) {
+                self.metrics
+                    .job_duration
+                    .observe((e - s).max(0) as f64 / 1000.0);
+            }
+            done.insert(job_id);
+        }
+        if !rows.is_empty() {
+            self.touch(actions.iter().map(String::as_str));
+            self.slot_freed(worker_id);
+        }
+        Ok(which
+            .iter()
+            .copied()
+            .filter(|i| done.contains(&reports[*i].job_id))
+            .collect())
+    }
+
     /// Applies a validated report (the JOB.UPDATE command): one
     /// transaction whose first statement locks the job row and whose
     /// writes happen only when the report holds the current lease.
