@@ -152,6 +152,11 @@ fn db_err(e: tokio_postgres::Error) -> Error {
         tracing::warn!(error = %e, "database unavailable");
         return Error::StoreUnavailable("the PostgreSQL database is unavailable");
     }
+    // A deadlock or serialization failure between replicas: the
+    // transaction was rolled back; the client retries.
+    if code == "40P01" || code == "40001" {
+        return Error::StoreBusy(format!("a concurrent transaction conflicted ({code}); retry"));
+    }
     Error::Storage {
         detail: format!("{e}: {}", e.as_db_error().map_or("", |d| d.message())),
         fault: None,
