@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// which several `agq serve` replicas may share (the clustered mode).
     #[arg(long, env = "AGQ_STORE", default_value = "sqlite", value_parser = parse_store)]
     pub store: Store,
+    /// PEM file of CA certificates trusted for TLS to PostgreSQL, besides
+    /// the system's (for `sslmode=require` with a private CA).
+    #[arg(long, env = "AGQ_STORE_CA_FILE")]
+    pub store_ca_file: Option<PathBuf>,
     /// Interval workers must heartbeat at, in seconds; a worker silent for
     /// 3 x this interval is stale and gets no leases.
     #[arg(long, env = "AGQ_HEARTBEAT_INTERVAL_SECS", default_value_t = 30,

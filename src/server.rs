@@ -49,6 +49,9 @@ pub struct TlsFiles {
 pub struct ServerOptions {
     /// The store: SQLite at `db`, or PostgreSQL.
     pub store: crate::config::Store,
+    /// CA certificates (PEM) trusted for TLS to PostgreSQL besides the
+    /// system's.
+    pub store_ca_file: Option<std::path::PathBuf>,
     /// SQLite database file (with [`crate::config::Store::Sqlite`]).
     pub db: std::path::PathBuf,
     /// SQLite `synchronous` mode of the database.
@@ -96,7 +99,13 @@ pub async fn run(
             .await?
         }
         crate::config::Store::Postgres(url) => {
-            crate::store::postgres::PgEngine::open(url, opts.engine.clone(), metrics).await?
+            crate::store::postgres::PgEngine::open(
+                url,
+                opts.store_ca_file.as_deref(),
+                opts.engine.clone(),
+                metrics,
+            )
+            .await?
         }
     };
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -80,6 +80,7 @@ impl Harness {
             .build()
             .map_err(|e| BenchError::Setup(format!("server runtime: {e}")))?;
         let opts = ServerOptions {
+            store_ca_file: None,
             store: agq::config::Store::Sqlite,
             db: dir.path().join("agq.db"),
             sqlite_synchronous: sync,

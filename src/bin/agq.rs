@@ -97,6 +97,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let maddr = metrics_listener.local_addr().map_err(|e| e.to_string())?;
     let opts = ServerOptions {
+        store_ca_file: args.store_ca_file.clone(),
         store: args.store.clone(),
         db: args.db.clone(),
         sqlite_synchronous: args.sqlite_synchronous,

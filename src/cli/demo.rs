@@ -383,6 +383,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         .unwrap_or_else(|| scratch.path().join("agq.db"));
 
     let opts = ServerOptions {
+        store_ca_file: None,
         store: crate::config::Store::Sqlite,
         db: db.clone(),
         sqlite_synchronous: Default::default(),

@@ -206,6 +206,7 @@ impl TestServer {
         console: bool,
     ) -> TestServer {
         let opts = ServerOptions {
+            store_ca_file: None,
             store: backing.store.clone(),
             sqlite_synchronous: Default::default(),
             db: backing.db.clone(),

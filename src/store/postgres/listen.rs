@@ -21,7 +21,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
         if *stop.borrow() {
             return;
         }
-        match engine.pg_config.connect(tokio_postgres::NoTls).await {
+        match engine.pg_config.connect(engine.tls.clone()).await {
             Ok((client, mut connection)) => {
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 let pump = tokio::spawn(async move {

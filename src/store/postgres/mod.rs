@@ -102,6 +102,8 @@ struct Local {
 
 /// The PostgreSQL engine of one replica. Cheap to share behind an `Arc`.
 pub struct PgEngine {
+    /// TLS for connections whose `sslmode` asks for it.
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     /// This engine, for tasks it spawns from `&self`.
     me: std::sync::Weak<PgEngine>,
     pool: Pool,
@@ -155,7 +157,9 @@ fn db_err(e: tokio_postgres::Error) -> Error {
     // A deadlock or serialization failure between replicas: the
     // transaction was rolled back; the client retries.
     if code == "40P01" || code == "40001" {
-        return Error::StoreBusy(format!("a concurrent transaction conflicted ({code}); retry"));
+        return Error::StoreBusy(format!(
+            "a concurrent transaction conflicted ({code}); retry"
+        ));
     }
     Error::Storage {
         detail: format!("{e}: {}", e.as_db_error().map_or("", |d| d.message())),
@@ -175,15 +179,25 @@ impl PgEngine {
     /// than this binary), storage errors.
     pub async fn open(
         url: &str,
+        ca_file: Option<&std::path::Path>,
         cfg: EngineConfig,
         metrics: SharedMetrics,
     ) -> Result<Arc<PgEngine>> {
         let pg_config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| Error::invalid(format!("--store: not a PostgreSQL URL: {e}")))?;
+        let mut pg_config = pg_config;
+        // A session stuck idle in a transaction (a replica paused mid-way)
+        // must not hold row locks for long.
+        let options = format!(
+            "{} -c idle_in_transaction_session_timeout=60000",
+            pg_config.get_options().unwrap_or_default()
+        );
+        pg_config.options(options.trim());
+        let tls = tls_connector(ca_file)?;
         let manager = Manager::from_config(
             pg_config.clone(),
-            tokio_postgres::NoTls,
+            tls.clone(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -197,7 +211,10 @@ impl PgEngine {
             .build()
             .map_err(|e| Error::Internal(format!("PostgreSQL pool: {e}")))?;
         {
-            let mut client = pool.get().await.map_err(pool_err)?;
+            let mut client = pool.get().await.map_err(|e| Error::Storage {
+                detail: format!("cannot connect to PostgreSQL: {e}"),
+                fault: Some("the PostgreSQL database is unreachable"),
+            })?;
             schema::migrate(&mut client).await?;
         }
         let host = sysinfo::System::host_name().unwrap_or_else(|| "agq".into());
@@ -208,6 +225,7 @@ impl PgEngine {
             metrics.watch_streams.clone(),
         ));
         let engine = Arc::new_cyclic(|me| PgEngine {
+            tls,
             me: me.clone(),
             pool,
             pg_config,
@@ -349,6 +367,50 @@ impl PgEngine {
     fn stopping(&self) -> watch::Receiver<bool> {
         self.stop.subscribe()
     }
+}
+
+/// The TLS connector of every connection: the system's trusted roots
+/// plus the PEM certificates in `ca_file` (`--store-ca-file`). TLS is
+/// used as the URL's `sslmode` says (`prefer` by default, `require` to
+/// refuse plain connections, `disable`).
+///
+/// Errors: `InvalidArgument` when `ca_file` cannot be read or holds no
+/// certificate; `Internal` when no TLS configuration can be built.
+fn tls_connector(
+    ca_file: Option<&std::path::Path>,
+) -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for cert in native.certs {
+        let _ = roots.add(cert);
+    }
+    if let Some(file) = ca_file {
+        let path = file.display();
+        let pem = std::fs::read(file)
+            .map_err(|e| Error::invalid(format!("--store-ca-file {path}: {e}")))?;
+        let mut added = 0;
+        for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
+            let cert: rustls::pki_types::CertificateDer<'static> =
+                cert.map_err(|e| Error::invalid(format!("--store-ca-file {path}: {e}")))?;
+            roots
+                .add(cert)
+                .map_err(|e| Error::invalid(format!("--store-ca-file {path}: {e}")))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(Error::invalid(format!(
+                "--store-ca-file {path}: no PEM certificate in it"
+            )));
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| Error::Internal(format!("TLS to PostgreSQL: {e}")))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
 /// Maps a pool error to `StoreUnavailable`.
