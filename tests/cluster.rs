@@ -518,7 +518,7 @@ async fn work_crosses_replicas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_listener_connection_still_leases() {
     let cluster = Cluster::start(2).await;
-    let urls = vec![cluster.url_of(0), cluster.url_of(1)];
+    let urls = [cluster.url_of(0), cluster.url_of(1)];
     put_plan(&urls[0]).await;
     let db = pg::connect(&cluster.url).await;
     let killed: i64 = db
