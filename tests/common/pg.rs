@@ -57,6 +57,11 @@ static POSTMASTER: AtomicI32 = AtomicI32::new(0);
 static POSTMASTER_GONE: AtomicBool = AtomicBool::new(false);
 /// The cluster directory, removed by the exit hook.
 static CLUSTER_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// How the postmaster was started (binaries, directory, data, port, user),
+/// for [`crash_and_restart`].
+#[allow(clippy::type_complexity)]
+static STARTED: Mutex<Option<(PathBuf, PathBuf, PathBuf, u16, Option<(u32, u32)>)>> =
+    Mutex::new(None);
 
 /// Attempts at a free port before giving up.
 const PORT_ATTEMPTS: usize = 8;
@@ -102,6 +107,41 @@ pub async fn connect(url: &str) -> tokio_postgres::Client {
         let _ = conn.await;
     });
     client
+}
+
+/// Crashes this process's cluster and starts it again on the same port and
+/// data, as `pg_ctl restart -m immediate` does: the postmaster gets SIGQUIT
+/// (immediate shutdown: no checkpoint, crash recovery at the next start).
+/// Returns once it accepts connections again.
+///
+/// # Panics
+///
+/// With `AGQ_TEST_DATABASE_URL` (a server the tests do not own), or when
+/// the cluster does not come back.
+pub async fn crash_and_restart() {
+    cluster().await;
+    let started = STARTED.lock().unwrap().clone();
+    let Some((bin, dir, data, port, user)) = started else {
+        panic!("crash_and_restart needs the tests' own cluster: unset AGQ_TEST_DATABASE_URL");
+    };
+    tokio::task::spawn_blocking(move || {
+        let pid = POSTMASTER.load(Ordering::SeqCst);
+        // SAFETY: a signal to the child this process started.
+        unsafe { libc::kill(pid, libc::SIGQUIT) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !POSTMASTER_GONE.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "postgres did not stop");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let log = dir.join("postgres-restart.log");
+        match start_postmaster(&bin, &dir, &data, port, &log, user) {
+            Ok(Started::Ready) => {}
+            Ok(Started::PortTaken(text)) => panic!("port {port} taken on restart:\n{text}"),
+            Err(e) => panic!("postgres did not restart: {e}"),
+        }
+    })
+    .await
+    .expect("restart panicked");
 }
 
 /// This process's cluster, started on first use.
@@ -175,9 +215,11 @@ fn start_cluster() -> Result<Cluster, String> {
         let log = dir.join(format!("postgres-{attempt}.log"));
         match start_postmaster(&bin, &dir, &data, port, &log, user)? {
             Started::Ready => {
+                *STARTED.lock().unwrap() =
+                    Some((bin.clone(), dir.clone(), data.clone(), port, user));
                 return Ok(Cluster {
                     admin_url: format!("postgres://agq@127.0.0.1:{port}/postgres"),
-                })
+                });
             }
             Started::PortTaken(text) => last = text,
         }
