@@ -16,7 +16,7 @@
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker of A;
 //!   a cancel sent to B and a drain sent to C reach that worker.
 //!
-//! A database restart under load is not here yet (docs/scaling.md).
+//! A crash of PostgreSQL itself under load: tests/cluster_db_restart.rs.
 
 mod common;
 mod process;
@@ -371,7 +371,7 @@ async fn replica_kills_lose_and_duplicate_nothing() {
         })
         .collect();
     let submitters: Vec<_> = (0..3)
-        .map(|n| tokio::spawn(submitter(urls.clone(), n, 20, 10)))
+        .map(|n| tokio::spawn(submitter(urls.clone(), n, kills as usize, 10)))
         .collect();
     let started = Instant::now();
     for _ in 0..kills {
