@@ -279,6 +279,13 @@ impl PgEngine {
             return Err(Error::Unavailable);
         }
         self.pool.get().await.map_err(|e| {
+            // Every connection busy is load, not an unreachable database:
+            // the caller retries, health stays as it is.
+            if let deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) = e {
+                return Error::StoreBusy(format!(
+                    "all {POOL_SIZE} PostgreSQL connections of this replica are busy; retry"
+                ));
+            }
             let _ = self
                 .health
                 .send_if_modified(|up| std::mem::replace(up, false));
