@@ -288,9 +288,18 @@ def env_of(c: dict) -> dict[str, dict]:
     return {e["name"]: e for e in c.get("env") or []}
 
 
+def server_workload(objs: list[dict]) -> dict:
+    """The agq server: the StatefulSet (store.type=sqlite) or the Deployment
+    (store.type=postgres) named FULLNAME; exactly one of them."""
+    hits = [o for o in objs if o.get("kind") in ("StatefulSet", "Deployment")
+            and o["metadata"]["name"] == FULLNAME]
+    expect(len(hits) == 1, f"expected one server StatefulSet or Deployment {FULLNAME}, "
+           f"found {[o['kind'] for o in hits]}")
+    return hits[0]
+
+
 def check_probes(objs: list[dict]) -> None:
-    sts = find(objs, "StatefulSet", FULLNAME)
-    agq = container(sts, "agq")
+    agq = container(server_workload(objs), "agq")
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         p = agq.get(probe)
         expect(p, f"{probe} missing")
@@ -298,10 +307,17 @@ def check_probes(objs: list[dict]) -> None:
                f"{probe} is not a grpc probe: {p}")
         expect(p["grpc"].get("port") == GRPC_PORT and isinstance(p["grpc"]["port"], int),
                f"{probe} grpc port is {p['grpc'].get('port')!r}, want numeric {GRPC_PORT}")
+    # Liveness asks the `liveness` service (SERVING while the process runs);
+    # readiness asks the server's "" health, NOT_SERVING while the store
+    # cannot commit or (PostgreSQL) the database is unreachable.
+    live = agq["livenessProbe"]["grpc"].get("service")
+    expect(live == "liveness", f"livenessProbe service {live!r}, want 'liveness'")
+    ready = agq["readinessProbe"]["grpc"].get("service", "")
+    expect(ready == "", f"readinessProbe service {ready!r}, want the server's \"\" health")
 
 
 def check_ports(objs: list[dict]) -> None:
-    sts = find(objs, "StatefulSet", FULLNAME)
+    sts = server_workload(objs)
     ports = {p["name"]: p["containerPort"] for p in container(sts, "agq")["ports"]}
     expect(ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT, "console": CONSOLE_PORT},
            f"container ports {ports}")
@@ -315,7 +331,15 @@ def check_ports(objs: list[dict]) -> None:
                       "console": (CONSOLE_PORT, "console")},
            f"service ports {sports}")
     expect(svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"],
-           "service selector differs from the StatefulSet's")
+           f"service selector differs from the {sts['kind']}'s")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    expect(all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items()),
+           "service selector does not match the server pods' labels")
+    if sts["kind"] == "Deployment":
+        expect(not [o for o in objs if o["kind"] == "Service"
+                    and o["metadata"]["name"] == f"{FULLNAME}-headless"],
+               "a headless Service beside the Deployment (it governs the StatefulSet only)")
+        return
     headless = find(objs, "Service", f"{FULLNAME}-headless")
     expect(sts["spec"]["serviceName"] == headless["metadata"]["name"]
            and headless["spec"]["clusterIP"] == "None", "StatefulSet serviceName/headless")
@@ -329,18 +353,21 @@ def check_console(objs: list[dict], mode: str, service_port: int = CONSOLE_PORT)
     "loopback" (auth off: agq refuses a public console without tokens, so
     it stays on the pod's loopback with no port anywhere), or "off"
     (console.enabled=false: AGQ_NO_CONSOLE=true, no port)."""
-    sts = find(objs, "StatefulSet", FULLNAME)
+    sts = server_workload(objs)
+    clustered = sts["kind"] == "Deployment"
     agq = container(sts, "agq")
     env = env_of(agq)
     listen = env.get("AGQ_CONSOLE_LISTEN", {}).get("value")
     no_console = env.get("AGQ_NO_CONSOLE", {}).get("value")
     ports = {p["name"]: p["containerPort"] for p in agq["ports"]}
     services = [o for o in objs if o["kind"] == "Service"]
-    expect(len(services) == 2, f"{len(services)} Services")
+    expect(len(services) == (1 if clustered else 2), f"{len(services)} Services")
     sports = {s["metadata"]["name"]: {p["name"]: p for p in s["spec"]["ports"]} for s in services}
-    headless = sports.pop(f"{FULLNAME}-headless")
-    expect("console" not in headless and CONSOLE_PORT not in {p["port"] for p in headless.values()},
-           "a console port on the headless Service")
+    if not clustered:
+        headless = sports.pop(f"{FULLNAME}-headless")
+        expect("console" not in headless
+               and CONSOLE_PORT not in {p["port"] for p in headless.values()},
+               "a console port on the headless Service")
     svc = sports[FULLNAME]
     if mode == "public":
         expect("AGQ_AUTH_FILE" in env and "AGQ_INSECURE" not in env,
@@ -371,8 +398,9 @@ def check_console(objs: list[dict], mode: str, service_port: int = CONSOLE_PORT)
 
 
 def check_security(objs: list[dict]) -> None:
-    pods = [(find(objs, "StatefulSet", FULLNAME), "agq")]
-    if any(o["kind"] == "Deployment" for o in objs):
+    pods = [(server_workload(objs), "agq")]
+    if any(o["kind"] == "Deployment" and o["metadata"]["name"] == f"{FULLNAME}-worker"
+           for o in objs):
         pods.append((find(objs, "Deployment", f"{FULLNAME}-worker"), "agw"))
     for obj, cname in pods:
         sc = container(obj, cname)["securityContext"]
@@ -437,6 +465,13 @@ def check_default_storage(objs: list[dict]) -> None:
     expect("data" not in vols, "a plain data volume shadows the claim template")
     check_data_mount(sts)
     expect(sts["spec"]["replicas"] == 1, "StatefulSet replicas != 1")
+    # SQLite, the default store: no AGQ_STORE (agq's default is sqlite), no
+    # store Secret, no Deployment of the server.
+    expect("AGQ_STORE" not in env_of(container(sts, "agq")), "AGQ_STORE set on SQLite")
+    expect(not [o for o in objs if o["metadata"]["name"] == f"{FULLNAME}-store"],
+           "a store Secret on SQLite")
+    expect(not [o for o in objs if o["kind"] == "PersistentVolumeClaim"],
+           "a plain PersistentVolumeClaim beside the claim template")
 
 
 def check_existing_claim(objs: list[dict]) -> None:
@@ -456,7 +491,7 @@ def check_data_mount(sts: dict) -> None:
 
 
 def check_auth(objs: list[dict], extra_tokens: list[dict], worker_token: str | None) -> None:
-    sts = find(objs, "StatefulSet", FULLNAME)
+    sts = server_workload(objs)
     agq = container(sts, "agq")
     env = env_of(agq)
     expect("AGQ_INSECURE" not in env, "AGQ_INSECURE set while auth is on")
@@ -513,11 +548,13 @@ def check_auth(objs: list[dict], extra_tokens: list[dict], worker_token: str | N
 
 
 def check_insecure(objs: list[dict]) -> None:
-    sts = find(objs, "StatefulSet", FULLNAME)
+    sts = server_workload(objs)
     env = env_of(container(sts, "agq"))
     expect(env.get("AGQ_INSECURE", {}).get("value") == "true", "AGQ_INSECURE not true")
     expect("AGQ_AUTH_FILE" not in env, "AGQ_AUTH_FILE set with auth off")
-    expect(not [o for o in objs if o["kind"] == "Secret"], "a Secret rendered with auth off")
+    expect(not [o for o in objs if o["kind"] == "Secret"
+                and o["metadata"]["name"] != f"{FULLNAME}-store"],
+           "an auth Secret rendered with auth off")
     dep = find(objs, "Deployment", f"{FULLNAME}-worker")
     env = env_of(container(dep, "agw"))
     expect("AGW_TOKEN" not in env and "AGW_TOKEN_FILE" not in env, "a worker token with auth off")
@@ -598,6 +635,17 @@ def check_notes(helm: Helm, auth_values: dict[str, Any]) -> None:
         (EDGE_VALUES, ["my-agq-tokens", "LOST"], ["Workers:"]),
         (ALL_ON_KEDA, ["0-20 replicas by KEDA on the ready depth", "6381:6381"], ["WARNING"]),
         (ALL_ON_HPA, ["2-30 replicas by the HPA on the ready depth"], ["WARNING"]),
+        # The clustered mode: a Deployment of 3, no claim, no pod -0.
+        (yaml.safe_load(PG_VALUES.read_text()),
+         ["Server: Deployment agq-ci (3 replicas sharing one PostgreSQL database",
+          "from Secret pg-app, key uri", f"rollout status deployment/{FULLNAME}",
+          f"logs --prefix -l app.kubernetes.io/instance={RELEASE},"
+          "app.kubernetes.io/component=server", *console_public],
+         ["StatefulSet", "statefulset/", "data-agq-ci-0", "/data", "pod/", "LOST"]),
+        ({**PG_URL_VALUES, "auth": {"enabled": False}},
+         [f"from Secret {FULLNAME}-store, key url", "WARNING",
+          f"port-forward deployment/{FULLNAME} 6382", "loopback only"],
+         ["pod/", "statefulset/", "postgres://", "ci-Pg-Passw0rd"]),
     ]
     for values, want, unwanted in cases:
         notes = render_notes(helm, values)
@@ -635,6 +683,8 @@ def check_edge(objs: list[dict]) -> None:
     pdb = find(objs, "PodDisruptionBudget", FULLNAME)
     expect(pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"],
            "server PDB selector")
+    expect(pdb["spec"].get("minAvailable") == 1 and "maxUnavailable" not in pdb["spec"],
+           f"server PDB on SQLite {pdb['spec']}, want minAvailable 1")
 
 
 def check_schema_rejects(helm: Helm) -> None:
@@ -656,7 +706,15 @@ def check_schema_rejects(helm: Helm) -> None:
                 {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}},
                 {"prometheusRule": {"deadJobs": {"for": "5 minutes"}}},
                 {"prometheusRule": {"enqueueToLeaseP99": {"thresholdSeconds": 0}}},
-                {"monitoring": {"selector": '{job="agq"}'}}):
+                {"monitoring": {"selector": '{job="agq"}'}},
+                {"store": {"type": "mysql"}},
+                {"store": {"type": "postgres", "postgres": {"url": PG_URL, "password": "x"}}},
+                {"store": {"postgres": {"secretKey": ""}}},
+                {"store": {"postgres": {"secretKey": "a/b"}}},
+                {"store": {"postgresql": {}}},
+                {"server": {"replicas": "three"}},
+                {"server": {"replicas": -1}},
+                {"server": {"podDisruptionBudget": {"enabled": "yes"}}}):
         try:
             helm.template(bad)
         except Exception as exc:  # noqa: BLE001
@@ -717,7 +775,10 @@ def check_readme() -> None:
         expect(f"\n| {key} |" in readme, f"{key} not in the README table")
     for key in ("auth.workerToken", "console.enabled", "service.consolePort",
                 "autoscaling.keda.query", "grafanaDashboard.labels",
-                "prometheusRule.enqueueToLeaseP99.thresholdSeconds", "worker.extraVolumes"):
+                "prometheusRule.enqueueToLeaseP99.thresholdSeconds", "worker.extraVolumes",
+                "store.type", "store.postgres.existingSecret", "store.postgres.secretKey",
+                "store.postgres.url", "server.replicas",
+                "server.podDisruptionBudget.maxUnavailable"):
         expect(key in dict(docs), f"{key} undocumented")
 
 
@@ -930,6 +991,200 @@ def check_defaults_off(objs: list[dict]) -> None:
     for kind in ("ScaledObject", "HorizontalPodAutoscaler", "PrometheusRule"):
         expect(kind not in kinds, f"{kind} rendered by default")
     expect(not any(o["kind"] == "ConfigMap" for o in objs), "dashboard ConfigMap by default")
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+PG_VALUES = HERE / "values-postgres.yaml"
+# store.postgres.url: the chart renders the Secret <full name>-store.
+PG_URL = "postgres://agq:ci-Pg-Passw0rd@pg-rw.agq-ci.svc:5432/agq?sslmode=require"
+PG_URL_VALUES = {"store": {"type": "postgres", "postgres": {"url": PG_URL}},
+                 "auth": {"workerToken": "ci-pg-url-worker-token-0123456789"}}
+
+
+def check_pg_workload(objs: list[dict], replicas: int = 3) -> None:
+    """A Deployment, not a StatefulSet; N replicas; nothing on disk; a
+    surge-only rolling update; replicas spread over nodes."""
+    dep = server_workload(objs)
+    expect(dep["kind"] == "Deployment", f"server is a {dep['kind']}, want a Deployment")
+    expect(not [o for o in objs if o["kind"] == "StatefulSet"], "a StatefulSet rendered")
+    expect(dep["metadata"]["labels"].get("app.kubernetes.io/component") == "server",
+           "server Deployment not labelled component=server")
+    spec = dep["spec"]
+    expect(spec["replicas"] == replicas, f"server replicas {spec['replicas']}, want {replicas}")
+    expect(spec.get("strategy") == {"type": "RollingUpdate",
+                                    "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+           f"strategy {spec.get('strategy')}, want RollingUpdate maxUnavailable 0 maxSurge 1")
+    expect("volumeClaimTemplates" not in spec, "volumeClaimTemplates on a Deployment")
+    expect(not [o for o in objs if o["kind"] == "PersistentVolumeClaim"], "a PVC rendered")
+    pod = spec["template"]["spec"]
+    vols = {v["name"]: v for v in pod.get("volumes") or []}
+    expect(not [v for v in vols.values() if "persistentVolumeClaim" in v or "hostPath" in v],
+           f"a persistent volume in the server pod: {sorted(vols)}")
+    expect("data" not in vols, "a data volume in the server pod")
+    agq = container(dep, "agq")
+    mounts = {m["mountPath"] for m in agq.get("volumeMounts") or []}
+    expect("/data" not in mounts, "/data mounted in the clustered mode")
+    expect("AGQ_DB" not in env_of(agq), "AGQ_DB set in the clustered mode")
+    labels = spec["template"]["metadata"]["labels"]
+    sel = spec["selector"]["matchLabels"]
+    expect(all(labels.get(k) == v for k, v in sel.items()), "selector does not match the pods")
+    terms = (pod.get("affinity", {}).get("podAntiAffinity", {})
+             .get("preferredDuringSchedulingIgnoredDuringExecution") or [])
+    expect(len(terms) == 1, f"pod anti-affinity {pod.get('affinity')}")
+    term = terms[0]["podAffinityTerm"]
+    expect(term["topologyKey"] == "kubernetes.io/hostname"
+           and term["labelSelector"]["matchLabels"] == sel,
+           f"anti-affinity term {term}, want the server pods across kubernetes.io/hostname")
+    expect("requiredDuringSchedulingIgnoredDuringExecution"
+           not in pod["affinity"]["podAntiAffinity"], "required (not preferred) anti-affinity")
+
+
+def check_pg_store_env(objs: list[dict], secret: str, key: str) -> None:
+    """AGQ_STORE from a secretKeyRef; the URL in no plain env value, args,
+    annotation or ConfigMap: only in a Secret."""
+    dep = server_workload(objs)
+    env = env_of(container(dep, "agq"))
+    store = env.get("AGQ_STORE")
+    expect(store and "value" not in store, f"AGQ_STORE {store}: want valueFrom only")
+    ref = store["valueFrom"].get("secretKeyRef")
+    expect(ref == {"name": secret, "key": key},
+           f"AGQ_STORE secretKeyRef {ref}, want {{name: {secret}, key: {key}}}")
+    for o in objs:
+        if o["kind"] == "Secret":
+            continue
+        text = json.dumps(o)
+        expect("postgres://" not in text and "postgresql://" not in text
+               and "ci-Pg-Passw0rd" not in text,
+               f"the PostgreSQL URL appears in {o['kind']} {o['metadata']['name']}")
+
+
+def check_pg_url_secret(objs: list[dict]) -> None:
+    name = f"{FULLNAME}-store"
+    sec = find(objs, "Secret", name)
+    expect(sec.get("type") == "Opaque" and sec.get("stringData") == {"url": PG_URL},
+           f"store Secret {sec.get('type')} with keys {sorted(sec.get('stringData') or {})}")
+    check_pg_store_env(objs, name, "url")
+    ann = server_workload(objs)["spec"]["template"]["metadata"].get("annotations") or {}
+    expect("checksum/store" in ann, "no checksum/store annotation to roll the servers")
+
+
+def check_pg_existing_secret(objs: list[dict], values: dict[str, Any]) -> None:
+    pg = values["store"]["postgres"]
+    check_pg_store_env(objs, pg["existingSecret"], pg["secretKey"])
+    expect(not [o for o in objs if o["metadata"]["name"] == f"{FULLNAME}-store"],
+           "the chart rendered a store Secret beside existingSecret")
+    ann = server_workload(objs)["spec"]["template"]["metadata"].get("annotations") or {}
+    expect("checksum/store" not in ann, "checksum/store of a Secret the chart does not render")
+
+
+def check_pg_pdb(objs: list[dict], want: dict[str, Any] | None = None) -> None:
+    dep = server_workload(objs)
+    pdb = find(objs, "PodDisruptionBudget", FULLNAME)
+    expect(pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"],
+           "server PDB selector differs from the Deployment's")
+    got = {k: v for k, v in pdb["spec"].items() if k in ("minAvailable", "maxUnavailable")}
+    expect(got == (want or {"maxUnavailable": 1}), f"server PDB {got}")
+
+
+def check_pg_service_monitor(objs: list[dict]) -> None:
+    sm = find(objs, "ServiceMonitor", FULLNAME)
+    svc = find(objs, "Service", FULLNAME)
+    sel = sm["spec"]["selector"]["matchLabels"]
+    selected = [o for o in objs if o["kind"] == "Service"
+                and all(o["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+    expect(selected == [svc], f"ServiceMonitor selects {[o['metadata']['name'] for o in selected]}")
+    expect([e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"], "ServiceMonitor port")
+
+
+def check_pg_worker_pool(objs: list[dict]) -> None:
+    """The workers still dial the one Service, whose pods are the replicas."""
+    check_worker(objs, 2, None, "4")
+    dep = server_workload(objs)
+    svc = find(objs, "Service", FULLNAME)
+    expect(svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"],
+           "Service does not select the server Deployment")
+    workers = find(objs, "Deployment", f"{FULLNAME}-worker")
+    wl = workers["spec"]["template"]["metadata"]["labels"]
+    expect(not all(wl.get(k) == v for k, v in svc["spec"]["selector"].items()),
+           "the server Service selects the worker pods")
+
+
+def check_pg_queries(objs: list[dict]) -> None:
+    """Every replica reports the shared database's depths: the default KEDA
+    query and AgqNoFreshWorkers take max over them, not sum."""
+    so = find(objs, "ScaledObject", f"{FULLNAME}-worker")
+    q = so["spec"]["triggers"][0]["metadata"]["query"]
+    want = f'max(agq_queue_length{{queue="ready",namespace="{NAMESPACE}",service="{FULLNAME}"}})'
+    expect(q == want, f"query {q!r}, want {want!r}")
+    pr = find(objs, "PrometheusRule", FULLNAME)
+    rules = {r["alert"]: r for g in pr["spec"]["groups"] for r in g["rules"]}
+    nf = rules["AgqNoFreshWorkers"]["expr"]
+    expect(nf.startswith("max(agq_queue_length{") and "max(agq_workers{" in nf
+           and "sum(" not in nf, f"AgqNoFreshWorkers {nf!r}")
+    desc = rules["AgqStoreWriteErrors"]["annotations"]["description"]
+    expect("PostgreSQL" in desc and "volume" not in desc, f"store alert text {desc!r}")
+
+
+def render_error(helm: Helm, values: dict[str, Any]) -> str:
+    try:
+        helm.template(values)
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    raise AssertionError(f"values {values} rendered")
+
+
+def check_store_fails(helm: Helm) -> None:
+    """Bad store settings fail the render with a message that says what to
+    set, and never print the URL (it holds a password)."""
+    pg = {"type": "postgres"}
+    cases = [
+        ({"store": pg}, ["store.type=postgres needs the database URL",
+                         "store.postgres.existingSecret", "store.postgres.url", "uri"]),
+        ({"server": {"replicas": 2}}, ["server.replicas=2 needs store.type=postgres", "SQLite"]),
+        ({"server": {"replicas": 3}, "persistence": {"existingClaim": "agq-data"}},
+         ["server.replicas=3 needs store.type=postgres"]),
+        ({"store": {**pg, "postgres": {"url": PG_URL, "existingSecret": "pg-app"}}},
+         ["alternatives", "not both"]),
+        ({"store": {**pg, "postgres": {"url": "mysql://agq:ci-Pg-Passw0rd@db/agq"}}},
+         ["must start with postgres://, postgresql:// or host="]),
+        ({"store": {"postgres": {"url": PG_URL}}}, ["store.type is sqlite", "store.type=postgres"]),
+        ({"store": {"postgres": {"existingSecret": "pg-app"}}}, ["store.type is sqlite"]),
+        ({**PG_URL_VALUES, "server": {"podDisruptionBudget": {"minAvailable": 2,
+                                                              "maxUnavailable": 1}}},
+         ["at most one of minAvailable and maxUnavailable"]),
+    ]
+    for values, want in cases:
+        msg = render_error(helm, values)
+        expect("schema" not in msg.lower(), f"{values} failed on the schema, not a fail: {msg}")
+        for text in want:
+            expect(text in msg, f"{values}: message lacks {text!r}: {msg}")
+        expect("ci-Pg-Passw0rd" not in msg, f"{values}: the message shows the password")
+
+
+def check_store_accepts(helm: Helm) -> None:
+    """Replica counts and PDB settings each mode takes."""
+    objs, _ = helm.template({"server": {"replicas": 1}, "auth": {"workerToken": "x" * 32}})
+    expect(find(objs, "StatefulSet", FULLNAME)["spec"]["replicas"] == 1, "sqlite replicas 1")
+    objs, _ = helm.template({"server": {"replicas": 0}, "auth": {"workerToken": "x" * 32}})
+    expect(find(objs, "StatefulSet", FULLNAME)["spec"]["replicas"] == 0, "sqlite replicas 0")
+    for k in ("host=pg-rw dbname=agq user=agq", "postgresql://agq@pg/agq"):
+        objs, _ = helm.template(deep_merge(PG_URL_VALUES, {"store": {"postgres": {"url": k}}}))
+        expect(find(objs, "Secret", f"{FULLNAME}-store")["stringData"]["url"] == k, k)
+    objs, _ = helm.template(deep_merge(PG_URL_VALUES, {"server": {"replicas": 5}}))
+    check_pg_workload(objs, replicas=5)
+    objs, _ = helm.template(deep_merge(PG_URL_VALUES,
+                                       {"server": {"podDisruptionBudget": {"enabled": False}}}))
+    expect(not [o for o in objs if o["kind"] == "PodDisruptionBudget"], "PDB with enabled=false")
+    objs, _ = helm.template(deep_merge(PG_URL_VALUES,
+                                       {"server": {"podDisruptionBudget": {"minAvailable": 2}}}))
+    check_pg_pdb(objs, {"minAvailable": 2})
+    objs, _ = helm.template(deep_merge(PG_URL_VALUES, {"server": {"affinity": {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "pool", "operator": "In", "values": ["agq"]}]}]}}}}}))
+    aff = server_workload(objs)["spec"]["template"]["spec"]["affinity"]
+    expect(list(aff) == ["nodeAffinity"], f"server.affinity does not replace the default: {aff}")
 
 
 # ---------------------------------------------------------------- the token
@@ -1158,6 +1413,7 @@ def main() -> int:
     helm = Helm(kubeconfig)
     checks = Checks()
     auth_values = yaml.safe_load(AUTH_VALUES.read_text())
+    pg_values = yaml.safe_load(PG_VALUES.read_text())
     rendered: dict[str, tuple[list[dict], list[dict]]] = {}
 
     def lint() -> None:
@@ -1290,8 +1546,71 @@ def main() -> int:
     checks.run("worker token is stable under helm template (set, stored, or fail)",
                lambda: check_token_stability(helm))
 
+    # The clustered mode (store.type=postgres).
+    pg_all_on_keda = deep_merge(ALL_ON_KEDA, pg_values)
+    pg_all_on_hpa = deep_merge(ALL_ON_HPA, PG_URL_VALUES)
+    for label, values in (("postgres", pg_values), ("postgres-url", PG_URL_VALUES),
+                          ("postgres-all-on-keda", pg_all_on_keda),
+                          ("postgres-all-on-hpa", pg_all_on_hpa)):
+        checks.run(f"helm lint helm/agq with store.type=postgres ({label})",
+                   lambda values=values: lint_with(values))
+        checks.run(f"render {label}", render(label, values))
+    checks.run("render postgres-url with auth.enabled=false",
+               render("postgres-insecure", {**PG_URL_VALUES, "auth": {"enabled": False}}))
+    for label in ("postgres", "postgres-url"):
+        checks.run(f"{label}: server is a Deployment of 3, no StatefulSet, no PVC or /data, "
+                   "rolling update maxUnavailable 0 maxSurge 1, anti-affinity across nodes",
+                   on(label, check_pg_workload))
+        checks.run(f"{label}: readiness grpc on the \"\" health (fails while the database is "
+                   "unreachable), liveness on `liveness`, startup grpc", on(label, check_probes))
+        checks.run(f"{label}: server PodDisruptionBudget maxUnavailable 1 on the Deployment's pods",
+                   on(label, check_pg_pdb))
+        checks.run(f"{label}: one Service (no headless) selecting the Deployment's pods; ports",
+                   on(label, check_ports))
+        checks.run(f"{label}: securityContext non-root, read-only root, drop ALL",
+                   on(label, check_security))
+        checks.run(f"{label}: console on 0.0.0.0:{CONSOLE_PORT} behind the Service (auth on)",
+                   on(label, lambda o: check_console(o, "public")))
+        checks.run(f"{label}: workers dial the Service; it selects the server pods only",
+                   on(label, check_pg_worker_pool))
+        checks.run(f"{label}: helm test pod checks grpc.health.v1 on the Service",
+                   lambda label=label: (expect(label in rendered, f"{label} did not render"),
+                                        check_test_hook(rendered[label][1])))
+    checks.run("postgres: AGQ_STORE from secretKeyRef pg-app/uri (CloudNativePG), no chart "
+               "Secret, the URL nowhere else", on("postgres", lambda o: check_pg_existing_secret(
+                   o, pg_values)))
+    checks.run("postgres-url: Secret agq-ci-store holds store.postgres.url; AGQ_STORE from its "
+               "secretKeyRef; checksum/store rolls the pods", on("postgres-url",
+                                                                 check_pg_url_secret))
+    checks.run("postgres-url: auth Secret mounted as AGQ_AUTH_FILE; workers hold a pool token",
+               on("postgres-url", lambda o: check_auth(
+                   o, [], PG_URL_VALUES["auth"]["workerToken"])))
+    checks.run("postgres: ServiceMonitor selects the one server Service",
+               on("postgres", check_pg_service_monitor))
+    checks.run("postgres-insecure: AGQ_INSECURE, console on the loopback, store Secret kept",
+               on("postgres-insecure", lambda o: (check_insecure(o),
+                                                   check_console(o, "loopback"),
+                                                   check_pg_url_secret(o))))
+    checks.run("postgres-all-on-keda: KEDA query and AgqNoFreshWorkers take max over the "
+               "replicas; ScaledObject on the worker Deployment",
+               on("postgres-all-on-keda", check_pg_queries))
+    checks.run("postgres-all-on-keda: PrometheusRule alerts on this release's series",
+               on("postgres-all-on-keda", lambda o: check_prometheus_rule(
+                   o, f'namespace="{NAMESPACE}",service="{FULLNAME}"')))
+    checks.run("postgres-all-on-keda: server PDB and worker PDB both rendered",
+               on("postgres-all-on-keda", lambda o: (check_pg_pdb(o), find(
+                   o, "PodDisruptionBudget", f"{FULLNAME}-worker"))))
+    checks.run("postgres-all-on-hpa: autoscaling/v2 HPA on the worker Deployment",
+               on("postgres-all-on-hpa", lambda o: check_hpa(o, pg_all_on_hpa)))
+    checks.run("store: postgres without a URL, sqlite with replicas > 1, url and existingSecret, "
+               "a non-PostgreSQL URL, postgres values on sqlite, two PDB bounds fail the render",
+               lambda: check_store_fails(helm))
+    checks.run("store: replica counts, host= and postgresql:// URLs, PDB overrides, "
+               "server.affinity render", lambda: check_store_accepts(helm))
+
     def live() -> None:
-        expect("all-on-keda" in rendered and "all-on-hpa" in rendered, "all-on did not render")
+        expect("all-on-keda" in rendered and "all-on-hpa" in rendered
+               and "postgres-all-on-keda" in rendered, "all-on did not render")
         dash = json.loads(DASHBOARD.read_text())
         queries = {f"dashboard {p['title']!r}": t["expr"]
                    for p in dash["panels"] for t in p["targets"]}
@@ -1301,7 +1620,10 @@ def main() -> int:
         queries |= {f"{k} (hpa)": v for k, v in rendered_queries(rendered["all-on-hpa"][0]).items()}
         queries["ScaledObject query (autoscaling.keda.query)"] = \
             KEDA_OVERRIDE["autoscaling"]["keda"]["query"]
-        expect(sum(k.startswith("PrometheusRule") for k in queries) == 2 * len(ALERTS)
+        if "postgres-all-on-keda" in rendered:
+            queries |= {f"{k} (postgres)": v
+                        for k, v in rendered_queries(rendered["postgres-all-on-keda"][0]).items()}
+        expect(sum(k.startswith("PrometheusRule") for k in queries) == 3 * len(ALERTS)
                and "ScaledObject query" in queries and "HPA external metric (hpa)" in queries,
                f"queries checked: {sorted(queries)}")
         check_live_metrics(queries)

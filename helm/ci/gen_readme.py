@@ -29,6 +29,7 @@ import yaml
 
 CHART = Path(__file__).resolve().parent.parent / "agq"
 VALUES = CHART / "values.yaml"
+SCHEMA = CHART / "values.schema.json"
 README = CHART / "README.md"
 BEGIN, END = "<!-- values:begin -->", "<!-- values:end -->"
 KEY = re.compile(r"^(\s*)([A-Za-z0-9_.-]+):(?:\s|$)")
@@ -67,9 +68,30 @@ def lookup(values: Any, path: str) -> Any:
     return values
 
 
-def type_of(v: Any) -> str:
+SCHEMA_TYPES = {"boolean": "bool", "integer": "int", "number": "float", "string": "string",
+                "array": "list", "object": "object"}
+
+
+def schema_type(path: str) -> str | None:
+    """The type values.schema.json gives a key, without `null` (e.g.
+    `int` for ["integer", "null"], `int/string` for several); None when the
+    schema does not say."""
+    node: Any = json.loads(SCHEMA.read_text())
+    for part in path.split("."):
+        node = (node.get("properties") or {}).get(part)
+        if node is None:
+            return None
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types or []
+    names = [SCHEMA_TYPES[t] for t in types if t in SCHEMA_TYPES]
+    return "/".join(names) or None
+
+
+def type_of(v: Any, path: str = "") -> str:
+    if v is None:  # a null default ("empty: decided at render"): the schema's type
+        return schema_type(path) or "string"
     return {bool: "bool", int: "int", float: "float", str: "string", list: "list",
-            dict: "object", type(None): "string"}[type(v)]
+            dict: "object"}[type(v)]
 
 
 def leaves(values: Any, prefix: str = "") -> list[str]:
@@ -101,9 +123,9 @@ def table() -> str:
     rows = ["| Key | Type | Default | Description |", "|-----|------|---------|-------------|"]
     for key, desc in documented(text):
         v = lookup(values, key)
-        default = json.dumps(v, separators=(",", ":")) if v not in ("", None) else '""'
+        default = json.dumps(v, separators=(",", ":")) if v != "" else '""'
         default = default.replace("|", "\\|")
-        rows.append(f"| {key} | {type_of(v)} | `{default}` | {cell(desc)} |")
+        rows.append(f"| {key} | {type_of(v, key)} | `{default}` | {cell(desc)} |")
     return "\n".join(rows)
 
 

@@ -183,3 +183,76 @@ on the pod's loopback.
 {{- define "agq.consoleExposed" -}}
 {{- if and .Values.console.enabled .Values.auth.enabled }}true{{ end }}
 {{- end }}
+
+{{/*
+True (non-empty) in the clustered mode: store.type=postgres, the server a
+Deployment of any number of replicas sharing one PostgreSQL database.
+Empty with store.type=sqlite: one StatefulSet pod on its SQLite file.
+*/}}
+{{- define "agq.clustered" -}}
+{{- if eq (.Values.store.type | default "sqlite") "postgres" }}true{{ end }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the PostgreSQL URL: store.postgres.existingSecret,
+or the one the chart renders from store.postgres.url.
+*/}}
+{{- define "agq.storeSecretName" -}}
+{{- if .Values.store.postgres.existingSecret }}
+{{- .Values.store.postgres.existingSecret }}
+{{- else }}
+{{- printf "%s-store" (include "agq.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks the store values; renders nothing. Fails on a PostgreSQL store
+without a URL (or with two), a URL agq would not take, store.postgres
+values with store.type=sqlite, and more than one replica on SQLite. The URL
+itself never appears in a message: it may hold a password.
+*/}}
+{{- define "agq.validateStore" -}}
+{{- $pg := .Values.store.postgres }}
+{{- $replicas := .Values.server.replicas }}
+{{- if include "agq.clustered" . }}
+{{- if and $pg.url $pg.existingSecret }}
+{{- fail "store.postgres.url and store.postgres.existingSecret are alternatives: set one, not both (the chart renders a Secret from url; existingSecret names a Secret you manage)." }}
+{{- end }}
+{{- if not (or $pg.url $pg.existingSecret) }}
+{{- fail (printf "store.type=postgres needs the database URL: set store.postgres.existingSecret to a Secret holding it under store.postgres.secretKey (%s), e.g. CloudNativePG's <cluster>-app with --set store.postgres.secretKey=uri, or set store.postgres.url (postgres://user:password@host:5432/db) and the chart renders a Secret from it." $pg.secretKey) }}
+{{- end }}
+{{- if and $pg.url (not (or (hasPrefix "postgres://" $pg.url) (hasPrefix "postgresql://" $pg.url) (hasPrefix "host=" $pg.url))) }}
+{{- fail "store.postgres.url must start with postgres://, postgresql:// or host= (a PostgreSQL connection URL or key=value string)." }}
+{{- end }}
+{{- else }}
+{{- if or $pg.url $pg.existingSecret }}
+{{- fail "store.postgres.url or store.postgres.existingSecret is set but store.type is sqlite: set store.type=postgres to run on PostgreSQL, or clear both to stay on SQLite." }}
+{{- end }}
+{{- if and (not (kindIs "invalid" $replicas)) (gt (int $replicas) 1) }}
+{{- fail (printf "server.replicas=%d needs store.type=postgres: on SQLite the server is one StatefulSet pod, the only writer of its database file. Set server.replicas to 1 (or leave it empty), or run the clustered mode on PostgreSQL (store.type=postgres, docs/deployment.md)." (int $replicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Server replicas: server.replicas, or when empty 1 on SQLite and 3 on
+PostgreSQL.
+*/}}
+{{- define "agq.serverReplicas" -}}
+{{- if not (kindIs "invalid" .Values.server.replicas) }}
+{{- int .Values.server.replicas }}
+{{- else if include "agq.clustered" . }}3
+{{- else }}1
+{{- end }}
+{{- end }}
+
+{{/*
+PromQL aggregation of the depth gauges (agq_queue_length, agq_workers)
+across the server's scrape targets. Each replica of the clustered mode
+reports the depths of the one shared database, so its replicas' series are
+the same number: max, not sum. One SQLite server has one series: sum, as
+always.
+*/}}
+{{- define "agq.depthAgg" -}}
+{{- if include "agq.clustered" . }}max{{ else }}sum{{ end }}
+{{- end }}
