@@ -68,7 +68,8 @@ impl Cluster {
         c
     }
 
-    fn spawn(&self, listen: &str) -> AgqServe {
+    /// The command line of a replica listening on `listen`.
+    fn serve(&self, listen: &str) -> Serve {
         Serve::new(self.dir.path().join("unused.db"))
             .listen(listen)
             .args([
@@ -83,10 +84,15 @@ impl Cluster {
                 "--retry-backoff-max-ms",
                 "200",
                 "--no-console",
+                "--log-format",
+                "json",
             ])
-            .args(["--log-format", "json"])
             .env("RUST_LOG", "info")
             .kill_on_drop()
+    }
+
+    fn spawn(&self, listen: &str) -> AgqServe {
+        self.serve(listen)
             .spawn()
             .unwrap_or_else(|e| panic!("replica did not start: {e:?}"))
     }
@@ -97,27 +103,7 @@ impl Cluster {
         let addr = self.addrs[i].clone();
         // The port may take a moment to be free again: bounded retries.
         for attempt in 0..50 {
-            match Serve::new(self.dir.path().join("unused.db"))
-                .listen(&addr)
-                .args([
-                    "--store",
-                    &self.url,
-                    "--heartbeat-interval-ms",
-                    &HEARTBEAT_MS.to_string(),
-                    "--lease-grace-ms",
-                    "400",
-                    "--retry-backoff-base-ms",
-                    "50",
-                    "--retry-backoff-max-ms",
-                    "200",
-                    "--no-console",
-                    "--log-format",
-                    "json",
-                ])
-                .env("RUST_LOG", "info")
-                .kill_on_drop()
-                .spawn()
-            {
+            match self.serve(&addr).spawn() {
                 Ok(r) => {
                     self.replicas[i] = r;
                     return;
