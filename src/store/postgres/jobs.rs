@@ -45,6 +45,25 @@ pub(super) async fn queue_command(
     notify_names(c, COMMAND_CHANNEL, &[worker_id.to_string()]).await
 }
 
+/// The running jobs of worker `worker_id`: (row id, lease id), by row id.
+///
+/// Errors: storage errors.
+pub(super) async fn running_on(
+    c: &impl GenericClient,
+    worker_id: &str,
+) -> Result<Vec<(i64, String)>> {
+    Ok(c.query(
+        "SELECT id, lease_id FROM jobs
+             WHERE status = 2 AND worker_id = $1 AND lease_id IS NOT NULL ORDER BY id",
+        &[&worker_id],
+    )
+    .await
+    .map_err(db_err)?
+    .into_iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect())
+}
+
 /// What ending a running attempt did.
 pub(super) struct Ended {
     /// The job's status after it: failed (backing off), pending (no
@@ -146,19 +165,26 @@ impl PgEngine {
         }))
     }
 
-    /// Loses the lease of running job `id` (its holder died, dropped it,
-    /// or it timed out): the attempt counts as failed with `reason`.
-    /// Returns whether it was running.
+    /// Loses lease `lease.0` of worker `lease.1` on running job `id` (its
+    /// holder died, dropped it, or it timed out): the attempt counts as
+    /// failed with `reason`. The lease and worker the caller listed are
+    /// re-checked under the row lock, so a statement that runs late (its
+    /// replica paused, or waiting on the row) leaves a job that was
+    /// reported and leased again meanwhile alone. Returns `None` when the
+    /// job no longer runs under that lease.
     ///
     /// Errors: storage errors.
     pub(super) async fn lose_lease(
         &self,
         tx: &Transaction<'_>,
         id: i64,
+        lease: (&str, &str),
         reason: &str,
         label: &str,
     ) -> Result<Option<Ended>> {
-        let ended = self.end_attempt(tx, id, None, reason, false, false).await?;
+        let ended = self
+            .end_attempt(tx, id, Some(lease), reason, false, false)
+            .await?;
         if let Some(e) = &ended {
             self.metrics.requeue(label);
             tracing::info!(worker_id = %e.worker_id, reason, "lease lost");

@@ -190,27 +190,37 @@ impl PgEngine {
     async fn expire_leases(&self) -> Result<()> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
-        let expired: Vec<(i64, Option<String>)> = tx
+        let expired: Vec<(i64, String, String)> = tx
             .query(
-                "SELECT id, worker_id FROM jobs WHERE status = 2 AND lease_expires_at_ms <= agq_now_ms()
+                "SELECT id, lease_id, worker_id FROM jobs
+                 WHERE status = 2 AND lease_expires_at_ms <= agq_now_ms()
                  ORDER BY lease_expires_at_ms LIMIT 1000 FOR UPDATE SKIP LOCKED",
                 &[],
             )
             .await
             .map_err(db_err)?
             .into_iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| {
+                let lease: Option<String> = r.get(1);
+                let worker: Option<String> = r.get(2);
+                (
+                    r.get(0),
+                    lease.unwrap_or_default(),
+                    worker.unwrap_or_default(),
+                )
+            })
             .collect();
         if expired.is_empty() {
             return Ok(());
         }
         let secs = self.cfg.job_timeout.as_secs();
         let mut actions = Vec::new();
-        for (id, worker) in expired {
+        for (id, lease, worker) in expired {
             let Some(e) = self
                 .lose_lease(
                     &tx,
                     id,
+                    (&lease, &worker),
                     &format!("job timed out: lease expired after {secs} s"),
                     "timeout",
                 )
@@ -219,9 +229,7 @@ impl PgEngine {
                 continue;
             };
             actions.push(e.action_id);
-            if let Some(w) = worker {
-                self.count_timeout(&tx, &w).await?;
-            }
+            self.count_timeout(&tx, &worker).await?;
         }
         tx.commit().await.map_err(db_err)?;
         self.touch(actions.iter().map(String::as_str));
@@ -374,19 +382,12 @@ impl PgEngine {
         reason: &str,
         label: &str,
     ) -> Result<()> {
-        let rows: Vec<i64> = tx
-            .query(
-                "SELECT id FROM jobs WHERE status = 2 AND worker_id = $1 ORDER BY id",
-                &[&id],
-            )
-            .await
-            .map_err(db_err)?
-            .into_iter()
-            .map(|r| r.get(0))
-            .collect();
         let mut actions = Vec::new();
-        for row in rows {
-            if let Some(e) = self.lose_lease(tx, row, reason, label).await? {
+        for (row, lease) in super::jobs::running_on(tx, id).await? {
+            if let Some(e) = self
+                .lose_lease(tx, row, (&lease, id), reason, label)
+                .await?
+            {
                 actions.push(e.action_id);
             }
         }

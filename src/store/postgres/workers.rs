@@ -131,24 +131,18 @@ impl PgEngine {
         reason: &str,
         label: &str,
     ) -> Result<u32> {
-        let ids: Vec<i64> = tx
-            .query(
-                "SELECT id FROM jobs WHERE status = 2 AND worker_id = $1 ORDER BY id",
-                &[&id],
-            )
-            .await
-            .map_err(db_err)?
-            .into_iter()
-            .map(|r| r.get(0))
-            .collect();
+        let running = super::jobs::running_on(tx, id).await?;
         let mut actions = Vec::new();
-        for row in &ids {
-            if let Some(e) = self.lose_lease(tx, *row, reason, label).await? {
+        for (row, lease) in &running {
+            if let Some(e) = self
+                .lose_lease(tx, *row, (lease, id), reason, label)
+                .await?
+            {
                 actions.push(e.action_id);
             }
         }
         self.touch(actions.iter().map(String::as_str));
-        Ok(ids.len() as u32)
+        Ok(running.len() as u32)
     }
 
     pub(super) async fn pg_register(&self, req: Registration) -> Result<bool> {
@@ -435,26 +429,18 @@ impl PgEngine {
                 .get(&id)
                 .map(|w| w.in_flight.clone())
                 .unwrap_or_default();
-            let lost: Vec<i64> = tx
-                .query(
-                    "SELECT id, lease_id FROM jobs WHERE status = 2 AND worker_id = $1",
-                    &[&id],
-                )
-                .await
-                .map_err(db_err)?
+            let lost: Vec<(i64, String)> = super::jobs::running_on(&tx, &id)
+                .await?
                 .into_iter()
-                .filter(|r| {
-                    let lease: Option<String> = r.get(1);
-                    lease.is_some_and(|l| !held.contains(&l) && !in_flight.contains(&l))
-                })
-                .map(|r| r.get(0))
+                .filter(|(_, l)| !held.contains(l) && !in_flight.contains(l))
                 .collect();
             let mut actions = Vec::new();
-            for row in lost {
+            for (row, lease) in lost {
                 if let Some(e) = self
                     .lose_lease(
                         &tx,
                         row,
+                        (&lease, &id),
                         "the worker no longer runs it (reconnected without it)",
                         "not_held",
                     )
@@ -862,23 +848,62 @@ impl PgEngine {
     ///
     /// Errors: storage errors.
     async fn deliver_commands(&self) -> Result<()> {
-        let ids: Vec<String> = lock(&self.local)
+        let (ids, epochs): (Vec<String>, Vec<i64>) = lock(&self.local)
             .workers
             .iter()
             .filter(|(_, w)| w.heartbeat.is_some())
-            .map(|(id, _)| id.clone())
-            .collect();
+            .map(|(id, w)| (id.clone(), w.epoch))
+            .unzip();
         if ids.is_empty() {
             return Ok(());
         }
         let c = self.client().await?;
+        // Streams this replica holds but no longer owns (the worker
+        // reconnected elsewhere, or was declared DEAD while this replica
+        // was paused or partitioned): they are ended, and their commands
+        // wait for the owner.
+        let moved: Vec<(String, i64)> = c
+            .query(
+                "SELECT l.worker_id, l.epoch FROM unnest($1::text[], $2::bigint[]) AS l(worker_id, epoch)
+                 LEFT JOIN workers w ON w.worker_id = l.worker_id
+                 WHERE w.worker_id IS NULL OR w.replica_id IS DISTINCT FROM $3
+                    OR w.conn_epoch <> l.epoch",
+                &[&ids, &epochs, &self.replica_id],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        if !moved.is_empty() {
+            let mut local = lock(&self.local);
+            for (id, epoch) in &moved {
+                let Some(w) = local.workers.get_mut(id) else {
+                    continue;
+                };
+                if w.epoch != *epoch {
+                    continue;
+                }
+                if let Some(hb) = w.heartbeat.take() {
+                    let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(format!(
+                        "worker {id}'s streams moved to another replica; reconnect"
+                    ))));
+                }
+                w.lease = None;
+                tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere");
+            }
+        }
         let rows = c
             .query(
                 "DELETE FROM worker_commands WHERE id IN (
-                     SELECT id FROM worker_commands WHERE worker_id = ANY($1) ORDER BY id
-                     LIMIT 1000 FOR UPDATE SKIP LOCKED)
+                     SELECT c.id FROM worker_commands c
+                     JOIN workers w ON w.worker_id = c.worker_id
+                     JOIN unnest($1::text[], $2::bigint[]) AS l(worker_id, epoch)
+                       ON l.worker_id = w.worker_id AND l.epoch = w.conn_epoch
+                     WHERE w.replica_id = $3
+                     ORDER BY c.id LIMIT 1000 FOR UPDATE OF c SKIP LOCKED)
                  RETURNING id, worker_id, command",
-                &[&ids],
+                &[&ids, &epochs, &self.replica_id],
             )
             .await
             .map_err(db_err)?;
