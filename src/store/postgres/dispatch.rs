@@ -1,22 +1,24 @@
 //! The dispatcher of one replica: it claims ready jobs for the workers
 //! whose streams this replica holds and pushes the leases after the
-//! commit. A claim is one transaction per worker: lock the worker's row
-//! (still ACTIVE, still owned by this replica at the same `conn_epoch`),
-//! pick up to its free slots of ready jobs it can run in lease order
-//! (`priority DESC, id`, matching the partial index `jobs_claim`) with
-//! `FOR UPDATE SKIP LOCKED` so replicas never wait on each other's rows,
-//! hold concurrency keys under a transaction-level advisory lock while
-//! counting their running jobs, and grant them in one `UPDATE … FROM
-//! unnest(…)`. It wakes on `NOTIFY agq_ready`, a freed slot, a stream
-//! opened here, and polls every [`POLL_INTERVAL`] so that a lost
-//! notification only delays.
+//! commit. A round is one transaction for all of them: lock their rows
+//! (each still ACTIVE, fresh by the database's clock, and owned by this
+//! replica at the same `conn_epoch`), pick ready jobs each class of
+//! workers (same tools, sandbox, verified tools and matching selectors)
+//! can run, in lease order (`priority DESC, id`, walking the partial index
+//! `jobs_claim`) with `FOR UPDATE SKIP LOCKED` so replicas never wait on
+//! each other's rows, hold concurrency keys under a transaction-level
+//! advisory lock while counting their running jobs, share the jobs out
+//! to the least loaded workers, and grant them all in one
+//! `UPDATE … FROM unnest(…)`. It wakes on `NOTIFY agq_ready`, a freed
+//! slot, a stream opened here, and polls every [`POLL_INTERVAL`] so that a
+//! lost notification only delays.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::Arc,
 };
 
-use super::{db_err, lock, rows, wait, PgEngine, POLL_INTERVAL};
+use super::{cached, db_err, lock, rows, wait, PgEngine, POLL_INTERVAL};
 use crate::{
     core::{
         model::{JobLease, JobStatus, WorkerState},
@@ -35,12 +37,15 @@ struct Candidate {
     max: u32,
 }
 
+/// Workers that can run the same jobs: (tools, sandboxed, verified
+/// tools, matching selectors), each sorted.
+type Class = (Vec<String>, bool, Vec<String>, Vec<String>);
+
 /// The dispatcher loop.
 pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     while wait(&engine.dispatch_wake, POLL_INTERVAL, &mut stop).await {
-        // Rounds repeat while some worker filled all its free slots: more
-        // jobs may be ready.
+        // Rounds repeat while they lease: more jobs may be ready.
         for _ in 0..64 {
             match engine.dispatch_round().await {
                 Ok(true) => continue,
@@ -55,14 +60,14 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
 }
 
 impl PgEngine {
-    /// One round over the local workers; true when another round may
-    /// lease more.
+    /// One round over the local workers; true when it leased something
+    /// (another round may lease more).
     ///
     /// Errors: storage errors.
     async fn dispatch_round(&self) -> Result<bool> {
         let candidates: Vec<Candidate> = {
             let local = lock(&self.local);
-            local
+            let mut v: Vec<Candidate> = local
                 .workers
                 .iter()
                 .filter(|(_, w)| {
@@ -76,15 +81,18 @@ impl PgEngine {
                     sandboxed: w.sandboxed,
                     max: w.max,
                 })
-                .collect()
+                .collect();
+            // Rows are locked in id order.
+            v.sort_by(|a, b| a.id.cmp(&b.id));
+            v
         };
         if candidates.is_empty() {
             return Ok(false);
         }
-        let c = self.client().await?;
-        let ready: bool = c
+        let mut client = self.client().await?;
+        let ready: bool = client
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms())",
+                &cached(&client, "SELECT EXISTS (SELECT 1 FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms())").await?,
                 &[],
             )
             .await
@@ -93,8 +101,11 @@ impl PgEngine {
         if !ready {
             return Ok(false);
         }
-        let selectors: Vec<(String, Option<Selector>)> = c
-            .query("SELECT selector FROM selectors", &[])
+        let selectors: Vec<(String, Option<Selector>)> = client
+            .query(
+                &cached(&client, "SELECT selector FROM selectors").await?,
+                &[],
+            )
             .await
             .map_err(db_err)?
             .into_iter()
@@ -104,167 +115,139 @@ impl PgEngine {
                 (text, parsed)
             })
             .collect();
-        // Least loaded first: the ready jobs (at most the free slots) are
-        // shared out one at a time to the worker with the fewest leases,
-        // and each worker then claims its share in one transaction.
+        let tx = client.transaction().await.map_err(db_err)?;
+        // The claim must walk `jobs_claim` in lease order and stop at its
+        // LIMIT; the planner, misjudging how many rows the plan filter
+        // keeps, would otherwise sort every ready job (milliseconds per
+        // claim with a backlog).
+        tx.batch_execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
+            .await
+            .map_err(db_err)?;
         let ids: Vec<String> = candidates.iter().map(|w| w.id.clone()).collect();
-        let loads: HashMap<String, i64> = c
+        let found: HashMap<String, tokio_postgres::Row> = tx
             .query(
-                "SELECT worker_id, count(*) FROM jobs WHERE status = 2 AND worker_id = ANY($1)
-                 GROUP BY worker_id",
-                &[&ids],
+                &cached(&tx, "SELECT w.worker_id, w.state, w.conn_epoch, w.replica_id,
+                        (SELECT count(*) FROM jobs r WHERE r.status = 2 AND r.worker_id = w.worker_id),
+                        ARRAY(SELECT v.tool FROM worker_verifications v
+                              WHERE v.worker_id = w.worker_id AND v.passed ORDER BY v.tool),
+                        w.last_heartbeat_at_ms > agq_now_ms() - $2
+                 FROM workers w WHERE w.worker_id = ANY($1) ORDER BY w.worker_id FOR UPDATE").await?,
+                &[&ids, &self.stale_ms()],
             )
             .await
             .map_err(db_err)?
             .into_iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| (r.get::<_, String>(0), r))
             .collect();
-        let free: Vec<i64> = candidates
-            .iter()
-            .map(|w| (i64::from(w.max) - loads.get(&w.id).copied().unwrap_or(0)).max(0))
-            .collect();
-        let total_free: i64 = free.iter().sum();
-        if total_free == 0 {
-            return Ok(false);
-        }
-        let ready: i64 = c
-            .query_one(
-                "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE status = 1
-                     AND ready_at_ms <= agq_now_ms() LIMIT $1) r",
-                &[&total_free],
-            )
-            .await
-            .map_err(db_err)?
-            .get(0);
-        drop(c);
-        let shares = share_out(&candidates, &loads, &free, ready);
-        let matching = |w: &Candidate| -> Vec<String> {
-            selectors
+        // Free slots of the workers that may lease (by candidate index),
+        // their loads, and their classes.
+        let mut free = vec![0usize; candidates.len()];
+        let mut load = vec![0i64; candidates.len()];
+        let mut classes: BTreeMap<Class, Vec<usize>> = BTreeMap::new();
+        let mut moved = Vec::new();
+        for (i, w) in candidates.iter().enumerate() {
+            let Some(r) = found.get(&w.id) else { continue };
+            let state: i16 = r.get(1);
+            let epoch: i64 = r.get(2);
+            let owner: Option<String> = r.get(3);
+            if owner.as_deref() != Some(self.replica_id.as_str()) || epoch != w.epoch {
+                // Another replica (or a newer stream here) holds the worker.
+                moved.push(i);
+                continue;
+            }
+            // Only ACTIVE and fresh (a heartbeat, or the registration,
+            // within 3 x the interval, by the database's clock).
+            if state != WorkerState::Active as i16 || !r.get::<_, bool>(6) {
+                continue;
+            }
+            let running: i64 = r.get(4);
+            load[i] = running;
+            free[i] = usize::try_from(i64::from(w.max) - running).unwrap_or(0);
+            if free[i] == 0 {
+                continue;
+            }
+            let mut tools = w.tools.clone();
+            tools.sort();
+            let matching: Vec<String> = selectors
                 .iter()
                 .filter(|(_, s)| s.as_ref().is_some_and(|s| s.matches(&w.tags)))
                 .map(|(t, _)| t.clone())
-                .collect()
-        };
-        let mut granted_total = 0i64;
-        let mut left = free.clone();
-        for (i, (w, share)) in candidates.iter().zip(shares).enumerate() {
-            if share == 0 {
-                continue;
-            }
-            let (granted, _) = self.claim(w, &matching(w), share).await?;
-            granted_total += granted as i64;
-            left[i] -= granted as i64;
+                .collect();
+            let class = (tools, w.sandboxed, r.get::<_, Vec<String>>(5), matching);
+            classes.entry(class).or_default().push(i);
         }
-        // Shares a worker could not use (jobs it cannot run) go to the
-        // others, least loaded first.
-        let mut order: Vec<usize> = (0..candidates.len()).filter(|i| left[*i] > 0).collect();
-        order.sort_by_key(|i| {
-            let w = &candidates[*i];
-            (
-                loads.get(&w.id).copied().unwrap_or(0) + free[*i] - left[*i],
-                *i,
-            )
-        });
-        for i in order {
-            let rest = ready - granted_total;
-            if rest <= 0 {
-                break;
-            }
-            let w = &candidates[i];
-            let share = usize::try_from(rest.min(left[i])).unwrap_or(0);
-            let (granted, _) = self.claim(w, &matching(w), share).await?;
-            granted_total += granted as i64;
-        }
-        Ok(granted_total > 0)
-    }
-
-    /// Claims up to `share` of the free slots of worker `w` and pushes
-    /// the leases. Returns (granted, slots it could take).
-    ///
-    /// Errors: storage errors.
-    async fn claim(
-        &self,
-        w: &Candidate,
-        selectors: &[String],
-        share: usize,
-    ) -> Result<(usize, usize)> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db_err)?;
-        let Some(r) = tx
-            .query_opt(
-                "SELECT w.state, w.conn_epoch, w.replica_id,
-                        (SELECT count(*) FROM jobs r WHERE r.status = 2 AND r.worker_id = w.worker_id),
-                        ARRAY(SELECT v.tool FROM worker_verifications v
-                              WHERE v.worker_id = w.worker_id AND v.passed),
-                        w.last_heartbeat_at_ms > agq_now_ms() - $2
-                 FROM workers w WHERE w.worker_id = $1 FOR UPDATE",
-                &[&w.id, &self.stale_ms()],
-            )
-            .await
-            .map_err(db_err)?
-        else {
-            return Ok((0, 0));
-        };
-        let state: i16 = r.get(0);
-        let epoch: i64 = r.get(1);
-        let owner: Option<String> = r.get(2);
-        if owner.as_deref() != Some(self.replica_id.as_str()) || epoch != w.epoch {
-            // Another replica (or a newer stream here) holds the worker.
+        if !moved.is_empty() {
             let mut local = lock(&self.local);
-            if let Some(l) = local.workers.get_mut(&w.id) {
-                if l.epoch == w.epoch {
-                    l.epoch = -1;
+            for i in moved {
+                let w = &candidates[i];
+                if let Some(l) = local.workers.get_mut(&w.id) {
+                    if l.epoch == w.epoch {
+                        l.epoch = -1;
+                    }
                 }
             }
-            return Ok((0, 0));
         }
-        // Only ACTIVE and fresh (a heartbeat, or the registration, within
-        // 3 x the interval, by the database's clock).
-        if state != WorkerState::Active as i16 || !r.get::<_, bool>(5) {
-            return Ok((0, 0));
+        if classes.is_empty() {
+            return Ok(false);
         }
-        let running = usize::try_from(r.get::<_, i64>(3)).unwrap_or(usize::MAX);
-        let free = (w.max as usize).saturating_sub(running).min(share);
-        if free == 0 {
-            return Ok((0, 0));
+        // Ready jobs each class can run, in lease order; a job already
+        // picked for an earlier class is not picked again.
+        let mut picked: Vec<i64> = Vec::new();
+        let mut by_class: Vec<(Vec<usize>, Vec<(i64, String, i32)>)> = Vec::new();
+        for ((tools, sandboxed, verified, matching), members) in classes {
+            let want: usize = members.iter().map(|i| free[*i]).sum();
+            let rows = tx
+                .query(
+                    &cached(
+                        &tx,
+                        "SELECT j.id, j.concurrency_key, j.max_running FROM jobs j
+                     JOIN plan_versions pv ON pv.plan_id = j.plan_id AND pv.version = j.plan_version
+                     WHERE j.status = 1 AND j.ready_at_ms <= agq_now_ms()
+                       AND pv.tools <@ $1 AND (NOT pv.require_sandbox OR $2)
+                       AND (NOT pv.require_verified OR pv.tools <@ $3)
+                       AND j.worker_selector = ANY($4) AND NOT (j.id = ANY($6))
+                     ORDER BY j.priority DESC, j.id
+                     LIMIT $5 FOR UPDATE OF j SKIP LOCKED",
+                    )
+                    .await?,
+                    &[
+                        &tools,
+                        &sandboxed,
+                        &verified,
+                        &matching,
+                        &((want + 32) as i64),
+                        &picked,
+                    ],
+                )
+                .await
+                .map_err(db_err)?;
+            let jobs: Vec<(i64, String, i32)> = rows
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
+                .collect();
+            picked.extend(jobs.iter().map(|j| j.0));
+            by_class.push((members, jobs));
         }
-        let verified: Vec<String> = r.get(4);
-        let found = tx
-            .query(
-                "SELECT j.id, j.concurrency_key, j.max_running FROM jobs j
-                 JOIN plan_versions pv ON pv.plan_id = j.plan_id AND pv.version = j.plan_version
-                 WHERE j.status = 1 AND j.ready_at_ms <= agq_now_ms()
-                   AND pv.tools <@ $1 AND (NOT pv.require_sandbox OR $2)
-                   AND (NOT pv.require_verified OR pv.tools <@ $3)
-                   AND j.worker_selector = ANY($4)
-                 ORDER BY j.priority DESC, j.id
-                 LIMIT $5 FOR UPDATE OF j SKIP LOCKED",
-                &[
-                    &w.tools,
-                    &w.sandboxed,
-                    &verified,
-                    &selectors,
-                    &((free + 32) as i64),
-                ],
-            )
-            .await
-            .map_err(db_err)?;
-        let mut keys: Vec<String> = found
+        // Concurrency keys: every replica counts a key's running jobs under
+        // the same advisory lock (taken in key order: no deadlock), so two
+        // claims never both see room for the last slot.
+        let mut keys: Vec<&str> = by_class
             .iter()
-            .map(|r| r.get::<_, String>(1))
+            .flat_map(|(_, jobs)| jobs.iter().map(|j| j.1.as_str()))
             .filter(|k| !k.is_empty())
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();
         keys.sort();
-        // Concurrency keys: every replica counts a key's running jobs under
-        // the same advisory lock (taken in key order: no deadlock), so two
-        // claims never both see room for the last slot.
         let mut room: HashMap<String, i64> = HashMap::new();
         if !keys.is_empty() {
             for k in &keys {
                 tx.execute(
-                    "SELECT pg_advisory_xact_lock(hashtextextended('agq concurrency key ' || $1, 0))",
+                    &cached(
+                        &tx,
+                        "SELECT pg_advisory_xact_lock(hashtextextended('agq concurrency key ' || $1, 0))",
+                    )
+                    .await?,
                     &[k],
                 )
                 .await
@@ -272,8 +255,12 @@ impl PgEngine {
             }
             let counts: HashMap<String, i64> = tx
                 .query(
-                    "SELECT concurrency_key, count(*) FROM jobs
+                    &cached(
+                        &tx,
+                        "SELECT concurrency_key, count(*) FROM jobs
                      WHERE status = 2 AND concurrency_key = ANY($1) GROUP BY concurrency_key",
+                    )
+                    .await?,
                     &[&keys],
                 )
                 .await
@@ -281,50 +268,69 @@ impl PgEngine {
                 .into_iter()
                 .map(|r| (r.get(0), r.get(1)))
                 .collect();
-            for r in &found {
-                let k: String = r.get(1);
-                if !k.is_empty() && !room.contains_key(&k) {
-                    let max = i64::from(r.get::<_, i32>(2));
-                    room.insert(k.clone(), max - counts.get(&k).copied().unwrap_or(0));
+            for (_, jobs) in &by_class {
+                for (_, k, max) in jobs {
+                    if !k.is_empty() && !room.contains_key(k) {
+                        let n = i64::from(*max) - counts.get(k).copied().unwrap_or(0);
+                        room.insert(k.clone(), n);
+                    }
                 }
             }
         }
-        let mut ids = Vec::new();
-        for r in &found {
-            if ids.len() == free {
-                break;
-            }
-            let k: String = r.get(1);
-            if !k.is_empty() {
-                let left = room.entry(k).or_insert(0);
-                if *left <= 0 {
-                    continue;
+        // Each class's jobs, in lease order, to its least loaded worker
+        // with a free slot (ties: the earlier worker).
+        let mut grant_ids: Vec<i64> = Vec::new();
+        let mut grant_workers: Vec<String> = Vec::new();
+        for (members, jobs) in by_class {
+            let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(i64, usize)>> = members
+                .iter()
+                .filter(|i| free[**i] > 0)
+                .map(|i| std::cmp::Reverse((load[*i], *i)))
+                .collect();
+            for (id, k, _) in jobs {
+                let Some(std::cmp::Reverse((l, i))) = heap.pop() else {
+                    break;
+                };
+                if !k.is_empty() {
+                    let left = room.entry(k).or_insert(0);
+                    if *left <= 0 {
+                        heap.push(std::cmp::Reverse((l, i)));
+                        continue;
+                    }
+                    *left -= 1;
                 }
-                *left -= 1;
+                grant_ids.push(id);
+                grant_workers.push(candidates[i].id.clone());
+                free[i] -= 1;
+                load[i] += 1;
+                if free[i] > 0 {
+                    heap.push(std::cmp::Reverse((l + 1, i)));
+                }
             }
-            ids.push(r.get::<_, i64>(0));
         }
-        if ids.is_empty() {
-            return Ok((0, free));
+        if grant_ids.is_empty() {
+            return Ok(false);
         }
-        let leases: Vec<String> = ids
+        let leases: Vec<String> = grant_ids
             .iter()
             .map(|_| uuid::Uuid::now_v7().to_string())
             .collect();
         let timeout = i64::try_from(self.cfg.job_timeout.as_millis()).unwrap_or(i64::MAX / 4);
-        let granted = tx
-            .query(
-                &format!(
-                    "UPDATE jobs j SET status = 2, worker_id = $2, lease_id = g.lease,
+        let grant_sql = format!(
+            "UPDATE jobs j SET status = 2, worker_id = g.worker, lease_id = g.lease,
                             attempt = j.attempt + 1, started_at_ms = agq_now_ms(),
                             lease_expires_at_ms = agq_now_ms() + $4, current_task = 0,
                             progress_percent = 0
-                     FROM unnest($1::bigint[], $3::text[]) AS g(id, lease), actions a
+                     FROM unnest($1::bigint[], $2::text[], $3::text[]) AS g(id, worker, lease),
+                          actions a
                      WHERE j.id = g.id AND a.action_id = j.action_id
                      RETURNING {}, a.traceparent, j.lease_id, j.lease_expires_at_ms, j.ready_at_ms",
-                    rows::JOB_COLS
-                ),
-                &[&ids, &w.id, &leases, &timeout],
+            rows::JOB_COLS
+        );
+        let granted = tx
+            .query(
+                &cached(&tx, &grant_sql).await?,
+                &[&grant_ids, &grant_workers, &leases, &timeout],
             )
             .await
             .map_err(db_err)?;
@@ -357,63 +363,26 @@ impl PgEngine {
         let mut actions = Vec::with_capacity(n);
         {
             let mut local = lock(&self.local);
-            let slot = local.workers.get_mut(&w.id);
-            let (tx, in_flight) = match slot {
-                Some(l) => (
-                    l.lease.as_ref().map(|s| s.tx.clone()),
-                    Some(&mut l.in_flight),
-                ),
-                None => (None, None),
-            };
-            let mut in_flight = in_flight;
             for (lease, waited_ms) in out {
                 self.metrics.transition(JobStatus::Running);
                 self.metrics
                     .enqueue_to_lease
                     .observe(waited_ms as f64 / 1000.0);
                 actions.push(lease.job.action_id.clone());
-                if let Some(f) = in_flight.as_deref_mut() {
-                    f.insert(lease.lease_id.clone());
-                }
                 // A closed stream: the lease stays granted; the worker's
                 // next heartbeat (held leases) or its grace re-queues it.
-                if let Some(tx) = &tx {
-                    let _ = tx.send(lease);
+                let Some(l) = local.workers.get_mut(&lease.job.worker_id) else {
+                    continue;
+                };
+                l.in_flight.insert(lease.lease_id.clone());
+                if let Some(s) = &l.lease {
+                    let _ = s.tx.send(lease);
                 }
             }
         }
         self.granted
             .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         self.touch(actions.iter().map(String::as_str));
-        Ok((n, free))
+        Ok(n > 0)
     }
-}
-
-/// Shares `ready` jobs out over `workers` one at a time, each to the
-/// worker with the fewest leases (its current `loads` plus its share so
-/// far) among those with a free slot left; ties go to the earlier
-/// worker. Returns each worker's share.
-fn share_out(
-    workers: &[Candidate],
-    loads: &HashMap<String, i64>,
-    free: &[i64],
-    ready: i64,
-) -> Vec<usize> {
-    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(i64, usize)>> = workers
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| free[*i] > 0)
-        .map(|(i, w)| std::cmp::Reverse((loads.get(&w.id).copied().unwrap_or(0), i)))
-        .collect();
-    let mut shares = vec![0usize; workers.len()];
-    for _ in 0..ready.max(0) {
-        let Some(std::cmp::Reverse((load, i))) = heap.pop() else {
-            break;
-        };
-        shares[i] += 1;
-        if (shares[i] as i64) < free[i] {
-            heap.push(std::cmp::Reverse((load + 1, i)));
-        }
-    }
-    shares
 }

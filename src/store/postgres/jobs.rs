@@ -7,7 +7,7 @@
 use deadpool_postgres::{GenericClient, Transaction};
 use rand::Rng;
 
-use super::{db_err, notify_names, rows, PgEngine, COMMAND_CHANNEL, READY_CHANNEL};
+use super::{cached, db_err, notify_names, rows, PgEngine, COMMAND_CHANNEL, READY_CHANNEL};
 use crate::{
     core::{
         engine::{ActionQuery, ActionState, JobQuery, Page, PlanQuery, PlanVersionQuery},
@@ -457,9 +457,13 @@ impl PgEngine {
         // FOR SHARE: a concurrent DeletePlan waits for this commit.
         let Some(p) = tx
             .query_opt(
-                "SELECT p.version, pv.body, agq_now_ms() FROM plans p
+                &cached(
+                    tx,
+                    "SELECT p.version, pv.body, agq_now_ms() FROM plans p
                  JOIN plan_versions pv ON pv.plan_id = p.plan_id AND pv.version = p.version
                  WHERE p.plan_id = $1 FOR SHARE OF p",
+                )
+                .await?,
                 &[&v.plan_id],
             )
             .await
@@ -478,11 +482,11 @@ impl PgEngine {
         let ready_at = v.run_at_ms.unwrap_or(now).max(now);
         let inserted = tx
             .execute(
-                "INSERT INTO actions (action_id, plan_id, plan_version, total_jobs, max_attempts,
+                &cached(tx, "INSERT INTO actions (action_id, plan_id, plan_version, total_jobs, max_attempts,
                      run_at_ms, created_at_ms, traceparent, priority, worker_selector,
                      concurrency_key, max_running)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-                 ON CONFLICT (action_id) DO NOTHING",
+                 ON CONFLICT (action_id) DO NOTHING").await?,
                 &[
                     &v.action_id,
                     &v.plan_id,
@@ -508,7 +512,11 @@ impl PgEngine {
         }
         if !sched.worker_selector.is_empty() {
             tx.execute(
-                "INSERT INTO selectors (selector) VALUES ($1) ON CONFLICT DO NOTHING",
+                &cached(
+                    tx,
+                    "INSERT INTO selectors (selector) VALUES ($1) ON CONFLICT DO NOTHING",
+                )
+                .await?,
                 &[&sched.worker_selector],
             )
             .await
@@ -521,11 +529,11 @@ impl PgEngine {
             inputs.push(serde_json::to_string(input).map_err(|e| Error::Internal(e.to_string()))?);
         }
         tx.execute(
-            "INSERT INTO jobs (job_id, action_id, plan_id, plan_version, status, input, max_attempts,
+            &cached(tx, "INSERT INTO jobs (job_id, action_id, plan_id, plan_version, status, input, max_attempts,
                  created_at_ms, ready_at_ms, priority, worker_selector, concurrency_key, max_running)
              SELECT g.job_id, $3, $4, $5, 1, g.input, $6, $7, $8, $9, $10, $11, $12
              FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS g(job_id, input, n)
-             ORDER BY g.n",
+             ORDER BY g.n").await?,
             &[
                 &ids,
                 &inputs,
@@ -889,51 +897,23 @@ impl PgEngine {
         reports: &[JobReport],
         which: &[usize],
     ) -> Result<Vec<usize>> {
-        let ids: Vec<&str> = which.iter().map(|i| reports[*i].job_id.as_str()).collect();
-        let leases: Vec<&str> = which
-            .iter()
-            .map(|i| reports[*i].lease_id.as_str())
-            .collect();
-        let results: Vec<Option<String>> = which
-            .iter()
-            .map(|i| encode_task_results(&reports[*i].task_results))
-            .collect();
-        let c = self.client().await?;
-        let rows = c
-            .query(
-                "UPDATE jobs j SET status = 3, completed_at_ms = agq_now_ms(),
-                        lease_expires_at_ms = NULL, task_results = coalesce(u.results, j.task_results)
-                 FROM unnest($1::text[], $2::text[], $3::text[]) AS u(job_id, lease_id, results)
-                 WHERE j.job_id = u.job_id AND j.status = 2 AND j.lease_id = u.lease_id
-                   AND j.worker_id = $4
-                 RETURNING j.job_id, j.action_id, j.started_at_ms, j.completed_at_ms",
-                &[&ids, &leases, &results, &worker_id],
+        let pending = which.iter().map(|i| {
+            let r = &reports[*i];
+            self.complete_grouped(
+                &r.job_id,
+                &r.lease_id,
+                worker_id,
+                encode_task_results(&r.task_results),
             )
-            .await
-            .map_err(db_err)?;
-        let mut done = std::collections::HashSet::new();
-        let mut actions = Vec::new();
-        for r in &rows {
-            let job_id: String = r.get(0);
-            actions.push(r.get::<_, String>(1));
-            let (s, e): (Option<i64>, Option<i64>) = (r.get(2), r.get(3));
-            self.metrics.transition(JobStatus::Completed);
-            if let (Some(s), Some(e)) = (s, e) {
-                self.metrics
-                    .job_duration
-                    .observe((e - s).max(0) as f64 / 1000.0);
+        });
+        let applied = futures_util::future::join_all(pending).await;
+        let mut out = Vec::with_capacity(which.len());
+        for (i, done) in which.iter().zip(applied) {
+            if done? {
+                out.push(*i);
             }
-            done.insert(job_id);
         }
-        if !rows.is_empty() {
-            self.touch(actions.iter().map(String::as_str));
-            self.slot_freed(worker_id);
-        }
-        Ok(which
-            .iter()
-            .copied()
-            .filter(|i| done.contains(&reports[*i].job_id))
-            .collect())
+        Ok(out)
     }
 
     /// Applies a validated report (the JOB.UPDATE command): one
@@ -941,53 +921,47 @@ impl PgEngine {
     /// writes happen only when the report holds the current lease.
     pub(super) async fn pg_update_job(&self, req: JobReport) -> Result<JobStatus> {
         let results = encode_task_results(&req.task_results);
+        // The common reports in one fenced statement: a completion in the
+        // group commit of this replica's completions, a progress report on
+        // its own (one round trip, no explicit transaction); any other
+        // case, a rejection included, takes the path below, which says
+        // precisely why.
+        let common = req.progress_percent <= 100 && !req.permanent;
+        if common
+            && req.status == Some(JobStatus::Completed)
+            && self
+                .complete_grouped(&req.job_id, &req.lease_id, &req.worker_id, results.clone())
+                .await?
+        {
+            return Ok(JobStatus::Completed);
+        }
         let mut client = self.client().await?;
-        // The common reports in one fenced statement (one round trip, no
-        // explicit transaction); any other case, a rejection included,
-        // takes the path below, which says precisely why.
-        if req.progress_percent <= 100 && !req.permanent {
-            let fast = match req.status {
-                Some(JobStatus::Completed) => Some(
-                    "UPDATE jobs SET status = 3, completed_at_ms = agq_now_ms(),
-                            lease_expires_at_ms = NULL, task_results = coalesce($4, task_results)
-                     WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
-                     RETURNING action_id, started_at_ms, completed_at_ms",
-                ),
-                Some(JobStatus::Running) => Some(
-                    "UPDATE jobs SET current_task = $5, progress_percent = $6,
-                            task_results = coalesce($4, task_results)
-                     WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
-                     RETURNING action_id, started_at_ms, NULL::bigint",
-                ),
-                _ => None,
-            };
-            if let Some(sql) = fast {
-                let task = req.current_task as i32;
-                let percent = req.progress_percent as i32;
-                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                    vec![&req.job_id, &req.lease_id, &req.worker_id, &results];
-                if req.status == Some(JobStatus::Running) {
-                    params.push(&task);
-                    params.push(&percent);
-                }
-                let done = client.query_opt(sql, &params).await.map_err(db_err)?;
-                if let Some(r) = done {
-                    if req.status == Some(JobStatus::Running) {
-                        return Ok(JobStatus::Running);
-                    }
-                    let action_id: String = r.get(0);
-                    let started: Option<i64> = r.get(1);
-                    let ended: Option<i64> = r.get(2);
-                    self.metrics.transition(JobStatus::Completed);
-                    if let (Some(s), Some(e)) = (started, ended) {
-                        self.metrics
-                            .job_duration
-                            .observe((e - s).max(0) as f64 / 1000.0);
-                    }
-                    self.touch([action_id.as_str()]);
-                    self.slot_freed(&req.worker_id);
-                    return Ok(JobStatus::Completed);
-                }
+        if common && req.status == Some(JobStatus::Running) {
+            let task = req.current_task as i32;
+            let percent = req.progress_percent as i32;
+            let done = client
+                .query_opt(
+                    &cached(
+                        &client,
+                        "UPDATE jobs SET current_task = $5, progress_percent = $6,
+                                task_results = coalesce($4, task_results)
+                         WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
+                         RETURNING 1",
+                    )
+                    .await?,
+                    &[
+                        &req.job_id,
+                        &req.lease_id,
+                        &req.worker_id,
+                        &results,
+                        &task,
+                        &percent,
+                    ],
+                )
+                .await
+                .map_err(db_err)?;
+            if done.is_some() {
+                return Ok(JobStatus::Running);
             }
         }
         let tx = client.transaction().await.map_err(db_err)?;

@@ -12,6 +12,7 @@
 //! domain types in [`rows`], the schema and its migrations in [`schema`].
 //! docs/scaling.md describes the design and its failure table.
 
+mod completions;
 mod dispatch;
 mod jobs;
 mod listen;
@@ -131,6 +132,8 @@ pub struct PgEngine {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Leases granted by this replica (for the enqueue-to-lease metric).
     granted: AtomicU64,
+    /// Completion reports for the group commit ([`completions`]).
+    completions: tokio::sync::mpsc::Sender<completions::Completion>,
 }
 
 /// Locks a mutex, recovering from poisoning (the data are plain maps).
@@ -141,6 +144,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Maps a database error: a lost or refused connection is
 /// `StoreUnavailable` (the client retries; health turns NOT_SERVING), any
 /// other is a storage error (`Internal`).
+/// `sql` as a statement prepared once per pooled connection: the hot
+/// statements (claims, reports, heartbeats, submits) are parsed and
+/// planned once, not at every call.
+///
+/// Errors: storage errors (the statement could not be prepared).
+async fn cached(
+    c: &impl deadpool_postgres::GenericClient,
+    sql: &str,
+) -> Result<tokio_postgres::Statement> {
+    c.prepare_cached(sql).await.map_err(db_err)
+}
+
 fn db_err(e: tokio_postgres::Error) -> Error {
     let io = std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>());
     if e.is_closed() || io {
@@ -224,6 +239,7 @@ impl PgEngine {
             cfg.max_watch_streams_per_connection,
             metrics.watch_streams.clone(),
         ));
+        let (completions_tx, completions_rx) = tokio::sync::mpsc::channel(completions::QUEUE);
         let engine = Arc::new_cyclic(|me| PgEngine {
             tls,
             me: me.clone(),
@@ -244,6 +260,7 @@ impl PgEngine {
             closed: AtomicBool::new(false),
             tasks: Mutex::default(),
             granted: AtomicU64::new(0),
+            completions: completions_tx,
         });
         engine
             .client()
@@ -264,6 +281,7 @@ impl PgEngine {
             tokio::spawn(maintenance::run(engine.clone())),
             tokio::spawn(maintenance::replica_heartbeat(engine.clone())),
             tokio::spawn(maintenance::schedule_loop(engine.clone())),
+            tokio::spawn(completions::run(engine.clone(), completions_rx)),
         ];
         *lock(&engine.tasks) = tasks;
         tracing::info!(replica_id = %engine.replica_id, "PostgreSQL engine started");
@@ -451,9 +469,12 @@ async fn notify_names(
     let mut payload = String::new();
     for n in names {
         if !payload.is_empty() && payload.len() + n.len() + 1 > MAX_PAYLOAD {
-            c.execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
-                .await
-                .map_err(db_err)?;
+            c.execute(
+                &cached(c, "SELECT pg_notify($1, $2)").await?,
+                &[&channel, &payload],
+            )
+            .await
+            .map_err(db_err)?;
             payload.clear();
         }
         if !payload.is_empty() {
@@ -462,9 +483,12 @@ async fn notify_names(
         payload.push_str(n);
     }
     if !payload.is_empty() {
-        c.execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
-            .await
-            .map_err(db_err)?;
+        c.execute(
+            &cached(c, "SELECT pg_notify($1, $2)").await?,
+            &[&channel, &payload],
+        )
+        .await
+        .map_err(db_err)?;
     }
     Ok(())
 }

@@ -10,7 +10,8 @@ use deadpool_postgres::GenericClient;
 use serde_json::json;
 
 use super::{
-    db_err, jobs::queue_command, lock, rows, wait, LocalWorker, PgEngine, StreamSlot, POLL_INTERVAL,
+    cached, db_err, jobs::queue_command, lock, rows, wait, LocalWorker, PgEngine, StreamSlot,
+    POLL_INTERVAL,
 };
 use crate::{
     core::{
@@ -406,11 +407,11 @@ impl PgEngine {
         let tx = client.transaction().await.map_err(db_err)?;
         let updated = tx
             .query_opt(
-                "UPDATE workers SET last_heartbeat_at_ms = agq_now_ms(), stats = coalesce($2, stats),
+                &cached(&tx, "UPDATE workers SET last_heartbeat_at_ms = agq_now_ms(), stats = coalesce($2, stats),
                         suspect_since_ms = CASE WHEN heartbeat_open THEN NULL ELSE suspect_since_ms END
                  WHERE worker_id = $1 AND state = ANY($3)
                    AND ($4::bigint IS NULL OR (replica_id = $5 AND conn_epoch = $4))
-                 RETURNING state",
+                 RETURNING state").await?,
                 &[&id, &stats, &LIVE.to_vec(), &epoch, &self.replica_id],
             )
             .await
