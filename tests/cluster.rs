@@ -37,6 +37,8 @@
 //!   jobs are submitted on one replica for a worker on the other: each is
 //!   leased within the 500 ms poll interval plus slack, and the listeners
 //!   come back.
+//! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
+//!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
 //!   connected to A; a CancelJob sent to B reaches it (a heartbeat command)
 //!   and a DrainWorker sent to C reaches the worker on A.
@@ -1178,6 +1180,36 @@ async fn a_killed_listener_connection_still_leases() {
             .iter()
             .map(|d| d.as_millis() as u64)
             .collect::<Vec<_>>()
+    );
+}
+
+/// A submit sends `NOTIFY agq_ready` at its commit: the dispatchers wake
+/// on it at once, the poll being only the fallback for a lost one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_submit_notifies_the_dispatchers() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = &cluster.urls()[0];
+    put_plan(url).await;
+    let (client, mut conn) = tokio_postgres::connect(&cluster.url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = m {
+                let _ = tx.send(n.channel().to_string());
+            }
+        }
+    });
+    client.batch_execute("LISTEN agq_ready").await.unwrap();
+    submit_one(url).await;
+    let got = timeout(Duration::from_secs(5), rx.recv()).await;
+    assert_eq!(
+        got.ok().flatten().as_deref(),
+        Some("agq_ready"),
+        "SubmitAction sent no notification on agq_ready"
     );
 }
 

@@ -482,7 +482,8 @@ async fn notify_names(
         }
         payload.push_str(n);
     }
-    if !payload.is_empty() {
+    // An empty name is a notification without a payload (agq_ready).
+    if !names.is_empty() {
         c.execute(
             &cached(c, "SELECT pg_notify($1, $2)").await?,
             &[&channel, &payload],
