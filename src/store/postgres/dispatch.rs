@@ -41,6 +41,9 @@ struct Candidate {
 /// tools, matching selectors), each sorted.
 type Class = (Vec<String>, bool, Vec<String>, Vec<String>);
 
+/// A ready job a claim picked: (row id, concurrency key, its limit).
+type Picked = (i64, String, i32);
+
 /// The dispatcher loop.
 pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
@@ -193,7 +196,7 @@ impl PgEngine {
         // Ready jobs each class can run, in lease order; a job already
         // picked for an earlier class is not picked again.
         let mut picked: Vec<i64> = Vec::new();
-        let mut by_class: Vec<(Vec<usize>, Vec<(i64, String, i32)>)> = Vec::new();
+        let mut by_class: Vec<(Vec<usize>, Vec<Picked>)> = Vec::new();
         for ((tools, sandboxed, verified, matching), members) in classes {
             let want: usize = members.iter().map(|i| free[*i]).sum();
             let rows = tx
@@ -221,7 +224,7 @@ impl PgEngine {
                 )
                 .await
                 .map_err(db_err)?;
-            let jobs: Vec<(i64, String, i32)> = rows
+            let jobs: Vec<Picked> = rows
                 .iter()
                 .map(|r| (r.get(0), r.get(1), r.get(2)))
                 .collect();
