@@ -26,8 +26,8 @@
 //! - `the_leader_killed_or_paused_hands_maintenance_over`: kill -9 the
 //!   maintenance leader (found through the `leader` row and the replica id
 //!   each replica logs at start): another replica takes the row within the
-//!   TTL (3 s) plus slack and declares a silent worker DEAD, whose job a
-//!   live worker then completes. Then SIGSTOP the new leader past the TTL:
+//!   TTL (1 s at these tests' 200 ms heartbeat) plus slack and declares a
+//!   silent worker DEAD, whose job a live worker then completes. Then SIGSTOP the new leader past the TTL:
 //!   the same happens, and once resumed (SIGCONT) the old leader changes
 //!   nothing: the job stays completed at its second attempt, leased once to
 //!   each worker, the leadership stays where it went, the resumed replica
@@ -100,8 +100,9 @@ const CALL: Duration = Duration::from_secs(3);
 /// (a paused process: its connections stay open).
 const SILENCE: Duration = Duration::from_millis(1500);
 
-/// The leader row's TTL (src/store/postgres/maintenance.rs).
-const LEADER_TTL: Duration = Duration::from_secs(3);
+/// The leader row's TTL (src/store/postgres/maintenance.rs): 3 x the
+/// heartbeat interval, at least 1 s.
+const LEADER_TTL: Duration = Duration::from_secs(1);
 
 /// Every test but the database crash holds it shared; the crash holds it
 /// alone, since it restarts the server of every test of this binary.

@@ -4,8 +4,9 @@
 //! leases of workers whose heartbeat stream dropped past the grace,
 //! retention, forgetting departed workers and vanished replicas.
 //!
-//! The leader holds the row `leader('maintenance')` for [`LEADER_TTL_MS`]
-//! and renews it every tick; when it stops renewing (killed, paused,
+//! The leader holds the row `leader('maintenance')` for its TTL
+//! ([`leader_ttl_ms`]: 3 x the heartbeat interval, between 1 and 3 s) and
+//! renews it every tick; when it stops renewing (killed, paused,
 //! partitioned) another replica takes the row once it expired. Every
 //! statement re-checks the state it changes, so a late leader (a paused
 //! process that wakes up) changes nothing that another already handled.
@@ -18,8 +19,16 @@ use std::{sync::Arc, time::Duration};
 use super::{db_err, workers::queue_end, PgEngine};
 use crate::{core::model::WorkerState, error::Result, store::postgres::workers::LIVE};
 
-/// How long the leader's row is valid without renewal, ms.
-pub(super) const LEADER_TTL_MS: i64 = 3_000;
+/// How long the leader's row is valid without renewal, ms: 3 x the
+/// heartbeat interval, between 1 s and 3 s, so that maintenance moves on
+/// within about the time a worker takes to go stale (a killed leader's
+/// workers are declared DEAD by its successor), and a renewal can miss a
+/// tick or two without losing the row.
+pub(super) fn leader_ttl_ms(engine: &PgEngine) -> i64 {
+    let ttl =
+        (engine.cfg.heartbeat_interval * 3).clamp(Duration::from_secs(1), Duration::from_secs(3));
+    i64::try_from(ttl.as_millis()).unwrap_or(3_000)
+}
 
 /// A replica not seen for this long is forgotten, ms.
 const REPLICA_GONE_MS: i64 = 60_000;
@@ -121,7 +130,7 @@ impl PgEngine {
                      expires_at_ms = agq_now_ms() + $2
                  WHERE leader.holder = $1 OR leader.expires_at_ms < agq_now_ms()
                  RETURNING term",
-                &[&self.replica_id, &LEADER_TTL_MS],
+                &[&self.replica_id, &leader_ttl_ms(self)],
             )
             .await
             .map_err(db_err)?;
