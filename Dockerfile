@@ -23,8 +23,9 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
 # protoc comes vendored through build.rs; the caches only speed up rebuilds.
-# Only the agq package (agq, agw) is built: the workspace's bench/ crate
-# (agq-bench and its Redis client) is read for its manifest, never compiled.
+# Only the agq package (agq, agw) is built: the workspace's other crates,
+# bench/ (agq-bench) and crates/testpg (the tests' throwaway PostgreSQL),
+# are read for their manifests, never compiled.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p agq --bin agq --bin agw \

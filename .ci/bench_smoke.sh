@@ -50,4 +50,7 @@ rm -f "$out"
 "$target/debug/agq-bench" --smoke --failover --kill-trials 3 --freeze-trials 1 --heartbeat-ms 200
 "$target/debug/agq-bench" --smoke --backlog 2000 --backlog-sample 200 --workers 4
 "$target/debug/agq-bench" --smoke --soak-secs 2 --soak-rate 400 --soak-sample-secs 1
+# The clustered mode: three `agq serve --store postgres` replicas beside one
+# SQLite node, and one replica kill (PostgreSQL from scripts/test-deps.sh).
+"$target/debug/agq-bench" --smoke --store postgres --replica-kill-trials 1 --heartbeat-ms 200
 echo "bench smoke: ok"

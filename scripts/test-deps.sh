@@ -9,7 +9,7 @@
 #   (tests/console_browser.rs). AGQ_CHROMIUM and AGQ_CHROMEDRIVER name other
 #   binaries (then nothing is installed).
 # - postgresql, whose server binaries (initdb, postgres) the PostgreSQL
-#   store's tests start a throwaway cluster from (tests/common/pg.rs): looked
+#   store's tests start a throwaway cluster from (crates/testpg): looked
 #   for in /usr/lib/postgresql/<version>/bin and `pg_config --bindir`.
 #   AGQ_PG_BIN names another directory, and AGQ_TEST_DATABASE_URL a running
 #   server to use instead (then nothing is installed).

@@ -1,4 +1,4 @@
-//! The PostgreSQL test harness (tests/common/pg.rs) itself: the cluster
+//! The PostgreSQL test harness (crates/testpg) itself: the cluster
 //! answers, and each fresh database is a database of its own.
 
 mod common;

@@ -9,7 +9,7 @@
 //!   interval. Measured: its last acknowledged heartbeat's send time to the
 //!   standby's receipt (the bar is 3 x interval + 1 s).
 
-use std::time::Duration;
+use std::{net::SocketAddr, time::Duration};
 
 use tokio::{
     sync::{mpsc, watch},
@@ -34,7 +34,7 @@ use agq::{
 };
 
 /// A worker the bench can kill or freeze, on its own connection.
-struct CtlWorker {
+pub(crate) struct CtlWorker {
     id: String,
     client: Option<WorkerServiceClient<Channel>>,
     hb_task: Option<JoinHandle<()>>,
@@ -46,11 +46,19 @@ struct CtlWorker {
 }
 
 impl CtlWorker {
-    async fn start(h: &Harness, id: &str, interval: Duration) -> Result<CtlWorker, BenchError> {
-        let mut client = WorkerServiceClient::new(h.connect().await?);
-        client
-            .register_worker(agq_load::register_request(id, 1))
-            .await?;
+    /// Registers `registration` at `addr` (a connection of its own) and
+    /// opens its heartbeat stream (every `interval`) and lease stream.
+    ///
+    /// Errors: connection failures, a refused registration or stream.
+    pub(crate) async fn start(
+        addr: SocketAddr,
+        registration: pb::RegisterWorkerRequest,
+        interval: Duration,
+    ) -> Result<CtlWorker, BenchError> {
+        let id = registration.worker_id.clone();
+        let id = id.as_str();
+        let mut client = WorkerServiceClient::new(harness::connect(addr).await?);
+        client.register_worker(registration).await?;
         let (hb_tx, rx) = mpsc::channel(8);
         let beat = {
             let id = id.to_string();
@@ -114,7 +122,8 @@ impl CtlWorker {
         })
     }
 
-    async fn lease_within(&mut self, d: Duration) -> Option<pb::JobLease> {
+    /// The next lease, if one arrives within `d`.
+    pub(crate) async fn lease_within(&mut self, d: Duration) -> Option<pb::JobLease> {
         let s = self.leases.as_mut()?;
         match tokio::time::timeout(d, s.message()).await {
             Ok(Ok(Some(l))) => Some(l),
@@ -122,7 +131,10 @@ impl CtlWorker {
         }
     }
 
-    async fn complete(&mut self, lease: pb::JobLease) -> Result<(), BenchError> {
+    /// Reports `lease` completed.
+    ///
+    /// Errors: the UpdateJob call failed.
+    pub(crate) async fn complete(&mut self, lease: pb::JobLease) -> Result<(), BenchError> {
         let job = lease.job.unwrap_or_default();
         if let Some(c) = self.client.as_mut() {
             c.update_job(pb::UpdateJobRequest {
@@ -139,7 +151,7 @@ impl CtlWorker {
     }
 
     /// Drops both streams and the connection at once.
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(t) = self.hb_task.take() {
             t.abort();
         }
@@ -162,6 +174,11 @@ impl Drop for CtlWorker {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The registration of a bench worker `id` with one slot.
+pub(crate) fn one_slot(id: &str) -> pb::RegisterWorkerRequest {
+    agq_load::register_request(id, 1)
 }
 
 /// Submits one job and waits for `holder` to be leased it.
@@ -211,10 +228,12 @@ async fn trials(args: &BenchArgs, h: &Harness, interval: Duration) -> Result<boo
     let mut kill = histogram();
     let mut n = 0u64;
     for i in 0..args.kill_trials {
-        let mut holder = CtlWorker::start(h, &format!("fo-kill-{i}"), interval).await?;
+        let mut holder =
+            CtlWorker::start(h.addr, one_slot(&format!("fo-kill-{i}")), interval).await?;
         strand_one(&mut actions, &mut holder, n).await?;
         n += 1;
-        let mut standby = CtlWorker::start(h, &format!("fo-standby-k{i}"), interval).await?;
+        let mut standby =
+            CtlWorker::start(h.addr, one_slot(&format!("fo-standby-k{i}")), interval).await?;
         let t0 = now_us();
         holder.kill();
         match standby.lease_within(Duration::from_secs(10)).await {
@@ -230,10 +249,12 @@ async fn trials(args: &BenchArgs, h: &Harness, interval: Duration) -> Result<boo
     }
     let mut freeze = histogram();
     for i in 0..args.freeze_trials {
-        let mut holder = CtlWorker::start(h, &format!("fo-freeze-{i}"), interval).await?;
+        let mut holder =
+            CtlWorker::start(h.addr, one_slot(&format!("fo-freeze-{i}")), interval).await?;
         strand_one(&mut actions, &mut holder, n).await?;
         n += 1;
-        let mut standby = CtlWorker::start(h, &format!("fo-standby-f{i}"), interval).await?;
+        let mut standby =
+            CtlWorker::start(h.addr, one_slot(&format!("fo-standby-f{i}")), interval).await?;
         let t0 = holder.freeze_after_next_ack().await;
         match standby
             .lease_within(interval * 3 + Duration::from_secs(10))

@@ -116,18 +116,51 @@ impl Harness {
         cfg: &EngineConfig,
         sync: SyncMode,
     ) -> Result<Harness, BenchError> {
+        Harness::spawn(binary, base, cfg, sync, None, None).await
+    }
+
+    /// Starts `binary serve --store <url>`: a replica of the clustered mode
+    /// on the PostgreSQL database `url`, as a child process on `addr` (a
+    /// free 127.0.0.1 port when `None`). Returns once it accepts
+    /// connections.
+    ///
+    /// Errors: it cannot be started or does not listen within 30 s.
+    pub async fn start_replica(
+        binary: &Path,
+        base: &Path,
+        cfg: &EngineConfig,
+        url: &str,
+        addr: Option<SocketAddr>,
+    ) -> Result<Harness, BenchError> {
+        Harness::spawn(binary, base, cfg, SyncMode::Full, Some(url), addr).await
+    }
+
+    async fn spawn(
+        binary: &Path,
+        base: &Path,
+        cfg: &EngineConfig,
+        sync: SyncMode,
+        store: Option<&str>,
+        addr: Option<SocketAddr>,
+    ) -> Result<Harness, BenchError> {
         let dir = TempDir::new(base, "agq-child")?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?
-            .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let addr: SocketAddr = match addr {
+            Some(a) => a,
+            None => std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| BenchError::Setup(format!("bind 127.0.0.1:0: {e}")))?,
+        };
         let sync = match sync {
             SyncMode::Full => "full",
             SyncMode::Normal => "normal",
         };
-        let child = std::process::Command::new(binary)
-            .arg("serve")
+        let mut cmd = std::process::Command::new(binary);
+        cmd.arg("serve");
+        match store {
+            Some(url) => cmd.args(["--store", url]),
+            None => cmd.env_remove("AGQ_STORE"),
+        };
+        let child = cmd
             .args([
                 "--listen",
                 &addr.to_string(),
@@ -146,6 +179,8 @@ impl Harness {
                 &cfg.max_inputs_per_action.to_string(),
                 "--job-retention-secs",
                 &cfg.job_retention.map_or(0, |r| r.as_secs()).to_string(),
+                "--retry-backoff-base-ms",
+                &cfg.retry_backoff_base.as_millis().to_string(),
             ])
             .env("RUST_LOG", "error")
             .stdin(std::process::Stdio::null())
@@ -176,6 +211,14 @@ impl Harness {
                 ));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// kill -9 of a child server (no graceful shutdown: a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 

@@ -17,6 +17,10 @@
 //! - `--engine-only`: the workload on the core without gRPC;
 //! - `--soak-secs N`: N seconds at half of peak, sampling RSS, open files
 //!   and database size;
+//! - `--store postgres --replicas N`: the clustered mode (N `agq serve`
+//!   replicas on one PostgreSQL database) beside one SQLite node: peak and
+//!   half-peak phases, and re-lease time after a replica's kill
+//!   ([`cluster`]);
 //! - `--smoke`: tiny sizes, asserts every job completed (for CI).
 //!
 //! Nothing here is a timed test: the numbers are printed, not asserted
@@ -25,6 +29,7 @@
 pub mod agq_load;
 pub mod backlog;
 pub mod bullmq_peer;
+pub mod cluster;
 pub mod engine_only;
 pub mod failover;
 pub mod harness;
@@ -38,6 +43,15 @@ pub mod stats;
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use agq::config::{EngineConfig, SyncMode};
+
+/// The store the default mode measures (`--store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchStore {
+    /// One node on SQLite, beside the Redis and BullMQ peers.
+    Sqlite,
+    /// `--replicas` nodes on one PostgreSQL database, beside one SQLite node.
+    Postgres,
+}
 
 /// Errors of a bench run.
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +176,24 @@ pub struct BenchArgs {
     /// is in flight into a BatchUpdateJobs (as agw does).
     #[arg(long, env = "AGQ_BENCH_UNARY_UPDATES", default_value_t = false)]
     pub unary_updates: bool,
+    /// The store of the default mode: `sqlite` (one node, beside the
+    /// Redis and BullMQ peers) or `postgres` (the clustered mode beside one
+    /// SQLite node; needs the `agq` binary and PostgreSQL).
+    #[arg(long, env = "AGQ_BENCH_STORE", value_enum, default_value_t = BenchStore::Sqlite)]
+    pub store: BenchStore,
+    /// Replicas of the clustered mode (`--store postgres`).
+    #[arg(long, env = "AGQ_BENCH_REPLICAS", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub replicas: u32,
+    /// PostgreSQL server of the clustered mode (a database is created on
+    /// it through the database this URL names); default: a throwaway
+    /// server from the system's binaries (`initdb`/`postgres`, fsync on).
+    #[arg(long, env = "AGQ_BENCH_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Replica kills of the clustered mode (each waits about 3 x the
+    /// heartbeat interval for the re-lease).
+    #[arg(long, env = "AGQ_BENCH_REPLICA_KILL_TRIALS", default_value_t = 5)]
+    pub replica_kill_trials: usize,
     /// Tiny sizes; exits non-zero unless every job completed (CI).
     #[arg(long, env = "AGQ_BENCH_SMOKE", default_value_t = false)]
     pub smoke: bool,
@@ -184,9 +216,10 @@ impl BenchArgs {
         self.idle_secs = self.idle_secs.min(1);
         self.paced_secs = self.paced_secs.min(1);
         self.timeout_secs = self.timeout_secs.min(60);
+        self.replica_kill_trials = self.replica_kill_trials.min(1);
     }
 
-    fn base_dir(&self) -> PathBuf {
+    pub(crate) fn base_dir(&self) -> PathBuf {
         self.dir.clone().unwrap_or_else(std::env::temp_dir)
     }
 
@@ -304,7 +337,10 @@ pub fn main(mut args: BenchArgs) -> i32 {
         }
         if !args.failover && args.backlog.is_none() && !args.engine_only && args.soak_secs.is_none()
         {
-            ok &= report::run_default(&args, nofile).await?;
+            ok &= match args.store {
+                BenchStore::Sqlite => report::run_default(&args, nofile).await?,
+                BenchStore::Postgres => cluster::run(&args).await?,
+            };
         }
         Ok::<_, BenchError>(ok)
     });

@@ -175,7 +175,7 @@ pub struct Phase {
 }
 
 impl Phase {
-    fn from_record(r: Record, jobs: u64, t0: u64, submit_end: u64) -> Phase {
+    pub(crate) fn from_record(r: Record, jobs: u64, t0: u64, submit_end: u64) -> Phase {
         Phase {
             jobs,
             completed: r.completed,

@@ -5,7 +5,7 @@
 //! PostgreSQL cluster of [`pg`]; [`store_tests!`] runs a test on both.
 #![allow(dead_code)]
 
-pub mod pg;
+pub use agq_testpg as pg;
 
 use std::{
     net::SocketAddr,

@@ -1,18 +1,22 @@
-//! A throwaway PostgreSQL server for the tests of the PostgreSQL store.
+//! A throwaway PostgreSQL server for AGQ's tests and benchmark.
 //!
-//! One cluster per test process, started on first use from the system's
+//! One server per process, started on first use from the system's
 //! binaries (`AGQ_PG_BIN`, else the newest `/usr/lib/postgresql/<ver>/bin`,
 //! else `pg_config --bindir`) in `<temp>/agq-pg-<pid>-<n>`, listening on a
-//! free loopback port with `fsync=off`. Each [`fresh_database`] call creates
-//! an empty database on it. With `AGQ_TEST_DATABASE_URL` set, that server is
-//! used instead (databases are created through the database its URL names,
-//! and left behind).
+//! free loopback port, with `fsync=off` unless [`configure`] asks for a
+//! durable one. Each [`fresh_database`] call creates an empty database on
+//! it. When the variable [`Options::url_env`] names (for the tests
+//! `AGQ_TEST_DATABASE_URL`) is set, that server is used instead (databases
+//! are created through the database its URL names, and left behind).
 //!
 //! As root, initdb and postgres run as the `postgres` user (else `nobody`),
-//! since both refuse to run as root. The postmaster gets SIGKILL when the
-//! test process dies (PR_SET_PDEATHSIG); at a normal exit it is stopped
-//! (SIGQUIT) and its directory removed. Directories left by dead test
-//! processes are removed at the next start.
+//! since both refuse to run as root. The postmaster gets SIGKILL when this
+//! process dies (PR_SET_PDEATHSIG); at a normal exit it is stopped
+//! (SIGQUIT) and its directory removed. Directories left by dead processes
+//! are removed at the next start.
+//!
+//! Setup failures panic with what to do: a test or a bench without its
+//! database cannot go on.
 
 use std::{
     fs,
@@ -28,7 +32,40 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The server the tests create their databases on.
+/// How the server of this process is started.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `fsync` on, as in production (a benchmark); off for tests, whose
+    /// crashes of the server are process crashes, not power losses.
+    pub durable: bool,
+    /// The environment variable that points at an existing server instead.
+    pub url_env: &'static str,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            durable: false,
+            url_env: "AGQ_TEST_DATABASE_URL",
+        }
+    }
+}
+
+/// Set by [`configure`]; the defaults otherwise.
+static OPTIONS: OnceLock<Options> = OnceLock::new();
+
+/// Sets how this process's server is started. Call it before the first
+/// [`fresh_database`] or [`admin_url`]; returns false (and changes nothing)
+/// when the options were already set or the server already started.
+pub fn configure(options: Options) -> bool {
+    OPTIONS.set(options).is_ok()
+}
+
+fn options() -> &'static Options {
+    OPTIONS.get_or_init(Options::default)
+}
+
+/// The server the databases are created on.
 struct Cluster {
     /// URL of the database `CREATE DATABASE` is sent through.
     admin_url: String,
@@ -98,6 +135,12 @@ pub async fn admin_url() -> String {
     cluster().await.admin_url.clone()
 }
 
+/// The pid of this process's postmaster, once started (`None` with a
+/// server of the [`Options::url_env`] variable, or before the start).
+pub fn postmaster_pid() -> Option<i32> {
+    Some(POSTMASTER.load(Ordering::SeqCst)).filter(|p| *p > 0)
+}
+
 /// A client on `url`, its connection driven on the current runtime.
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -156,7 +199,7 @@ async fn cluster() -> &'static Cluster {
 }
 
 fn start_cluster() -> Result<Cluster, String> {
-    if let Ok(url) = std::env::var("AGQ_TEST_DATABASE_URL") {
+    if let Ok(url) = std::env::var(options().url_env) {
         if !url.trim().is_empty() {
             return Ok(Cluster {
                 admin_url: url.trim().to_string(),
@@ -164,11 +207,13 @@ fn start_cluster() -> Result<Cluster, String> {
         }
     }
     let bin = bin_dir().ok_or_else(|| {
-        "no PostgreSQL server binaries (initdb, postgres) found in $AGQ_PG_BIN, \
-         /usr/lib/postgresql/<version>/bin or `pg_config --bindir`: run \
-         scripts/test-deps.sh (it installs Debian's postgresql), or set \
-         AGQ_TEST_DATABASE_URL to a server the tests may create databases on"
-            .to_string()
+        format!(
+            "no PostgreSQL server binaries (initdb, postgres) found in $AGQ_PG_BIN, \
+             /usr/lib/postgresql/<version>/bin or `pg_config --bindir`: run \
+             scripts/test-deps.sh (it installs Debian's postgresql), or set \
+             {} to a server databases may be created on",
+            options().url_env
+        )
     })?;
     remove_stale_dirs();
     let dir = std::env::temp_dir().join(format!(
@@ -253,7 +298,18 @@ fn start_postmaster(
         .arg("-k")
         .arg(dir)
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(["-c", "fsync=off", "-c", "max_connections=300"])
+        .args(["-c", "max_connections=300"])
+        // fsync off for tests: a commit still reaches the kernel before it
+        // is acknowledged (synchronous_commit stays on), so the crashes the
+        // tests cause lose nothing; only a power loss would.
+        .args([
+            "-c",
+            if options().durable {
+                "fsync=on"
+            } else {
+                "fsync=off"
+            },
+        ])
         // dynamic shared memory in files under the data directory: nothing
         // is left in /dev/shm (small in containers) when postgres is killed
         .args(["-c", "dynamic_shared_memory_type=mmap"])
