@@ -366,6 +366,8 @@ impl PgEngine {
         let mut actions = Vec::with_capacity(n);
         {
             let mut local = lock(&self.local);
+            let pushed = std::time::Instant::now();
+            let window = self.cfg.stale_after();
             for (lease, waited_ms) in out {
                 self.metrics.transition(JobStatus::Running);
                 self.metrics
@@ -377,7 +379,13 @@ impl PgEngine {
                 let Some(l) = local.workers.get_mut(&lease.job.worker_id) else {
                     continue;
                 };
-                l.in_flight.insert(lease.lease_id.clone());
+                // Forgetting the old ones now and then (not at every push)
+                // keeps the map at about the leases of the last window.
+                if l.in_flight.len() >= 64 + 4 * l.max as usize {
+                    l.in_flight
+                        .retain(|_, at| pushed.duration_since(*at) < window);
+                }
+                l.in_flight.insert(lease.lease_id.clone(), pushed);
                 if let Some(s) = &l.lease {
                     let _ = s.tx.send(lease);
                 }

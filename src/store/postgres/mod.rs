@@ -81,9 +81,11 @@ struct LocalWorker {
     lease: Option<StreamSlot<JobLease>>,
     /// Last heartbeat received here.
     last_heartbeat: Instant,
-    /// Lease ids pushed on the current lease stream: they may still be in
-    /// flight, so a heartbeat that does not name them loses nothing.
-    in_flight: HashSet<String>,
+    /// Lease ids pushed on the current lease stream within the last
+    /// 3 x heartbeat interval, with when: they may still be in flight, so
+    /// a heartbeat that does not name them loses nothing. Older ones have
+    /// arrived (or the stream is gone, and a new one clears the map).
+    in_flight: HashMap<String, Instant>,
     /// Commands it advertises, sorted.
     tools: Vec<String>,
     /// Tags, for worker selectors.

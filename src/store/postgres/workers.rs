@@ -4,7 +4,11 @@
 //! capability challenges, the command pump that delivers queued commands
 //! to the workers connected here, and the views of workers and queues.
 
-use std::{collections::HashSet, sync::Arc, time::Instant};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+    time::Instant,
+};
 
 use deadpool_postgres::GenericClient;
 use serde_json::json;
@@ -291,7 +295,7 @@ impl PgEngine {
                 heartbeat: None,
                 lease: None,
                 last_heartbeat: Instant::now(),
-                in_flight: HashSet::new(),
+                in_flight: HashMap::new(),
                 tools: Vec::new(),
                 tags: Default::default(),
                 sandboxed: false,
@@ -425,10 +429,19 @@ impl PgEngine {
         }
         if let Some(held) = held {
             let held: HashSet<String> = held.into_iter().collect();
-            let in_flight = lock(&self.local)
+            // Leases pushed within the staleness window may still be on
+            // their way to the worker; older ones it has had time to name.
+            let window = self.cfg.stale_after();
+            let in_flight: HashSet<String> = lock(&self.local)
                 .workers
                 .get(&id)
-                .map(|w| w.in_flight.clone())
+                .map(|w| {
+                    w.in_flight
+                        .iter()
+                        .filter(|(_, at)| at.elapsed() < window)
+                        .map(|(l, _)| l.clone())
+                        .collect()
+                })
                 .unwrap_or_default();
             let lost: Vec<(i64, String)> = super::jobs::running_on(&tx, &id)
                 .await?
