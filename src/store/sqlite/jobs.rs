@@ -157,7 +157,12 @@ impl State {
                 "plan {plan_id} is used by pending or running jobs; cancel them or wait until they finish"
             )));
         }
+        // Its jobs (all finished) go with it.
+        let deleted = jobs::count_by_status_of_plan(conn, plan_id)?;
         plans::delete(conn, plan_id)?;
+        for (status, n) in deleted {
+            self.job_counts[status as usize] -= n;
+        }
         self.plans.remove(plan_id);
         self.old_plans.retain(|(id, _), _| id != plan_id);
         Ok(())
@@ -253,6 +258,7 @@ impl State {
                 sched.priority,
                 None,
             )?;
+            self.moved(None, Some(JobStatus::Pending));
             // Jobs that go straight to the ready queue keep their row in
             // memory for their first lease while the queues are short.
             let keep = runs_now && self.ready.len() + self.delayed_jobs.len() < FRESH_JOBS_MAX;
@@ -378,6 +384,7 @@ impl State {
                 Some(JobStatus::Completed) => {
                     let changed = jobs::complete(conn, row, fence, now_ms, results.as_deref())?;
                     self.fenced(changed, &lease)?;
+                    self.moved(Some(JobStatus::Running), Some(JobStatus::Completed));
                     self.metrics.transition(JobStatus::Completed);
                     self.metrics
                         .job_duration
@@ -432,7 +439,17 @@ impl State {
     /// Cancels the open job at `row` (public id `job_id`): the row, the
     /// queues, and the lease, whose holder is told.
     fn cancel_row(&mut self, conn: &Connection, row: i64, job_id: &str, now_ms: i64) -> Result<()> {
+        // An open job is leased, delayed (scheduled, or failed and waiting
+        // out its backoff) or ready (pending).
+        let from = if self.leases.contains_key(&row) {
+            JobStatus::Running
+        } else {
+            self.delayed_jobs
+                .get(&row)
+                .map_or(JobStatus::Pending, |w| w.status)
+        };
         jobs::cancel(conn, row, now_ms)?;
+        self.moved(Some(from), Some(JobStatus::Cancelled));
         self.metrics.transition(JobStatus::Cancelled);
         self.dequeue(row);
         if let Some(lease) = self.leases.get(&row).cloned() {
@@ -550,7 +567,14 @@ impl State {
         action_id: Arc<str>,
         now_ms: i64,
     ) -> Result<()> {
+        // A failed job waits out its backoff in the delayed queue; a dead
+        // one is in no queue.
+        let from = self
+            .delayed_jobs
+            .get(&row)
+            .map_or(JobStatus::Dead, |w| w.status);
         jobs::retry(conn, row, now_ms, sched.priority)?;
+        self.moved(Some(from), Some(JobStatus::Pending));
         self.metrics.transition(JobStatus::Pending);
         self.dequeue(row);
         let waiting = Waiting {
@@ -621,6 +645,9 @@ impl State {
                 break;
             };
             let d = retention::delete_some(conn, &action_id, limit - removed)?;
+            for status in d.statuses {
+                self.moved(Some(status), None);
+            }
             self.expired_in_batch += d.jobs as u64;
             removed += d.jobs;
             if !d.action {

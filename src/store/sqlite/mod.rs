@@ -524,10 +524,9 @@ impl Engine for SqliteEngine {
     }
 
     async fn metrics_text(&self) -> Result<String> {
-        let counts = self.read(jstore::count_by_status).await?;
-        let (queue, workers) = self
+        let (counts, queue, workers) = self
             .writer
-            .run(|s, _| Ok((s.queue_stats(), s.worker_counts())))
+            .run(|s, _| Ok((s.job_counts(), s.queue_stats(), s.worker_counts())))
             .await?;
         loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
         Ok(self.metrics.encode())

@@ -201,6 +201,7 @@ impl State {
         let Some(waiting) = self.dequeue(row) else {
             return Err(Error::Internal(format!("job row {row} was not ready")));
         };
+        self.moved(Some(waiting.status), Some(JobStatus::Running));
         let group = (waiting.action_id.clone(), waiting.sched.priority);
         self.lease_out(
             row,
@@ -280,6 +281,7 @@ impl State {
                 expires_at_ms,
             }),
         )?;
+        self.moved(None, Some(JobStatus::Running));
         let now_ms = job.created_at_ms;
         let traceparent = job.traceparent.clone();
         let view = jobs::inserted_view(
@@ -457,9 +459,11 @@ impl State {
         } else {
             JobStatus::Failed
         };
+        self.moved(Some(JobStatus::Running), Some(status));
         self.metrics.transition(status);
         if !dead && ready_at <= now_ms {
             jobs::promote(conn, row)?;
+            self.moved(Some(status), Some(JobStatus::Pending));
             status = JobStatus::Pending;
             self.metrics.transition(status);
         }
@@ -530,6 +534,7 @@ impl State {
             };
             if waiting.status == JobStatus::Failed {
                 jobs::promote(conn, row)?;
+                self.moved(Some(JobStatus::Failed), Some(JobStatus::Pending));
                 waiting.status = JobStatus::Pending;
                 self.metrics.transition(JobStatus::Pending);
                 self.touch(&waiting.action_id.clone());

@@ -361,7 +361,16 @@ pub(super) struct State {
     /// Jobs deleted by retention in the current batch, counted in the
     /// metrics once the batch commits.
     pub(super) expired_in_batch: u64,
+    /// Number of stored jobs in each status, indexed by the `JobStatus`
+    /// value: counted by [`State::load`] and moved by the writer with every
+    /// status it writes (see [`State::moved`]), so reading it costs no
+    /// scan and the job rows need no status index. A rolled-back batch
+    /// reloads it with the rest of the state.
+    pub(super) job_counts: [i64; JOB_STATUSES],
 }
+
+/// Length of [`State::job_counts`]: one past the largest `JobStatus` value.
+pub(super) const JOB_STATUSES: usize = JobStatus::Cancelled as usize + 1;
 
 impl State {
     /// An empty state; call [`State::load`] inside the first transaction.
@@ -392,7 +401,28 @@ impl State {
             interned_actions: Map::default(),
             interned_after_sweep: 0,
             expired_in_batch: 0,
+            job_counts: [0; JOB_STATUSES],
         }
+    }
+
+    /// Records in [`State::job_counts`] that one stored job went from
+    /// status `from` to `to` (`None`: it was inserted, or deleted).
+    pub(super) fn moved(&mut self, from: Option<JobStatus>, to: Option<JobStatus>) {
+        if let Some(f) = from {
+            self.job_counts[f as usize] -= 1;
+        }
+        if let Some(t) = to {
+            self.job_counts[t as usize] += 1;
+        }
+    }
+
+    /// The number of stored jobs in each status, keyed by the `JobStatus`
+    /// value (statuses with no job included, as 0).
+    pub(super) fn job_counts(&self) -> std::collections::HashMap<i32, i64> {
+        JobStatus::ALL
+            .iter()
+            .map(|&s| (s as i32, self.job_counts[s as usize]))
+            .collect()
     }
 
     /// An interned `Arc<str>` of the action id `s` (shared by its jobs).
@@ -514,6 +544,17 @@ impl State {
         self.delayed_jobs.clear();
         self.leases.clear();
         self.lease_by_job.clear();
+        self.job_counts = [0; JOB_STATUSES];
+        for (status, n) in sql::jobs::count_by_status(conn)? {
+            match usize::try_from(status).ok().filter(|&i| i < JOB_STATUSES) {
+                Some(i) => self.job_counts[i] = n,
+                None => tracing::error!(
+                    status,
+                    jobs = n,
+                    "jobs with an unknown status are not counted"
+                ),
+            }
+        }
         let mut orphaned = Vec::new();
         let settings = sql::jobs::open_action_scheduling(conn)?;
         let mut scheds: HashMap<(String, i32), Arc<Sched>> = HashMap::new();

@@ -295,3 +295,135 @@ async fn leases_of_an_unregistered_worker_are_requeued() {
     assert_eq!(second.job.job_id, ids[0]);
     assert_ne!(second.lease_id, first.lease_id);
 }
+
+/// The `agq_jobs_current` gauge of an engine, by status name.
+async fn gauge(e: &SharedEngine) -> HashMap<String, i64> {
+    let text = e.metrics_text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("agq_jobs_current{status=\""))
+        .map(|l| {
+            let (name, n) = l.split_once("\"} ").unwrap();
+            (name.to_string(), n.trim().parse().unwrap())
+        })
+        .collect()
+}
+
+/// The number of job rows in each status, by a scan of the database.
+fn stored(dir: &tempfile::TempDir) -> HashMap<String, i64> {
+    let conn = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT status, count(*) FROM jobs GROUP BY status")
+        .unwrap();
+    let mut out: HashMap<String, i64> = JobStatus::ALL
+        .iter()
+        .map(|s| (s.name().to_string(), 0))
+        .collect();
+    for row in stmt
+        .query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))
+        .unwrap()
+    {
+        let (s, n) = row.unwrap();
+        out.insert(JobStatus::from_i32(s).unwrap().name().to_string(), n);
+    }
+    out
+}
+
+/// The engine counts the jobs in each status without an index on the
+/// status: the gauge equals a scan of the table after inserts, leases,
+/// completions, failures (dead and retried), retries, cancellations of
+/// pending and running jobs, a plan deletion, a restart and retention.
+#[tokio::test]
+async fn job_counts_follow_every_transition_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    e.submit_plan(plan("gone", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&e, "w1", &["sort"], 2).await;
+    let once = submit(&e, "p", 4, 1).await;
+    let twice = submit(&e, "p", 2, 2).await;
+    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_eq!(gauge(&e).await["running"], 2);
+    assert_eq!(gauge(&e).await["pending"], 4);
+
+    // Leased in id order: once[0] completes, once[1] fails for good.
+    let a = w.lease_within(2000).await.unwrap();
+    let b = w.lease_within(2000).await.unwrap();
+    assert_eq!((&a.job.job_id, &b.job.job_id), (&once[0], &once[1]));
+    e.update_job(w.report(&a, JobStatus::Completed))
+        .await
+        .unwrap();
+    assert_eq!(
+        e.update_job(w.report(&b, JobStatus::Failed)).await.unwrap(),
+        JobStatus::Dead
+    );
+    assert_eq!(gauge(&e).await, stored(&dir));
+    // once[2] and once[3] are leased now; cancel a running and a pending job.
+    let c = w.lease_within(2000).await.unwrap();
+    let _d = w.lease_within(2000).await.unwrap();
+    assert_eq!(c.job.job_id, once[2]);
+    e.cancel_job(once[2].clone()).await.unwrap();
+    let _ = w.lease_within(2000).await.unwrap(); // twice[0] takes the slot
+    e.cancel_job(twice[1].clone()).await.unwrap();
+    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_eq!(gauge(&e).await["cancelled"], 2);
+    // The dead job comes back.
+    e.retry_job(once[1].clone(), None).await.unwrap();
+    assert_eq!(gauge(&e).await, stored(&dir));
+    e.close().await;
+
+    // Counted again at startup. The second plan's finished jobs go with it.
+    let e = engine(&dir).await;
+    assert_eq!(gauge(&e).await, stored(&dir));
+    submit(&e, "gone", 3, 1).await;
+    // w1's leases come back once it is stale; a failure with an attempt
+    // left goes back to pending (no backoff).
+    let mut w = Worker::start(&e, "w2", &["sort"], 8).await;
+    let mut open = 0;
+    for _ in 0..64 {
+        let Some(l) = w.lease_within(500).await else {
+            break;
+        };
+        match l.attempt {
+            1 if l.job.plan_id == "gone" || open % 2 == 0 => {
+                e.update_job(w.report(&l, JobStatus::Completed))
+                    .await
+                    .unwrap();
+            }
+            _ => {
+                e.update_job(w.report(&l, JobStatus::Failed)).await.unwrap();
+            }
+        }
+        open += 1;
+    }
+    assert_eq!(gauge(&e).await, stored(&dir));
+    let g = gauge(&e).await;
+    assert_eq!(g["pending"] + g["running"], 0, "{g:?} after {open} leases");
+    assert!(g["completed"] >= 4 && g["dead"] >= 1, "{g:?}");
+    e.delete_plan("gone".into()).await.unwrap();
+    assert_eq!(gauge(&e).await, stored(&dir));
+    e.close().await;
+
+    // Retention deletes every finished action; the counts fall to zero.
+    let cfg = EngineConfig {
+        heartbeat_interval: Duration::from_millis(100),
+        job_retention: Some(Duration::from_millis(200)),
+        ..EngineConfig::default()
+    };
+    let e: SharedEngine = SqliteEngine::open(
+        &dir.path().join("agq.db"),
+        SyncMode::Normal,
+        cfg,
+        std::sync::Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    for _ in 0..100 {
+        if stored(&dir).values().all(|&n| n == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(stored(&dir).values().all(|&n| n == 0), "{:?}", stored(&dir));
+    assert_eq!(gauge(&e).await, stored(&dir));
+    e.close().await;
+}

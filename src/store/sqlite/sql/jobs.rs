@@ -48,7 +48,7 @@ pub struct JobKey {
 }
 
 /// The status stored in column `idx` of `r`.
-fn status_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<JobStatus> {
+pub(super) fn status_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<JobStatus> {
     let v: i32 = r.get(idx)?;
     JobStatus::from_i32(v).ok_or_else(|| {
         rusqlite::Error::FromSqlConversionFailure(
@@ -823,12 +823,31 @@ pub fn job_ids(conn: &Connection, rows: &[i64]) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// Number of jobs in each status (keyed by the `JobStatus` value).
+/// Number of jobs in each status (keyed by the `JobStatus` value), by one
+/// scan of the table (no index holds the status): for loading the
+/// engine's counts, not for each request.
 ///
 /// Errors: [`Error::Storage`].
 pub fn count_by_status(conn: &Connection) -> Result<HashMap<i32, i64>> {
     let mut stmt = conn.prepare_cached("SELECT status, count(*) FROM jobs GROUP BY status")?;
     let rows = stmt.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// Number of jobs of plan `plan_id` in each status (keyed by the
+/// `JobStatus` value): the jobs a deletion of the plan takes with it.
+///
+/// Errors: [`Error::Storage`].
+pub fn count_by_status_of_plan(
+    conn: &Connection,
+    plan_id: &str,
+) -> Result<HashMap<JobStatus, i64>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT status, count(*) FROM jobs
+         WHERE action_id IN (SELECT action_id FROM actions WHERE plan_id = ?1)
+         GROUP BY status",
+    )?;
+    let rows = stmt.query_map([plan_id], |r| Ok((status_at(r, 0)?, r.get::<_, i64>(1)?)))?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 

@@ -55,10 +55,12 @@ pub fn oldest_expired(conn: &Connection, cutoff_ms: i64) -> Result<Option<String
 }
 
 /// What one [`delete_some`] call removed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Deleted {
     /// Jobs deleted (their task results with them).
     pub jobs: usize,
+    /// The status of each job deleted.
+    pub statuses: Vec<JobStatus>,
     /// True when the action row itself is gone: it has no job left.
     pub action: bool,
 }
@@ -69,17 +71,26 @@ pub struct Deleted {
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete_some(conn: &Connection, action_id: &str, limit: usize) -> Result<Deleted> {
-    let jobs = conn
+    let statuses = conn
         .prepare_cached(
-            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE action_id = ?1 LIMIT ?2)",
+            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE action_id = ?1 LIMIT ?2)
+             RETURNING status",
         )?
-        .execute(params![action_id, limit as i64])?;
+        .query_map(params![action_id, limit as i64], |r| {
+            super::jobs::status_at(r, 0)
+        })?
+        .collect::<rusqlite::Result<Vec<JobStatus>>>()?;
+    let jobs = statuses.len();
     let action = jobs < limit
         && conn
             .prepare_cached("DELETE FROM actions WHERE action_id = ?1")?
             .execute([action_id])?
             == 1;
-    Ok(Deleted { jobs, action })
+    Ok(Deleted {
+        jobs,
+        statuses,
+        action,
+    })
 }
 
 /// Sets `auto_vacuum = INCREMENTAL` on a database that has no table yet
@@ -243,6 +254,7 @@ mod tests {
             d,
             Deleted {
                 jobs: 256,
+                statuses: vec![Completed; 256],
                 action: false
             }
         );
@@ -252,6 +264,7 @@ mod tests {
             d,
             Deleted {
                 jobs: 88,
+                statuses: vec![Completed; 88],
                 action: true
             }
         );
