@@ -96,8 +96,60 @@ fn side() -> u8 {
     .unwrap_or(OTHER as u8)
 }
 
-/// The bench's global allocator: [`System`] plus the side header.
+/// The bench's global allocator: the side header on every block, which
+/// also says where the block lives. The server's blocks come from
+/// mimalloc, the allocator the `agq` binary runs on; everything else (the
+/// simulated clients of AGQ and of the peers, the harness) from the
+/// system allocator, so a change of the server's allocator changes only
+/// the server's figures.
 pub struct Tagged;
+
+/// Allocates `l` on the allocator of `side`.
+///
+/// # Safety
+/// As [`GlobalAlloc::alloc`].
+unsafe fn inner_alloc(side: u8, l: Layout) -> *mut u8 {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if side == SERVER as u8 {
+            mimalloc::MiMalloc.alloc(l)
+        } else {
+            System.alloc(l)
+        }
+    }
+}
+
+/// Frees a block that [`inner_alloc`] gave out for `side`.
+///
+/// # Safety
+/// As [`GlobalAlloc::dealloc`], with `side` the side the block was
+/// allocated for.
+unsafe fn inner_dealloc(side: usize, base: *mut u8, l: Layout) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if side == SERVER {
+            mimalloc::MiMalloc.dealloc(base, l)
+        } else {
+            System.dealloc(base, l)
+        }
+    }
+}
+
+/// Resizes a block that [`inner_alloc`] gave out for `side`.
+///
+/// # Safety
+/// As [`GlobalAlloc::realloc`], with `side` the side the block was
+/// allocated for.
+unsafe fn inner_realloc(side: usize, base: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if side == SERVER {
+            mimalloc::MiMalloc.realloc(base, l, new_size)
+        } else {
+            System.realloc(base, l, new_size)
+        }
+    }
+}
 
 const HEADER: usize = 16;
 
@@ -111,19 +163,21 @@ fn outer(layout: Layout) -> Option<(Layout, usize)> {
     Some((l, header))
 }
 
-// SAFETY: every block handed out is `header` bytes into a System block
-// allocated with the outer layout; dealloc and realloc undo exactly that.
+// SAFETY: every block handed out is `header` bytes into a block of the
+// allocator of the side written in its first header byte, allocated with
+// the outer layout; dealloc and realloc undo exactly that on the same
+// allocator (the side byte is never changed after alloc).
 unsafe impl GlobalAlloc for Tagged {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let Some((outer_l, header)) = outer(layout) else {
             return std::ptr::null_mut();
         };
+        let s = side();
         // SAFETY: outer_l has a non-zero size.
-        let base = unsafe { System.alloc(outer_l) };
+        let base = unsafe { inner_alloc(s, outer_l) };
         if base.is_null() {
             return base;
         }
-        let s = side();
         // SAFETY: base is valid for outer_l.size() >= header bytes.
         unsafe {
             *base = s;
@@ -141,7 +195,7 @@ unsafe impl GlobalAlloc for Tagged {
             let base = ptr.sub(header);
             let s = (*base as usize).min(OTHER);
             LIVE[s].fetch_sub(layout.size() as isize, Ordering::Relaxed);
-            System.dealloc(base, outer_l);
+            inner_dealloc(s, base, outer_l);
         }
     }
 
@@ -152,12 +206,12 @@ unsafe impl GlobalAlloc for Tagged {
         let Some(new_outer) = new_size.checked_add(header) else {
             return std::ptr::null_mut();
         };
-        // SAFETY: ptr came from alloc/realloc with `layout`; System.realloc
-        // keeps the header bytes (they are part of the block).
+        // SAFETY: ptr came from alloc/realloc with `layout`; realloc keeps
+        // the header bytes (they are part of the block).
         unsafe {
             let base = ptr.sub(header);
             let s = (*base as usize).min(OTHER);
-            let nb = System.realloc(base, outer_l, new_outer);
+            let nb = inner_realloc(s, base, outer_l, new_outer);
             if nb.is_null() {
                 return nb;
             }

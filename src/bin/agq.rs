@@ -12,6 +12,12 @@ use agq::{
     telemetry,
 };
 
+/// The server's heap: mimalloc, which takes about a quarter off the
+/// server's CPU per job against the system allocator (BENCHMARKS.md,
+/// session 8); `agq-bench` runs its in-process server on it too.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// AGQ: a durable gRPC job queue for fanning Unix pipelines out to workers.
 #[derive(Debug, Parser)]
 #[command(name = "agq", version, about)]
