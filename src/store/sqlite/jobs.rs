@@ -214,6 +214,7 @@ impl State {
         let runs_now = ready_at <= now_ms;
         let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
         let mut ids = Vec::with_capacity(a.jobs.len());
+        let mut inserter = jobs::JobInserter::new(conn)?;
         for NewJob {
             job_id,
             input,
@@ -235,7 +236,7 @@ impl State {
                 .flatten()
             {
                 self.insert_leased(
-                    conn,
+                    &mut inserter,
                     fresh,
                     &input_json,
                     action_id.clone(),
@@ -245,8 +246,7 @@ impl State {
                 )?;
                 continue;
             }
-            let row = jobs::insert_job(
-                conn,
+            let row = inserter.insert(
                 &fresh.job_id,
                 &a.action_id,
                 &a.plan_id,

@@ -63,6 +63,7 @@ impl State {
         // Groups found unplaceable in this call stay so until it returns:
         // granting only takes slots and raises running counts.
         let mut blocked: HashSet<GroupKey> = HashSet::new();
+        let mut granter = jobs::LeaseGranter::new(conn);
         loop {
             if self.ready.is_empty() || self.available.is_empty() {
                 return Ok(());
@@ -102,7 +103,7 @@ impl State {
                 return Ok(());
             };
             self.since_guard = if guard { 0 } else { self.since_guard + 1 };
-            self.grant(conn, row, &worker_id)?;
+            self.grant(conn, &mut granter, row, &worker_id)?;
         }
     }
 
@@ -155,7 +156,13 @@ impl State {
 
     /// Grants the job at `row` to `worker_id`: commits the lease in the
     /// batch and queues it for the worker's lease stream.
-    fn grant(&mut self, conn: &Connection, row: i64, worker_id: &str) -> Result<()> {
+    fn grant(
+        &mut self,
+        conn: &Connection,
+        granter: &mut jobs::LeaseGranter<'_>,
+        row: i64,
+        worker_id: &str,
+    ) -> Result<()> {
         let now_ms = now_ms();
         // A new job's row is known without reading it (see FreshJob).
         let cached = self.ready.get_mut(&row).and_then(|w| {
@@ -189,15 +196,7 @@ impl State {
         let attempt = job.attempt + 1;
         let lease_id = uuid::Uuid::new_v4().to_string();
         let expires_at_ms = now_ms + self.cfg.job_timeout.as_millis() as i64;
-        jobs::grant_lease(
-            conn,
-            row,
-            worker_id,
-            &lease_id,
-            attempt,
-            now_ms,
-            expires_at_ms,
-        )?;
+        granter.grant(row, worker_id, &lease_id, attempt, now_ms, expires_at_ms)?;
         let Some(waiting) = self.dequeue(row) else {
             return Err(Error::Internal(format!("job row {row} was not ready")));
         };
@@ -254,7 +253,7 @@ impl State {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn insert_leased(
         &mut self,
-        conn: &Connection,
+        inserter: &mut jobs::JobInserter<'_>,
         job: FreshJob,
         input_json: &str,
         action_id: Arc<str>,
@@ -264,8 +263,7 @@ impl State {
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
         let expires_at_ms = job.created_at_ms + self.cfg.job_timeout.as_millis() as i64;
-        let row = jobs::insert_job(
-            conn,
+        let row = inserter.insert(
             &job.job_id,
             &action_id,
             &plan.id,

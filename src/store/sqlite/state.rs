@@ -258,7 +258,7 @@ pub(super) struct Waiting {
     pub(super) fresh: Option<Box<FreshJob>>,
 }
 
-/// What a job's row holds right after `sql::jobs::insert_job`, kept in
+/// What a job's row holds right after `sql::jobs::JobInserter::insert`, kept in
 /// memory from its insertion until its first lease so that granting it
 /// needs no read of the row (and no parse of its input). Only jobs that go
 /// straight to the ready queue while it holds fewer than

@@ -159,71 +159,113 @@ pub struct FirstLease<'a> {
     pub expires_at_ms: i64,
 }
 
-/// Inserts one job of version `plan_version` of plan `plan_id` at
-/// `priority` and returns its row id: pending, eligible from
-/// `ready_at_ms`, or, with `lease`, already running its first attempt
-/// (started now: the row an insert and a [`grant_lease`] would leave, in
-/// one statement).
-///
-/// Errors: [`Error::Storage`] (also for a duplicate job id).
-#[allow(clippy::too_many_arguments)]
-pub fn insert_job(
-    conn: &Connection,
-    job_id: &str,
-    action_id: &str,
-    plan_id: &str,
-    plan_version: u32,
-    input_json: &str,
-    max_attempts: u32,
-    now_ms: i64,
-    ready_at_ms: i64,
-    priority: i32,
-    lease: Option<FirstLease<'_>>,
-) -> Result<i64> {
-    conn.prepare_cached(
-        "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
-                           attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version, priority)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-    )?
-    .execute(params![
-        job_id,
-        action_id,
-        plan_id,
-        if lease.is_some() { RUNNING } else { PENDING },
-        input_json,
-        max_attempts,
-        now_ms,
-        ready_at_ms,
-        u32::from(lease.is_some()),
-        lease.map(|_| now_ms),
-        lease.map(|l| l.worker_id),
-        lease.map(|l| l.lease_id),
-        lease.map(|l| l.expires_at_ms),
-        plan_version,
-        priority
-    ])?;
-    Ok(conn.last_insert_rowid())
+/// The job insert, prepared once for all the jobs of one action, so a
+/// job costs a bind and a step, not a statement-cache look-up each.
+pub struct JobInserter<'c> {
+    conn: &'c Connection,
+    stmt: rusqlite::CachedStatement<'c>,
 }
 
-/// Marks the job running under a new lease.
-///
-/// Errors: [`Error::Storage`].
-pub fn grant_lease(
-    conn: &Connection,
-    row: i64,
-    worker_id: &str,
-    lease_id: &str,
-    attempt: u32,
-    now_ms: i64,
-    expires_at_ms: i64,
-) -> Result<()> {
-    conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
-                lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
-         WHERE id = ?1",
-    )?
-    .execute(params![row, RUNNING, worker_id, lease_id, attempt, now_ms, expires_at_ms])?;
-    Ok(())
+impl<'c> JobInserter<'c> {
+    /// Takes the insert statement from the connection's cache.
+    ///
+    /// Errors: [`Error::Storage`].
+    pub fn new(conn: &'c Connection) -> Result<Self> {
+        let stmt = conn.prepare_cached(
+            "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
+                               attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version, priority)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+        )?;
+        Ok(JobInserter { conn, stmt })
+    }
+
+    /// Inserts one job of version `plan_version` of plan `plan_id` at
+    /// `priority` and returns its row id: pending, eligible from
+    /// `ready_at_ms`, or, with `lease`, already running its first attempt
+    /// (started now: the row an insert and a [`LeaseGranter::grant`] would leave,
+    /// in one statement).
+    ///
+    /// Errors: [`Error::Storage`] (also for a duplicate job id).
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert(
+        &mut self,
+        job_id: &str,
+        action_id: &str,
+        plan_id: &str,
+        plan_version: u32,
+        input_json: &str,
+        max_attempts: u32,
+        now_ms: i64,
+        ready_at_ms: i64,
+        priority: i32,
+        lease: Option<FirstLease<'_>>,
+    ) -> Result<i64> {
+        self.stmt.execute(params![
+            job_id,
+            action_id,
+            plan_id,
+            if lease.is_some() { RUNNING } else { PENDING },
+            input_json,
+            max_attempts,
+            now_ms,
+            ready_at_ms,
+            u32::from(lease.is_some()),
+            lease.map(|_| now_ms),
+            lease.map(|l| l.worker_id),
+            lease.map(|l| l.lease_id),
+            lease.map(|l| l.expires_at_ms),
+            plan_version,
+            priority
+        ])?;
+        Ok(self.conn.last_insert_rowid())
+    }
+}
+
+/// The lease grant of a dispatch, its statement taken from the
+/// connection's cache at the first grant and kept for the others.
+pub struct LeaseGranter<'c> {
+    conn: &'c Connection,
+    stmt: Option<rusqlite::CachedStatement<'c>>,
+}
+
+impl<'c> LeaseGranter<'c> {
+    /// A granter that has not prepared its statement yet.
+    pub fn new(conn: &'c Connection) -> Self {
+        LeaseGranter { conn, stmt: None }
+    }
+
+    /// Marks the job running under a new lease.
+    ///
+    /// Errors: [`Error::Storage`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grant(
+        &mut self,
+        row: i64,
+        worker_id: &str,
+        lease_id: &str,
+        attempt: u32,
+        now_ms: i64,
+        expires_at_ms: i64,
+    ) -> Result<()> {
+        let stmt = match &mut self.stmt {
+            Some(stmt) => stmt,
+            None => self.stmt.insert(self.conn.prepare_cached(
+                "UPDATE jobs SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
+                        lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
+                 WHERE id = ?1",
+            )?),
+        };
+        stmt.execute(params![
+            row,
+            RUNNING,
+            worker_id,
+            lease_id,
+            attempt,
+            now_ms,
+            expires_at_ms
+        ])?;
+        Ok(())
+    }
 }
 
 /// Stores a progress report of the job running under `fence`, with its
@@ -502,7 +544,7 @@ fn parse_input(json: &str) -> Result<HashMap<String, String>> {
 }
 
 /// The job exactly as [`get_by_row`] (without results) reads it right
-/// after [`insert_job`] stored it with these values and a `ready_at_ms` not
+/// after [`JobInserter::insert`] stored it with these values and a `ready_at_ms` not
 /// in the future: what the scheduler uses instead of reading a new job back.
 #[allow(clippy::too_many_arguments)]
 pub fn inserted_view(
@@ -884,7 +926,10 @@ mod tests {
             lease_id: "L1",
             expires_at_ms: i64::MAX,
         };
-        let row = insert_job(&conn, "j", "a", "p", 1, "{}", 3, 0, 0, 0, Some(lease)).unwrap();
+        let row = JobInserter::new(&conn)
+            .unwrap()
+            .insert("j", "a", "p", 1, "{}", 3, 0, 0, 0, Some(lease))
+            .unwrap();
         (dir, conn, row)
     }
 
