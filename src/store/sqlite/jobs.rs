@@ -37,11 +37,12 @@ pub(super) struct NewAction {
 }
 
 /// One job of a [`NewAction`], prepared before it reaches the writer thread
-/// (the id and the JSON cost the single writer nothing).
+/// (the key and the JSON cost the single writer nothing).
 #[derive(Debug, Clone)]
 pub(super) struct NewJob {
-    /// Public id (a UUIDv7).
-    pub job_id: String,
+    /// The random low half of its public id (`jobs::new_job_key`); the
+    /// writer adds the row.
+    pub key: i64,
     /// The input values.
     pub input: HashMap<String, String>,
     /// `input` as the JSON object stored in the row.
@@ -49,7 +50,7 @@ pub(super) struct NewJob {
 }
 
 impl NewJob {
-    /// A job with a new id for `input`.
+    /// A job with a new key for `input`.
     ///
     /// Errors: `Internal` if the input cannot be written as JSON (a map of
     /// strings always can).
@@ -57,7 +58,7 @@ impl NewJob {
         let input_json =
             serde_json::to_string(&input).map_err(|e| Error::Internal(e.to_string()))?;
         Ok(NewJob {
-            job_id: uuid::Uuid::now_v7().to_string(),
+            key: jobs::new_job_key(),
             input,
             input_json,
         })
@@ -193,6 +194,7 @@ impl State {
                 .clone_from(&plan.plan.worker_selector);
         }
         let sched = Arc::new(Sched::new(&a.scheduling)?);
+        let (first_row, last_row) = jobs::next_rows(self.last_job_row, now_ms, total);
         if !jobs::insert_action(
             conn,
             &a.action_id,
@@ -204,23 +206,29 @@ impl State {
             a.traceparent.as_deref(),
             &a.scheduling,
             now_ms,
+            (first_row, last_row),
         )? {
             return Err(Error::AlreadyExists(format!(
                 "action {} already exists",
                 a.action_id
             )));
         }
+        self.last_job_row = last_row;
         let action_id = self.intern_action(&a.action_id);
         let runs_now = ready_at <= now_ms;
         let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
         let mut ids = Vec::with_capacity(a.jobs.len());
         let mut inserter = jobs::JobInserter::new(conn)?;
-        for NewJob {
-            job_id,
-            input,
-            input_json,
-        } in std::mem::take(&mut a.jobs)
+        for (
+            row,
+            NewJob {
+                key,
+                input,
+                input_json,
+            },
+        ) in (first_row..).zip(std::mem::take(&mut a.jobs))
         {
+            let job_id = jobs::public_job_id(row, key);
             ids.push(job_id.clone());
             let fresh = FreshJob {
                 job_id,
@@ -237,6 +245,8 @@ impl State {
             {
                 self.insert_leased(
                     &mut inserter,
+                    row,
+                    key,
                     fresh,
                     &input_json,
                     action_id.clone(),
@@ -246,8 +256,9 @@ impl State {
                 )?;
                 continue;
             }
-            let row = inserter.insert(
-                &fresh.job_id,
+            inserter.insert(
+                row,
+                key,
                 &a.action_id,
                 &a.plan_id,
                 version,

@@ -246,14 +246,17 @@ impl State {
 
     /// Inserts a new job already leased to `worker_id` (see
     /// [`State::place_at_once`]) and queues its lease like [`Self::grant`]:
-    /// one INSERT instead of an INSERT and an UPDATE. `plan` is the plan
-    /// version the job runs. Returns its row.
+    /// one INSERT instead of an INSERT and an UPDATE, at `row` with key
+    /// `key` (see `jobs::JobInserter::insert`). `plan` is the plan version
+    /// the job runs.
     ///
     /// Errors: storage errors only.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn insert_leased(
         &mut self,
         inserter: &mut jobs::JobInserter<'_>,
+        row: i64,
+        key: i64,
         job: FreshJob,
         input_json: &str,
         action_id: Arc<str>,
@@ -263,8 +266,9 @@ impl State {
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
         let expires_at_ms = job.created_at_ms + self.cfg.job_timeout.as_millis() as i64;
-        let row = inserter.insert(
-            &job.job_id,
+        inserter.insert(
+            row,
+            key,
             &action_id,
             &plan.id,
             plan.plan.version,

@@ -367,6 +367,10 @@ pub(super) struct State {
     /// scan and the job rows need no status index. A rolled-back batch
     /// reloads it with the rest of the state.
     pub(super) job_counts: [i64; JOB_STATUSES],
+    /// The highest job row handed out (`sql::jobs::next_rows`): the
+    /// largest stored at load, or a larger one handed out since (rows of
+    /// a rolled-back batch are not handed out again).
+    pub(super) last_job_row: i64,
 }
 
 /// Length of [`State::job_counts`]: one past the largest `JobStatus` value.
@@ -402,6 +406,7 @@ impl State {
             interned_after_sweep: 0,
             expired_in_batch: 0,
             job_counts: [0; JOB_STATUSES],
+            last_job_row: 0,
         }
     }
 
@@ -545,6 +550,7 @@ impl State {
         self.leases.clear();
         self.lease_by_job.clear();
         self.job_counts = [0; JOB_STATUSES];
+        self.last_job_row = self.last_job_row.max(sql::jobs::last_row(conn)?);
         for (status, n) in sql::jobs::count_by_status(conn)? {
             match usize::try_from(status).ok().filter(|&i| i < JOB_STATUSES) {
                 Some(i) => self.job_counts[i] = n,

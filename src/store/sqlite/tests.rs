@@ -9,7 +9,7 @@ use super::SqliteEngine;
 use crate::{
     config::{EngineConfig, SyncMode},
     core::{
-        engine::{ActionRequest, HeartbeatEvent},
+        engine::{ActionRequest, HeartbeatEvent, JobQuery},
         model::{
             JobLease, JobReport, JobStatus, Plan, Registration, Task, WorkerCapabilities,
             WorkerCommand,
@@ -328,6 +328,22 @@ fn stored(dir: &tempfile::TempDir) -> HashMap<String, i64> {
     out
 }
 
+/// Asserts that the gauge equals the table. The engine's maintenance (a
+/// stale worker's leases going back) may commit at any moment, so the
+/// gauge is read between two scans that agree: no commit changed the
+/// counts in between.
+async fn assert_gauge_matches_table(e: &SharedEngine, dir: &tempfile::TempDir) {
+    for _ in 0..50 {
+        let before = stored(dir);
+        let g = gauge(e).await;
+        if stored(dir) == before {
+            assert_eq!(g, before);
+            return;
+        }
+    }
+    panic!("the job counts kept changing");
+}
+
 /// The engine counts the jobs in each status without an index on the
 /// status: the gauge equals a scan of the table after inserts, leases,
 /// completions, failures (dead and retried), retries, cancellations of
@@ -341,7 +357,7 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
     let mut w = Worker::start(&e, "w1", &["sort"], 2).await;
     let once = submit(&e, "p", 4, 1).await;
     let twice = submit(&e, "p", 2, 2).await;
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     assert_eq!(gauge(&e).await["running"], 2);
     assert_eq!(gauge(&e).await["pending"], 4);
 
@@ -356,7 +372,7 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
         e.update_job(w.report(&b, JobStatus::Failed)).await.unwrap(),
         JobStatus::Dead
     );
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     // once[2] and once[3] are leased now; cancel a running and a pending job.
     let c = w.lease_within(2000).await.unwrap();
     let _d = w.lease_within(2000).await.unwrap();
@@ -364,16 +380,16 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
     e.cancel_job(once[2].clone()).await.unwrap();
     let _ = w.lease_within(2000).await.unwrap(); // twice[0] takes the slot
     e.cancel_job(twice[1].clone()).await.unwrap();
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     assert_eq!(gauge(&e).await["cancelled"], 2);
     // The dead job comes back.
     e.retry_job(once[1].clone(), None).await.unwrap();
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     e.close().await;
 
     // Counted again at startup. The second plan's finished jobs go with it.
     let e = engine(&dir).await;
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     submit(&e, "gone", 3, 1).await;
     // w1's leases come back once it is stale; a failure with an attempt
     // left goes back to pending (no backoff).
@@ -395,12 +411,12 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
         }
         open += 1;
     }
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     let g = gauge(&e).await;
     assert_eq!(g["pending"] + g["running"], 0, "{g:?} after {open} leases");
     assert!(g["completed"] >= 4 && g["dead"] >= 1, "{g:?}");
     e.delete_plan("gone".into()).await.unwrap();
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
     e.close().await;
 
     // Retention deletes every finished action; the counts fall to zero.
@@ -424,6 +440,100 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(stored(&dir).values().all(|&n| n == 0), "{:?}", stored(&dir));
-    assert_eq!(gauge(&e).await, stored(&dir));
+    assert_gauge_matches_table(&e, &dir).await;
+    e.close().await;
+}
+
+/// A job's public id names its row: every id an action returned finds its
+/// job, before and after a restart, and ids follow submission order. An
+/// action's counts, job listing and cancel see exactly its own jobs, not
+/// those of the actions inserted around it; an id with the right row and
+/// another key, or spelled otherwise, is `NotFound`.
+#[tokio::test]
+async fn job_ids_name_their_rows_and_actions_see_only_their_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut actions = Vec::new();
+    for (i, n) in [3, 1, 4].into_iter().enumerate() {
+        let submitted = e
+            .submit_action(ActionRequest {
+                action_id: format!("a{i}"),
+                plan_id: "p".into(),
+                inputs: (0..n).map(|_| HashMap::new()).collect(),
+                max_attempts: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        actions.push(submitted.job_ids);
+    }
+    let all: Vec<String> = actions.concat();
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted, all, "ids are distinct and follow submission order");
+    for (i, ids) in actions.iter().enumerate() {
+        let action_id = format!("a{i}");
+        for id in ids {
+            let job = e.get_job(id.clone()).await.unwrap();
+            assert_eq!((&job.job_id, &job.action_id), (id, &action_id));
+        }
+        let page = e
+            .search_jobs(JobQuery {
+                action_id: Some(action_id.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(&page.items, ids, "{action_id}");
+        let status = e.get_action(action_id.clone()).await.unwrap();
+        assert_eq!(status.pending as usize, ids.len(), "{action_id}");
+    }
+    let id = &actions[1][0];
+    let other_key = format!(
+        "{}{}",
+        &id[..24],
+        if &id[24..25] == "0" { "1" } else { "0" }
+    ) + &id[25..];
+    for wrong in [other_key, id.to_uppercase()] {
+        assert!(
+            matches!(e.get_job(wrong.clone()).await, Err(Error::NotFound(_))),
+            "{wrong}"
+        );
+    }
+    // Cancelling the middle action touches none of its neighbours' jobs.
+    e.cancel_action("a1".into()).await.unwrap();
+    assert_eq!(e.get_action("a0".into()).await.unwrap().pending, 3);
+    assert_eq!(e.get_action("a2".into()).await.unwrap().pending, 4);
+    assert_eq!(e.get_action("a1".into()).await.unwrap().cancelled, 1);
+    e.close().await;
+
+    let e = engine(&dir).await;
+    let page = e
+        .search_jobs(JobQuery {
+            action_id: Some("a1".into()),
+            status: Some(JobStatus::Pending),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(page.items.is_empty());
+    let more = submit(&e, "p", 2, 1).await;
+    assert!(more.iter().all(|id| id > &all[all.len() - 1]), "{more:?}");
+    for i in [0, 2] {
+        let ids = &actions[i];
+        let page = e
+            .search_jobs(JobQuery {
+                action_id: Some(format!("a{i}")),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(&page.items, ids);
+        for id in ids {
+            assert_eq!(e.get_job(id.clone()).await.unwrap().job_id, *id);
+        }
+    }
     e.close().await;
 }

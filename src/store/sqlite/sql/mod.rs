@@ -2,6 +2,26 @@
 //! read pool, the checkpointer, how SQLite errors become [`Error`]s, and
 //! one module per table family. All SQL of the engine lives under here.
 
+/// SQL condition on the `jobs` table: the row is one of the jobs of the
+/// action whose id is `?1`. An action's jobs are inserted in one
+/// transaction at one contiguous range of rows (see migration 0016), so
+/// this is a range scan of the table; `action_id` is matched too.
+macro_rules! of_action {
+    () => {
+        "id BETWEEN (SELECT first_job_row FROM actions WHERE action_id = ?1)
+                AND (SELECT last_job_row FROM actions WHERE action_id = ?1)
+            AND action_id = ?1"
+    };
+}
+
+/// SQL join condition: job `j` is one of the jobs of action `a` (see
+/// [`of_action`]).
+macro_rules! job_of_action {
+    () => {
+        "j.id BETWEEN a.first_job_row AND a.last_job_row AND j.action_id = a.action_id"
+    };
+}
+
 pub mod jobs;
 pub mod plans;
 pub mod retention;
@@ -39,6 +59,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0013_worker_verification.sql"),
     include_str!("migrations/0014_task_results_in_job_row.sql"),
     include_str!("migrations/0015_drop_status_index.sql"),
+    include_str!("migrations/0016_job_rows_without_secondary_indexes.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -341,8 +362,10 @@ mod tests {
             .collect::<rusqlite::Result<_>>()
             .unwrap();
         // Version 15 drops the status index: the engine counts jobs per
-        // status in memory.
-        assert_eq!(indexes, ["jobs_by_action", "jobs_dead_by_action"]);
+        // status in memory. Version 16 drops the action index and the
+        // unique index of every id: only the ids of the jobs created
+        // before it are indexed.
+        assert_eq!(indexes, ["jobs_by_legacy_id", "jobs_dead_by_action"]);
         // Version 8: the indexes ListActions walks.
         let action_indexes: Vec<String> = conn
             .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'actions' AND sql IS NOT NULL ORDER BY name")
@@ -438,6 +461,27 @@ mod tests {
             )
             .unwrap();
         assert_eq!(tables, 0);
+
+        // Version 16: each action knows the rows of its jobs, which keep
+        // their ids.
+        let ranges: Vec<(String, i64, i64)> = conn
+            .prepare(
+                "SELECT action_id, first_job_row, last_job_row FROM actions ORDER BY action_id",
+            )
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(ranges, [("a".to_string(), 1, 1), ("b".to_string(), 2, 3)]);
+        assert_eq!(jobs::key_by_job_id(&conn, "l").unwrap().unwrap().row, 3);
+        assert_eq!(
+            jobs::get_by_row(&conn, 3, false).unwrap().unwrap().job_id,
+            "l"
+        );
+        let b = jobs::action_status(&conn, "b").unwrap().unwrap();
+        assert_eq!((b.completed, b.cancelled, b.pending), (1, 1, 0));
+        assert_eq!(jobs::last_row(&conn).unwrap(), 3);
 
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();

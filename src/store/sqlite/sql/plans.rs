@@ -222,12 +222,18 @@ pub fn list(
     Ok(out)
 }
 
-/// Deletes the plan with its versions, actions, jobs and task results
-/// (all by `ON DELETE CASCADE`). Returns false
-/// when no such plan exists.
+/// Deletes the plan with its versions, actions and their jobs (the jobs
+/// first, by the rows of each action; the rest by `ON DELETE CASCADE`).
+/// Returns false when no such plan exists.
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete(conn: &Connection, plan_id: &str) -> Result<bool> {
+    conn.prepare_cached(concat!(
+        "DELETE FROM jobs WHERE id IN (SELECT j.id FROM actions a JOIN jobs j ON ",
+        job_of_action!(),
+        " WHERE a.plan_id = ?1)"
+    ))?
+    .execute([plan_id])?;
     let n = conn
         .prepare_cached("DELETE FROM plans WHERE plan_id = ?1")?
         .execute([plan_id])?;

@@ -25,13 +25,15 @@ const OPEN: [i32; 3] = [
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn mark_finished(conn: &Connection, action_id: &str, now_ms: i64) -> Result<()> {
-    conn.prepare_cached(
+    conn.prepare_cached(concat!(
         "UPDATE actions
          SET finished_at_ms = CASE WHEN finished_at_ms IS NULL THEN ?2 ELSE NULL END
          WHERE action_id = ?1
            AND (finished_at_ms IS NULL) = NOT EXISTS (
-               SELECT 1 FROM jobs WHERE jobs.action_id = ?1 AND jobs.status IN (?3, ?4, ?5))",
-    )?
+               SELECT 1 FROM jobs WHERE ",
+        of_action!(),
+        " AND jobs.status IN (?3, ?4, ?5))"
+    ))?
     .execute(params![action_id, now_ms, OPEN[0], OPEN[1], OPEN[2]])?;
     Ok(())
 }
@@ -42,14 +44,15 @@ pub fn mark_finished(conn: &Connection, action_id: &str, now_ms: i64) -> Result<
 /// Errors: [`crate::error::Error::Storage`].
 pub fn oldest_expired(conn: &Connection, cutoff_ms: i64) -> Result<Option<String>> {
     Ok(conn
-        .prepare_cached(
-            "SELECT action_id FROM actions
-             WHERE finished_at_ms IS NOT NULL AND finished_at_ms < ?1
+        .prepare_cached(concat!(
+            "SELECT a.action_id FROM actions a
+             WHERE a.finished_at_ms IS NOT NULL AND a.finished_at_ms < ?1
                AND NOT EXISTS (
-                   SELECT 1 FROM jobs WHERE jobs.action_id = actions.action_id
-                     AND jobs.status IN (?2, ?3, ?4))
-             ORDER BY finished_at_ms LIMIT 1",
-        )?
+                   SELECT 1 FROM jobs j WHERE ",
+            job_of_action!(),
+            " AND j.status IN (?2, ?3, ?4))
+             ORDER BY a.finished_at_ms LIMIT 1"
+        ))?
         .query_row(params![cutoff_ms, OPEN[0], OPEN[1], OPEN[2]], |r| r.get(0))
         .optional()?)
 }
@@ -65,17 +68,18 @@ pub struct Deleted {
     pub action: bool,
 }
 
-/// Deletes at most `limit` jobs of `action_id` (their task results go by
-/// the foreign key's cascade) and, once none is left, the action row. The
-/// caller checked that the action is finished ([`oldest_expired`]).
+/// Deletes at most `limit` jobs of `action_id` and, once none is left,
+/// the action row. The caller checked that the action is finished
+/// ([`oldest_expired`]).
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete_some(conn: &Connection, action_id: &str, limit: usize) -> Result<Deleted> {
     let statuses = conn
-        .prepare_cached(
-            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE action_id = ?1 LIMIT ?2)
-             RETURNING status",
-        )?
+        .prepare_cached(concat!(
+            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE ",
+            of_action!(),
+            " LIMIT ?2) RETURNING status"
+        ))?
         .query_map(params![action_id, limit as i64], |r| {
             super::jobs::status_at(r, 0)
         })?
@@ -177,6 +181,13 @@ mod tests {
             )
             .unwrap();
         }
+        conn.execute(
+            "UPDATE actions SET (first_job_row, last_job_row) =
+                 (SELECT min(id), max(id) FROM jobs WHERE action_id = ?1)
+             WHERE action_id = ?1",
+            [id],
+        )
+        .unwrap();
         mark_finished(conn, id, done_ms).unwrap();
     }
 
