@@ -991,7 +991,7 @@ pub fn count_by_status_of_plan(
     plan_id: &str,
 ) -> Result<HashMap<JobStatus, i64>> {
     let mut stmt = conn.prepare_cached(concat!(
-        "SELECT j.status, count(*) FROM actions a JOIN jobs j ON ",
+        "SELECT j.status, count(*) FROM actions a CROSS JOIN jobs j ON ",
         job_of_action!(),
         " WHERE a.plan_id = ?1 GROUP BY j.status"
     ))?;

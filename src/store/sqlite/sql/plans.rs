@@ -229,7 +229,7 @@ pub fn list(
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete(conn: &Connection, plan_id: &str) -> Result<bool> {
     conn.prepare_cached(concat!(
-        "DELETE FROM jobs WHERE id IN (SELECT j.id FROM actions a JOIN jobs j ON ",
+        "DELETE FROM jobs WHERE id IN (SELECT j.id FROM actions a CROSS JOIN jobs j ON ",
         job_of_action!(),
         " WHERE a.plan_id = ?1)"
     ))?
