@@ -390,7 +390,7 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
     // Counted again at startup. The second plan's finished jobs go with it.
     let e = engine(&dir).await;
     assert_gauge_matches_table(&e, &dir).await;
-    submit(&e, "gone", 3, 1).await;
+    let gone = submit(&e, "gone", 3, 1).await;
     // w1's leases come back once it is stale; a failure with an attempt
     // left goes back to pending (no backoff).
     let mut w = Worker::start(&e, "w2", &["sort"], 8).await;
@@ -417,6 +417,16 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
     assert!(g["completed"] >= 4 && g["dead"] >= 1, "{g:?}");
     e.delete_plan("gone".into()).await.unwrap();
     assert_gauge_matches_table(&e, &dir).await;
+    // Only the deleted plan's jobs are gone.
+    for id in &gone {
+        assert!(matches!(
+            e.get_job(id.clone()).await,
+            Err(Error::NotFound(_))
+        ));
+    }
+    for id in once.iter().chain(&twice) {
+        assert_eq!(e.get_job(id.clone()).await.unwrap().plan_id, "p");
+    }
     e.close().await;
 
     // Retention deletes every finished action; the counts fall to zero.
