@@ -129,13 +129,20 @@ pub fn parse_job_id(job_id: &str) -> Option<(i64, i64)> {
     (public_job_id(row, key) == job_id).then_some((row, key))
 }
 
-/// The public id of a job read from columns `row`, `job_key` and
-/// `job_id` at `idx`, `idx + 1` and `idx + 2` of `r`.
-pub(super) fn job_id_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<String> {
-    match r.get::<_, Option<i64>>(idx + 1)? {
-        Some(key) => Ok(public_job_id(r.get(idx)?, key)),
-        None => r.get(idx + 2),
+/// The public id of the job at `row` whose columns `job_key` and `job_id`
+/// are at `idx` and `idx + 1` of `r`: made from the row and key, or the
+/// stored id of a job created before schema 16.
+fn job_id_of(r: &Row<'_>, row: i64, idx: usize) -> rusqlite::Result<String> {
+    match r.get::<_, Option<i64>>(idx)? {
+        Some(key) => Ok(public_job_id(row, key)),
+        None => r.get(idx + 1),
     }
+}
+
+/// The public id of a job read from columns `id`, `job_key` and `job_id`
+/// at `idx`, `idx + 1` and `idx + 2` of `r`.
+pub(super) fn job_id_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<String> {
+    job_id_of(r, r.get(idx)?, idx + 1)
 }
 
 /// The job with public id `job_id`: a look-up by row id (checking the
@@ -670,10 +677,7 @@ pub fn get_by_row(conn: &Connection, row: i64, with_results: bool) -> Result<Opt
         .query_row(params![row, with_results], |r| {
             Ok((
                 Job {
-                    job_id: match r.get::<_, Option<i64>>(18)? {
-                        Some(key) => public_job_id(row, key),
-                        None => r.get(19)?,
-                    },
+                    job_id: job_id_of(r, row, 18)?,
                     action_id: r.get(1)?,
                     plan_id: r.get(2)?,
                     plan_version: r.get(15)?,
@@ -930,6 +934,8 @@ pub fn search(
             rest!()
         )
     } else {
+        // `?2` (no action: NULL) keeps the parameters of both statements
+        // the same.
         concat!(
             "SELECT id, job_key, job_id FROM jobs WHERE id > ?1 AND ?2 IS NULL",
             rest!()
