@@ -376,8 +376,8 @@ impl State {
             lease_id: &lease.lease_id,
             worker_id: &lease.worker_id,
         };
-        // The fenced statement runs first: when it changes nothing (memory
-        // and database disagree on the lease), nothing else is written.
+        // The outcome's statement runs first: when it changes nothing
+        // (memory and database disagree), nothing else is written.
         let after =
             match status {
                 Some(JobStatus::Running) => {
@@ -393,7 +393,7 @@ impl State {
                     JobStatus::Running
                 }
                 Some(JobStatus::Completed) => {
-                    let changed = jobs::complete(conn, row, fence, now_ms, results.as_deref())?;
+                    let changed = jobs::complete(conn, row, now_ms, results.as_deref())?;
                     self.fenced(changed, &lease)?;
                     self.moved(Some(JobStatus::Running), Some(JobStatus::Completed));
                     self.metrics.transition(JobStatus::Completed);

@@ -1,7 +1,14 @@
-//! Actions, jobs and task results tables. Every statement that records
-//! an attempt's outcome ([`set_progress`], [`complete`], [`fail_attempt`])
-//! is fenced: it changes the row only while the job runs under the given
-//! lease and worker, and returns whether it did.
+//! The actions, job rows and job completions tables, and the `jobs` view
+//! that reads a job from its row and its completion (migration 0017).
+//!
+//! Fencing: the writer checks a report's lease against its table of
+//! leases in memory before it runs any statement (that table changes only
+//! with the writer's own commits and is reloaded from the database after
+//! a failed one). The statements check again what they can cheaply:
+//! [`set_progress`] and [`fail_attempt`] change the row only while the
+//! job runs, uncompleted, under the given lease and worker; [`complete`]
+//! inserts the job's completion only if it has none (its key). Each
+//! returns whether it changed anything.
 
 use std::collections::HashMap;
 
@@ -252,7 +259,7 @@ impl<'c> JobInserter<'c> {
     /// Errors: [`Error::Storage`].
     pub fn new(conn: &'c Connection) -> Result<Self> {
         let stmt = conn.prepare_cached(
-            "INSERT INTO jobs (id, job_key, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
+            "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
                                attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version, priority)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
         )?;
@@ -333,7 +340,7 @@ impl<'c> LeaseGranter<'c> {
         let stmt = match &mut self.stmt {
             Some(stmt) => stmt,
             None => self.stmt.insert(self.conn.prepare_cached(
-                "UPDATE jobs SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
+                "UPDATE job_rows SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
                         lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
                  WHERE id = ?1",
             )?),
@@ -367,9 +374,10 @@ pub fn set_progress(
 ) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "UPDATE jobs SET current_task = ?2, progress_percent = ?3,
+            "UPDATE job_rows SET current_task = ?2, progress_percent = ?3,
                     task_results = coalesce(?7, task_results)
-             WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
+             WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6
+               AND NOT EXISTS (SELECT 1 FROM job_completions WHERE job_row = ?1)",
         )?
         .execute(params![
             row,
@@ -413,40 +421,28 @@ pub fn decode_task_results(text: Option<String>) -> Result<Vec<TaskResult>> {
 ///
 /// Errors: [`Error::Storage`].
 pub fn set_task_results(conn: &Connection, row: i64, results: Option<&str>) -> Result<()> {
-    conn.prepare_cached("UPDATE jobs SET task_results = ?2 WHERE id = ?1")?
+    conn.prepare_cached("UPDATE job_rows SET task_results = ?2 WHERE id = ?1")?
         .execute(params![row, results])?;
     Ok(())
 }
 
-/// Marks the job running under `fence` completed (its worker reported
-/// it) with the task results `results` (encoded by
-/// [`encode_task_results`]; `None`: none). The lease id stays as the one that recorded the outcome (see
-/// [`JobKey::lease_id`]). Returns false (nothing changed) when the job
-/// does not run under that lease.
+/// Marks the running job at `row` completed at `now_ms` (its worker
+/// reported it; the caller checked the report's lease, see the module
+/// docs) with the task results `results` (encoded by
+/// [`encode_task_results`]; `None`: none): inserts its row of
+/// `job_completions`, one short row, and leaves the job row as it is, so
+/// the lease id stays as the one that recorded the outcome (see
+/// [`JobKey::lease_id`]). Returns false (nothing changed) when the job is
+/// completed already.
 ///
 /// Errors: [`Error::Storage`].
-pub fn complete(
-    conn: &Connection,
-    row: i64,
-    fence: Fence<'_>,
-    now_ms: i64,
-    results: Option<&str>,
-) -> Result<bool> {
+pub fn complete(conn: &Connection, row: i64, now_ms: i64, results: Option<&str>) -> Result<bool> {
     let n = conn
         .prepare_cached(
-            "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_expires_at_ms = NULL,
-                    error = '', progress_percent = 100, task_results = ?7
-             WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6",
+            "INSERT OR IGNORE INTO job_completions (job_row, completed_at_ms, task_results)
+             VALUES (?1, ?2, ?3)",
         )?
-        .execute(params![
-            row,
-            COMPLETED,
-            now_ms,
-            RUNNING,
-            fence.lease_id,
-            fence.worker_id,
-            results
-        ])?;
+        .execute(params![row, now_ms, results])?;
     Ok(n == 1)
 }
 
@@ -473,9 +469,10 @@ pub fn fail_attempt(
     let completed = if dead { Some(now_ms) } else { None };
     let n = conn
         .prepare_cached(
-            "UPDATE jobs SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
+            "UPDATE job_rows SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
                     lease_id = CASE WHEN ?6 THEN lease_id END, lease_expires_at_ms = NULL
-             WHERE id = ?1 AND status = ?7 AND lease_id = ?8 AND worker_id = ?9",
+             WHERE id = ?1 AND status = ?7 AND lease_id = ?8 AND worker_id = ?9
+               AND NOT EXISTS (SELECT 1 FROM job_completions WHERE job_row = ?1)",
         )?
         .execute(params![
             row,
@@ -496,7 +493,7 @@ pub fn fail_attempt(
 /// Errors: [`Error::Storage`].
 pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
     conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, completed_at_ms = ?3, lease_id = NULL, lease_expires_at_ms = NULL,
+        "UPDATE job_rows SET status = ?2, completed_at_ms = ?3, lease_id = NULL, lease_expires_at_ms = NULL,
                 error = 'cancelled' WHERE id = ?1",
     )?
     .execute(params![row, CANCELLED, now_ms])?;
@@ -508,7 +505,7 @@ pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 /// Errors: [`Error::Storage`].
 pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<()> {
     conn.prepare_cached(
-        "UPDATE jobs SET status = ?2, attempt = 0, ready_at_ms = ?3, completed_at_ms = NULL,
+        "UPDATE job_rows SET status = ?2, attempt = 0, ready_at_ms = ?3, completed_at_ms = NULL,
                 lease_id = NULL, error = '', current_task = 0, progress_percent = 0, priority = ?4 WHERE id = ?1",
     )?
     .execute(params![row, PENDING, now_ms, priority])?;
@@ -519,7 +516,7 @@ pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<
 ///
 /// Errors: [`Error::Storage`].
 pub fn promote(conn: &Connection, row: i64) -> Result<()> {
-    conn.prepare_cached("UPDATE jobs SET status = ?2 WHERE id = ?1 AND status = ?3")?
+    conn.prepare_cached("UPDATE job_rows SET status = ?2 WHERE id = ?1 AND status = ?3")?
         .execute(params![row, PENDING, FAILED])?;
     Ok(())
 }
@@ -838,9 +835,11 @@ pub fn list_actions(
         None => {}
         Some(ActionState::Open) => sql.push_str(" AND a.finished_at_ms IS NULL"),
         Some(ActionState::Finished) => sql.push_str(" AND a.finished_at_ms IS NOT NULL"),
-        // The literal status lets SQLite use the partial index of dead jobs.
+        // The literal status lets SQLite use the partial index of dead
+        // jobs; it reads the job rows, not the `jobs` view, as a dead job
+        // has no completion.
         Some(ActionState::HasDead) => sql.push_str(&format!(
-            " AND EXISTS (SELECT 1 FROM jobs j WHERE j.action_id = a.action_id AND j.status = {DEAD})"
+            " AND EXISTS (SELECT 1 FROM job_rows j WHERE j.action_id = a.action_id AND j.status = {DEAD})"
         )),
     }
     arg(
@@ -974,7 +973,11 @@ pub fn job_ids(conn: &Connection, rows: &[i64]) -> Result<Vec<String>> {
 ///
 /// Errors: [`Error::Storage`].
 pub fn last_row(conn: &Connection) -> Result<i64> {
-    Ok(conn.query_row("SELECT coalesce(max(id), 0) FROM jobs", [], |r| r.get(0))?)
+    Ok(
+        conn.query_row("SELECT coalesce(max(id), 0) FROM job_rows", [], |r| {
+            r.get(0)
+        })?,
+    )
 }
 
 /// Number of jobs in each status (keyed by the `JobStatus` value), by one
@@ -1091,7 +1094,7 @@ mod tests {
         let other = public_job_id(row, new_job_key());
         assert!(key_by_job_id(&conn, &other).unwrap().is_none());
         conn.execute(
-            "INSERT INTO jobs (id, job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
+            "INSERT INTO job_rows (id, job_id, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms)
              VALUES (7, 'old-id', 'a', 'p', 3, '{}', 1, 0, 0)",
             [],
         )
@@ -1107,10 +1110,12 @@ mod tests {
         get_by_row(conn, row, false).unwrap().unwrap().status
     }
 
-    /// The fencing in SQL, on its own: an outcome recorded with a stale
-    /// lease id, or by another worker with the right one, changes no row
-    /// and the job keeps running; the holder's outcome changes exactly one,
-    /// once.
+    /// The fencing in SQL, on its own: a progress report or a failure
+    /// recorded with a stale lease id, or by another worker with the right
+    /// one, changes no row and the job keeps running; the holder's outcome
+    /// changes exactly one, once; a completed job takes no other outcome
+    /// and no second completion. (A completion's lease is checked by the
+    /// engine, in memory: `the_state_machine_fences_reports_and_follows_its_transitions`.)
     #[test]
     fn outcomes_under_a_stale_lease_change_no_row() {
         let (_dir, conn, row) = leased_job();
@@ -1131,10 +1136,6 @@ mod tests {
         let one = encode_task_results(&[result(1)]);
         let two = encode_task_results(&[result(1), result(2)]);
         for fence in [stale, thief] {
-            assert!(
-                !complete(&conn, row, fence, 1, two.as_deref()).unwrap(),
-                "{fence:?}"
-            );
             assert!(!fail_attempt(&conn, row, fence, true, "x", 1, 1, true).unwrap());
             assert!(!set_progress(&conn, row, fence, 1, 50, one.as_deref()).unwrap());
             assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
@@ -1162,13 +1163,32 @@ mod tests {
             .unwrap()
             .task_results
             .is_empty());
-        assert!(complete(&conn, row, holder, 1, two.as_deref()).unwrap());
+        assert!(complete(&conn, row, 1, two.as_deref()).unwrap());
         assert_eq!(status(&conn, row), JobStatus::Completed);
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(job.task_results, [result(1), result(2)]);
+        assert_eq!(
+            (
+                job.progress_percent,
+                job.completed_at_ms,
+                job.error.as_str()
+            ),
+            (100, Some(1), "")
+        );
+        // The lease that recorded the outcome stays (a repeated report is
+        // recognised by it).
+        let key = key_by_job_id(&conn, &job.job_id).unwrap().unwrap();
+        assert_eq!(
+            (key.status, key.lease_id.as_deref()),
+            (JobStatus::Completed, Some("L1"))
+        );
         // The attempt has ended: even its own lease records nothing more.
-        assert!(!complete(&conn, row, holder, 2, None).unwrap());
+        assert!(!complete(&conn, row, 2, None).unwrap());
         assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
-        assert_eq!(status(&conn, row), JobStatus::Completed);
+        assert!(!set_progress(&conn, row, holder, 3, 70, one.as_deref()).unwrap());
+        let job = get_by_row(&conn, row, true).unwrap().unwrap();
+        assert_eq!(job.status, JobStatus::Completed);
+        assert_eq!(job.task_results, [result(1), result(2)]);
+        assert_eq!((job.progress_percent, job.completed_at_ms), (100, Some(1)));
     }
 }

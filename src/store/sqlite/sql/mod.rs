@@ -60,6 +60,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0014_task_results_in_job_row.sql"),
     include_str!("migrations/0015_drop_status_index.sql"),
     include_str!("migrations/0016_job_rows_without_secondary_indexes.sql"),
+    include_str!("migrations/0017_job_completions.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -297,7 +298,7 @@ pub fn store_fault(e: &rusqlite::Error) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::model::TaskResult;
+    use crate::core::model::{JobStatus, TaskResult};
 
     /// A full disk, an I/O error or a read-only file is a store fault
     /// naming its cause (UNAVAILABLE to clients); a constraint failure (a
@@ -358,7 +359,7 @@ mod tests {
             .unwrap();
         assert_eq!(version as usize, MIGRATIONS.len());
         let indexes: Vec<String> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobs' AND sql IS NOT NULL ORDER BY name")
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'job_rows' AND sql IS NOT NULL ORDER BY name")
             .unwrap()
             .query_map([], |r| r.get(0))
             .unwrap()
@@ -486,9 +487,99 @@ mod tests {
         assert_eq!((b.completed, b.cancelled, b.pending), (1, 1, 0));
         assert_eq!(jobs::last_row(&conn).unwrap(), 3);
 
+        // Version 17: the job rows keep their statuses (a job completed
+        // before it has no completion row) and `jobs` reads them.
+        let kinds: Vec<(String, String)> = conn
+            .prepare("SELECT name, type FROM sqlite_master WHERE name IN ('jobs', 'job_rows', 'job_completions') ORDER BY name")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            kinds,
+            [
+                ("job_completions".to_string(), "table".to_string()),
+                ("job_rows".to_string(), "table".to_string()),
+                ("jobs".to_string(), "view".to_string()),
+            ]
+        );
+        let done = jobs::get_by_row(&conn, k, false).unwrap().unwrap();
+        assert_eq!(
+            (done.status, done.completed_at_ms),
+            (JobStatus::Completed, Some(40))
+        );
+        let completions: i64 = conn
+            .query_row("SELECT count(*) FROM job_completions", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(completions, 0);
+
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();
         assert!(matches!(migrate(&mut conn), Err(Error::Internal(_))));
+    }
+
+    /// The `jobs` view is flattened into the statements that read it: a
+    /// job is found by its row, its legacy id or its action's range of
+    /// rows, and its completion by the job's row, never by a scan or a
+    /// materialised view. A look-up that reads no completion column skips
+    /// the completions table.
+    #[test]
+    fn the_jobs_view_reads_by_row_not_by_scan() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        let plan = |sql: &str| -> Vec<String> {
+            let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let nulls = vec![rusqlite::types::Null; stmt.parameter_count()];
+            stmt.query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let by_row = "SEARCH j USING INTEGER PRIMARY KEY (rowid=?)";
+        let completion = "SEARCH c USING INTEGER PRIMARY KEY (rowid=?) LEFT-JOIN";
+        assert_eq!(
+            plan("SELECT status, task_results FROM jobs WHERE id = 1 AND job_key = 2"),
+            [by_row, completion]
+        );
+        assert_eq!(
+            plan("SELECT status FROM jobs WHERE job_id = 'j'"),
+            [
+                "SEARCH j USING INDEX jobs_by_legacy_id (job_id=?)",
+                completion
+            ]
+        );
+        assert_eq!(
+            plan("SELECT id, job_key, job_id FROM jobs WHERE id = 1"),
+            [by_row]
+        );
+        let range = plan(concat!(
+            "SELECT count(*) FILTER (WHERE status = 3) FROM jobs WHERE ",
+            of_action!()
+        ));
+        assert_eq!(
+            range
+                .iter()
+                .filter(|step| step.starts_with("SEARCH j") || step.starts_with("SEARCH c"))
+                .collect::<Vec<_>>(),
+            [
+                "SEARCH j USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)",
+                completion
+            ]
+        );
+        assert!(
+            range.iter().all(|step| !step.starts_with("SCAN")),
+            "{range:?}"
+        );
+        let plan_jobs = plan(concat!(
+            "SELECT j.status, count(*) FROM actions a CROSS JOIN jobs j ON ",
+            job_of_action!(),
+            " WHERE a.plan_id = 'p' GROUP BY j.status"
+        ));
+        assert!(
+            plan_jobs.iter().all(|step| !step.starts_with("SCAN")),
+            "{plan_jobs:?}"
+        );
     }
 
     /// The checkpointer copies the WAL into the database only when a commit

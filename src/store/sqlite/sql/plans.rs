@@ -222,14 +222,20 @@ pub fn list(
     Ok(out)
 }
 
-/// Deletes the plan with its versions, actions and their jobs (the jobs
-/// first, by the rows of each action; the rest by `ON DELETE CASCADE`).
-/// Returns false when no such plan exists.
+/// Deletes the plan with its versions, actions and their jobs (the jobs'
+/// completions and rows first, by the rows of each action; the rest by
+/// `ON DELETE CASCADE`). Returns false when no such plan exists.
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete(conn: &Connection, plan_id: &str) -> Result<bool> {
     conn.prepare_cached(concat!(
-        "DELETE FROM jobs WHERE id IN (SELECT j.id FROM actions a CROSS JOIN jobs j ON ",
+        "DELETE FROM job_completions WHERE job_row IN (SELECT j.id FROM actions a CROSS JOIN job_rows j ON ",
+        job_of_action!(),
+        " WHERE a.plan_id = ?1)"
+    ))?
+    .execute([plan_id])?;
+    conn.prepare_cached(concat!(
+        "DELETE FROM job_rows WHERE id IN (SELECT j.id FROM actions a CROSS JOIN job_rows j ON ",
         job_of_action!(),
         " WHERE a.plan_id = ?1)"
     ))?

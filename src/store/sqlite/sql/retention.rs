@@ -74,16 +74,25 @@ pub struct Deleted {
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn delete_some(conn: &Connection, action_id: &str, limit: usize) -> Result<Deleted> {
-    let statuses = conn
+    // The statuses as the `jobs` view reads them (a completed job's row
+    // alone does not say it is completed), then the completions and rows.
+    let found = conn
         .prepare_cached(concat!(
-            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE ",
+            "SELECT id, status FROM jobs WHERE ",
             of_action!(),
-            " LIMIT ?2) RETURNING status"
+            " ORDER BY id LIMIT ?2"
         ))?
         .query_map(params![action_id, limit as i64], |r| {
-            super::jobs::status_at(r, 0)
+            Ok((r.get::<_, i64>(0)?, super::jobs::status_at(r, 1)?))
         })?
-        .collect::<rusqlite::Result<Vec<JobStatus>>>()?;
+        .collect::<rusqlite::Result<Vec<(i64, JobStatus)>>>()?;
+    let mut completion = conn.prepare_cached("DELETE FROM job_completions WHERE job_row = ?1")?;
+    let mut row = conn.prepare_cached("DELETE FROM job_rows WHERE id = ?1")?;
+    for (id, _) in &found {
+        completion.execute([id])?;
+        row.execute([id])?;
+    }
+    let statuses: Vec<JobStatus> = found.into_iter().map(|(_, status)| status).collect();
     let jobs = statuses.len();
     let action = jobs < limit
         && conn
@@ -166,24 +175,34 @@ mod tests {
             params![id, statuses.len() as i64],
         )
         .unwrap();
+        // A completed job is stored as the engine stores it: its row as it
+        // was while running, and its completion.
         for (i, s) in statuses.iter().enumerate() {
             let open = OPEN.contains(&(*s as i32));
+            let completed = *s == JobStatus::Completed;
             conn.execute(
-                "INSERT INTO jobs (job_id, action_id, plan_id, status, input, max_attempts,
-                                   created_at_ms, ready_at_ms, completed_at_ms)
+                "INSERT INTO job_rows (job_id, action_id, plan_id, status, input, max_attempts,
+                                       created_at_ms, ready_at_ms, completed_at_ms)
                  VALUES (?1, ?2, 'p', ?3, '{}', 1, 0, 0, ?4)",
                 params![
                     format!("{id}-{i}"),
                     id,
-                    *s as i32,
-                    (!open).then_some(done_ms)
+                    if completed { JobStatus::Running } else { *s } as i32,
+                    (!open && !completed).then_some(done_ms)
                 ],
             )
             .unwrap();
+            if completed {
+                conn.execute(
+                    "INSERT INTO job_completions (job_row, completed_at_ms) VALUES (?1, ?2)",
+                    params![conn.last_insert_rowid(), done_ms],
+                )
+                .unwrap();
+            }
         }
         conn.execute(
             "UPDATE actions SET (first_job_row, last_job_row) =
-                 (SELECT min(id), max(id) FROM jobs WHERE action_id = ?1)
+                 (SELECT min(id), max(id) FROM job_rows WHERE action_id = ?1)
              WHERE action_id = ?1",
             [id],
         )
@@ -220,7 +239,7 @@ mod tests {
             Some(100),
             "a later mark moved it"
         );
-        conn.execute("UPDATE jobs SET status = 1 WHERE job_id = 'done-1'", [])
+        conn.execute("UPDATE job_rows SET status = 1 WHERE job_id = 'done-1'", [])
             .unwrap();
         mark_finished(&conn, "done", 300).unwrap();
         assert_eq!(
@@ -228,7 +247,7 @@ mod tests {
             None,
             "a retried job left it finished"
         );
-        conn.execute("UPDATE jobs SET status = 3 WHERE job_id = 'done-1'", [])
+        conn.execute("UPDATE job_rows SET status = 3 WHERE job_id = 'done-1'", [])
             .unwrap();
         mark_finished(&conn, "done", 400).unwrap();
         assert_eq!(finished_at(&conn, "done"), Some(400));
@@ -247,13 +266,16 @@ mod tests {
         action(&conn, "open", &[Pending], 0);
         assert_eq!(oldest_expired(&conn, 100).unwrap(), None);
         assert_eq!(oldest_expired(&conn, 101).unwrap().as_deref(), Some("old"));
-        conn.execute("UPDATE jobs SET status = 1 WHERE job_id = 'old-0'", [])
-            .unwrap();
+        conn.execute_batch(
+            "DELETE FROM job_completions WHERE job_row = (SELECT id FROM job_rows WHERE job_id = 'old-0');
+             UPDATE job_rows SET status = 1 WHERE job_id = 'old-0';",
+        )
+        .unwrap();
         assert_eq!(oldest_expired(&conn, 1000).unwrap().as_deref(), Some("mid"));
     }
 
-    /// A large action goes in chunks: its jobs (with their task results) first,
-    /// the action row with the last chunk; nothing of other actions.
+    /// A large action goes in chunks: its jobs (with their completions)
+    /// first, the action row with the last chunk; nothing of other actions.
     #[test]
     fn deletion_goes_in_chunks() {
         let conn = db();
@@ -280,6 +302,8 @@ mod tests {
             }
         );
         assert_eq!(count(&conn, "SELECT count(*) FROM jobs"), 1);
+        assert_eq!(count(&conn, "SELECT count(*) FROM job_rows"), 1);
+        assert_eq!(count(&conn, "SELECT count(*) FROM job_completions"), 1);
         assert_eq!(count(&conn, "SELECT count(*) FROM actions"), 1);
         assert_eq!(
             oldest_expired(&conn, 1000).unwrap().as_deref(),
