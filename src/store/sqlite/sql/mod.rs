@@ -2,10 +2,11 @@
 //! read pool, the checkpointer, how SQLite errors become [`Error`]s, and
 //! one module per table family. All SQL of the engine lives under here.
 
-/// SQL condition on the `jobs` table: the row is one of the jobs of the
-/// action whose id is `?1`. An action's jobs are inserted in one
-/// transaction at one contiguous range of rows (see migration 0016), so
-/// this is a range scan of the table; `action_id` is matched too.
+/// SQL condition on the `jobs` view or the `job_rows` table: the row is
+/// one of the jobs of the action whose id is `?1`. An action's jobs are
+/// inserted in one transaction at one contiguous range of rows (see
+/// migration 0016), so this is a range scan of the table; `action_id` is
+/// matched too.
 macro_rules! of_action {
     () => {
         "id BETWEEN (SELECT first_job_row FROM actions WHERE action_id = ?1)
