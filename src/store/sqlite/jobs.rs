@@ -376,8 +376,10 @@ impl State {
             lease_id: &lease.lease_id,
             worker_id: &lease.worker_id,
         };
-        // The outcome's statement runs first: when it changes nothing
-        // (memory and database disagree), nothing else is written.
+        // The outcome's statement runs first: when a fenced one changes
+        // nothing (memory and database disagree), nothing else is written.
+        // A completion carries its attempt instead, and counts only in
+        // the attempt the job row runs (`jobs::complete`).
         let after =
             match status {
                 Some(JobStatus::Running) => {
@@ -393,8 +395,7 @@ impl State {
                     JobStatus::Running
                 }
                 Some(JobStatus::Completed) => {
-                    let changed = jobs::complete(conn, row, now_ms, results.as_deref())?;
-                    self.fenced(changed, &lease)?;
+                    jobs::complete(conn, row, lease.attempt, now_ms, results.as_deref())?;
                     self.moved(Some(JobStatus::Running), Some(JobStatus::Completed));
                     self.metrics.transition(JobStatus::Completed);
                     self.metrics

@@ -4,11 +4,15 @@
 //! Fencing: the writer checks a report's lease against its table of
 //! leases in memory before it runs any statement (that table changes only
 //! with the writer's own commits and is reloaded from the database after
-//! a failed one). The statements check again what they can cheaply:
-//! [`set_progress`] and [`fail_attempt`] change the row only while the
-//! job runs, uncompleted, under the given lease and worker; [`complete`]
-//! inserts the job's completion only if it has none (its key). Each
-//! returns whether it changed anything.
+//! a failed one), and the database checks it again: [`set_progress`] and
+//! [`fail_attempt`] change the row only while the job runs, uncompleted,
+//! under the given lease and worker, and return whether they did;
+//! [`complete`] records the attempt with the completion (the attempt
+//! number is the job's fencing token: each grant makes it one larger),
+//! and the `jobs` view counts a completion only in the attempt the job
+//! row runs, so a completion of a stale attempt changes nothing any
+//! reader sees (checking the row in the completion's own statement would
+//! cost the writer a read of the row per job; see docs/architecture.md).
 
 use std::collections::HashMap;
 
@@ -377,7 +381,8 @@ pub fn set_progress(
             "UPDATE job_rows SET current_task = ?2, progress_percent = ?3,
                     task_results = coalesce(?7, task_results)
              WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6
-               AND NOT EXISTS (SELECT 1 FROM job_completions WHERE job_row = ?1)",
+               AND NOT EXISTS (SELECT 1 FROM job_completions c
+                               WHERE c.job_row = ?1 AND c.attempt = job_rows.attempt)",
         )?
         .execute(params![
             row,
@@ -426,24 +431,36 @@ pub fn set_task_results(conn: &Connection, row: i64, results: Option<&str>) -> R
     Ok(())
 }
 
-/// Marks the running job at `row` completed at `now_ms` (its worker
-/// reported it; the caller checked the report's lease, see the module
-/// docs) with the task results `results` (encoded by
+/// Records the completion of attempt `attempt` of the job at `row`,
+/// reported at `now_ms` (the caller checked the report's lease, see the
+/// module docs), with the task results `results` (encoded by
 /// [`encode_task_results`]; `None`: none): inserts its row of
 /// `job_completions`, one short row, and leaves the job row as it is, so
 /// the lease id stays as the one that recorded the outcome (see
-/// [`JobKey::lease_id`]). Returns false (nothing changed) when the job is
-/// completed already.
+/// [`JobKey::lease_id`]). The job reads as completed while its row runs
+/// that attempt. A completion stored already is replaced only by one of
+/// the attempt the row runs now, so a stale one never hides a valid one
+/// and a valid one is never lost to a stale one.
 ///
 /// Errors: [`Error::Storage`].
-pub fn complete(conn: &Connection, row: i64, now_ms: i64, results: Option<&str>) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "INSERT OR IGNORE INTO job_completions (job_row, completed_at_ms, task_results)
-             VALUES (?1, ?2, ?3)",
-        )?
-        .execute(params![row, now_ms, results])?;
-    Ok(n == 1)
+pub fn complete(
+    conn: &Connection,
+    row: i64,
+    attempt: u32,
+    now_ms: i64,
+    results: Option<&str>,
+) -> Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO job_completions (job_row, attempt, completed_at_ms, task_results)
+         VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (job_row) DO UPDATE
+         SET attempt = excluded.attempt, completed_at_ms = excluded.completed_at_ms,
+             task_results = excluded.task_results
+         WHERE excluded.attempt = (SELECT attempt FROM job_rows WHERE id = excluded.job_row)
+           AND job_completions.attempt IS NOT excluded.attempt",
+    )?
+    .execute(params![row, attempt, now_ms, results])?;
+    Ok(())
 }
 
 /// Ends the attempt running under `fence` as failed: `Failed` with the
@@ -472,7 +489,8 @@ pub fn fail_attempt(
             "UPDATE job_rows SET status = ?2, error = ?3, ready_at_ms = ?4, completed_at_ms = ?5,
                     lease_id = CASE WHEN ?6 THEN lease_id END, lease_expires_at_ms = NULL
              WHERE id = ?1 AND status = ?7 AND lease_id = ?8 AND worker_id = ?9
-               AND NOT EXISTS (SELECT 1 FROM job_completions WHERE job_row = ?1)",
+               AND NOT EXISTS (SELECT 1 FROM job_completions c
+                               WHERE c.job_row = ?1 AND c.attempt = job_rows.attempt)",
         )?
         .execute(params![
             row,
@@ -501,6 +519,9 @@ pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 }
 
 /// Puts a failed or dead job back to pending with a fresh attempt budget.
+/// The attempt count starts again from 0, so a completion row the job
+/// may have (of an attempt that did not count, see [`complete`]) is
+/// deleted: it would otherwise match a later attempt of the same number.
 ///
 /// Errors: [`Error::Storage`].
 pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<()> {
@@ -509,6 +530,8 @@ pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<
                 lease_id = NULL, error = '', current_task = 0, progress_percent = 0, priority = ?4 WHERE id = ?1",
     )?
     .execute(params![row, PENDING, now_ms, priority])?;
+    conn.prepare_cached("DELETE FROM job_completions WHERE job_row = ?1")?
+        .execute([row])?;
     Ok(())
 }
 
@@ -1110,12 +1133,11 @@ mod tests {
         get_by_row(conn, row, false).unwrap().unwrap().status
     }
 
-    /// The fencing in SQL, on its own: a progress report or a failure
-    /// recorded with a stale lease id, or by another worker with the right
-    /// one, changes no row and the job keeps running; the holder's outcome
-    /// changes exactly one, once; a completed job takes no other outcome
-    /// and no second completion. (A completion's lease is checked by the
-    /// engine, in memory: `the_state_machine_fences_reports_and_follows_its_transitions`.)
+    /// The fencing in the database, on its own: a progress report or a
+    /// failure recorded with a stale lease id, or by another worker with
+    /// the right one, and a completion of another attempt, change nothing
+    /// a reader sees, and the job keeps running; the holder's outcome
+    /// counts, once; a completed job takes no other outcome.
     #[test]
     fn outcomes_under_a_stale_lease_change_no_row() {
         let (_dir, conn, row) = leased_job();
@@ -1140,13 +1162,23 @@ mod tests {
             assert!(!set_progress(&conn, row, fence, 1, 50, one.as_deref()).unwrap());
             assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
         }
+        complete(&conn, row, 0, 1, two.as_deref()).unwrap();
+        assert_eq!(status(&conn, row), JobStatus::Running);
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
-        assert_eq!((job.progress_percent, job.error.as_str()), (0, ""));
+        assert_eq!(
+            (
+                job.progress_percent,
+                job.error.as_str(),
+                job.completed_at_ms
+            ),
+            (0, "", None)
+        );
         assert!(job.task_results.is_empty());
         let holder = Fence {
             lease_id: "L1",
             worker_id: "w1",
         };
+        // The stale completion does not stop the holder's reports.
         assert!(set_progress(&conn, row, holder, 1, 50, one.as_deref()).unwrap());
         assert_eq!(
             get_by_row(&conn, row, true).unwrap().unwrap().task_results,
@@ -1163,7 +1195,7 @@ mod tests {
             .unwrap()
             .task_results
             .is_empty());
-        assert!(complete(&conn, row, 1, two.as_deref()).unwrap());
+        complete(&conn, row, 1, 5, two.as_deref()).unwrap();
         assert_eq!(status(&conn, row), JobStatus::Completed);
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(job.task_results, [result(1), result(2)]);
@@ -1173,7 +1205,7 @@ mod tests {
                 job.completed_at_ms,
                 job.error.as_str()
             ),
-            (100, Some(1), "")
+            (100, Some(5), "")
         );
         // The lease that recorded the outcome stays (a repeated report is
         // recognised by it).
@@ -1182,13 +1214,62 @@ mod tests {
             (key.status, key.lease_id.as_deref()),
             (JobStatus::Completed, Some("L1"))
         );
-        // The attempt has ended: even its own lease records nothing more.
-        assert!(!complete(&conn, row, 2, None).unwrap());
+        // The attempt has ended: even its own lease records nothing more,
+        // and a stale completion does not undo it.
+        complete(&conn, row, 1, 9, None).unwrap();
+        complete(&conn, row, 0, 9, None).unwrap();
         assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
         assert!(!set_progress(&conn, row, holder, 3, 70, one.as_deref()).unwrap());
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(job.status, JobStatus::Completed);
         assert_eq!(job.task_results, [result(1), result(2)]);
-        assert_eq!((job.progress_percent, job.completed_at_ms), (100, Some(1)));
+        assert_eq!((job.progress_percent, job.completed_at_ms), (100, Some(5)));
+    }
+
+    /// A completion of an attempt the job does not run (recorded before
+    /// that attempt failed) counts for nothing, not for the next attempt
+    /// either: RetryJob, which numbers the attempts from 0 again, deletes
+    /// it, and the completion of the attempt the job runs counts.
+    #[test]
+    fn a_completion_counts_only_in_the_attempt_the_job_runs() {
+        let (_dir, conn, row) = leased_job();
+        let completions = || -> i64 {
+            conn.query_row(
+                "SELECT count(*) FROM job_completions WHERE job_row = ?1",
+                [row],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        complete(&conn, row, 0, 1, None).unwrap();
+        assert_eq!(status(&conn, row), JobStatus::Running);
+        let holder = Fence {
+            lease_id: "L1",
+            worker_id: "w1",
+        };
+        assert!(fail_attempt(&conn, row, holder, true, "exit 1", 2, 2, true).unwrap());
+        assert_eq!(status(&conn, row), JobStatus::Dead);
+        // Of the attempt that failed: counts for nothing now.
+        complete(&conn, row, 1, 3, None).unwrap();
+        assert_eq!(status(&conn, row), JobStatus::Dead);
+        assert_eq!(completions(), 1);
+        retry(&conn, row, 4, 0).unwrap();
+        assert_eq!(completions(), 0);
+        assert_eq!(status(&conn, row), JobStatus::Pending);
+        LeaseGranter::new(&conn)
+            .grant(row, "w2", "L2", 1, 5, i64::MAX)
+            .unwrap();
+        assert_eq!(status(&conn, row), JobStatus::Running);
+        let results = encode_task_results(&[TaskResult {
+            task_number: 1,
+            command: "wc".into(),
+            ..Default::default()
+        }]);
+        complete(&conn, row, 1, 6, results.as_deref()).unwrap();
+        let job = get_by_row(&conn, row, true).unwrap().unwrap();
+        assert_eq!(
+            (job.status, job.completed_at_ms, job.task_results.len()),
+            (JobStatus::Completed, Some(6), 1)
+        );
     }
 }

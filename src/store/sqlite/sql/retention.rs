@@ -182,8 +182,8 @@ mod tests {
             let completed = *s == JobStatus::Completed;
             conn.execute(
                 "INSERT INTO job_rows (job_id, action_id, plan_id, status, input, max_attempts,
-                                       created_at_ms, ready_at_ms, completed_at_ms)
-                 VALUES (?1, ?2, 'p', ?3, '{}', 1, 0, 0, ?4)",
+                                       created_at_ms, ready_at_ms, completed_at_ms, worker_id, lease_id, attempt)
+                 VALUES (?1, ?2, 'p', ?3, '{}', 1, 0, 0, ?4, 'w', 'L', 1)",
                 params![
                     format!("{id}-{i}"),
                     id,
@@ -194,7 +194,7 @@ mod tests {
             .unwrap();
             if completed {
                 conn.execute(
-                    "INSERT INTO job_completions (job_row, completed_at_ms) VALUES (?1, ?2)",
+                    "INSERT INTO job_completions (job_row, attempt, completed_at_ms) VALUES (?1, 1, ?2)",
                     params![conn.last_insert_rowid(), done_ms],
                 )
                 .unwrap();
