@@ -225,12 +225,22 @@ async fn the_state_machine_fences_reports_and_follows_its_transitions() {
         (2, ids[0].as_str())
     );
     assert_ne!(again.lease_id, lease.lease_id, "a new fencing token");
-    // The first attempt's lease is stale now.
+    // The first attempt's lease is stale now: its completion is refused
+    // before anything is written (no completion row), and the job runs on.
     let err = e
         .update_job(w.report(&lease, JobStatus::Completed))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    assert_eq!(
+        e.get_job(ids[0].clone()).await.unwrap().status,
+        JobStatus::Running
+    );
+    let completions: i64 = rusqlite::Connection::open(dir.path().join("agq.db"))
+        .unwrap()
+        .query_row("SELECT count(*) FROM job_completions", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(completions, 0, "a stale completion was stored");
     // Attempt 2 of 2 fails: dead, and a repeat of that report is acknowledged.
     let report = w.report(&again, JobStatus::Failed);
     assert_eq!(e.update_job(report.clone()).await.unwrap(), JobStatus::Dead);

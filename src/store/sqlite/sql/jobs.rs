@@ -859,8 +859,9 @@ pub fn list_actions(
         Some(ActionState::Open) => sql.push_str(" AND a.finished_at_ms IS NULL"),
         Some(ActionState::Finished) => sql.push_str(" AND a.finished_at_ms IS NOT NULL"),
         // The literal status lets SQLite use the partial index of dead
-        // jobs; it reads the job rows, not the `jobs` view, as a dead job
-        // has no completion.
+        // jobs; it reads the job rows, not the `jobs` view: a dead row's
+        // status is what the view reads (a completion counts only for a
+        // running row).
         Some(ActionState::HasDead) => sql.push_str(&format!(
             " AND EXISTS (SELECT 1 FROM job_rows j WHERE j.action_id = a.action_id AND j.status = {DEAD})"
         )),
