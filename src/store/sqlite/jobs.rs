@@ -534,7 +534,7 @@ impl State {
             self.retry_row(conn, *row, plan.clone(), sched, action.clone(), now_ms)?;
         }
         // The action is open again: clear its finish time.
-        retention::mark_finished(conn, &action, now_ms)?;
+        retention::mark_open(conn, &action)?;
         self.touch(&action);
         Ok(matching.len() as u32)
     }
@@ -632,7 +632,7 @@ impl State {
         let action = self.intern_action(&key.action_id);
         self.retry_row(conn, key.row, plan, sched, action.clone(), now_ms)?;
         // The action is open again: clear its finish time.
-        retention::mark_finished(conn, &action, now_ms)?;
+        retention::mark_open(conn, &action)?;
         self.touch(&action);
         Ok(key.row)
     }

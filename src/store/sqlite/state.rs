@@ -343,6 +343,10 @@ pub(super) struct State {
     pub(super) outbox: Vec<Effect>,
     /// Actions whose jobs changed in the current batch.
     pub(super) changed_actions: std::collections::HashSet<Arc<str>>,
+    /// The action ids of open jobs that are not scheduled because their
+    /// plan version is not stored (a database edited by hand): held so
+    /// that their actions never count as finished (see `before_commit`).
+    pub(super) unscheduled: Vec<Arc<str>>,
     /// WatchAction subscribers.
     pub(super) watchers: Arc<Watchers>,
     /// Set when the dispatcher may find work (job ready, slot freed).
@@ -398,6 +402,7 @@ impl State {
             available: BTreeSet::new(),
             outbox: Vec::new(),
             changed_actions: Default::default(),
+            unscheduled: Vec::new(),
             watchers,
             wants_dispatch: true,
             next_stream_id: 1,
@@ -549,6 +554,7 @@ impl State {
         self.delayed_jobs.clear();
         self.leases.clear();
         self.lease_by_job.clear();
+        self.unscheduled.clear();
         self.job_counts = [0; JOB_STATUSES];
         self.last_job_row = self.last_job_row.max(sql::jobs::last_row(conn)?);
         for (status, n) in sql::jobs::count_by_status(conn)? {
@@ -574,6 +580,8 @@ impl State {
                     plan_version = job.plan_version,
                     "an open job's plan version is not stored; the job is not scheduled"
                 );
+                let action_id = self.intern_action(&job.action_id);
+                self.unscheduled.push(action_id);
                 continue;
             };
             let action_id = self.intern_action(&job.action_id);
@@ -835,9 +843,11 @@ impl BatchState for State {
         }
         // Record the finish time (for retention) of each changed action
         // that has no open job left, in the same transaction as the change.
-        // An action with an open job holds its id in memory (a queued job
-        // or a lease), so only ids held by `changed_actions` alone are
-        // checked against the database; RetryJob clears the time itself.
+        // Every open job is in memory (queued, delayed or leased) and holds
+        // its action's id, so an id held by `changed_actions` alone is an
+        // action with no open job: it is marked without reading its job
+        // rows (retention reads them again before it deletes anything).
+        // RetryJob and RetryAction clear the time themselves.
         let mut finished_ms = None;
         for action in &self.changed_actions {
             if Arc::strong_count(action) == 1 {

@@ -557,3 +557,64 @@ async fn job_ids_name_their_rows_and_actions_see_only_their_jobs() {
     }
     e.close().await;
 }
+
+/// The finish time of an action, read from the database (None: open).
+fn finished_at(dir: &tempfile::TempDir, action_id: &str) -> Option<i64> {
+    let conn = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    conn.query_row(
+        "SELECT finished_at_ms FROM actions WHERE action_id = ?1",
+        [action_id],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// An action is marked finished when its last open job ends, and not
+/// while it has an open job the scheduler does not hold (its plan version
+/// is gone from a database edited by hand).
+#[tokio::test]
+async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    for (id, n) in [("kept", 2), ("done", 1)] {
+        e.submit_action(ActionRequest {
+            action_id: id.into(),
+            plan_id: "p".into(),
+            inputs: (0..n).map(|_| HashMap::new()).collect(),
+            max_attempts: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    e.close().await;
+    rusqlite::Connection::open(dir.path().join("agq.db"))
+        .unwrap()
+        .execute(
+            "UPDATE job_rows SET plan_version = 99
+             WHERE id = (SELECT last_job_row FROM actions WHERE action_id = 'kept')",
+            [],
+        )
+        .unwrap();
+
+    let e = engine(&dir).await;
+    let mut w = Worker::start(&e, "w", &["sort"], 4).await;
+    for _ in 0..2 {
+        let l = w.lease_within(2000).await.unwrap();
+        e.update_job(w.report(&l, JobStatus::Completed))
+            .await
+            .unwrap();
+    }
+    assert!(
+        w.lease_within(300).await.is_none(),
+        "the unscheduled job ran"
+    );
+    e.close().await;
+    assert!(finished_at(&dir, "done").is_some(), "the finished action");
+    assert_eq!(
+        finished_at(&dir, "kept"),
+        None,
+        "the action with an open job"
+    );
+}

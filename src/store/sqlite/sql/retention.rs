@@ -5,7 +5,8 @@
 //! An action is the unit: it is deleted whole, so GetAction never reports
 //! counts of a half-deleted action. `actions.finished_at_ms` (schema
 //! version 4) is when its last open job ended; it is kept up to date by
-//! [`mark_finished`] in the transaction that changed the action's jobs.
+//! [`mark_finished`] and [`mark_open`] in the transaction that changed the
+//! action's jobs.
 
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -18,23 +19,30 @@ const OPEN: [i32; 3] = [
     JobStatus::Failed as i32,
 ];
 
-/// Records whether `action_id` is finished: sets `finished_at_ms` to
-/// `now_ms` when the action has no open job and no finish time yet, and
-/// clears it when a job of the action is open again (RetryJob). Writes
-/// nothing when the stored time already says the right thing.
+/// Records that `action_id` finished at `now_ms`: sets its finish time
+/// unless it has one. The writer calls it once its in-memory state, which
+/// holds every open job (queued, delayed or leased), holds none of the
+/// action's, so the statement reads no job row; [`oldest_expired`] checks
+/// the job rows again before retention deletes anything.
 ///
 /// Errors: [`crate::error::Error::Storage`].
 pub fn mark_finished(conn: &Connection, action_id: &str, now_ms: i64) -> Result<()> {
-    conn.prepare_cached(concat!(
-        "UPDATE actions
-         SET finished_at_ms = CASE WHEN finished_at_ms IS NULL THEN ?2 ELSE NULL END
-         WHERE action_id = ?1
-           AND (finished_at_ms IS NULL) = NOT EXISTS (
-               SELECT 1 FROM jobs WHERE ",
-        of_action!(),
-        " AND jobs.status IN (?3, ?4, ?5))"
-    ))?
-    .execute(params![action_id, now_ms, OPEN[0], OPEN[1], OPEN[2]])?;
+    conn.prepare_cached(
+        "UPDATE actions SET finished_at_ms = ?2 WHERE action_id = ?1 AND finished_at_ms IS NULL",
+    )?
+    .execute(params![action_id, now_ms])?;
+    Ok(())
+}
+
+/// Records that `action_id` is open again (RetryJob or RetryAction put
+/// one of its jobs back): clears its finish time.
+///
+/// Errors: [`crate::error::Error::Storage`].
+pub fn mark_open(conn: &Connection, action_id: &str) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE actions SET finished_at_ms = NULL WHERE action_id = ?1 AND finished_at_ms IS NOT NULL",
+    )?
+    .execute(params![action_id])?;
     Ok(())
 }
 
@@ -207,7 +215,10 @@ mod tests {
             [id],
         )
         .unwrap();
-        mark_finished(conn, id, done_ms).unwrap();
+        // As the writer does: only an action with no open job is marked.
+        if !statuses.iter().any(|s| OPEN.contains(&(*s as i32))) {
+            mark_finished(conn, id, done_ms).unwrap();
+        }
     }
 
     fn finished_at(conn: &Connection, id: &str) -> Option<i64> {
@@ -223,8 +234,8 @@ mod tests {
         conn.query_row(sql, [], |r| r.get(0)).unwrap()
     }
 
-    /// The finish time is set once the last open job ends, kept when the
-    /// action is marked again, and cleared when a job opens again.
+    /// The finish time is set at the first mark, kept when the action is
+    /// marked again, and cleared when the action is open again.
     #[test]
     fn an_action_is_finished_once_no_job_is_open() {
         let conn = db();
@@ -241,16 +252,19 @@ mod tests {
         );
         conn.execute("UPDATE job_rows SET status = 1 WHERE job_id = 'done-1'", [])
             .unwrap();
-        mark_finished(&conn, "done", 300).unwrap();
+        mark_open(&conn, "done").unwrap();
         assert_eq!(
             finished_at(&conn, "done"),
             None,
             "a retried job left it finished"
         );
+        mark_open(&conn, "done").unwrap();
+        assert_eq!(finished_at(&conn, "done"), None);
         conn.execute("UPDATE job_rows SET status = 3 WHERE job_id = 'done-1'", [])
             .unwrap();
         mark_finished(&conn, "done", 400).unwrap();
         assert_eq!(finished_at(&conn, "done"), Some(400));
+        assert_eq!(finished_at(&conn, "open"), None, "another action changed");
     }
 
     /// Only actions finished before the cutoff expire, oldest first; an
