@@ -251,23 +251,26 @@ pub struct FirstLease<'a> {
     pub expires_at_ms: i64,
 }
 
-/// The job insert, prepared once for all the jobs of one action, so a
-/// job costs a bind and a step, not a statement-cache look-up each.
+/// The job inserts, each prepared once for all the jobs of one action at
+/// its first use, so a job costs a bind and a step, not a
+/// statement-cache look-up each. A pending job binds only the columns it
+/// has (no lease columns).
 pub struct JobInserter<'c> {
-    stmt: rusqlite::CachedStatement<'c>,
+    conn: &'c Connection,
+    pending: Option<rusqlite::CachedStatement<'c>>,
+    leased: Option<rusqlite::CachedStatement<'c>>,
 }
 
 impl<'c> JobInserter<'c> {
-    /// Takes the insert statement from the connection's cache.
+    /// An inserter on `conn` that has not prepared its statements yet.
     ///
-    /// Errors: [`Error::Storage`].
+    /// Errors: none so far ([`Error::Storage`] is kept for the callers).
     pub fn new(conn: &'c Connection) -> Result<Self> {
-        let stmt = conn.prepare_cached(
-            "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts, created_at_ms, ready_at_ms,
-                               attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms, plan_version, priority)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
-        )?;
-        Ok(JobInserter { stmt })
+        Ok(JobInserter {
+            conn,
+            pending: None,
+            leased: None,
+        })
     }
 
     /// Inserts one job at `row` (from [`next_rows`]) with key `key` (its
@@ -293,21 +296,52 @@ impl<'c> JobInserter<'c> {
         priority: i32,
         lease: Option<FirstLease<'_>>,
     ) -> Result<()> {
-        self.stmt.execute(params![
+        let Some(lease) = lease else {
+            let stmt = match &mut self.pending {
+                Some(stmt) => stmt,
+                slot => slot.insert(self.conn.prepare_cached(
+                    "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts,
+                                           created_at_ms, ready_at_ms, plan_version, priority)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                )?),
+            };
+            stmt.execute(params![
+                row,
+                key,
+                action_id,
+                plan_id,
+                PENDING,
+                input_json,
+                max_attempts,
+                now_ms,
+                ready_at_ms,
+                plan_version,
+                priority
+            ])?;
+            return Ok(());
+        };
+        let stmt = match &mut self.leased {
+            Some(stmt) => stmt,
+            slot => slot.insert(self.conn.prepare_cached(
+                "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts, created_at_ms,
+                                       ready_at_ms, attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms,
+                                       plan_version, priority)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, 1, ?8, ?10, ?11, ?12, ?13, ?14)",
+            )?),
+        };
+        stmt.execute(params![
             row,
             key,
             action_id,
             plan_id,
-            if lease.is_some() { RUNNING } else { PENDING },
+            RUNNING,
             input_json,
             max_attempts,
             now_ms,
             ready_at_ms,
-            u32::from(lease.is_some()),
-            lease.map(|_| now_ms),
-            lease.map(|l| l.worker_id),
-            lease.map(|l| l.lease_id),
-            lease.map(|l| l.expires_at_ms),
+            lease.worker_id,
+            lease.lease_id,
+            lease.expires_at_ms,
             plan_version,
             priority
         ])?;
