@@ -143,7 +143,7 @@ impl State {
         self.available
             .iter()
             .find(|(_, _, id)| {
-                self.workers.get(id).is_some_and(|w| {
+                self.workers.get(&**id).is_some_and(|w| {
                     w.state == WorkerState::Active
                         && self.is_fresh(w, now)
                         && (w.leases.len() as u32) < w.max
@@ -151,7 +151,7 @@ impl State {
                         && sched.admits(w)
                 })
             })
-            .map(|(_, _, id)| id.clone())
+            .map(|(_, _, id)| id.to_string())
     }
 
     /// Grants the job at `row` to `worker_id`: commits the lease in the

@@ -158,6 +158,10 @@ pub(super) struct StreamSlot<T> {
     pub(super) tx: EventTx<T>,
 }
 
+/// A worker's key in [`State::available`]: (active leases, last lease
+/// seq, id).
+pub(super) type AvailKey = (u32, u64, Arc<str>);
+
 /// A worker as the scheduler sees it.
 #[derive(Debug)]
 pub(super) struct WorkerEntry {
@@ -188,7 +192,10 @@ pub(super) struct WorkerEntry {
     /// Registration time, ms.
     pub(super) registered_at_ms: i64,
     /// Key under which it sits in [`State::available`], if it does.
-    pub(super) avail_key: Option<(u32, u64)>,
+    pub(super) avail_key: Option<AvailKey>,
+    /// Its id, shared with the keys of [`State::available`] (filing it
+    /// there allocates nothing).
+    pub(super) key_id: Arc<str>,
     /// Sequence number of its last lease, for round robin among equals.
     pub(super) last_lease_seq: u64,
     /// Its slots counted in [`State::fleet_slots`] (its max while ACTIVE
@@ -338,7 +345,7 @@ pub(super) struct State {
     pub(super) workers: Map<String, WorkerEntry>,
     /// Workers that can take a lease now (ACTIVE, lease stream open, free
     /// slot), least loaded first: (active leases, last lease seq, id).
-    pub(super) available: BTreeSet<(u32, u64, String)>,
+    pub(super) available: BTreeSet<AvailKey>,
     /// Side effects of the current batch.
     pub(super) outbox: Vec<Effect>,
     /// Actions whose jobs changed in the current batch.
@@ -508,6 +515,7 @@ impl State {
             let tools: Set<String> = row.worker.capabilities.commands().cloned().collect();
             let live = state.is_live();
             let mut entry = WorkerEntry {
+                key_id: Arc::from(id.as_str()),
                 max: row.worker.max_concurrent_jobs.max(1),
                 stats: row.worker.stats,
                 info: row.worker,
@@ -731,8 +739,8 @@ impl State {
         let Some(w) = self.workers.get_mut(id) else {
             return;
         };
-        if let Some((load, seq)) = w.avail_key.take() {
-            self.available.remove(&(load, seq, id.to_string()));
+        if let Some(key) = w.avail_key.take() {
+            self.available.remove(&key);
         }
         let connected = w.state == WorkerState::Active
             && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
@@ -742,9 +750,9 @@ impl State {
         w.fleet_slots = slots;
         let eligible = connected && (w.leases.len() as u32) < w.max;
         if eligible {
-            let key = (w.leases.len() as u32, w.last_lease_seq);
-            w.avail_key = Some(key);
-            self.available.insert((key.0, key.1, id.to_string()));
+            let key = (w.leases.len() as u32, w.last_lease_seq, w.key_id.clone());
+            w.avail_key = Some(key.clone());
+            self.available.insert(key);
             self.wants_dispatch = true;
         }
     }

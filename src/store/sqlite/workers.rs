@@ -145,6 +145,7 @@ impl State {
         wstore::clear_verifications(conn, &req.worker_id)?;
         let tools: super::state::Set<String> = info.capabilities.commands().cloned().collect();
         let entry = WorkerEntry {
+            key_id: std::sync::Arc::from(req.worker_id.as_str()),
             max: info.max_concurrent_jobs.max(1),
             info,
             state,
@@ -166,8 +167,8 @@ impl State {
             pending: Default::default(),
         };
         if let Some(old) = self.workers.insert(req.worker_id.clone(), entry) {
-            if let Some((load, seq)) = old.avail_key {
-                self.available.remove(&(load, seq, req.worker_id.clone()));
+            if let Some(key) = old.avail_key {
+                self.available.remove(&key);
             }
             self.fleet_slots = self.fleet_slots.saturating_sub(u64::from(old.fleet_slots));
         }
