@@ -9,6 +9,7 @@ use rusqlite::Connection;
 use super::{
     sql::{jobs, plans, retention},
     state::{FreshJob, PlanEntry, Sched, State, Waiting, FRESH_JOBS_MAX},
+    writer::BatchConn,
 };
 use crate::{
     core::model::{JobReport, JobStatus, Plan, Scheduling, SubmittedPlan, WorkerCommand},
@@ -302,7 +303,7 @@ impl State {
     /// `InvalidArgument` (status not RUNNING/COMPLETED/FAILED), storage errors.
     pub(super) fn update_job(
         &mut self,
-        conn: &Connection,
+        conn: &BatchConn<'_>,
         req: JobReport,
         results: Option<String>,
     ) -> Result<JobStatus> {

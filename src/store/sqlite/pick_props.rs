@@ -26,6 +26,7 @@ use super::{
     jobs::{NewAction, NewJob},
     sql,
     state::{Effect, State},
+    writer::BatchConn,
 };
 use crate::{
     config::{EngineConfig, SyncMode},
@@ -413,7 +414,7 @@ fn run_case(
             let (job_id, worker_id, lease_id) = held.remove(p % held.len());
             state
                 .update_job(
-                    &conn,
+                    &BatchConn::new(&conn),
                     JobReport {
                         job_id,
                         worker_id,

@@ -6,6 +6,8 @@
 //! only after the commit succeeded.
 
 use std::{
+    cell::{RefCell, RefMut},
+    ops::Deref,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -39,13 +41,65 @@ pub trait BatchState: Send + 'static {
 }
 
 type Reply = Box<dyn FnOnce(Result<()>) + Send>;
-type TxFn<S> = Box<dyn for<'a> FnOnce(Ctx<'a, S>) -> (Outcome, Reply) + Send>;
+type TxFn<S> = Box<dyn for<'a, 'c> FnOnce(Ctx<'a, 'c, S>) -> (Outcome, Reply) + Send>;
+
+/// The write connection as the operations of one batch see it: it
+/// derefs to the [`Connection`], and keeps the statements the operations
+/// take with [`BatchConn::kept`] prepared until the batch ends. A
+/// statement of the connection's cache costs two hashes of its SQL text
+/// and two updates of the cache's LRU order at every use; a kept one,
+/// after its first use in the batch, a comparison with the few others
+/// kept.
+pub struct BatchConn<'c> {
+    conn: &'c Connection,
+    kept: RefCell<Vec<(&'static str, rusqlite::CachedStatement<'c>)>>,
+}
+
+impl<'c> BatchConn<'c> {
+    /// `conn`, with no statement kept yet.
+    pub fn new(conn: &'c Connection) -> Self {
+        BatchConn {
+            conn,
+            kept: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The statement of `sql`, prepared (from the connection's cache) at
+    /// its first use in the batch and kept for the batch's other
+    /// operations. Use it within one expression: a second statement
+    /// cannot be taken while one is held.
+    ///
+    /// Errors: [`Error::Storage`] when SQLite cannot prepare it;
+    /// [`Error::Internal`] when a kept statement is held already.
+    pub fn kept(&self, sql: &'static str) -> Result<RefMut<'_, rusqlite::CachedStatement<'c>>> {
+        let mut kept = self
+            .kept
+            .try_borrow_mut()
+            .map_err(|_| Error::Internal("a kept statement is held already".into()))?;
+        let i = match kept.iter().position(|(s, _)| *s == sql) {
+            Some(i) => i,
+            None => {
+                kept.push((sql, self.conn.prepare_cached(sql)?));
+                kept.len() - 1
+            }
+        };
+        Ok(RefMut::map(kept, |k| &mut k[i].1))
+    }
+}
+
+impl Deref for BatchConn<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
 
 /// What a queued operation gets: the state and connection to run on, or,
 /// while the store cannot commit, the cause to refuse with (it does not run).
-enum Ctx<'a, S> {
+enum Ctx<'a, 'c, S> {
     /// Run on this state and connection.
-    Run(&'a mut S, &'a Connection),
+    Run(&'a mut S, &'a BatchConn<'c>),
     /// Do not run: the store cannot commit (the cause, in words).
     Refuse(&'static str),
 }
@@ -182,7 +236,7 @@ impl<S: BatchState> Writer<S> {
     pub async fn write<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         self.call(f, Kind::Write).await
     }
@@ -198,7 +252,7 @@ impl<S: BatchState> Writer<S> {
     pub async fn write_direct<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         self.call(f, Kind::Direct).await
     }
@@ -214,7 +268,7 @@ impl<S: BatchState> Writer<S> {
     pub async fn run<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         self.call(f, Kind::Read).await
     }
@@ -225,7 +279,7 @@ impl<S: BatchState> Writer<S> {
     /// Returns false when the writer has stopped.
     pub fn submit<F>(&self, f: F) -> bool
     where
-        F: FnOnce(&mut S, &Connection) -> Result<()> + Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<()> + Send + 'static,
     {
         let op: TxFn<S> = Box::new(move |ctx| {
             let Ctx::Run(s, c) = ctx else {
@@ -253,7 +307,7 @@ impl<S: BatchState> Writer<S> {
     async fn call<R, F>(&self, f: F, kind: Kind) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&mut S, &Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
         let op: TxFn<S> = Box::new(move |ctx| {
@@ -453,7 +507,7 @@ fn run<S: BatchState>(
                         f.refused += 1;
                         replies.push(g(Ctx::Refuse(f.cause)).1);
                     }
-                    Op::Read(g) => replies.push(g(Ctx::Run(&mut state, &conn)).1),
+                    Op::Read(g) => replies.push(g(Ctx::Run(&mut state, &BatchConn::new(&conn))).1),
                     Op::Stop => {}
                 }
             }
@@ -556,13 +610,14 @@ fn run_batch<S: BatchState>(
     carried: &mut Vec<Op<S>>,
 ) -> Result<u32> {
     exec(conn, "BEGIN")?;
+    let batch_conn = BatchConn::new(conn);
     let mut op_faults = 0;
     let mut ops = batch.drain(..);
     while let Some(op) = ops.next() {
         match op {
             Op::Write(f) => {
                 exec(conn, "SAVEPOINT op")?;
-                let (outcome, reply) = f(Ctx::Run(state, conn));
+                let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
                 if outcome != Outcome::Done {
                     exec(conn, "ROLLBACK TO op")?;
                 }
@@ -573,7 +628,7 @@ fn run_batch<S: BatchState>(
                 replies.push(reply);
             }
             Op::Direct(f) => {
-                let (outcome, reply) = f(Ctx::Run(state, conn));
+                let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
                 replies.push(reply);
                 if let Outcome::Broken(cause) = outcome {
                     carried.extend(ops);
@@ -586,12 +641,13 @@ fn run_batch<S: BatchState>(
                 }
             }
             Op::Read(f) => {
-                let (_, reply) = f(Ctx::Run(state, conn));
+                let (_, reply) = f(Ctx::Run(state, &batch_conn));
                 replies.push(reply);
             }
             Op::Stop => {}
         }
     }
+    drop(batch_conn);
     state.before_commit(conn)?;
     exec(conn, "COMMIT")?;
     Ok(op_faults)
@@ -630,6 +686,37 @@ mod tests {
     fn insert(c: &Connection, v: &str) -> Result<()> {
         c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
         Ok(())
+    }
+
+    /// A kept statement is prepared once per batch and serves every later
+    /// use of its SQL; taking one while another is held is an error, not
+    /// a panic; a statement of other SQL is a statement of its own.
+    #[test]
+    fn kept_statements_serve_the_whole_batch() {
+        const INSERT: &str = "INSERT INTO t (v) VALUES (?1)";
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+            .unwrap();
+        let b = BatchConn::new(&conn);
+        for v in ["a", "b"] {
+            b.kept(INSERT).unwrap().execute([v]).unwrap();
+        }
+        assert_eq!(b.kept.borrow().len(), 1);
+        let held = b.kept(INSERT).unwrap();
+        assert!(matches!(b.kept(INSERT), Err(Error::Internal(_))));
+        drop(held);
+        let n: i64 = b
+            .kept("SELECT count(*) FROM t")
+            .unwrap()
+            .query_row([], |r| r.get(0))
+            .unwrap();
+        assert_eq!((n, b.kept.borrow().len()), (2, 2));
+        drop(b);
+        // The statements went back to the connection's cache.
+        assert_eq!(
+            conn.prepare_cached(INSERT).unwrap().execute(["c"]).unwrap(),
+            1
+        );
     }
 
     /// A direct operation broken by storage after it wrote rolls back its

@@ -24,6 +24,7 @@ use crate::{
         model::{ActionStatus, Job, JobStatus, Scheduling, TaskResult},
     },
     error::{Error, Result},
+    store::sqlite::writer::BatchConn,
     time::now_ms,
 };
 
@@ -474,17 +475,20 @@ pub fn set_task_results(conn: &Connection, row: i64, results: Option<&str>) -> R
 /// [`JobKey::lease_id`]). The job reads as completed while its row runs
 /// that attempt. A completion stored already is replaced only by one of
 /// the attempt the row runs now, so a stale one never hides a valid one
-/// and a valid one is never lost to a stale one.
+/// and a valid one is never lost to a stale one. Its statement is kept
+/// for the rest of the batch (completions are the writer's most frequent
+/// operation).
 ///
-/// Errors: [`Error::Storage`].
+/// Errors: [`Error::Storage`]; [`Error::Internal`] when a kept statement
+/// is held already (see [`BatchConn::kept`]).
 pub fn complete(
-    conn: &Connection,
+    conn: &BatchConn<'_>,
     row: i64,
     attempt: u32,
     now_ms: i64,
     results: Option<&str>,
 ) -> Result<()> {
-    conn.prepare_cached(
+    conn.kept(
         "INSERT INTO job_completions (job_row, attempt, completed_at_ms, task_results)
          VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (job_row) DO UPDATE
@@ -1197,7 +1201,7 @@ mod tests {
             assert!(!set_progress(&conn, row, fence, 1, 50, one.as_deref()).unwrap());
             assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
         }
-        complete(&conn, row, 0, 1, two.as_deref()).unwrap();
+        complete(&BatchConn::new(&conn), row, 0, 1, two.as_deref()).unwrap();
         assert_eq!(status(&conn, row), JobStatus::Running);
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(
@@ -1230,7 +1234,7 @@ mod tests {
             .unwrap()
             .task_results
             .is_empty());
-        complete(&conn, row, 1, 5, two.as_deref()).unwrap();
+        complete(&BatchConn::new(&conn), row, 1, 5, two.as_deref()).unwrap();
         assert_eq!(status(&conn, row), JobStatus::Completed);
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(job.task_results, [result(1), result(2)]);
@@ -1251,8 +1255,8 @@ mod tests {
         );
         // The attempt has ended: even its own lease records nothing more,
         // and a stale completion does not undo it.
-        complete(&conn, row, 1, 9, None).unwrap();
-        complete(&conn, row, 0, 9, None).unwrap();
+        complete(&BatchConn::new(&conn), row, 1, 9, None).unwrap();
+        complete(&BatchConn::new(&conn), row, 0, 9, None).unwrap();
         assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
         assert!(!set_progress(&conn, row, holder, 3, 70, one.as_deref()).unwrap());
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
@@ -1276,7 +1280,7 @@ mod tests {
             )
             .unwrap()
         };
-        complete(&conn, row, 0, 1, None).unwrap();
+        complete(&BatchConn::new(&conn), row, 0, 1, None).unwrap();
         assert_eq!(status(&conn, row), JobStatus::Running);
         let holder = Fence {
             lease_id: "L1",
@@ -1285,7 +1289,7 @@ mod tests {
         assert!(fail_attempt(&conn, row, holder, true, "exit 1", 2, 2, true).unwrap());
         assert_eq!(status(&conn, row), JobStatus::Dead);
         // Of the attempt that failed: counts for nothing now.
-        complete(&conn, row, 1, 3, None).unwrap();
+        complete(&BatchConn::new(&conn), row, 1, 3, None).unwrap();
         assert_eq!(status(&conn, row), JobStatus::Dead);
         assert_eq!(completions(), 1);
         retry(&conn, row, 4, 0).unwrap();
@@ -1300,7 +1304,7 @@ mod tests {
             command: "wc".into(),
             ..Default::default()
         }]);
-        complete(&conn, row, 1, 6, results.as_deref()).unwrap();
+        complete(&BatchConn::new(&conn), row, 1, 6, results.as_deref()).unwrap();
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(
             (job.status, job.completed_at_ms, job.task_results.len()),
