@@ -616,15 +616,15 @@ fn run_batch<S: BatchState>(
     while let Some(op) = ops.next() {
         match op {
             Op::Write(f) => {
-                exec(conn, "SAVEPOINT op")?;
+                batch_conn.kept("SAVEPOINT op")?.execute([])?;
                 let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
                 if outcome != Outcome::Done {
-                    exec(conn, "ROLLBACK TO op")?;
+                    batch_conn.kept("ROLLBACK TO op")?.execute([])?;
                 }
                 if let Outcome::Broken(Some(_)) = outcome {
                     op_faults += 1;
                 }
-                exec(conn, "RELEASE op")?;
+                batch_conn.kept("RELEASE op")?.execute([])?;
                 replies.push(reply);
             }
             Op::Direct(f) => {

@@ -400,11 +400,13 @@ impl<'c> LeaseGranter<'c> {
 /// Stores a progress report of the job running under `fence`, with its
 /// task results when `results` is `Some` (encoded by
 /// [`encode_task_results`]; `None` keeps those stored). Returns false
-/// (nothing changed) when it does not run under that lease.
+/// (nothing changed) when it does not run under that lease. Its
+/// statement is kept for the rest of the batch.
 ///
-/// Errors: [`Error::Storage`].
+/// Errors: [`Error::Storage`]; [`Error::Internal`] when a kept statement
+/// is held already (see [`BatchConn::kept`]).
 pub fn set_progress(
-    conn: &Connection,
+    conn: &BatchConn<'_>,
     row: i64,
     fence: Fence<'_>,
     current_task: u32,
@@ -412,7 +414,7 @@ pub fn set_progress(
     results: Option<&str>,
 ) -> Result<bool> {
     let n = conn
-        .prepare_cached(
+        .kept(
             "UPDATE job_rows SET current_task = ?2, progress_percent = ?3,
                     task_results = coalesce(?7, task_results)
              WHERE id = ?1 AND status = ?4 AND lease_id = ?5 AND worker_id = ?6
@@ -1198,7 +1200,9 @@ mod tests {
         let two = encode_task_results(&[result(1), result(2)]);
         for fence in [stale, thief] {
             assert!(!fail_attempt(&conn, row, fence, true, "x", 1, 1, true).unwrap());
-            assert!(!set_progress(&conn, row, fence, 1, 50, one.as_deref()).unwrap());
+            assert!(
+                !set_progress(&BatchConn::new(&conn), row, fence, 1, 50, one.as_deref()).unwrap()
+            );
             assert_eq!(status(&conn, row), JobStatus::Running, "{fence:?}");
         }
         complete(&BatchConn::new(&conn), row, 0, 1, two.as_deref()).unwrap();
@@ -1218,13 +1222,13 @@ mod tests {
             worker_id: "w1",
         };
         // The stale completion does not stop the holder's reports.
-        assert!(set_progress(&conn, row, holder, 1, 50, one.as_deref()).unwrap());
+        assert!(set_progress(&BatchConn::new(&conn), row, holder, 1, 50, one.as_deref()).unwrap());
         assert_eq!(
             get_by_row(&conn, row, true).unwrap().unwrap().task_results,
             [result(1)]
         );
         // A progress report without results keeps the stored ones.
-        assert!(set_progress(&conn, row, holder, 2, 60, None).unwrap());
+        assert!(set_progress(&BatchConn::new(&conn), row, holder, 2, 60, None).unwrap());
         assert_eq!(
             get_by_row(&conn, row, true).unwrap().unwrap().task_results,
             [result(1)]
@@ -1258,7 +1262,7 @@ mod tests {
         complete(&BatchConn::new(&conn), row, 1, 9, None).unwrap();
         complete(&BatchConn::new(&conn), row, 0, 9, None).unwrap();
         assert!(!fail_attempt(&conn, row, holder, true, "late", 2, 2, true).unwrap());
-        assert!(!set_progress(&conn, row, holder, 3, 70, one.as_deref()).unwrap());
+        assert!(!set_progress(&BatchConn::new(&conn), row, holder, 3, 70, one.as_deref()).unwrap());
         let job = get_by_row(&conn, row, true).unwrap().unwrap();
         assert_eq!(job.status, JobStatus::Completed);
         assert_eq!(job.task_results, [result(1), result(2)]);
