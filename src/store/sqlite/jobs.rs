@@ -219,7 +219,7 @@ impl State {
         let runs_now = ready_at <= now_ms;
         let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
         let mut ids = Vec::with_capacity(a.jobs.len());
-        let mut inserter = jobs::JobInserter::new(conn)?;
+        let mut inserter = jobs::JobInserter::new(conn);
         for (
             row,
             NewJob {

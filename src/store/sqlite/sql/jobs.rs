@@ -264,14 +264,12 @@ pub struct JobInserter<'c> {
 
 impl<'c> JobInserter<'c> {
     /// An inserter on `conn` that has not prepared its statements yet.
-    ///
-    /// Errors: none so far ([`Error::Storage`] is kept for the callers).
-    pub fn new(conn: &'c Connection) -> Result<Self> {
-        Ok(JobInserter {
+    pub fn new(conn: &'c Connection) -> Self {
+        JobInserter {
             conn,
             pending: None,
             leased: None,
-        })
+        }
     }
 
     /// Inserts one job at `row` (from [`next_rows`]) with key `key` (its
@@ -1107,7 +1105,6 @@ mod tests {
             expires_at_ms: i64::MAX,
         };
         JobInserter::new(&conn)
-            .unwrap()
             .insert(1, new_job_key(), "a", "p", 1, "{}", 3, 0, 0, 0, Some(lease))
             .unwrap();
         (dir, conn, 1)
