@@ -110,7 +110,20 @@ impl Worker {
 }
 
 async fn submit(e: &SharedEngine, plan_id: &str, n: usize, attempts: u32) -> Vec<String> {
+    submit_as(e, "", plan_id, n, attempts).await
+}
+
+/// Submits an action of `n` empty inputs named `action_id` ("": the
+/// engine names it) on plan `plan_id`; returns its job ids.
+async fn submit_as(
+    e: &SharedEngine,
+    action_id: &str,
+    plan_id: &str,
+    n: usize,
+    attempts: u32,
+) -> Vec<String> {
     e.submit_action(ActionRequest {
+        action_id: action_id.into(),
         plan_id: plan_id.into(),
         inputs: (0..n).map(|_| HashMap::new()).collect(),
         max_attempts: attempts,
@@ -476,17 +489,7 @@ async fn job_ids_name_their_rows_and_actions_see_only_their_jobs() {
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let mut actions = Vec::new();
     for (i, n) in [3, 1, 4].into_iter().enumerate() {
-        let submitted = e
-            .submit_action(ActionRequest {
-                action_id: format!("a{i}"),
-                plan_id: "p".into(),
-                inputs: (0..n).map(|_| HashMap::new()).collect(),
-                max_attempts: 1,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        actions.push(submitted.job_ids);
+        actions.push(submit_as(&e, &format!("a{i}"), "p", n, 1).await);
     }
     let all: Vec<String> = actions.concat();
     let mut sorted = all.clone();
@@ -578,15 +581,7 @@ async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
     let e = engine(&dir).await;
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     for (id, n) in [("kept", 2), ("done", 1)] {
-        e.submit_action(ActionRequest {
-            action_id: id.into(),
-            plan_id: "p".into(),
-            inputs: (0..n).map(|_| HashMap::new()).collect(),
-            max_attempts: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        submit_as(&e, id, "p", n, 1).await;
     }
     e.close().await;
     rusqlite::Connection::open(dir.path().join("agq.db"))
