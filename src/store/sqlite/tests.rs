@@ -613,3 +613,31 @@ async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
         "the action with an open job"
     );
 }
+
+/// An action is stamped finished when its last open job ends, and
+/// RetryAction and RetryJob, which open a job again, clear the stamp (so
+/// retention never takes an action whose job runs again).
+#[tokio::test]
+async fn retries_clear_the_finish_time_of_their_action() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let jobs = submit_as(&e, "r", "p", 1, 1).await;
+    let mut w = Worker::start(&e, "w", &["sort"], 1).await;
+    let mut fail_it = async || {
+        let l = w.lease_within(2000).await.unwrap();
+        assert_eq!(
+            e.update_job(w.report(&l, JobStatus::Failed)).await.unwrap(),
+            JobStatus::Dead
+        );
+    };
+    fail_it().await;
+    assert!(finished_at(&dir, "r").is_some(), "its last job ended");
+    e.retry_action("r".into(), None).await.unwrap();
+    assert_eq!(finished_at(&dir, "r"), None, "RetryAction left it finished");
+    fail_it().await;
+    assert!(finished_at(&dir, "r").is_some(), "its job ended again");
+    e.retry_job(jobs[0].clone(), None).await.unwrap();
+    assert_eq!(finished_at(&dir, "r"), None, "RetryJob left it finished");
+    e.close().await;
+}
