@@ -219,7 +219,19 @@ impl State {
         let runs_now = ready_at <= now_ms;
         let traceparent: Option<Arc<str>> = a.traceparent.take().map(Arc::from);
         let mut ids = Vec::with_capacity(a.jobs.len());
-        let mut inserter = jobs::JobInserter::new(conn);
+        let mut inserter = jobs::JobInserter::new(
+            conn,
+            jobs::ActionColumns {
+                action_id: &a.action_id,
+                plan_id: &a.plan_id,
+                plan_version: version,
+                max_attempts: a.max_attempts,
+                priority: sched.priority,
+                now_ms,
+                ready_at_ms: ready_at,
+                lease_expires_at_ms: now_ms + self.cfg.job_timeout.as_millis() as i64,
+            },
+        );
         for (
             row,
             NewJob {
@@ -257,19 +269,7 @@ impl State {
                 )?;
                 continue;
             }
-            inserter.insert(
-                row,
-                key,
-                &a.action_id,
-                &a.plan_id,
-                version,
-                &input_json,
-                a.max_attempts,
-                now_ms,
-                ready_at,
-                sched.priority,
-                None,
-            )?;
+            inserter.insert(row, key, &input_json, None)?;
             self.moved(None, Some(JobStatus::Pending));
             // Jobs that go straight to the ready queue keep their row in
             // memory for their first lease while the queues are short.

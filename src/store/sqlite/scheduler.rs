@@ -265,22 +265,14 @@ impl State {
         worker_id: &str,
     ) -> Result<i64> {
         let lease_id = uuid::Uuid::new_v4().to_string();
-        let expires_at_ms = job.created_at_ms + self.cfg.job_timeout.as_millis() as i64;
+        let expires_at_ms = inserter.columns().lease_expires_at_ms;
         inserter.insert(
             row,
             key,
-            &action_id,
-            &plan.id,
-            plan.plan.version,
             input_json,
-            job.max_attempts,
-            job.created_at_ms,
-            job.created_at_ms,
-            sched.priority,
             Some(jobs::FirstLease {
                 worker_id,
                 lease_id: &lease_id,
-                expires_at_ms,
             }),
         )?;
         self.moved(None, Some(JobStatus::Running));

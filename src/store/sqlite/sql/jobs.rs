@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 
-use rusqlite::{params, types::Type, Connection, OptionalExtension, Row};
+use rusqlite::{params, types::Type, Connection, OptionalExtension, Row, ToSql};
 
 use crate::{
     core::{
@@ -241,124 +241,169 @@ pub fn action_traceparent(conn: &Connection, action_id: &str) -> Result<Option<S
 }
 
 /// The lease a new job is inserted with when it is granted in the
-/// transaction that creates it (its first attempt).
+/// transaction that creates it (its first attempt, which expires at
+/// [`ActionColumns::lease_expires_at_ms`]).
 #[derive(Debug, Clone, Copy)]
 pub struct FirstLease<'a> {
     /// Holder.
     pub worker_id: &'a str,
     /// Fencing token.
     pub lease_id: &'a str,
-    /// Expiry (job timeout), ms.
-    pub expires_at_ms: i64,
 }
 
-/// The job inserts, each prepared once for all the jobs of one action at
-/// its first use, so a job costs a bind and a step, not a
-/// statement-cache look-up each. A pending job binds only the columns it
-/// has (no lease columns).
+/// The columns every job of one action shares, bound once for all of
+/// them.
+#[derive(Debug, Clone, Copy)]
+pub struct ActionColumns<'a> {
+    /// Owning action.
+    pub action_id: &'a str,
+    /// Plan the jobs run.
+    pub plan_id: &'a str,
+    /// Version of that plan.
+    pub plan_version: u32,
+    /// Attempts each job may take.
+    pub max_attempts: u32,
+    /// Scheduling priority.
+    pub priority: i32,
+    /// Creation time, unix ms.
+    pub now_ms: i64,
+    /// When a pending job becomes eligible, unix ms.
+    pub ready_at_ms: i64,
+    /// When the first lease of a job inserted leased expires (the job
+    /// timeout from now), unix ms.
+    pub lease_expires_at_ms: i64,
+}
+
+/// The job inserts of one action, each statement prepared at its first
+/// use and kept for all the action's jobs. SQLite keeps a statement's
+/// bindings across executions, so the columns the jobs share
+/// ([`ActionColumns`]) are bound once per statement and a job binds only
+/// its own: row, key and input (and its lease). A pending job binds no
+/// lease column.
 pub struct JobInserter<'c> {
     conn: &'c Connection,
+    cols: ActionColumns<'c>,
     pending: Option<rusqlite::CachedStatement<'c>>,
     leased: Option<rusqlite::CachedStatement<'c>>,
 }
 
+/// Parameters of a job's own columns, the first of both inserts.
+const JOB_ROW: usize = 1;
+const JOB_KEY: usize = 2;
+const JOB_INPUT: usize = 3;
+/// The lease parameters of the leased insert.
+const JOB_WORKER: usize = 4;
+const JOB_LEASE: usize = 5;
+
 impl<'c> JobInserter<'c> {
-    /// An inserter on `conn` that has not prepared its statements yet.
-    pub fn new(conn: &'c Connection) -> Self {
+    /// An inserter of jobs with the columns `cols` on `conn`; it prepares
+    /// its statements at their first use.
+    pub fn new(conn: &'c Connection, cols: ActionColumns<'c>) -> Self {
         JobInserter {
             conn,
+            cols,
             pending: None,
             leased: None,
         }
     }
 
+    /// The columns the jobs of this inserter share.
+    pub fn columns(&self) -> &ActionColumns<'c> {
+        &self.cols
+    }
+
     /// Inserts one job at `row` (from [`next_rows`]) with key `key` (its
-    /// public id is [`public_job_id`]`(row, key)`), of version
-    /// `plan_version` of plan `plan_id` at `priority`: pending, eligible
-    /// from `ready_at_ms`, or, with `lease`, already running its first
-    /// attempt (started now: the row an insert and a
-    /// [`LeaseGranter::grant`] would leave, in one statement).
+    /// public id is [`public_job_id`]`(row, key)`) and input `input_json`:
+    /// pending, eligible from [`ActionColumns::ready_at_ms`], or, with
+    /// `lease`, already running its first attempt (started now: the row
+    /// an insert and a [`LeaseGranter::grant`] would leave, in one
+    /// statement).
     ///
     /// Errors: [`Error::Storage`] (also for a row in use).
-    #[allow(clippy::too_many_arguments)]
     pub fn insert(
         &mut self,
         row: i64,
         key: i64,
-        action_id: &str,
-        plan_id: &str,
-        plan_version: u32,
         input_json: &str,
-        max_attempts: u32,
-        now_ms: i64,
-        ready_at_ms: i64,
-        priority: i32,
         lease: Option<FirstLease<'_>>,
     ) -> Result<()> {
-        let Some(lease) = lease else {
-            let stmt = match &mut self.pending {
-                Some(stmt) => stmt,
-                slot => slot.insert(self.conn.prepare_cached(
-                    "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts,
+        let c = self.cols;
+        let stmt = match (lease, &mut self.pending, &mut self.leased) {
+            (None, Some(stmt), _) | (Some(_), _, Some(stmt)) => stmt,
+            (None, slot, _) => {
+                let mut stmt = self.conn.prepare_cached(
+                    "INSERT INTO job_rows (id, job_key, input, action_id, plan_id, status, max_attempts,
                                            created_at_ms, ready_at_ms, plan_version, priority)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                )?),
-            };
-            stmt.execute(params![
-                row,
-                key,
-                action_id,
-                plan_id,
-                PENDING,
-                input_json,
-                max_attempts,
-                now_ms,
-                ready_at_ms,
-                plan_version,
-                priority
-            ])?;
-            return Ok(());
+                )?;
+                for (i, v) in [
+                    (4usize, &c.action_id as &dyn ToSql),
+                    (5, &c.plan_id),
+                    (6, &PENDING),
+                    (7, &c.max_attempts),
+                    (8, &c.now_ms),
+                    (9, &c.ready_at_ms),
+                    (10, &c.plan_version),
+                    (11, &c.priority),
+                ] {
+                    stmt.raw_bind_parameter(i, v)?;
+                }
+                slot.insert(stmt)
+            }
+            (Some(_), _, slot) => {
+                let mut stmt = self.conn.prepare_cached(
+                    "INSERT INTO job_rows (id, job_key, input, worker_id, lease_id, action_id, plan_id, status,
+                                           max_attempts, created_at_ms, ready_at_ms, attempt, started_at_ms,
+                                           lease_expires_at_ms, plan_version, priority)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, 1, ?10, ?11, ?12, ?13)",
+                )?;
+                for (i, v) in [
+                    (6usize, &c.action_id as &dyn ToSql),
+                    (7, &c.plan_id),
+                    (8, &RUNNING),
+                    (9, &c.max_attempts),
+                    (10, &c.now_ms),
+                    (11, &c.lease_expires_at_ms),
+                    (12, &c.plan_version),
+                    (13, &c.priority),
+                ] {
+                    stmt.raw_bind_parameter(i, v)?;
+                }
+                slot.insert(stmt)
+            }
         };
-        let stmt = match &mut self.leased {
-            Some(stmt) => stmt,
-            slot => slot.insert(self.conn.prepare_cached(
-                "INSERT INTO job_rows (id, job_key, action_id, plan_id, status, input, max_attempts, created_at_ms,
-                                       ready_at_ms, attempt, started_at_ms, worker_id, lease_id, lease_expires_at_ms,
-                                       plan_version, priority)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, 1, ?8, ?10, ?11, ?12, ?13, ?14)",
-            )?),
-        };
-        stmt.execute(params![
-            row,
-            key,
-            action_id,
-            plan_id,
-            RUNNING,
-            input_json,
-            max_attempts,
-            now_ms,
-            ready_at_ms,
-            lease.worker_id,
-            lease.lease_id,
-            lease.expires_at_ms,
-            plan_version,
-            priority
-        ])?;
+        stmt.raw_bind_parameter(JOB_ROW, row)?;
+        stmt.raw_bind_parameter(JOB_KEY, key)?;
+        stmt.raw_bind_parameter(JOB_INPUT, input_json)?;
+        if let Some(lease) = lease {
+            stmt.raw_bind_parameter(JOB_WORKER, lease.worker_id)?;
+            stmt.raw_bind_parameter(JOB_LEASE, lease.lease_id)?;
+        }
+        stmt.raw_execute()?;
         Ok(())
     }
 }
 
-/// The lease grant of a dispatch, its statement taken from the
-/// connection's cache at the first grant and kept for the others.
+/// The lease grants of a dispatch, its statement taken from the
+/// connection's cache at the first grant and kept for the others. The
+/// grants of one dispatch share their start and expiry times: those stay
+/// bound (SQLite keeps a statement's bindings across executions) until a
+/// grant brings others.
 pub struct LeaseGranter<'c> {
     conn: &'c Connection,
     stmt: Option<rusqlite::CachedStatement<'c>>,
+    /// The (start, expiry) bound now.
+    times: Option<(i64, i64)>,
 }
 
 impl<'c> LeaseGranter<'c> {
     /// A granter that has not prepared its statement yet.
     pub fn new(conn: &'c Connection) -> Self {
-        LeaseGranter { conn, stmt: None }
+        LeaseGranter {
+            conn,
+            stmt: None,
+            times: None,
+        }
     }
 
     /// Marks the job running under a new lease.
@@ -376,21 +421,26 @@ impl<'c> LeaseGranter<'c> {
     ) -> Result<()> {
         let stmt = match &mut self.stmt {
             Some(stmt) => stmt,
-            None => self.stmt.insert(self.conn.prepare_cached(
-                "UPDATE job_rows SET status = ?2, worker_id = ?3, lease_id = ?4, attempt = ?5, started_at_ms = ?6,
-                        lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
-                 WHERE id = ?1",
-            )?),
+            None => {
+                let mut stmt = self.conn.prepare_cached(
+                    "UPDATE job_rows SET worker_id = ?2, lease_id = ?3, attempt = ?4, status = ?5,
+                            started_at_ms = ?6, lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
+                     WHERE id = ?1",
+                )?;
+                stmt.raw_bind_parameter(5, RUNNING)?;
+                self.stmt.insert(stmt)
+            }
         };
-        stmt.execute(params![
-            row,
-            RUNNING,
-            worker_id,
-            lease_id,
-            attempt,
-            now_ms,
-            expires_at_ms
-        ])?;
+        if self.times != Some((now_ms, expires_at_ms)) {
+            stmt.raw_bind_parameter(6, now_ms)?;
+            stmt.raw_bind_parameter(7, expires_at_ms)?;
+            self.times = Some((now_ms, expires_at_ms));
+        }
+        stmt.raw_bind_parameter(1, row)?;
+        stmt.raw_bind_parameter(2, worker_id)?;
+        stmt.raw_bind_parameter(3, lease_id)?;
+        stmt.raw_bind_parameter(4, attempt)?;
+        stmt.raw_execute()?;
         Ok(())
     }
 }
@@ -1102,12 +1152,173 @@ mod tests {
         let lease = FirstLease {
             worker_id: "w1",
             lease_id: "L1",
-            expires_at_ms: i64::MAX,
         };
-        JobInserter::new(&conn)
-            .insert(1, new_job_key(), "a", "p", 1, "{}", 3, 0, 0, 0, Some(lease))
+        JobInserter::new(&conn, columns(i64::MAX))
+            .insert(1, new_job_key(), "{}", Some(lease))
             .unwrap();
         (dir, conn, 1)
+    }
+
+    /// The columns of the jobs of action `a` of plan `p`, created at 0,
+    /// whose first leases expire at `expires_at_ms`.
+    fn columns(expires_at_ms: i64) -> ActionColumns<'static> {
+        ActionColumns {
+            action_id: "a",
+            plan_id: "p",
+            plan_version: 1,
+            max_attempts: 3,
+            priority: 0,
+            now_ms: 0,
+            ready_at_ms: 0,
+            lease_expires_at_ms: expires_at_ms,
+        }
+    }
+
+    /// The columns a test reads back from a job row.
+    #[derive(Debug, PartialEq)]
+    struct RowColumns {
+        key: i64,
+        input: String,
+        action_id: String,
+        plan_id: String,
+        status: i32,
+        attempt: u32,
+        max_attempts: u32,
+        created_at_ms: i64,
+        ready_at_ms: i64,
+        started_at_ms: Option<i64>,
+        worker_id: Option<String>,
+        lease_id: Option<String>,
+        lease_expires_at_ms: Option<i64>,
+        priority: i32,
+    }
+
+    fn row_columns(conn: &Connection, row: i64) -> RowColumns {
+        conn.query_row(
+            "SELECT job_key, input, action_id, plan_id, status, attempt, max_attempts, created_at_ms,
+                    ready_at_ms, started_at_ms, worker_id, lease_id, lease_expires_at_ms, priority
+             FROM job_rows WHERE id = ?1",
+            [row],
+            |r| {
+                Ok(RowColumns {
+                    key: r.get(0)?,
+                    input: r.get(1)?,
+                    action_id: r.get(2)?,
+                    plan_id: r.get(3)?,
+                    status: r.get(4)?,
+                    attempt: r.get(5)?,
+                    max_attempts: r.get(6)?,
+                    created_at_ms: r.get(7)?,
+                    ready_at_ms: r.get(8)?,
+                    started_at_ms: r.get(9)?,
+                    worker_id: r.get(10)?,
+                    lease_id: r.get(11)?,
+                    lease_expires_at_ms: r.get(12)?,
+                    priority: r.get(13)?,
+                })
+            },
+        )
+        .unwrap()
+    }
+
+    /// One inserter binds the columns its jobs share once and each job's
+    /// own for every insert: pending and leased inserts in any order give
+    /// every row its own key, input and lease, the action's columns, and
+    /// a pending row no lease column of a leased one inserted before it.
+    /// The granter keeps its times bound only while they stay the same.
+    #[test]
+    fn shared_bindings_give_every_row_its_own_columns() {
+        let (_dir, conn, _) = leased_job();
+        let cols = ActionColumns {
+            action_id: "b",
+            plan_id: "p",
+            plan_version: 1,
+            max_attempts: 5,
+            priority: 7,
+            now_ms: 1_000,
+            ready_at_ms: 3_000,
+            lease_expires_at_ms: 61_000,
+        };
+        conn.execute(
+            "INSERT INTO actions (action_id, plan_id, created_at_ms, total_jobs, max_attempts)
+             VALUES ('b', 'p', 1000, 4, 5)",
+            [],
+        )
+        .unwrap();
+        let mut inserter = JobInserter::new(&conn, cols);
+        let lease = |l| FirstLease {
+            worker_id: "w2",
+            lease_id: l,
+        };
+        let jobs = [
+            (10, 110, r#"{"n":"0"}"#, None),
+            (11, 111, r#"{"n":"1"}"#, Some(lease("L11"))),
+            (12, 112, r#"{"n":"2"}"#, None),
+            (13, 113, r#"{"n":"3"}"#, Some(lease("L13"))),
+        ];
+        for (row, key, input, lease) in jobs {
+            inserter.insert(row, key, input, lease).unwrap();
+        }
+        for (row, key, input, lease) in jobs {
+            let pending = RowColumns {
+                key,
+                input: input.into(),
+                action_id: "b".into(),
+                plan_id: "p".into(),
+                status: PENDING,
+                attempt: 0,
+                max_attempts: 5,
+                created_at_ms: 1_000,
+                ready_at_ms: 3_000,
+                started_at_ms: None,
+                worker_id: None,
+                lease_id: None,
+                lease_expires_at_ms: None,
+                priority: 7,
+            };
+            let expected = match lease {
+                None => pending,
+                Some(l) => RowColumns {
+                    status: RUNNING,
+                    attempt: 1,
+                    ready_at_ms: 1_000,
+                    started_at_ms: Some(1_000),
+                    worker_id: Some("w2".into()),
+                    lease_id: Some(l.lease_id.into()),
+                    lease_expires_at_ms: Some(61_000),
+                    ..pending
+                },
+            };
+            assert_eq!(row_columns(&conn, row), expected, "row {row}");
+        }
+        let mut granter = LeaseGranter::new(&conn);
+        for (row, lease, now, expires) in [
+            (10, "G10", 5_000, 65_000),
+            (12, "G12", 5_000, 65_000),
+            (1, "G1", 6_000, 66_000),
+        ] {
+            granter.grant(row, "w3", lease, 2, now, expires).unwrap();
+            let c = row_columns(&conn, row);
+            assert_eq!(
+                (
+                    c.status,
+                    c.attempt,
+                    c.started_at_ms,
+                    c.worker_id,
+                    c.lease_id,
+                    c.lease_expires_at_ms
+                ),
+                (
+                    RUNNING,
+                    2,
+                    Some(now),
+                    Some("w3".into()),
+                    Some(lease.into()),
+                    Some(expires)
+                ),
+                "row {row}"
+            );
+        }
     }
 
     /// A public id names its row and key and nothing else: it is a
