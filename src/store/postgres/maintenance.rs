@@ -406,26 +406,53 @@ impl PgEngine {
 
     /// Stamps the finish time (its last job's end) of actions with no
     /// pending, running or failed job left, for retention and listings
-    /// (1000 of the oldest open actions per pass).
+    /// (1000 of the oldest open actions per pass). It runs at REPEATABLE
+    /// READ: at READ COMMITTED an action reopened (RetryJob, RetryAction)
+    /// while the statement waited for its row would be re-checked against
+    /// the jobs as they were before the retry and stamped finished with
+    /// its old finish time, and retention would then delete an action that
+    /// runs. Such a conflict fails the pass with a serialization failure;
+    /// the next pass stamps what is still finished.
+    ///
+    /// Errors: storage errors other than that conflict.
     async fn mark_finished(&self) -> Result<()> {
-        let c = self.client().await?;
-        c.execute(
-            "UPDATE actions a SET finished_at_ms = coalesce(
-                 (SELECT max(j.completed_at_ms) FROM jobs j WHERE j.action_id = a.action_id),
-                 agq_now_ms())
-             WHERE a.action_id IN (SELECT action_id FROM actions WHERE finished_at_ms IS NULL
-                                   ORDER BY seq LIMIT 1000)
-               AND NOT EXISTS (SELECT 1 FROM jobs j
-                               WHERE j.action_id = a.action_id AND j.status IN (1, 2, 4))",
-            &[],
-        )
-        .await
-        .map_err(db_err)?;
-        Ok(())
+        let mut c = self.client().await?;
+        let tx = c
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .await
+            .map_err(db_err)?;
+        let marked = tx
+            .execute(
+                "UPDATE actions a SET finished_at_ms = coalesce(
+                     (SELECT max(j.completed_at_ms) FROM jobs j WHERE j.action_id = a.action_id),
+                     agq_now_ms())
+                 WHERE a.action_id IN (SELECT action_id FROM actions WHERE finished_at_ms IS NULL
+                                       ORDER BY seq LIMIT 1000)
+                   AND NOT EXISTS (SELECT 1 FROM jobs j
+                                   WHERE j.action_id = a.action_id AND j.status IN (1, 2, 4))",
+                &[],
+            )
+            .await
+            .map_err(db_err);
+        let r = match marked {
+            Ok(_) => tx.commit().await.map_err(db_err),
+            Err(e) => Err(e),
+        };
+        match r {
+            Err(crate::error::Error::StoreBusy(e)) => {
+                tracing::debug!(error = %e, "finish stamps deferred to the next pass");
+                Ok(())
+            }
+            r => r,
+        }
     }
 
     /// Deletes actions finished longer than the retention ago with their
-    /// jobs (100 actions per pass).
+    /// jobs (100 actions per pass). It checks again that such an action
+    /// has no pending, running or failed job: a finish time is a cache of
+    /// that fact, and a wrong one must never delete an open job.
     async fn expire_finished(&self) -> Result<()> {
         let Some(retention) = self.cfg.job_retention else {
             return Ok(());
@@ -437,6 +464,8 @@ impl PgEngine {
                 "DELETE FROM actions WHERE action_id IN (
                      SELECT action_id FROM actions
                      WHERE finished_at_ms IS NOT NULL AND finished_at_ms < agq_now_ms() - $1
+                       AND NOT EXISTS (SELECT 1 FROM jobs j
+                                       WHERE j.action_id = actions.action_id AND j.status IN (1, 2, 4))
                      ORDER BY finished_at_ms LIMIT 100 FOR UPDATE SKIP LOCKED)
                  RETURNING action_id, total_jobs",
                 &[&retention],
