@@ -304,15 +304,15 @@ impl State {
     pub(super) fn update_job(
         &mut self,
         conn: &BatchConn<'_>,
-        req: JobReport,
-        results: Option<String>,
+        req: &JobReport,
+        results: Option<&str>,
     ) -> Result<JobStatus> {
         // A job under lease is found in memory; only reports on other jobs
         // (rejected below) need the database to say what the job is.
         let leased = self
             .lease_by_job
-            .get(&req.job_id)
-            .and_then(|row| self.leases.get(row).map(|l| (*row, l.clone())));
+            .get(req.job_id.as_str())
+            .and_then(|row| self.leases.get(row).map(|l| (*row, l)));
         let (row, lease) = match leased {
             Some(found) => found,
             None => {
@@ -373,10 +373,6 @@ impl State {
             ));
         }
         let now_ms = now_ms();
-        let fence = jobs::Fence {
-            lease_id: &lease.lease_id,
-            worker_id: &lease.worker_id,
-        };
         // The outcome's statement runs first: when a fenced one changes
         // nothing (memory and database disagree), nothing else is written.
         // A completion carries its attempt instead, and counts only in
@@ -384,36 +380,43 @@ impl State {
         let after =
             match status {
                 Some(JobStatus::Running) => {
+                    let fence = jobs::Fence {
+                        lease_id: &lease.lease_id,
+                        worker_id: &lease.worker_id,
+                    };
                     let changed = jobs::set_progress(
                         conn,
                         row,
                         fence,
                         req.current_task,
                         req.progress_percent,
-                        results.as_deref(),
+                        results,
                     )?;
-                    self.fenced(changed, &lease)?;
+                    self.fenced(changed, lease)?;
                     JobStatus::Running
                 }
                 Some(JobStatus::Completed) => {
-                    jobs::complete(conn, row, lease.attempt, now_ms, results.as_deref())?;
+                    let granted_at_ms = lease.granted_at_ms;
+                    jobs::complete(conn, row, lease.attempt, now_ms, results)?;
                     self.moved(Some(JobStatus::Running), Some(JobStatus::Completed));
                     self.metrics.transition(JobStatus::Completed);
                     self.metrics
                         .job_duration
-                        .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);
-                    self.release(row, &lease.worker_id);
-                    self.touch(&lease.action_id);
+                        .observe((now_ms - granted_at_ms).max(0) as f64 / 1000.0);
+                    if let Some(lease) = self.take_lease(row) {
+                        self.touch(&lease.action_id);
+                    }
                     JobStatus::Completed
                 }
                 Some(JobStatus::Failed) => {
+                    let lease = lease.clone();
                     let error = if req.error.is_empty() {
                         "the worker reported failure".to_string()
                     } else {
                         req.error.clone()
                     };
                     let after = self.end_attempt(conn, row, &lease, &error, true, req.permanent)?;
-                    jobs::set_task_results(conn, row, results.as_deref())?;
+                    jobs::set_task_results(conn, row, results)?;
                     self.metrics
                         .job_duration
                         .observe((now_ms - lease.granted_at_ms).max(0) as f64 / 1000.0);

@@ -463,10 +463,17 @@ impl Engine for SqliteEngine {
         // Encoded here, off the writer thread.
         let results = jstore::encode_task_results(&report.task_results);
         // update_job checks the lease, fencing and request before it
-        // writes: no savepoint needed (see `Writer::write_direct`).
-        self.writer
-            .write_direct(move |s, c| s.update_job(c, report, results))
-            .await
+        // writes: no savepoint needed (see `Writer::write_direct`). The
+        // report and its encoded results come back to be freed here, off
+        // the writer thread.
+        let (status, _report, _results) = self
+            .writer
+            .write_direct(move |s, c| {
+                s.update_job(c, &report, results.as_deref())
+                    .map(|status| (status, report, results))
+            })
+            .await?;
+        Ok(status)
     }
 
     async fn batch_update_jobs(

@@ -415,7 +415,7 @@ fn run_case(
             state
                 .update_job(
                     &BatchConn::new(&conn),
-                    JobReport {
+                    &JobReport {
                         job_id,
                         worker_id,
                         lease_id,

@@ -495,16 +495,35 @@ impl State {
     /// Drops the lease of `row` from memory and frees the holder's slot.
     pub(super) fn release(&mut self, row: i64, worker_id: &str) {
         if let Some(lease) = self.leases.remove(&row) {
-            self.lease_by_job.remove(&lease.job_id);
-            if let Some((key, _)) = &lease.sched.limit {
-                if let Some(n) = self.running_by_key.get_mut(key) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.running_by_key.remove(key);
-                    }
+            self.forget_lease(&lease);
+        }
+        self.free_slot(row, worker_id);
+    }
+
+    /// Like [`Self::release`], for a lease known to be held: returns it
+    /// (taken out of memory, not copied).
+    pub(super) fn take_lease(&mut self, row: i64) -> Option<Lease> {
+        let lease = self.leases.remove(&row)?;
+        self.forget_lease(&lease);
+        self.free_slot(row, &lease.worker_id);
+        Some(lease)
+    }
+
+    /// Drops the indexes of `lease`, taken out of [`State::leases`].
+    fn forget_lease(&mut self, lease: &Lease) {
+        self.lease_by_job.remove(&lease.job_id);
+        if let Some((key, _)) = &lease.sched.limit {
+            if let Some(n) = self.running_by_key.get_mut(key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.running_by_key.remove(key);
                 }
             }
         }
+    }
+
+    /// Frees the slot of `worker_id` that held the job at `row`.
+    fn free_slot(&mut self, row: i64, worker_id: &str) {
         if let Some(w) = self.workers.get_mut(worker_id) {
             w.leases.remove(&row);
         }
