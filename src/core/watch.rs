@@ -141,7 +141,7 @@ impl Watchers {
 
     /// Wakes the subscribers of every action in `actions` and empties it.
     /// Engines call it after the commit that changed those actions' jobs.
-    pub fn notify(&self, actions: &mut HashSet<Arc<str>>) {
+    pub fn notify<S: std::hash::BuildHasher>(&self, actions: &mut HashSet<Arc<str>, S>) {
         if actions.is_empty() {
             return;
         }

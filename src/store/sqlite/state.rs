@@ -349,7 +349,7 @@ pub(super) struct State {
     /// Side effects of the current batch.
     pub(super) outbox: Vec<Effect>,
     /// Actions whose jobs changed in the current batch.
-    pub(super) changed_actions: std::collections::HashSet<Arc<str>>,
+    pub(super) changed_actions: Set<Arc<str>>,
     /// The action ids of open jobs that are not scheduled because their
     /// plan version is not stored (a database edited by hand): held so
     /// that their actions never count as finished (see `before_commit`).
