@@ -33,6 +33,7 @@ store_tests! {
     state_survives_a_restart,
     shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams,
     finished_actions_expire_after_the_retention_with_their_jobs,
+    a_wrong_finish_stamp_never_deletes_an_open_action,
 }
 
 fn task(n: u32, cmd: &str) -> Task {
@@ -1222,6 +1223,73 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs(store: Test
         metrics.body.contains("agq_expired_jobs_total 4"),
         "{}",
         metrics.body
+    );
+    s.stop().await;
+}
+
+/// An action's finish time is a cache of "no job open": retention checks
+/// the jobs again before it deletes. An action whose job is pending, its
+/// finish time set long ago by hand (what a stamp racing a retry once
+/// wrote), outlives retention passes that delete a really finished action
+/// beside it, with its job untouched.
+async fn a_wrong_finish_stamp_never_deletes_an_open_action(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        job_retention: Some(std::time::Duration::from_secs(1)),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    let mut jobs = s.jobs().await;
+    let actions = s.actions().await;
+    // Open: a job no worker can run, pending.
+    let (open, open_jobs) = submit(&s, plan("stamp-open", &["no-such-tool"]), 1, 1).await;
+    // Finished: cancelled.
+    let (done, done_jobs) = submit(&s, plan("stamp-done", &["no-such-tool"]), 1, 1).await;
+    jobs.cancel_job(CancelJobRequest {
+        job_id: done_jobs[0].clone(),
+    })
+    .await
+    .unwrap();
+    let stamp = "UPDATE actions SET finished_at_ms = 1 WHERE action_id = ";
+    match &s.backing.store {
+        agq::config::Store::Postgres(url) => {
+            let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            client
+                .execute(&format!("{stamp}$1"), &[&open])
+                .await
+                .unwrap();
+        }
+        _ => {
+            let conn = rusqlite::Connection::open(&s.db).unwrap();
+            conn.busy_timeout(std::time::Duration::from_secs(10))
+                .unwrap();
+            conn.execute(&format!("{stamp}?1"), [&open]).unwrap();
+        }
+    }
+    let get_action = |id: String| {
+        let mut actions = actions.clone();
+        async move { actions.get_action(GetActionRequest { action_id: id }).await }
+    };
+    eventually(10, "the cancelled action expires", || {
+        let f = get_action(done.clone());
+        async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
+    })
+    .await;
+    // Two more leader ticks at least, past the retention.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let kept = get_action(open.clone())
+        .await
+        .expect("an action with a pending job survives a wrong finish stamp")
+        .into_inner()
+        .action
+        .unwrap();
+    assert_eq!((kept.total_jobs, kept.pending), (1, 1));
+    assert_eq!(
+        job(&s, &open_jobs[0]).await.status,
+        JobStatus::Pending as i32
     );
     s.stop().await;
 }
