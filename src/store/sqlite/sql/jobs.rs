@@ -330,14 +330,13 @@ impl<'c> JobInserter<'c> {
         let c = self.cols;
         let stmt = match (lease, &mut self.pending, &mut self.leased) {
             (None, Some(stmt), _) | (Some(_), _, Some(stmt)) => stmt,
-            (None, slot, _) => {
-                let mut stmt = self.conn.prepare_cached(
-                    "INSERT INTO job_rows (id, job_key, input, action_id, plan_id, status, max_attempts,
-                                           created_at_ms, ready_at_ms, plan_version, priority)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                )?;
-                for (i, v) in [
-                    (4usize, &c.action_id as &dyn ToSql),
+            (None, slot, _) => slot.insert(prepared_with(
+                self.conn,
+                "INSERT INTO job_rows (id, job_key, input, action_id, plan_id, status, max_attempts,
+                                       created_at_ms, ready_at_ms, plan_version, priority)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                &[
+                    (4, &c.action_id),
                     (5, &c.plan_id),
                     (6, &PENDING),
                     (7, &c.max_attempts),
@@ -345,20 +344,16 @@ impl<'c> JobInserter<'c> {
                     (9, &c.ready_at_ms),
                     (10, &c.plan_version),
                     (11, &c.priority),
-                ] {
-                    stmt.raw_bind_parameter(i, v)?;
-                }
-                slot.insert(stmt)
-            }
-            (Some(_), _, slot) => {
-                let mut stmt = self.conn.prepare_cached(
-                    "INSERT INTO job_rows (id, job_key, input, worker_id, lease_id, action_id, plan_id, status,
-                                           max_attempts, created_at_ms, ready_at_ms, attempt, started_at_ms,
-                                           lease_expires_at_ms, plan_version, priority)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, 1, ?10, ?11, ?12, ?13)",
-                )?;
-                for (i, v) in [
-                    (6usize, &c.action_id as &dyn ToSql),
+                ],
+            )?),
+            (Some(_), _, slot) => slot.insert(prepared_with(
+                self.conn,
+                "INSERT INTO job_rows (id, job_key, input, worker_id, lease_id, action_id, plan_id, status,
+                                       max_attempts, created_at_ms, ready_at_ms, attempt, started_at_ms,
+                                       lease_expires_at_ms, plan_version, priority)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, 1, ?10, ?11, ?12, ?13)",
+                &[
+                    (6, &c.action_id),
                     (7, &c.plan_id),
                     (8, &RUNNING),
                     (9, &c.max_attempts),
@@ -366,11 +361,8 @@ impl<'c> JobInserter<'c> {
                     (11, &c.lease_expires_at_ms),
                     (12, &c.plan_version),
                     (13, &c.priority),
-                ] {
-                    stmt.raw_bind_parameter(i, v)?;
-                }
-                slot.insert(stmt)
-            }
+                ],
+            )?),
         };
         stmt.raw_bind_parameter(JOB_ROW, row)?;
         stmt.raw_bind_parameter(JOB_KEY, key)?;
@@ -382,6 +374,23 @@ impl<'c> JobInserter<'c> {
         stmt.raw_execute()?;
         Ok(())
     }
+}
+
+/// The statement of `sql` from `conn`'s cache, with the parameters
+/// `shared` (1-based index, value) bound; they stay bound across its
+/// executions until it goes back to the cache.
+///
+/// Errors: [`Error::Storage`].
+fn prepared_with<'c>(
+    conn: &'c Connection,
+    sql: &str,
+    shared: &[(usize, &dyn ToSql)],
+) -> Result<rusqlite::CachedStatement<'c>> {
+    let mut stmt = conn.prepare_cached(sql)?;
+    for (i, v) in shared {
+        stmt.raw_bind_parameter(*i, v)?;
+    }
+    Ok(stmt)
 }
 
 /// The lease grants of a dispatch, its statement taken from the
@@ -421,15 +430,13 @@ impl<'c> LeaseGranter<'c> {
     ) -> Result<()> {
         let stmt = match &mut self.stmt {
             Some(stmt) => stmt,
-            None => {
-                let mut stmt = self.conn.prepare_cached(
-                    "UPDATE job_rows SET worker_id = ?2, lease_id = ?3, attempt = ?4, status = ?5,
-                            started_at_ms = ?6, lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
-                     WHERE id = ?1",
-                )?;
-                stmt.raw_bind_parameter(5, RUNNING)?;
-                self.stmt.insert(stmt)
-            }
+            None => self.stmt.insert(prepared_with(
+                self.conn,
+                "UPDATE job_rows SET worker_id = ?2, lease_id = ?3, attempt = ?4, status = ?5,
+                        started_at_ms = ?6, lease_expires_at_ms = ?7, current_task = 0, progress_percent = 0
+                 WHERE id = ?1",
+                &[(5, &RUNNING)],
+            )?),
         };
         if self.times != Some((now_ms, expires_at_ms)) {
             stmt.raw_bind_parameter(6, now_ms)?;
