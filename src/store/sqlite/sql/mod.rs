@@ -83,10 +83,15 @@ fn configure(conn: &Connection, sync: SyncMode) -> rusqlite::Result<()> {
     // pages of the open transaction, and writing them to disk cost one
     // pwrite per first-touched page per operation.
     conn.pragma_update(None, "temp_store", "MEMORY")?;
-    // A 32 MiB page cache (the default is 2 MiB): the hot pages of the jobs
-    // table and its indexes stay in memory instead of being read back from
-    // the OS on every batch.
-    conn.pragma_update(None, "cache_size", -32768)?;
+    // A 4 MiB page cache (1,024 pages; SQLite's default is 2 MiB). The
+    // writer's hot pages (the ends of the job and completion tables, the
+    // pending jobs next in line) fit many times over, and the OS page cache
+    // serves the rest. A larger cache costs the writer time at every
+    // commit: once a B-tree balance has swapped two pages (SQLite parks one
+    // at the lock-byte page number for a moment), the end of the
+    // transaction walks every page header of the cache, a cache miss each
+    // (8 % of the writer's time with 32 MiB; BENCHMARKS.md, session 13).
+    conn.pragma_update(None, "cache_size", CACHE_SIZE_KIB)?;
     Ok(())
 }
 
@@ -140,6 +145,10 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
         .build(manager)?;
     Ok((conn, pool))
 }
+
+/// Page cache of each connection, as SQLite's `cache_size` takes it
+/// (negative: KiB): 4 MiB.
+const CACHE_SIZE_KIB: i64 = -4096;
 
 /// WAL size (pages) at which the writer runs a checkpoint itself: a safety
 /// net behind the [`Checkpointer`] (SQLite's default is 1,000).
