@@ -8,7 +8,7 @@ use rusqlite::Connection;
 
 use super::{
     sql::{jobs, plans, retention},
-    state::{FreshJob, PlanEntry, Sched, State, Waiting, FRESH_JOBS_MAX},
+    state::{FreshJob, PlanEntry, Sched, State, Waiting, FRESH_BYTES_MAX},
     writer::BatchConn,
 };
 use crate::{
@@ -272,8 +272,13 @@ impl State {
             inserter.insert(row, key, &input_json, None)?;
             self.moved(None, Some(JobStatus::Pending));
             // Jobs that go straight to the ready queue keep their row in
-            // memory for their first lease while the queues are short.
-            let keep = runs_now && self.ready.len() + self.delayed_jobs.len() < FRESH_JOBS_MAX;
+            // memory for their first lease while the kept rows weigh less
+            // than the budget.
+            let weight = fresh.weight();
+            let keep = runs_now && self.fresh_bytes + weight <= FRESH_BYTES_MAX;
+            if keep {
+                self.fresh_bytes += weight;
+            }
             let waiting = Waiting {
                 plan: plan.clone(),
                 action_id: action_id.clone(),

@@ -165,8 +165,8 @@ impl State {
     ) -> Result<()> {
         let now_ms = now_ms();
         // A new job's row is known without reading it (see FreshJob).
-        let cached = self.ready.get_mut(&row).and_then(|w| {
-            let f = w.fresh.take()?;
+        let cached = self.take_fresh(row).map(|f| *f).and_then(|f| {
+            let w = self.ready.get(&row)?;
             let view = jobs::inserted_view(
                 f.job_id,
                 &w.action_id,

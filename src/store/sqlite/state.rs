@@ -267,9 +267,10 @@ pub(super) struct Waiting {
 
 /// What a job's row holds right after `sql::jobs::JobInserter::insert`, kept in
 /// memory from its insertion until its first lease so that granting it
-/// needs no read of the row (and no parse of its input). Only jobs that go
-/// straight to the ready queue while it holds fewer than
-/// [`FRESH_JOBS_MAX`] jobs keep one, which bounds the memory it takes.
+/// needs no read of the row, no parse of its input and no read of its
+/// action's trace context. Only jobs that go straight to the ready queue
+/// while the kept rows weigh less than [`FRESH_BYTES_MAX`] keep one
+/// ([`FreshJob::weight`]), which bounds the memory they take.
 #[derive(Debug, Clone)]
 pub(super) struct FreshJob {
     /// Public job id.
@@ -284,8 +285,28 @@ pub(super) struct FreshJob {
     pub(super) traceparent: Option<Arc<str>>,
 }
 
-/// Most queued jobs that keep a [`FreshJob`] (a few MiB).
-pub(super) const FRESH_JOBS_MAX: usize = 16_384;
+impl FreshJob {
+    /// Bytes of memory this kept row stands for: its strings and a fixed
+    /// allowance for the structures that hold them. Fixed while it is kept
+    /// (nothing changes a [`FreshJob`]), so adding it when kept and
+    /// subtracting it when taken balance.
+    pub(super) fn weight(&self) -> usize {
+        const FIXED: usize = 256;
+        const PER_INPUT: usize = 64;
+        FIXED
+            + self.job_id.len()
+            + self
+                .input
+                .iter()
+                .map(|(k, v)| PER_INPUT + k.len() + v.len())
+                .sum::<usize>()
+    }
+}
+
+/// Most bytes ([`FreshJob::weight`]) of kept rows of queued jobs: 64 MiB,
+/// about 180,000 jobs with one 128-byte input each. A burst larger than
+/// that reads the rest back at their first lease.
+pub(super) const FRESH_BYTES_MAX: usize = 64 << 20;
 
 /// A side effect released only after the commit.
 pub(super) enum Effect {
@@ -336,6 +357,8 @@ pub(super) struct State {
     pub(super) delayed: BTreeSet<(i64, i64)>,
     /// Delayed jobs by row.
     pub(super) delayed_jobs: Map<i64, Waiting>,
+    /// Sum of [`FreshJob::weight`] over the queued jobs that keep one.
+    pub(super) fresh_bytes: usize,
     /// Leases by job row.
     pub(super) leases: Map<i64, Lease>,
     /// Row of each leased job by public job id (the same jobs as
@@ -403,6 +426,7 @@ impl State {
             fleet_slots: 0,
             delayed: BTreeSet::new(),
             delayed_jobs: Map::default(),
+            fresh_bytes: 0,
             leases: Map::default(),
             lease_by_job: Map::default(),
             workers: Map::default(),
@@ -560,6 +584,7 @@ impl State {
         self.running_by_key.clear();
         self.delayed.clear();
         self.delayed_jobs.clear();
+        self.fresh_bytes = 0;
         self.leases.clear();
         self.lease_by_job.clear();
         self.unscheduled.clear();
@@ -690,8 +715,18 @@ impl State {
             || self.leases.values().any(|l| &*l.plan.id == plan_id)
     }
 
-    /// Removes a job from the ready or delayed queue; returns what it was.
+    /// Takes the kept row of the queued job at `row` (see [`FreshJob`]),
+    /// if it has one.
+    pub(super) fn take_fresh(&mut self, row: i64) -> Option<Box<FreshJob>> {
+        let fresh = self.ready.get_mut(&row)?.fresh.take()?;
+        self.fresh_bytes = self.fresh_bytes.saturating_sub(fresh.weight());
+        Some(fresh)
+    }
+
+    /// Removes a job from the ready or delayed queue; returns what it was
+    /// (without its kept row, which is dropped).
     pub(super) fn dequeue(&mut self, row: i64) -> Option<Waiting> {
+        self.take_fresh(row);
         if let Some(w) = self.ready.remove(&row) {
             let key = (w.action_id.clone(), w.sched.priority);
             let was_head = self

@@ -641,3 +641,98 @@ async fn retries_clear_the_finish_time_of_their_action() {
     assert_eq!(finished_at(&dir, "r"), None, "RetryJob left it finished");
     e.close().await;
 }
+
+/// The weight of the rows the scheduler keeps for queued jobs, as the
+/// state counts it, and as the kept rows add up.
+async fn fresh_bytes(e: &std::sync::Arc<SqliteEngine>) -> (usize, usize) {
+    e.writer
+        .run(|st, _| {
+            let kept = st
+                .ready
+                .values()
+                .filter_map(|w| w.fresh.as_ref())
+                .map(|f| f.weight())
+                .sum();
+            Ok((st.fresh_bytes, kept))
+        })
+        .await
+        .unwrap()
+}
+
+/// New jobs keep their row in memory for their first lease within a byte
+/// budget: the count follows every job that takes or drops its kept row
+/// (lease, cancel), and a job queued past the budget is read back for its
+/// lease, which then carries the job as GetJob shows it.
+#[tokio::test]
+async fn kept_rows_of_new_jobs_stay_within_their_byte_budget() {
+    use super::state::FRESH_BYTES_MAX;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = SqliteEngine::open(
+        &dir.path().join("agq.db"),
+        SyncMode::Normal,
+        EngineConfig::default(),
+        std::sync::Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    let e: SharedEngine = engine.clone();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let ids = submit(&e, "p", 4, 1).await;
+    let (counted, kept) = fresh_bytes(&engine).await;
+    assert!(kept > 0, "new jobs keep their rows");
+    assert_eq!(counted, kept);
+    e.cancel_job(ids[0].clone()).await.unwrap();
+    let (counted, kept) = fresh_bytes(&engine).await;
+    assert_eq!(counted, kept);
+    assert!(kept > 0);
+
+    // Fill the budget but for a few bytes: the next jobs are queued
+    // without their rows.
+    let filler = engine
+        .writer
+        .run(move |st, _| {
+            let filler = FRESH_BYTES_MAX - st.fresh_bytes - 10;
+            st.fresh_bytes += filler;
+            Ok(filler)
+        })
+        .await
+        .unwrap();
+    let late = e
+        .submit_action(ActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![HashMap::from([("k".to_string(), "v".repeat(100))]); 2],
+            max_attempts: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .job_ids;
+    let (counted, kept) = fresh_bytes(&engine).await;
+    assert_eq!(counted, kept + filler, "jobs past the budget keep nothing");
+    engine
+        .writer
+        .run(move |st, _| {
+            st.fresh_bytes -= filler;
+            Ok(())
+        })
+        .await
+        .unwrap();
+
+    let mut w = Worker::start(&e, "w", &["sort"], 8).await;
+    let mut leased = HashMap::new();
+    for _ in 0..5 {
+        let l = w.lease_within(2000).await.expect("a lease");
+        leased.insert(l.job.job_id.clone(), l);
+    }
+    assert!(w.lease_within(100).await.is_none());
+    for id in ids[1..].iter().chain(&late) {
+        let stored = e.get_job(id.clone()).await.unwrap();
+        assert_eq!(leased.get(id).map(|l| &l.job), Some(&stored), "job {id}");
+    }
+    assert_eq!(
+        leased[&late[0]].job.input.get("k").map(String::len),
+        Some(100)
+    );
+    assert_eq!(fresh_bytes(&engine).await, (0, 0), "every kept row taken");
+    e.close().await;
+}
