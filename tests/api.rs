@@ -1127,6 +1127,45 @@ async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams(
     drop(watch);
 }
 
+/// A server on `store` whose finished actions expire after 1 s.
+async fn start_with_retention(store: TestStore, dir: &tempfile::TempDir) -> TestServer {
+    let cfg = EngineConfig {
+        job_retention: Some(std::time::Duration::from_secs(1)),
+        ..fast_config()
+    };
+    TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await
+}
+
+/// GetAction of `id`.
+async fn get_action(
+    actions: &action_service_client::ActionServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> Result<ActionStatus, tonic::Status> {
+    let mut actions = actions.clone();
+    let r = actions
+        .get_action(GetActionRequest {
+            action_id: id.to_string(),
+        })
+        .await?;
+    Ok(r.into_inner()
+        .action
+        .expect("GetAction answers with the action"))
+}
+
+/// Waits (at most 10 s) until GetAction of `id` answers NOT_FOUND.
+async fn expires(
+    actions: &action_service_client::ActionServiceClient<tonic::transport::Channel>,
+    id: &str,
+    what: &str,
+) {
+    eventually(10, what, || async {
+        get_action(actions, id)
+            .await
+            .is_err_and(|e| e.code() == Code::NotFound)
+    })
+    .await;
+}
+
 /// Job retention: an action whose jobs all ended is deleted, with its jobs,
 /// once it has been finished for longer than the retention; an action with
 /// an open job is kept however old its other jobs are, and a dead job
@@ -1134,11 +1173,7 @@ async fn shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams(
 /// Completed, dead and cancelled endings all count.
 async fn finished_actions_expire_after_the_retention_with_their_jobs(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = EngineConfig {
-        job_retention: Some(std::time::Duration::from_secs(1)),
-        ..fast_config()
-    };
-    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    let s = start_with_retention(store, &dir).await;
     let mut w = SimWorker::start(&s, "ret-w", &["cat"], 4).await;
     let mut jobs = s.jobs().await;
     let actions = s.actions().await;
@@ -1168,20 +1203,8 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs(store: Test
     .await
     .unwrap();
 
-    let get_action = |id: String| {
-        let mut actions = actions.clone();
-        async move { actions.get_action(GetActionRequest { action_id: id }).await }
-    };
-    for (id, what) in [
-        (&a, "the completed action expires"),
-        (&c, "the cancelled action expires"),
-    ] {
-        eventually(10, what, || {
-            let f = get_action(id.clone());
-            async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
-        })
-        .await;
-    }
+    expires(&actions, &a, "the completed action expires").await;
+    expires(&actions, &c, "the cancelled action expires").await;
     for id in &a_jobs {
         let e = jobs
             .get_job(GetJobRequest { job_id: id.clone() })
@@ -1190,12 +1213,7 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs(store: Test
         assert_eq!(e.code(), Code::NotFound, "job {id} outlived its action");
     }
     // B has been open since its retry: kept, with its running job.
-    let kept = get_action(b.clone())
-        .await
-        .unwrap()
-        .into_inner()
-        .action
-        .unwrap();
+    let kept = get_action(&actions, &b).await.unwrap();
     assert_eq!((kept.total_jobs, kept.running), (1, 1));
     let listed = jobs
         .search_jobs(SearchJobsRequest::default())
@@ -1206,12 +1224,8 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs(store: Test
 
     // Once B's job ends, B expires in turn.
     w.complete(&b_lease).await;
-    assert!(get_action(b.clone()).await.is_ok());
-    eventually(10, "the retried action expires once it ended", || {
-        let f = get_action(b.clone());
-        async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
-    })
-    .await;
+    assert!(get_action(&actions, &b).await.is_ok());
+    expires(&actions, &b, "the retried action expires once it ended").await;
     let metrics = s
         .queue()
         .await
@@ -1234,11 +1248,7 @@ async fn finished_actions_expire_after_the_retention_with_their_jobs(store: Test
 /// beside it, with its job untouched.
 async fn a_wrong_finish_stamp_never_deletes_an_open_action(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = EngineConfig {
-        job_retention: Some(std::time::Duration::from_secs(1)),
-        ..fast_config()
-    };
-    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    let s = start_with_retention(store, &dir).await;
     let mut jobs = s.jobs().await;
     let actions = s.actions().await;
     // Open: a job no worker can run, pending.
@@ -1269,23 +1279,12 @@ async fn a_wrong_finish_stamp_never_deletes_an_open_action(store: TestStore) {
             conn.execute(&format!("{stamp}?1"), [&open]).unwrap();
         }
     }
-    let get_action = |id: String| {
-        let mut actions = actions.clone();
-        async move { actions.get_action(GetActionRequest { action_id: id }).await }
-    };
-    eventually(10, "the cancelled action expires", || {
-        let f = get_action(done.clone());
-        async move { f.await.is_err_and(|e| e.code() == Code::NotFound) }
-    })
-    .await;
+    expires(&actions, &done, "the cancelled action expires").await;
     // Two more leader ticks at least, past the retention.
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-    let kept = get_action(open.clone())
+    let kept = get_action(&actions, &open)
         .await
-        .expect("an action with a pending job survives a wrong finish stamp")
-        .into_inner()
-        .action
-        .unwrap();
+        .expect("an action with a pending job survives a wrong finish stamp");
     assert_eq!((kept.total_jobs, kept.pending), (1, 1));
     assert_eq!(
         job(&s, &open_jobs[0]).await.status,
