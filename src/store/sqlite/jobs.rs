@@ -274,11 +274,14 @@ impl State {
             // Jobs that go straight to the ready queue keep their row in
             // memory for their first lease while the kept rows weigh less
             // than the budget.
-            let weight = fresh.weight();
-            let keep = runs_now && self.fresh_bytes + weight <= FRESH_BYTES_MAX;
-            if keep {
-                self.fresh_bytes += weight;
-            }
+            let keep = runs_now && {
+                let weight = fresh.weight();
+                let fits = self.fresh_bytes + weight <= FRESH_BYTES_MAX;
+                if fits {
+                    self.fresh_bytes += weight;
+                }
+                fits
+            };
             let waiting = Waiting {
                 plan: plan.clone(),
                 action_id: action_id.clone(),

@@ -165,8 +165,7 @@ impl State {
     ) -> Result<()> {
         let now_ms = now_ms();
         // A new job's row is known without reading it (see FreshJob).
-        let cached = self.take_fresh(row).map(|f| *f).and_then(|f| {
-            let w = self.ready.get(&row)?;
+        let cached = self.take_fresh(row).map(|(f, w)| {
             let view = jobs::inserted_view(
                 f.job_id,
                 &w.action_id,
@@ -177,7 +176,7 @@ impl State {
                 f.created_at_ms,
                 w.sched.priority,
             );
-            Some((view, f.traceparent))
+            (view, f.traceparent)
         });
         let (job, traceparent) = match cached {
             Some((job, traceparent)) => (Some(job), traceparent),

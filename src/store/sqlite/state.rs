@@ -715,19 +715,22 @@ impl State {
             || self.leases.values().any(|l| &*l.plan.id == plan_id)
     }
 
-    /// Takes the kept row of the queued job at `row` (see [`FreshJob`]),
-    /// if it has one.
-    pub(super) fn take_fresh(&mut self, row: i64) -> Option<Box<FreshJob>> {
-        let fresh = self.ready.get_mut(&row)?.fresh.take()?;
+    /// Takes the kept row of the ready job at `row` (see [`FreshJob`]), if
+    /// it has one, with the job's queue entry.
+    pub(super) fn take_fresh(&mut self, row: i64) -> Option<(FreshJob, &Waiting)> {
+        let waiting = self.ready.get_mut(&row)?;
+        let fresh = *waiting.fresh.take()?;
         self.fresh_bytes = self.fresh_bytes.saturating_sub(fresh.weight());
-        Some(fresh)
+        Some((fresh, waiting))
     }
 
-    /// Removes a job from the ready or delayed queue; returns what it was
-    /// (without its kept row, which is dropped).
+    /// Removes a job from the ready or delayed queue; returns what it was.
+    /// A kept row it still had no longer counts against the budget.
     pub(super) fn dequeue(&mut self, row: i64) -> Option<Waiting> {
-        self.take_fresh(row);
         if let Some(w) = self.ready.remove(&row) {
+            if let Some(fresh) = &w.fresh {
+                self.fresh_bytes = self.fresh_bytes.saturating_sub(fresh.weight());
+            }
             let key = (w.action_id.clone(), w.sched.priority);
             let was_head = self
                 .groups
