@@ -12,9 +12,10 @@ use agq::{
     telemetry,
 };
 
-/// The server's heap: mimalloc, which takes about a quarter off the
-/// server's CPU per job against the system allocator (BENCHMARKS.md,
-/// session 8); `agq-bench` runs its in-process server on it too.
+/// The server's heap: mimalloc (its 2.x line, without transparent huge
+/// pages), which takes about a quarter off the server's CPU per job
+/// against the system allocator (BENCHMARKS.md, sessions 8 and 14);
+/// `agq-bench` runs its in-process server on it too.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
