@@ -271,9 +271,10 @@ impl Engine for SqliteEngine {
             traceparent: v.traceparent,
             scheduling: v.scheduling,
         };
+        let rows = a.jobs.len();
         let job_ids = self
             .writer
-            .write_direct(move |s, c| s.submit_action(c, a))
+            .write_direct_rows(rows, move |s, c| s.submit_action(c, a))
             .await?;
         Ok(SubmittedAction {
             action_id: v.action_id,
