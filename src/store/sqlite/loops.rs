@@ -3,7 +3,11 @@
 //! retention sweeper, the store-health gauge, and the refresh of the
 //! gauges served by `/metrics`.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{watch, Notify};
@@ -230,7 +234,8 @@ async fn reaper(writer: Writer<State>, period: Duration, mut stop: watch::Receiv
     loop {
         tokio::select! {
             _ = interval.tick() => {
-                if !writer.submit(|s, c| s.tick(c)) {
+                let (queued, queued_ms) = (Instant::now(), now_ms());
+                if !writer.submit(move |s, c| s.tick(c, queued, queued_ms)) {
                     return;
                 }
             }

@@ -736,3 +736,69 @@ async fn kept_rows_of_new_jobs_stay_within_their_byte_budget() {
     assert_eq!(fresh_bytes(&engine).await, (0, 0), "every kept row taken");
     e.close().await;
 }
+
+/// The reaper judges silence as of when its tick was queued: a tick queued
+/// while a worker was fresh, that runs late behind a long operation with
+/// the worker's next heartbeat queued behind it, declares nothing DEAD and
+/// takes no lease back (time the writer spent on its queue is not the
+/// worker's silence).
+#[tokio::test]
+async fn a_late_tick_does_not_count_the_writers_queue_as_silence() {
+    use std::time::Instant;
+
+    use crate::{core::model::WorkerState, time::now_ms};
+    let dir = tempfile::tempdir().unwrap();
+    let engine = SqliteEngine::open(
+        &dir.path().join("agq.db"),
+        SyncMode::Normal,
+        EngineConfig {
+            heartbeat_interval: Duration::from_millis(100),
+            lease_grace: Duration::ZERO,
+            ..EngineConfig::default()
+        },
+        std::sync::Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    let e: SharedEngine = engine.clone();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&e, "w1", &["sort"], 1).await;
+    let ids = submit(&e, "p", 1, 1).await;
+    let lease = w.lease_within(2000).await.expect("a lease");
+    let before = e.get_job(ids[0].clone()).await.unwrap().status;
+    e.heartbeat("w1".into(), None, None).await.unwrap();
+    // Hold the writer for twice the stale limit (300 ms).
+    let hold = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            engine
+                .writer
+                .run(|_, _| {
+                    std::thread::sleep(Duration::from_millis(600));
+                    Ok(())
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Queued while the worker is fresh; runs about 550 ms later.
+    let (queued, queued_ms) = (Instant::now(), now_ms());
+    assert!(engine
+        .writer
+        .submit(move |s, c| s.tick(c, queued, queued_ms)));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let beat = e.heartbeat("w1".into(), None, None);
+    let (held, beat) = tokio::join!(hold, beat);
+    held.unwrap().unwrap();
+    beat.unwrap();
+    let worker = e.get_worker("w1".into()).await.unwrap();
+    assert_eq!(worker.state, WorkerState::Active);
+    assert_eq!(worker.active_leases, 1);
+    let job = e.get_job(ids[0].clone()).await.unwrap();
+    assert_eq!(job.status, before);
+    // The lease still stands: its report is accepted.
+    e.update_job(w.report(&lease, JobStatus::Completed))
+        .await
+        .unwrap();
+    e.close().await;
+}

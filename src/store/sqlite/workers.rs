@@ -488,15 +488,27 @@ impl State {
     /// leases of workers suspect past the grace, marks stale workers DEAD,
     /// flushes heartbeats to the database now and then.
     ///
+    /// Silence is judged as of `queued` (monotonic) and `queued_ms` (Unix
+    /// milliseconds), the moment the tick was queued to the writer, not
+    /// the moment it runs: every heartbeat and report queued before the
+    /// tick has been applied by then, and those queued after it are not
+    /// yet, so time the writer spent on a long queue never counts as a
+    /// worker's silence or a late report (a worker whose heartbeats wait
+    /// behind a burst of submissions is not declared DEAD for it).
+    ///
     /// Errors: storage errors.
-    pub(super) fn tick(&mut self, conn: &Connection) -> Result<()> {
-        let now = Instant::now();
+    pub(super) fn tick(
+        &mut self,
+        conn: &Connection,
+        queued: Instant,
+        queued_ms: i64,
+    ) -> Result<()> {
         let now_ms = now_ms();
         self.promote_due(conn, now_ms)?;
         let expired: Vec<i64> = self
             .leases
             .iter()
-            .filter(|(_, l)| l.expires_at_ms <= now_ms)
+            .filter(|(_, l)| l.expires_at_ms <= queued_ms)
             .map(|(r, _)| *r)
             .collect();
         for row in expired {
@@ -518,11 +530,11 @@ impl State {
             if !w.state.is_live() {
                 continue;
             }
-            if !self.is_fresh(w, now) {
+            if !self.is_fresh(w, queued) {
                 stale.push(id.clone());
             } else if !w.leases.is_empty()
                 && w.suspect_since
-                    .is_some_and(|t| now.saturating_duration_since(t) >= self.cfg.lease_grace)
+                    .is_some_and(|t| queued.saturating_duration_since(t) >= self.cfg.lease_grace)
             {
                 suspect.push(id.clone());
             }
