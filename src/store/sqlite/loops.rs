@@ -199,7 +199,9 @@ async fn retention_sweeper(
                 return;
             }
             match writer
-                .write_direct(move |s, c| s.expire_finished(c, cutoff_ms, EXPIRE_CHUNK))
+                .write_direct_rows(EXPIRE_CHUNK, move |s, c| {
+                    s.expire_finished(c, cutoff_ms, EXPIRE_CHUNK)
+                })
                 .await
             {
                 Ok(0) => break,

@@ -7,6 +7,7 @@
 
 use std::{
     cell::{RefCell, RefMut},
+    collections::VecDeque,
     ops::Deref,
     sync::Arc,
     time::{Duration, Instant},
@@ -22,16 +23,20 @@ use crate::error::{Error, Result};
 /// The most operations one commit carries.
 const MAX_BATCH: usize = 1024;
 
-/// The most rows the operations of one commit write, as their callers
-/// declare them ([`Writer::write_direct_rows`]; every other operation counts
-/// as one): 4,096, about 20–40 ms of the writer's time. A batch takes
-/// operations in arrival order until the next would pass this; that one
-/// opens the next batch (the first operation of a batch is always taken,
-/// however many rows it writes). Without it, a burst of large submissions
-/// (up to 10,000 jobs each) would share one transaction of millions of
-/// rows, and every report, heartbeat and lease queued behind them would
-/// wait for all of it.
-const MAX_BATCH_ROWS: usize = 4096;
+/// The most rows the large operations of one commit write, as their
+/// callers declare them ([`Writer::write_direct_rows`]: a submission counts
+/// one row per job; every other operation counts as one): 1,024, a few
+/// milliseconds of the writer's time. Each batch takes every small (one-row)
+/// operation queued, then the large ones in arrival order while the
+/// batch stays within this (the oldest always, however large, so none
+/// starves). Reports, heartbeats, reaper ticks and lease streams thus
+/// never wait behind a burst of large submissions for more than one
+/// bounded commit, and each submission is answered after its own commit,
+/// not after the whole burst's. Small operations keep their order among
+/// themselves, and large ones among themselves; a small operation may
+/// overtake a large one queued before it (concurrent requests, whose
+/// callers had not seen each other's replies).
+const MAX_BATCH_ROWS: usize = 1024;
 
 /// State owned by the writer thread, with the hooks the batch loop calls.
 pub trait BatchState: Send + 'static {
@@ -466,6 +471,23 @@ fn probe(conn: &Connection) -> Result<bool> {
     r.map(|()| true)
 }
 
+/// Puts an operation taken from the queue where it belongs: a small one
+/// (one row) into the batch being built, a large one at the end of
+/// `waiting`; [`Op::Stop`] goes nowhere and sets `stopping` (the
+/// operations queued after it are not taken).
+fn sort_op<S>(
+    op: Op<S>,
+    batch: &mut Vec<Op<S>>,
+    waiting: &mut VecDeque<Op<S>>,
+    stopping: &mut bool,
+) {
+    match op {
+        Op::Stop => *stopping = true,
+        op if op.rows() > 1 => waiting.push_back(op),
+        op => batch.push(op),
+    }
+}
+
 fn run<S: BatchState>(
     conn: Connection,
     mut state: S,
@@ -486,38 +508,42 @@ fn run<S: BatchState>(
     let mut last_fault: Option<(Instant, Duration)> = None;
     // Consecutive batches that failed for a cause that is not the store's.
     let mut internal_failures = 0u32;
-    // The operation that would have passed MAX_BATCH_ROWS: it opens the
-    // next batch.
-    let mut deferred: Option<Op<S>> = None;
-    while !stopping || !carried.is_empty() || deferred.is_some() {
+    // Operations of more than one row waiting for a batch, oldest first
+    // (small operations queued after them may go first).
+    let mut waiting: VecDeque<Op<S>> = VecDeque::new();
+    while !stopping || !carried.is_empty() || !waiting.is_empty() {
         batch.append(&mut carried);
-        batch.extend(deferred.take());
-        if batch.is_empty() {
+        let mut taken = 0;
+        if batch.is_empty() && waiting.is_empty() {
             let Some(first) = rx.blocking_recv() else {
                 break;
             };
-            batch.push(first);
+            sort_op(first, &mut batch, &mut waiting, &mut stopping);
+            taken += 1;
         }
-        let mut rows: usize = batch.iter().map(Op::rows).sum();
-        while batch.len() < MAX_BATCH && rows < MAX_BATCH_ROWS && !stopping {
+        // Whatever else is queued: small operations join this batch,
+        // large ones wait their turn in arrival order.
+        while !stopping && taken < MAX_BATCH && batch.len() < MAX_BATCH {
             let Ok(op) = rx.try_recv() else {
                 break;
             };
-            if rows + op.rows() > MAX_BATCH_ROWS {
-                deferred = Some(op);
-                break;
-            }
-            rows += op.rows();
-            let stop = matches!(op, Op::Stop);
-            batch.push(op);
-            if stop {
-                break;
-            }
+            sort_op(op, &mut batch, &mut waiting, &mut stopping);
+            taken += 1;
         }
-        if let Some(pos) = batch.iter().position(|op| matches!(op, Op::Stop)) {
-            stopping = true;
-            batch.truncate(pos);
+        if stopping {
             rx.close();
+        }
+        // Then the large ones, oldest first, while the batch's rows stay
+        // within MAX_BATCH_ROWS; the oldest always, so none starves.
+        let mut rows: usize = batch.iter().map(Op::rows).sum();
+        let mut took_large = false;
+        while let Some(next) = waiting.front() {
+            if took_large && (rows + next.rows() > MAX_BATCH_ROWS || batch.len() >= MAX_BATCH) {
+                break;
+            }
+            rows += next.rows();
+            took_large = true;
+            batch.extend(waiting.pop_front());
         }
         let ops = batch.len();
         if let Some(f) = &mut fault {
@@ -837,12 +863,12 @@ mod tests {
         thread.join().unwrap();
     }
 
-    /// Operations queued behind a busy writer share a commit until the
-    /// rows they declare would pass `MAX_BATCH_ROWS`: the one that would
-    /// opens the next commit, a single operation larger than the limit
-    /// commits alone, and everything still commits in arrival order.
+    /// Operations queued behind a busy writer: the small ones go into the
+    /// next commit ahead of the large ones queued before them; the large
+    /// ones follow in arrival order, as many per commit as fit within
+    /// `MAX_BATCH_ROWS` (the oldest always, even one larger than that).
     #[tokio::test]
-    async fn a_batch_takes_operations_up_to_its_row_limit() {
+    async fn small_operations_go_first_and_large_ones_share_commits_up_to_a_row_limit() {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
             .unwrap();
@@ -866,12 +892,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Polled in this order on their first poll, so queued in this order.
         let rows = |n: usize, v: &'static str| w.write_direct_rows(n, move |_, c| insert(c, v));
+        // a and b do not fit together, b and c do; e alone is larger.
         let (a, b, c, d, e, f) = tokio::join!(
-            rows(3000, "a"),
-            rows(3000, "b"),
+            rows(MAX_BATCH_ROWS * 6 / 10, "a"),
+            rows(MAX_BATCH_ROWS * 6 / 10, "b"),
             rows(100, "c"),
             w.write(|_, c| insert(c, "d")),
-            rows(10_000, "e"),
+            rows(MAX_BATCH_ROWS * 5, "e"),
             w.write(|_, c| insert(c, "f")),
         );
         hold.await.unwrap().unwrap();
@@ -888,10 +915,10 @@ mod tests {
             })
             .await
             .unwrap();
-        // The hold; a (b would pass the limit); b, c and d (3,101 rows);
-        // e alone (10,000); f.
-        assert_eq!(commits, vec![1, 1, 3, 1, 1]);
-        assert_eq!(order, "abcdef");
+        // The hold; d and f with a (b would pass the limit); b and c; e
+        // alone.
+        assert_eq!(commits, vec![1, 3, 2, 1]);
+        assert_eq!(order, "dfabce");
         w.stop();
         drop(w);
         thread.join().unwrap();
