@@ -29,10 +29,10 @@ const MAX_BATCH: usize = 1024;
 /// milliseconds of the writer's time. Each batch takes every small (one-row)
 /// operation queued, then the large ones in arrival order while the
 /// batch stays within this (the oldest always, however large, so none
-/// starves). Reports, heartbeats, reaper ticks and lease streams thus
-/// never wait behind a burst of large submissions for more than one
-/// bounded commit, and each submission is answered after its own commit,
-/// not after the whole burst's. Small operations keep their order among
+/// starves). Reports, heartbeats, reaper ticks and lease streams queued
+/// behind a burst of large submissions thus wait for the commit in
+/// progress and then commit in the next, both bounded, not for the whole
+/// burst; and each submission is answered after its own commit. Small operations keep their order among
 /// themselves, and large ones among themselves; a small operation may
 /// overtake a large one queued before it (concurrent requests, whose
 /// callers had not seen each other's replies).
