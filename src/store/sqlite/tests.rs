@@ -20,16 +20,21 @@ use crate::{
     metrics::Metrics,
 };
 
-/// An engine on a fresh database: heartbeat 100 ms (stale after 300 ms),
-/// no grace, no backoff.
-async fn engine(dir: &tempfile::TempDir) -> SharedEngine {
-    let cfg = EngineConfig {
+/// The configuration of [`engine`]: heartbeat 100 ms (stale after
+/// 300 ms), no grace, no backoff.
+fn quick() -> EngineConfig {
+    EngineConfig {
         heartbeat_interval: Duration::from_millis(100),
         lease_grace: Duration::ZERO,
         retry_backoff_base: Duration::ZERO,
         retry_backoff_max: Duration::ZERO,
         ..EngineConfig::default()
-    };
+    }
+}
+
+/// The engine itself (its writer and state reachable) on a fresh
+/// database in `dir` with `cfg`.
+async fn open(dir: &tempfile::TempDir, cfg: EngineConfig) -> std::sync::Arc<SqliteEngine> {
     SqliteEngine::open(
         &dir.path().join("agq.db"),
         SyncMode::Normal,
@@ -38,6 +43,11 @@ async fn engine(dir: &tempfile::TempDir) -> SharedEngine {
     )
     .await
     .unwrap()
+}
+
+/// An engine on a fresh database, configured by [`quick`].
+async fn engine(dir: &tempfile::TempDir) -> SharedEngine {
+    open(dir, quick()).await
 }
 
 fn plan(id: &str, tools: &[&str]) -> Plan {
@@ -667,14 +677,7 @@ async fn fresh_bytes(e: &std::sync::Arc<SqliteEngine>) -> (usize, usize) {
 async fn kept_rows_of_new_jobs_stay_within_their_byte_budget() {
     use super::state::FRESH_BYTES_MAX;
     let dir = tempfile::tempdir().unwrap();
-    let engine = SqliteEngine::open(
-        &dir.path().join("agq.db"),
-        SyncMode::Normal,
-        EngineConfig::default(),
-        std::sync::Arc::new(Metrics::new()),
-    )
-    .await
-    .unwrap();
+    let engine = open(&dir, EngineConfig::default()).await;
     let e: SharedEngine = engine.clone();
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let ids = submit(&e, "p", 4, 1).await;
@@ -748,18 +751,7 @@ async fn a_late_tick_does_not_count_the_writers_queue_as_silence() {
 
     use crate::{core::model::WorkerState, time::now_ms};
     let dir = tempfile::tempdir().unwrap();
-    let engine = SqliteEngine::open(
-        &dir.path().join("agq.db"),
-        SyncMode::Normal,
-        EngineConfig {
-            heartbeat_interval: Duration::from_millis(100),
-            lease_grace: Duration::ZERO,
-            ..EngineConfig::default()
-        },
-        std::sync::Arc::new(Metrics::new()),
-    )
-    .await
-    .unwrap();
+    let engine = open(&dir, quick()).await;
     let e: SharedEngine = engine.clone();
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
     let mut w = Worker::start(&e, "w1", &["sort"], 1).await;

@@ -764,6 +764,23 @@ mod tests {
         fn on_shutdown(&mut self, _: &Connection) {}
     }
 
+    /// A writer on an in-memory database with one table `t (v TEXT)`.
+    fn start(health: StoreHealth) -> (Writer<Log>, std::thread::JoinHandle<()>) {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+            .unwrap();
+        Writer::start(conn, Log::default(), CheckpointSignal::default(), health).unwrap()
+    }
+
+    /// The values of `t` in `order` (an ORDER BY clause).
+    fn values(c: &Connection, order: &str) -> Result<Vec<String>> {
+        let mut st = c.prepare(&format!("SELECT v FROM t ORDER BY {order}"))?;
+        let v = st
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<Vec<String>>>()?;
+        Ok(v)
+    }
+
     fn insert(c: &Connection, v: &str) -> Result<()> {
         c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
         Ok(())
@@ -806,16 +823,7 @@ mod tests {
     /// written) leaves its batch alone.
     #[tokio::test]
     async fn broken_direct_operation_rolls_back_its_batch_and_carries_the_rest() {
-        let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
-            .unwrap();
-        let (w, thread) = Writer::start(
-            conn,
-            Log::default(),
-            CheckpointSignal::default(),
-            StoreHealth::default(),
-        )
-        .unwrap();
+        let (w, thread) = start(StoreHealth::default());
         // Hold the writer so the next operations queue up into one batch.
         let hold = w.write(|_, _| {
             std::thread::sleep(Duration::from_millis(200));
@@ -849,11 +857,7 @@ mod tests {
         let rows: Vec<String> = w
             .run(|s, c| {
                 assert_eq!(s.rollbacks, 1);
-                let mut st = c.prepare("SELECT v FROM t ORDER BY v")?;
-                let v = st
-                    .query_map([], |r| r.get(0))?
-                    .collect::<rusqlite::Result<Vec<String>>>()?;
-                Ok(v)
+                values(c, "v")
             })
             .await
             .unwrap();
@@ -869,16 +873,7 @@ mod tests {
     /// `MAX_BATCH_ROWS` (the oldest always, even one larger than that).
     #[tokio::test]
     async fn small_operations_go_first_and_large_ones_share_commits_up_to_a_row_limit() {
-        let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
-            .unwrap();
-        let (w, thread) = Writer::start(
-            conn,
-            Log::default(),
-            CheckpointSignal::default(),
-            StoreHealth::default(),
-        )
-        .unwrap();
+        let (w, thread) = start(StoreHealth::default());
         let hold = {
             let w = w.clone();
             tokio::spawn(async move {
@@ -906,13 +901,7 @@ mod tests {
             r.unwrap();
         }
         let (commits, order) = w
-            .run(|s, c| {
-                let mut st = c.prepare("SELECT v FROM t ORDER BY rowid")?;
-                let v = st
-                    .query_map([], |r| r.get(0))?
-                    .collect::<rusqlite::Result<Vec<String>>>()?;
-                Ok((s.commits.clone(), v.concat()))
-            })
+            .run(|s, c| Ok((s.commits.clone(), values(c, "rowid")?.concat())))
             .await
             .unwrap();
         // The hold; d and f with a (b would pass the limit); b and c; e
@@ -931,18 +920,9 @@ mod tests {
     /// writes commit again, with no restart.
     #[tokio::test]
     async fn a_store_fault_refuses_writes_until_a_probe_commits() {
-        let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
-            .unwrap();
         let errors = Counter::default();
         let health = StoreHealth::new(errors.clone());
-        let (w, thread) = Writer::start(
-            conn,
-            Log::default(),
-            CheckpointSignal::default(),
-            health.clone(),
-        )
-        .unwrap();
+        let (w, thread) = start(health.clone());
         let full = || {
             Error::from(rusqlite::Error::SqliteFailure(
                 rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
@@ -974,16 +954,7 @@ mod tests {
         }
         assert!(committed, "the store never recovered");
         assert!(health.is_ok());
-        let rows: Vec<String> = w
-            .run(|_, c| {
-                let mut st = c.prepare("SELECT v FROM t")?;
-                let v = st
-                    .query_map([], |r| r.get(0))?
-                    .collect::<rusqlite::Result<Vec<String>>>()?;
-                Ok(v)
-            })
-            .await
-            .unwrap();
+        let rows: Vec<String> = w.run(|_, c| values(c, "rowid")).await.unwrap();
         assert_eq!(rows, vec!["kept".to_string()]);
         w.stop();
         drop(w);
