@@ -913,6 +913,45 @@ mod tests {
         thread.join().unwrap();
     }
 
+    /// Stopping finishes every operation queued before the stop, large
+    /// ones waiting behind small ones included, and refuses those queued
+    /// after it with `Unavailable`.
+    #[tokio::test]
+    async fn stop_finishes_what_was_queued_before_it() {
+        let (w, thread) = start(StoreHealth::default());
+        let hold = {
+            let w = w.clone();
+            tokio::spawn(async move {
+                w.write(|_, _| {
+                    std::thread::sleep(Duration::from_millis(200));
+                    Ok(())
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Polled in this order on their first poll, so queued in this order.
+        // The two large ones do not fit one commit: the second still waits
+        // when the stop is seen.
+        let big = MAX_BATCH_ROWS * 6 / 10;
+        let (first, second, small, late) = tokio::join!(
+            w.write_direct_rows(big, |_, c| insert(c, "first")),
+            w.write_direct_rows(big, |_, c| insert(c, "second")),
+            w.write(|_, c| insert(c, "small")),
+            async {
+                w.stop();
+                w.write(|_, c| insert(c, "late")).await
+            },
+        );
+        hold.await.unwrap().unwrap();
+        first.unwrap();
+        second.unwrap();
+        small.unwrap();
+        assert!(matches!(late, Err(Error::Unavailable)), "{late:?}");
+        drop(w);
+        thread.join().unwrap();
+    }
+
     /// A batch broken by a store fault (here a simulated "disk full")
     /// rolls back, turns health false and counts one write error; writes
     /// are refused with `StoreUnavailable` naming the cause (never
