@@ -772,6 +772,19 @@ mod tests {
         Writer::start(conn, Log::default(), CheckpointSignal::default(), health).unwrap()
     }
 
+    /// Keeps the writer busy for `busy` in an operation of its own, so
+    /// the operations queued meanwhile wait for the next batch.
+    fn hold(w: &Writer<Log>, busy: Duration) -> tokio::task::JoinHandle<Result<()>> {
+        let w = w.clone();
+        tokio::spawn(async move {
+            w.write(move |_, _| {
+                std::thread::sleep(busy);
+                Ok(())
+            })
+            .await
+        })
+    }
+
     /// The values of `t` in `order` (an ORDER BY clause).
     fn values(c: &Connection, order: &str) -> Result<Vec<String>> {
         let mut st = c.prepare(&format!("SELECT v FROM t ORDER BY {order}"))?;
@@ -874,16 +887,7 @@ mod tests {
     #[tokio::test]
     async fn small_operations_go_first_and_large_ones_share_commits_up_to_a_row_limit() {
         let (w, thread) = start(StoreHealth::default());
-        let hold = {
-            let w = w.clone();
-            tokio::spawn(async move {
-                w.write(|_, _| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    Ok(())
-                })
-                .await
-            })
-        };
+        let hold = hold(&w, Duration::from_millis(300));
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Polled in this order on their first poll, so queued in this order.
         let rows = |n: usize, v: &'static str| w.write_direct_rows(n, move |_, c| insert(c, v));
@@ -919,16 +923,7 @@ mod tests {
     #[tokio::test]
     async fn stop_finishes_what_was_queued_before_it() {
         let (w, thread) = start(StoreHealth::default());
-        let hold = {
-            let w = w.clone();
-            tokio::spawn(async move {
-                w.write(|_, _| {
-                    std::thread::sleep(Duration::from_millis(200));
-                    Ok(())
-                })
-                .await
-            })
-        };
+        let hold = hold(&w, Duration::from_millis(200));
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Polled in this order on their first poll, so queued in this order.
         // The two large ones do not fit one commit: the second still waits
