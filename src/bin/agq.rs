@@ -15,7 +15,9 @@ use agq::{
 /// The server's heap: mimalloc (its 2.x line, without transparent huge
 /// pages), which takes about a quarter off the server's CPU per job
 /// against the system allocator (BENCHMARKS.md, sessions 8 and 14);
-/// `agq-bench` runs its in-process server on it too.
+/// `agq-bench` runs its in-process server on it too. The crate's
+/// `override` feature also makes it the process's C `malloc`, which
+/// SQLite allocates from (session 15).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
