@@ -134,8 +134,9 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
     // retention sweep back to the file system.
     retention::enable_incremental_vacuum(&conn)?;
     configure(&conn, sync)?;
-    // The writer checkpoints itself only when the WAL passes 10,000 pages
-    // (40 MiB); the [`Checkpointer`] thread does the regular work.
+    // The [`Checkpointer`] thread copies the WAL into the database; the
+    // writer's own checkpoint every 1,000 pages is what lets the WAL start
+    // over from its beginning (see WRITER_AUTOCHECKPOINT_PAGES).
     conn.pragma_update(None, "wal_autocheckpoint", WRITER_AUTOCHECKPOINT_PAGES)?;
     migrate(&mut conn)?;
     let manager = SqliteConnectionManager::file(path).with_init(move |c| configure(c, sync));
@@ -150,9 +151,17 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
 /// (negative: KiB): 4 MiB.
 const CACHE_SIZE_KIB: i64 = -4096;
 
-/// WAL size (pages) at which the writer runs a checkpoint itself: a safety
-/// net behind the [`Checkpointer`] (SQLite's default is 1,000).
-const WRITER_AUTOCHECKPOINT_PAGES: i64 = 10_000;
+/// WAL size (pages, 4 MiB) at which the writer runs a PASSIVE checkpoint
+/// itself, after a commit (SQLite's default). The [`Checkpointer`] copies
+/// most frames in the background, but under a steady stream of commits it
+/// never catches up with the last one, and SQLite starts the WAL over only
+/// once every frame is in the database; the writer's own checkpoint, with
+/// no commit in flight, copies the few frames left, syncs the database
+/// file and so lets the next transaction start the WAL over. With 10,000
+/// pages the WAL grew to 40 MiB between restarts and the completion-ack
+/// p99 at peak was about twice as long on a 16-core machine
+/// (BENCHMARKS.md, session 15).
+const WRITER_AUTOCHECKPOINT_PAGES: i64 = 1_000;
 
 /// Least time between two checkpoints of the [`Checkpointer`].
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
@@ -589,6 +598,37 @@ mod tests {
         assert!(
             plan_jobs.iter().all(|step| !step.starts_with("SCAN")),
             "{plan_jobs:?}"
+        );
+    }
+
+    /// Under a steady stream of commits, with the checkpointer copying in
+    /// the background, the WAL still starts over from its beginning every
+    /// few thousand frames: the writer's own checkpoint, at
+    /// [`WRITER_AUTOCHECKPOINT_PAGES`], catches up with the last commit,
+    /// which the background one never does. The WAL file's size is its
+    /// high-water mark, so it shows the most frames it ever held.
+    #[test]
+    fn the_wal_starts_over_while_commits_keep_coming() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.db");
+        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
+        // 3,000 commits of a 4 KiB row each: more than 6,000 frames.
+        for _ in 0..3000 {
+            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+                .unwrap();
+            cp.signal().committed();
+        }
+        cp.stop();
+        let wal = std::fs::metadata(dir.path().join("w.db-wal"))
+            .unwrap()
+            .len();
+        let frame = 4096 + 24;
+        assert!(
+            wal <= 2_500 * frame,
+            "the WAL grew to {} frames without starting over",
+            wal / frame
         );
     }
 
