@@ -197,11 +197,14 @@ impl CheckpointSignal {
 }
 
 /// Checkpoints the WAL from its own thread and connection, so the writer
-/// does not stall on copying pages into the database file and syncing it
-/// in the middle of a batch. It sleeps until the writer signals a commit
-/// that wrote (no work while idle) and checkpoints at most every 100 ms.
-/// PASSIVE checkpoints never block the writer; once everything is copied,
-/// the writer's next transaction restarts the WAL from its beginning.
+/// copies few pages into the database file itself. It sleeps until the
+/// writer signals a commit that wrote (no work while idle) and checkpoints
+/// at most every 100 ms. PASSIVE checkpoints never block the writer; when
+/// one has copied everything, the writer's next transaction restarts the
+/// WAL from its beginning. Under a steady stream of commits that never
+/// happens (each checkpoint ends behind the latest commit), so the
+/// writer's own checkpoint every 1,000 pages (`WRITER_AUTOCHECKPOINT_PAGES`)
+/// copies the rest and lets the WAL start over.
 /// Durability is unchanged: commits are durable in the WAL (synced per
 /// commit with `synchronous=FULL`).
 pub struct Checkpointer {
