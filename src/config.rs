@@ -312,3 +312,28 @@ impl EngineConfig {
         self.heartbeat_interval * 3
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    /// `agq serve` without flags syncs every commit (`synchronous=FULL`);
+    /// `normal` is only ever asked for.
+    #[test]
+    fn serve_syncs_every_commit_unless_told_otherwise() {
+        let plain = Cli::try_parse_from(["agq"]).unwrap();
+        assert_eq!(plain.serve.sqlite_synchronous, SyncMode::Full);
+        assert_eq!(SyncMode::default(), SyncMode::Full);
+        let normal = Cli::try_parse_from(["agq", "--sqlite-synchronous", "normal"]).unwrap();
+        assert_eq!(normal.serve.sqlite_synchronous, SyncMode::Normal);
+        assert!(Cli::try_parse_from(["agq", "--sqlite-synchronous", "off"]).is_err());
+    }
+}

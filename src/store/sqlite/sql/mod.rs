@@ -604,6 +604,23 @@ mod tests {
         );
     }
 
+    /// `SyncMode::Full` reaches every connection the store opens: the
+    /// writer's and the read pool's report `synchronous=FULL` (2), so a
+    /// commit is synced before the writer acknowledges it.
+    #[test]
+    fn full_sync_applies_to_the_writer_and_the_readers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (conn, pool) = open(&dir.path().join("s.db"), SyncMode::Full).unwrap();
+        let sync = |c: &Connection| -> i64 {
+            c.pragma_query_value(None, "synchronous", |r| r.get(0))
+                .unwrap()
+        };
+        assert_eq!(sync(&conn), 2);
+        assert_eq!(sync(&pool.get().unwrap()), 2);
+        let (normal, _) = open(&dir.path().join("n.db"), SyncMode::Normal).unwrap();
+        assert_eq!(sync(&normal), 1);
+    }
+
     /// Under a steady stream of commits, with the checkpointer copying in
     /// the background, the WAL still starts over from its beginning every
     /// few thousand frames: the writer's own checkpoint, at
@@ -627,7 +644,10 @@ mod tests {
         let wal = std::fs::metadata(dir.path().join("w.db-wal"))
             .unwrap()
             .len();
-        let frame = 4096 + 24;
+        let page: i64 = conn
+            .pragma_query_value(None, "page_size", |r| r.get(0))
+            .unwrap();
+        let frame = page.unsigned_abs() + 24;
         assert!(
             wal <= 2_500 * frame,
             "the WAL grew to {} frames without starting over",
