@@ -612,12 +612,17 @@ fn run<S: BatchState>(
                 for _ in 0..op_faults {
                     health.errors.inc();
                 }
-                if conn.total_changes() != changes_before {
-                    checkpoint.committed();
-                }
+                let restart_due = conn.total_changes() != changes_before && checkpoint.committed();
                 state.after_commit(ops);
                 for reply in replies.drain(..) {
                     reply(Ok(()));
+                }
+                if restart_due {
+                    // Between two batches, with this one's replies and
+                    // leases already on their way.
+                    if let Err(e) = checkpoint.restart_wal(&conn) {
+                        tracing::warn!(error = %e, "WAL checkpoint of the writer failed");
+                    }
                 }
             }
             Err(e) => {

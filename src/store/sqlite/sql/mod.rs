@@ -134,10 +134,11 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
     // retention sweep back to the file system.
     retention::enable_incremental_vacuum(&conn)?;
     configure(&conn, sync)?;
-    // The [`Checkpointer`] thread copies the WAL into the database; the
-    // writer's own checkpoint every 1,000 pages is what lets the WAL start
-    // over from its beginning (see WRITER_AUTOCHECKPOINT_PAGES).
-    conn.pragma_update(None, "wal_autocheckpoint", WRITER_AUTOCHECKPOINT_PAGES)?;
+    // The [`Checkpointer`] thread copies the WAL into the database and
+    // asks the writer to copy the last frames itself, so the WAL starts
+    // over (see RESTART_PAGES); the writer's own automatic checkpoint is
+    // only a backstop for a checkpointer that falls behind.
+    conn.pragma_update(None, "wal_autocheckpoint", BACKSTOP_AUTOCHECKPOINT_PAGES)?;
     migrate(&mut conn)?;
     let manager = SqliteConnectionManager::file(path).with_init(move |c| configure(c, sync));
     let pool = r2d2::Pool::builder()
@@ -151,27 +152,52 @@ pub fn open(path: &Path, sync: SyncMode) -> Result<(Connection, ReadPool)> {
 /// (negative: KiB): 4 MiB.
 const CACHE_SIZE_KIB: i64 = -4096;
 
-/// WAL size (pages, 4 MiB) at which the writer runs a PASSIVE checkpoint
-/// itself, after a commit (SQLite's default). The [`Checkpointer`] copies
-/// most frames in the background, but under a steady stream of commits it
-/// never catches up with the last one, and SQLite starts the WAL over only
-/// once every frame is in the database; the writer's own checkpoint, with
-/// no commit in flight, copies the few frames left, syncs the database
-/// file and so lets the next transaction start the WAL over. With 10,000
-/// pages the WAL grew to 40 MiB between restarts and the completion-ack
-/// p99 at peak was about twice as long on a 16-core machine
-/// (BENCHMARKS.md, session 15).
-const WRITER_AUTOCHECKPOINT_PAGES: i64 = 1_000;
+/// WAL size (pages, 4 MiB) from which the [`Checkpointer`] asks the writer
+/// to let the WAL start over. The checkpointer copies frames in the
+/// background, but under a steady stream of commits it never catches up
+/// with the last one, and SQLite starts the WAL over only once every frame
+/// is in the database. So once a background checkpoint has copied a WAL
+/// of at least this many pages, the writer, between two batches (with no
+/// commit in flight and the batch's replies already released), copies the
+/// few frames committed since and syncs the database file; its next
+/// transaction then writes from the WAL's beginning. With 10,000 pages the
+/// WAL grew to 40 MiB between restarts and the completion-ack p99 at peak
+/// was about twice as long on a 16-core machine (BENCHMARKS.md, session 15).
+pub(crate) const RESTART_PAGES: i64 = 1_000;
 
-/// Least time between two checkpoints of the [`Checkpointer`].
+/// WAL size (pages, 40 MiB) at which the writer checkpoints by itself
+/// inside its commit (SQLite's automatic checkpoint), whatever the
+/// [`Checkpointer`] does: only reached when the checkpointer falls far
+/// behind (it stopped, or a long read holds the WAL).
+const BACKSTOP_AUTOCHECKPOINT_PAGES: i64 = 10_000;
+
+/// Least time between two checkpoints of the [`Checkpointer`] while the WAL
+/// is shorter than half of [`RESTART_PAGES`], unless
+/// [`CHECKPOINT_AFTER_COMMITS`] commits come first; from half of
+/// [`RESTART_PAGES`] on it checkpoints after every commit it is told of.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// Commits after which the [`Checkpointer`] checkpoints again without
+/// waiting for the rest of [`CHECKPOINT_EVERY`], so a fast stream of
+/// commits does not run the WAL far past [`RESTART_PAGES`] unseen.
+const CHECKPOINT_AFTER_COMMITS: u32 = 64;
 
 #[derive(Default)]
 struct Wake {
     /// A commit wrote to the WAL since the last checkpoint.
     dirty: bool,
+    /// Commits that wrote since the last checkpoint began.
+    commits: u32,
     /// The checkpointer should end.
     stop: bool,
+    /// A background checkpoint copied a WAL of at least [`RESTART_PAGES`]:
+    /// the writer should copy the rest so the WAL starts over.
+    restart_due: bool,
+    /// The writer was told to (by [`CheckpointSignal::committed`]) and has
+    /// not finished ([`CheckpointSignal::restart_wal`]). The checkpointer
+    /// waits meanwhile: a checkpoint of its own would hold SQLite's
+    /// checkpoint lock and turn the writer's away.
+    writer_copying: bool,
 }
 
 /// Wakes the [`Checkpointer`] after a commit that wrote; cheap to clone.
@@ -180,13 +206,51 @@ pub struct CheckpointSignal(Arc<(Mutex<Wake>, Condvar)>);
 
 impl CheckpointSignal {
     /// Tells the checkpointer that committed pages wait in the WAL.
-    pub fn committed(&self) {
+    /// Returns true when the writer should now call
+    /// [`CheckpointSignal::restart_wal`] (it must: the checkpointer waits
+    /// for it).
+    pub fn committed(&self) -> bool {
         let (lock, cv) = &*self.0;
         let mut w = lock.lock().unwrap_or_else(|e| e.into_inner());
-        if !w.dirty {
+        w.commits = w.commits.saturating_add(1);
+        if !w.dirty || w.commits == CHECKPOINT_AFTER_COMMITS {
             w.dirty = true;
             cv.notify_one();
         }
+        let due = std::mem::take(&mut w.restart_due);
+        w.writer_copying |= due;
+        due
+    }
+
+    /// Copies the frames of the WAL that the background checkpoints left
+    /// (those committed since the last of them) into the database file and
+    /// syncs it, on the writer's connection between two batches, so the
+    /// writer's next transaction starts the WAL over from its beginning;
+    /// then lets the checkpointer go on. A PASSIVE checkpoint: it never
+    /// waits for readers (one still reading an older snapshot keeps its
+    /// frames, and the restart waits for a later round).
+    ///
+    /// Errors: [`Error::Storage`] when the checkpoint fails (the WAL stays
+    /// as it is; committed data is not affected).
+    pub fn restart_wal(&self, conn: &Connection) -> Result<()> {
+        let r = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+        let (lock, cv) = &*self.0;
+        lock.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .writer_copying = false;
+        cv.notify_one();
+        r.map_err(Error::from)
+    }
+
+    /// Records what a background checkpoint saw: `wal_pages` frames in the
+    /// WAL. Returns true when the checkpointer should not wait before the
+    /// next one (the WAL is half way to [`RESTART_PAGES`] or more).
+    fn checkpointed(&self, wal_pages: i64) -> bool {
+        let (lock, _) = &*self.0;
+        if wal_pages >= RESTART_PAGES {
+            lock.lock().unwrap_or_else(|e| e.into_inner()).restart_due = true;
+        }
+        wal_pages >= RESTART_PAGES / 2
     }
 
     fn stop(&self) {
@@ -199,12 +263,14 @@ impl CheckpointSignal {
 /// Checkpoints the WAL from its own thread and connection, so the writer
 /// copies few pages into the database file itself. It sleeps until the
 /// writer signals a commit that wrote (no work while idle) and checkpoints
-/// at most every 100 ms. PASSIVE checkpoints never block the writer; when
-/// one has copied everything, the writer's next transaction restarts the
-/// WAL from its beginning. Under a steady stream of commits that never
-/// happens (each checkpoint ends behind the latest commit), so the
-/// writer's own checkpoint every 1,000 pages (`WRITER_AUTOCHECKPOINT_PAGES`)
-/// copies the rest and lets the WAL start over.
+/// at most every 100 ms while the WAL is short, after every signalled
+/// commit once it holds half of [`RESTART_PAGES`]. PASSIVE checkpoints
+/// never block the writer; when one has copied everything, the writer's
+/// next transaction restarts the WAL from its beginning. Under a steady
+/// stream of commits that never happens (each checkpoint ends behind the
+/// latest commit), so once the WAL holds [`RESTART_PAGES`] the checkpointer
+/// asks the writer to run [`CheckpointSignal::restart_wal`], which copies the frames
+/// committed since and lets the WAL start over.
 /// Durability is unchanged: commits are durable in the WAL (synced per
 /// commit with `synchronous=FULL`).
 pub struct Checkpointer {
@@ -221,30 +287,47 @@ impl Checkpointer {
         let conn = Connection::open(path)?;
         configure(&conn, sync)?;
         let signal = CheckpointSignal::default();
-        let wake = signal.0.clone();
+        let theirs = signal.clone();
         let handle = std::thread::Builder::new()
             .name("agq-checkpoint".into())
             .spawn(move || {
-                let (lock, cv) = &*wake;
+                let (lock, cv) = &*theirs.0;
                 loop {
                     {
                         let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
                         let mut w = cv
-                            .wait_while(guard, |w| !w.dirty && !w.stop)
+                            .wait_while(guard, |w| {
+                                !w.stop && (!w.dirty || w.restart_due || w.writer_copying)
+                            })
                             .unwrap_or_else(|e| e.into_inner());
                         if w.stop {
                             return;
                         }
                         w.dirty = false;
+                        w.commits = 0;
                     }
-                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                    {
-                        tracing::warn!(error = %e, "background WAL checkpoint failed");
+                    // (busy, frames in the WAL, frames copied)
+                    let wal_pages =
+                        match conn
+                            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get::<_, i64>(1))
+                        {
+                            Ok(n) => n,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "background WAL checkpoint failed");
+                                0
+                            }
+                        };
+                    if theirs.checkpointed(wal_pages) {
+                        continue;
                     }
-                    // Throttle: at most one checkpoint per CHECKPOINT_EVERY.
+                    // Throttle while the WAL is short: the next checkpoint
+                    // after CHECKPOINT_EVERY or CHECKPOINT_AFTER_COMMITS
+                    // commits, whichever comes first.
                     let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
                     let (w, _) = cv
-                        .wait_timeout_while(guard, CHECKPOINT_EVERY, |w| !w.stop)
+                        .wait_timeout_while(guard, CHECKPOINT_EVERY, |w| {
+                            !w.stop && w.commits < CHECKPOINT_AFTER_COMMITS
+                        })
                         .unwrap_or_else(|e| e.into_inner());
                     if w.stop {
                         return;
@@ -623,10 +706,14 @@ mod tests {
 
     /// Under a steady stream of commits, with the checkpointer copying in
     /// the background, the WAL still starts over from its beginning every
-    /// few thousand frames: the writer's own checkpoint, at
-    /// [`WRITER_AUTOCHECKPOINT_PAGES`], catches up with the last commit,
-    /// which the background one never does. The WAL file's size is its
-    /// high-water mark, so it shows the most frames it ever held.
+    /// few thousand frames: once it holds [`RESTART_PAGES`], the
+    /// checkpointer asks the writer to copy the last frames itself
+    /// ([`CheckpointSignal::restart_wal`], as the writer thread does
+    /// between batches), which
+    /// the background checkpoint never catches up with. The WAL file's
+    /// size is its high-water mark, so it shows the most frames it ever
+    /// held. (Without the writer's part the WAL reaches the 10,000-page
+    /// backstop.)
     #[test]
     fn the_wal_starts_over_while_commits_keep_coming() {
         let dir = tempfile::tempdir().unwrap();
@@ -634,13 +721,18 @@ mod tests {
         let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
         conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
         let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
+        let mut restarts = 0;
         // 3,000 commits of a 4 KiB row each: more than 6,000 frames.
         for _ in 0..3000 {
             conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
                 .unwrap();
-            cp.signal().committed();
+            if cp.signal().committed() {
+                cp.signal().restart_wal(&conn).unwrap();
+                restarts += 1;
+            }
         }
         cp.stop();
+        assert!(restarts >= 2, "the writer was asked {restarts} times");
         let wal = std::fs::metadata(dir.path().join("w.db-wal"))
             .unwrap()
             .len();
@@ -648,11 +740,44 @@ mod tests {
             .pragma_query_value(None, "page_size", |r| r.get(0))
             .unwrap();
         let frame = page.unsigned_abs() + 24;
+        // Without the writer's part: 10,000 frames (the backstop).
         assert!(
-            wal <= 2_500 * frame,
+            wal <= 5_000 * frame,
             "the WAL grew to {} frames without starting over",
             wal / frame
         );
+    }
+
+    /// The writer's part of a WAL restart: after
+    /// [`CheckpointSignal::restart_wal`] the next commit writes from the
+    /// WAL's beginning; without it, after the last frame. (The WAL file
+    /// keeps its size when it starts over, so it grows only in the second
+    /// case.)
+    #[test]
+    fn after_the_writers_checkpoint_the_next_commit_starts_the_wal_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.db");
+        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        let wal_len = || {
+            std::fs::metadata(dir.path().join("r.db-wal"))
+                .unwrap()
+                .len()
+        };
+        let insert = || {
+            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+                .unwrap()
+        };
+        for _ in 0..200 {
+            insert();
+        }
+        let full = wal_len();
+        insert();
+        assert!(wal_len() > full, "the commit was not appended");
+        let full = wal_len();
+        CheckpointSignal::default().restart_wal(&conn).unwrap();
+        insert();
+        assert_eq!(wal_len(), full, "the WAL did not start over");
     }
 
     /// The checkpointer copies the WAL into the database only when a commit
