@@ -1132,6 +1132,44 @@ mod tests {
     use super::*;
     use crate::config::SyncMode;
 
+    /// Task results are stored without their default fields, and read
+    /// back whole; results stored with every field (as before this
+    /// encoding) read the same.
+    #[test]
+    fn task_results_are_stored_without_default_fields() {
+        let ok = TaskResult {
+            task_number: 1,
+            command: "true".into(),
+            stdout: "ok\n".into(),
+            ..Default::default()
+        };
+        let text = encode_task_results(std::slice::from_ref(&ok)).unwrap();
+        assert_eq!(
+            text,
+            r#"[{"task_number":1,"command":"true","stdout":"ok\n"}]"#
+        );
+        let full = r#"[{"task_number":1,"command":"true","exit_code":0,"stdout":"ok\n","stderr":"","duration_ms":0,"stdout_truncated":false,"stderr_truncated":false}]"#;
+        assert_eq!(
+            decode_task_results(Some(full.into())).unwrap(),
+            vec![ok.clone()]
+        );
+        let failed = TaskResult {
+            task_number: 2,
+            command: "grep x".into(),
+            exit_code: -9,
+            stdout: String::new(),
+            stderr: "killed".into(),
+            duration_ms: 1500,
+            stdout_truncated: true,
+            stderr_truncated: true,
+        };
+        let both = vec![ok, failed];
+        assert_eq!(
+            decode_task_results(encode_task_results(&both)).unwrap(),
+            both
+        );
+    }
+
     /// A job inserted running its first attempt under lease `L1` of `w1`.
     fn leased_job() -> (tempfile::TempDir, Connection, i64) {
         let dir = tempfile::tempdir().unwrap();
