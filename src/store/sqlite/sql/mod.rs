@@ -163,7 +163,7 @@ const CACHE_SIZE_KIB: i64 = -4096;
 /// transaction then writes from the WAL's beginning. With 10,000 pages the
 /// WAL grew to 40 MiB between restarts and the completion-ack p99 at peak
 /// was about twice as long on a 16-core machine (BENCHMARKS.md, session 15).
-pub(crate) const RESTART_PAGES: i64 = 1_000;
+const RESTART_PAGES: i64 = 1_000;
 
 /// WAL size (pages, 40 MiB) at which the writer checkpoints by itself
 /// inside its commit (SQLite's automatic checkpoint), whatever the
@@ -268,9 +268,9 @@ impl CheckpointSignal {
 /// never block the writer; when one has copied everything, the writer's
 /// next transaction restarts the WAL from its beginning. Under a steady
 /// stream of commits that never happens (each checkpoint ends behind the
-/// latest commit), so once the WAL holds [`RESTART_PAGES`] the checkpointer
-/// asks the writer to run [`CheckpointSignal::restart_wal`], which copies the frames
-/// committed since and lets the WAL start over.
+/// latest commit), so once the WAL holds [`RESTART_PAGES`] the
+/// checkpointer asks the writer to run [`CheckpointSignal::restart_wal`],
+/// which copies the frames committed since and lets the WAL start over.
 /// Durability is unchanged: commits are durable in the WAL (synced per
 /// commit with `synchronous=FULL`).
 pub struct Checkpointer {
