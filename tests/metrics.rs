@@ -136,6 +136,19 @@ async fn metrics_endpoint_after_a_workload() {
     );
     assert_eq!(value(body, "agq_rpc_requests_total{method=\"WorkerService/UpdateJob\",code=\"FailedPrecondition\"}"), 1.0);
     assert!(value(body, "agq_commit_batch_ops_count") >= 1.0);
+    // Every commit's time, in the buckets the bench reads a latency
+    // target off: one observation per commit (a background commit may
+    // fall between the two series of one scrape), all under +Inf, some
+    // time spent.
+    let commits = value(body, "agq_store_commit_seconds_count");
+    assert!(commits >= 1.0);
+    assert!((commits - value(body, "agq_commit_batch_ops_count")).abs() <= 1.0);
+    assert_eq!(
+        value(body, "agq_store_commit_seconds_bucket{le=\"+Inf\"}"),
+        commits
+    );
+    assert!(value(body, "agq_store_commit_seconds_bucket{le=\"0.003\"}") <= commits);
+    assert!(value(body, "agq_store_commit_seconds_sum") > 0.0);
     let missing = scrape(addr, "/nope").await;
     assert!(missing.contains(" 404 "), "{missing}");
     s.stop().await;

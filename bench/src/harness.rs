@@ -232,11 +232,13 @@ impl Harness {
         self.child.as_ref().map(|c| c.id())
     }
 
-    /// (commits, operations committed) so far, from the server's
-    /// `commit_batch_ops` histogram: how well group commit batches (in-process only).
-    pub fn commits(&self) -> (u64, u64) {
+    /// The server's commits so far, from its `commit_batch_ops` and
+    /// `store_commit_seconds` histograms: how well group commit batches
+    /// and how long each commit (WAL write and sync) takes (in-process
+    /// only; zero otherwise).
+    pub fn commits(&self) -> CommitStats {
         let Some(server) = &self.server else {
-            return (0, 0);
+            return CommitStats::default();
         };
         let text = server.engine().metrics().encode();
         let find = |suffix: &str| {
@@ -247,9 +249,16 @@ impl Harness {
                     name.ends_with(suffix)
                         .then(|| v.trim().parse::<f64>().ok())?
                 })
-                .unwrap_or(0.0) as u64
+                .unwrap_or(0.0)
         };
-        (find("commit_batch_ops_count"), find("commit_batch_ops_sum"))
+        let timed = find("store_commit_seconds_count") as u64;
+        CommitStats {
+            commits: find("commit_batch_ops_count") as u64,
+            ops: find("commit_batch_ops_sum") as u64,
+            seconds: find("store_commit_seconds_sum"),
+            over_3ms: timed
+                .saturating_sub(find("store_commit_seconds_bucket{le=\"0.003\"}") as u64),
+        }
     }
 
     /// A new HTTP/2 connection to the server.
@@ -325,4 +334,31 @@ pub async fn connect(addr: SocketAddr) -> Result<Channel, BenchError> {
         .connect()
         .await
         .map_err(|e| BenchError::Setup(format!("connect to AGQ at {addr}: {e}")))
+}
+
+/// Counts of the server's commits (see [`Harness::commits`]); the
+/// difference of two readings covers the time between them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitStats {
+    /// Commits.
+    pub commits: u64,
+    /// Operations they carried.
+    pub ops: u64,
+    /// Seconds spent in `COMMIT` (writing and syncing the WAL).
+    pub seconds: f64,
+    /// Commits that took longer than 3 ms.
+    pub over_3ms: u64,
+}
+
+impl std::ops::Sub for CommitStats {
+    type Output = CommitStats;
+
+    fn sub(self, before: CommitStats) -> CommitStats {
+        CommitStats {
+            commits: self.commits.saturating_sub(before.commits),
+            ops: self.ops.saturating_sub(before.ops),
+            seconds: (self.seconds - before.seconds).max(0.0),
+            over_3ms: self.over_3ms.saturating_sub(before.over_3ms),
+        }
+    }
 }

@@ -13,7 +13,7 @@ use tonic::transport::Channel;
 use super::{
     agq_load::{self, Fleet},
     bullmq_peer::{self, BullmqRun},
-    harness::Harness,
+    harness::{CommitStats, Harness},
     procstat::{self, CpuMark},
     redis_peer::{self, RedisServer},
     stats::{now_us, Record, Recorder, Summary},
@@ -159,8 +159,9 @@ pub struct Phase {
     pub server_cpu: f64,
     /// CPU seconds of AGQ's writer thread (the single SQLite writer).
     pub writer_cpu: f64,
-    /// SQLite commits during the phase and the operations they carried.
-    pub commits: (u64, u64),
+    /// SQLite commits during the phase, the operations they carried and
+    /// their time.
+    pub commits: CommitStats,
     /// CPU seconds of the simulated clients (the bench process less the
     /// in-process server).
     pub client_cpu: f64,
@@ -313,7 +314,7 @@ pub async fn agq_phase(
     let mut p = Phase::from_record(rec.take(), jobs, t0, submit_end);
     p.writer_cpu = writer_cpu;
     let commits1 = h.commits();
-    p.commits = (commits1.0 - commits0.0, commits1.1 - commits0.1);
+    p.commits = commits1 - commits0;
     if !finished {
         p.errors += 1;
         p.last_error = Some(format!(
@@ -614,13 +615,22 @@ fn print_phase(t: &Table, a: &Phase, peers: [Option<&Phase>; 2], paced: bool) {
             ),
         );
     }
-    if a.commits.0 > 0 {
+    let c = a.commits;
+    if c.commits > 0 {
         t.agq_row(
             "AGQ commits/s, operations per commit",
             format!(
                 "{:.0}, {:.1}",
-                a.commits.0 as f64 / a.e2e_secs.max(1e-9),
-                a.commits.1 as f64 / a.commits.0 as f64
+                c.commits as f64 / a.e2e_secs.max(1e-9),
+                c.ops as f64 / c.commits as f64
+            ),
+        );
+        t.agq_row(
+            "AGQ commit (WAL write, sync) ms, % > 3 ms",
+            format!(
+                "{:.2}, {:.1}%",
+                c.seconds * 1e3 / c.commits as f64,
+                c.over_3ms as f64 * 100.0 / c.commits as f64
             ),
         );
     }

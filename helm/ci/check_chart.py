@@ -909,7 +909,8 @@ def check_dashboard_file() -> None:
                    'agq_job_duration_seconds_bucket', 'sum by (state, fresh) (agq_workers',
                    'sum by (reason) (rate(agq_requeues_total', 'agq_fencing_rejections_total',
                    'sum by (method, code) (rate(agq_rpc_requests_total',
-                   'agq_commit_batch_ops', 'agq_store_write_errors_total'):
+                   'agq_commit_batch_ops', 'agq_store_write_errors_total',
+                   'histogram_quantile(0.99, sum by (le) (rate(agq_store_commit_seconds_bucket'):
         expect(needle in exprs, f"no dashboard query with {needle!r}")
 
 

@@ -11,7 +11,7 @@ use std::{
     cmp::Reverse,
     collections::{BTreeMap, BTreeSet, HashMap},
     sync::Arc,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use rusqlite::Connection;
@@ -904,9 +904,12 @@ impl BatchState for State {
         Ok(())
     }
 
-    fn after_commit(&mut self, ops: usize) {
+    fn after_commit(&mut self, ops: usize, commit: Option<Duration>) {
         if ops > 0 {
             self.metrics.batch_size.observe(ops as f64);
+            if let Some(d) = commit {
+                self.metrics.commit_duration.observe(d.as_secs_f64());
+            }
         }
         if self.expired_in_batch > 0 {
             self.metrics

@@ -48,7 +48,10 @@ pub trait BatchState: Send + 'static {
     /// Runs once the commit is durable: releases buffered side effects.
     /// `ops` is the number of operations the commit carried; 0 after a
     /// batch of reads run while the store cannot commit (no commit).
-    fn after_commit(&mut self, ops: usize);
+    /// `commit` is how long the `COMMIT` itself took (writing the WAL
+    /// frames and, with `synchronous=FULL`, syncing them); `None` when
+    /// there was no commit.
+    fn after_commit(&mut self, ops: usize, commit: Option<Duration>);
     /// Runs when the batch was rolled back: drops buffered side effects and
     /// rebuilds the in-memory state from the database.
     fn after_rollback(&mut self, conn: &Connection);
@@ -588,7 +591,7 @@ fn run<S: BatchState>(
                     Op::Stop => {}
                 }
             }
-            state.after_commit(0);
+            state.after_commit(0, None);
             for reply in replies.drain(..) {
                 reply(Ok(()));
             }
@@ -607,13 +610,13 @@ fn run<S: BatchState>(
         let changes_before = conn.total_changes();
         let result = run_batch(&conn, &mut state, &mut batch, &mut replies, &mut carried);
         match result {
-            Ok(op_faults) => {
+            Ok((op_faults, commit)) => {
                 internal_failures = 0;
                 for _ in 0..op_faults {
                     health.errors.inc();
                 }
                 let restart_due = conn.total_changes() != changes_before && checkpoint.committed();
-                state.after_commit(ops);
+                state.after_commit(ops, Some(commit));
                 for reply in replies.drain(..) {
                     reply(Ok(()));
                 }
@@ -683,14 +686,14 @@ fn run<S: BatchState>(
 
 /// Runs one batch in one transaction. Returns how many of its operations
 /// storage broke for a cause outside AGQ (each rolled back to its
-/// savepoint while the rest committed).
+/// savepoint while the rest committed), and how long the `COMMIT` took.
 fn run_batch<S: BatchState>(
     conn: &Connection,
     state: &mut S,
     batch: &mut Vec<Op<S>>,
     replies: &mut Vec<Reply>,
     carried: &mut Vec<Op<S>>,
-) -> Result<u32> {
+) -> Result<(u32, Duration)> {
     exec(conn, "BEGIN")?;
     let batch_conn = BatchConn::new(conn);
     let mut op_faults = 0;
@@ -731,8 +734,9 @@ fn run_batch<S: BatchState>(
     }
     drop(batch_conn);
     state.before_commit(conn)?;
+    let commit = Instant::now();
     exec(conn, "COMMIT")?;
-    Ok(op_faults)
+    Ok((op_faults, commit.elapsed()))
 }
 
 /// Runs a transaction-control statement through the statement cache
@@ -760,7 +764,11 @@ mod tests {
         fn before_commit(&mut self, _: &Connection) -> Result<()> {
             Ok(())
         }
-        fn after_commit(&mut self, ops: usize) {
+        fn after_commit(&mut self, ops: usize, commit: Option<Duration>) {
+            assert!(
+                ops == 0 || commit.is_some(),
+                "a commit's time comes with its operations"
+            );
             self.commits.push(ops);
         }
         fn after_rollback(&mut self, _: &Connection) {
