@@ -306,8 +306,8 @@ impl Checkpointer {
                         w.dirty = false;
                         w.commits = 0;
                     }
-                    // (busy, frames in the WAL, frames copied)
-                    let wal_pages =
+                    let checkpoint = || {
+                        // (busy, frames in the WAL, frames copied)
                         match conn
                             .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get::<_, i64>(1))
                         {
@@ -316,7 +316,15 @@ impl Checkpointer {
                                 tracing::warn!(error = %e, "background WAL checkpoint failed");
                                 0
                             }
-                        };
+                        }
+                    };
+                    let mut wal_pages = checkpoint();
+                    if wal_pages >= RESTART_PAGES {
+                        // Once more before handing over: this pass is short,
+                        // so it leaves the writer only the few frames
+                        // committed while it ran.
+                        wal_pages = checkpoint();
+                    }
                     if theirs.checkpointed(wal_pages) {
                         continue;
                     }
