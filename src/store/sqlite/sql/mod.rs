@@ -269,8 +269,9 @@ impl CheckpointSignal {
 /// next transaction restarts the WAL from its beginning. Under a steady
 /// stream of commits that never happens (each checkpoint ends behind the
 /// latest commit), so once the WAL holds [`RESTART_PAGES`] the
-/// checkpointer asks the writer to run [`CheckpointSignal::restart_wal`],
-/// which copies the frames committed since and lets the WAL start over.
+/// checkpointer runs one more (short) pass and then asks the writer to run
+/// [`CheckpointSignal::restart_wal`], which copies the few frames committed
+/// during it and lets the WAL start over.
 /// Durability is unchanged: commits are durable in the WAL (synced per
 /// commit with `synchronous=FULL`).
 pub struct Checkpointer {
