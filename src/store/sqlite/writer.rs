@@ -615,15 +615,19 @@ fn run<S: BatchState>(
                 for _ in 0..op_faults {
                     health.errors.inc();
                 }
-                let restart_due = conn.total_changes() != changes_before && checkpoint.committed();
+                let restart = if conn.total_changes() != changes_before {
+                    checkpoint.committed()
+                } else {
+                    None
+                };
                 state.after_commit(ops, Some(commit));
                 for reply in replies.drain(..) {
                     reply(Ok(()));
                 }
-                if restart_due {
+                if let Some(restart) = restart {
                     // Between two batches, with this one's replies and
                     // leases already on their way.
-                    if let Err(e) = checkpoint.restart_wal(&conn) {
+                    if let Err(e) = restart.run(&conn) {
                         tracing::warn!(error = %e, "WAL checkpoint of the writer failed");
                     }
                 }

@@ -193,10 +193,10 @@ struct Wake {
     /// A background checkpoint copied a WAL of at least [`RESTART_PAGES`]:
     /// the writer should copy the rest so the WAL starts over.
     restart_due: bool,
-    /// The writer was told to (by [`CheckpointSignal::committed`]) and has
-    /// not finished ([`CheckpointSignal::restart_wal`]). The checkpointer
-    /// waits meanwhile: a checkpoint of its own would hold SQLite's
-    /// checkpoint lock and turn the writer's away.
+    /// The writer holds a [`WalRestart`] (from
+    /// [`CheckpointSignal::committed`]) it has not run or dropped yet. The
+    /// checkpointer waits meanwhile: a checkpoint of its own would hold
+    /// SQLite's checkpoint lock and turn the writer's away.
     writer_copying: bool,
 }
 
@@ -206,10 +206,11 @@ pub struct CheckpointSignal(Arc<(Mutex<Wake>, Condvar)>);
 
 impl CheckpointSignal {
     /// Tells the checkpointer that committed pages wait in the WAL.
-    /// Returns true when the writer should now call
-    /// [`CheckpointSignal::restart_wal`] (it must: the checkpointer waits
-    /// for it).
-    pub fn committed(&self) -> bool {
+    /// Returns the writer's part of a WAL restart when one is due: run it
+    /// ([`WalRestart::run`]) between two batches. The checkpointer waits
+    /// until it is run or dropped.
+    #[must_use = "a WalRestart handed over must be run (or dropped) between batches"]
+    pub fn committed(&self) -> Option<WalRestart<'_>> {
         let (lock, cv) = &*self.0;
         let mut w = lock.lock().unwrap_or_else(|e| e.into_inner());
         w.commits = w.commits.saturating_add(1);
@@ -217,29 +218,11 @@ impl CheckpointSignal {
             w.dirty = true;
             cv.notify_one();
         }
-        let due = std::mem::take(&mut w.restart_due);
-        w.writer_copying |= due;
-        due
-    }
-
-    /// Copies the frames of the WAL that the background checkpoints left
-    /// (those committed since the last of them) into the database file and
-    /// syncs it, on the writer's connection between two batches, so the
-    /// writer's next transaction starts the WAL over from its beginning;
-    /// then lets the checkpointer go on. A PASSIVE checkpoint: it never
-    /// waits for readers (one still reading an older snapshot keeps its
-    /// frames, and the restart waits for a later round).
-    ///
-    /// Errors: [`Error::Storage`] when the checkpoint fails (the WAL stays
-    /// as it is; committed data is not affected).
-    pub fn restart_wal(&self, conn: &Connection) -> Result<()> {
-        let r = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
-        let (lock, cv) = &*self.0;
-        lock.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .writer_copying = false;
-        cv.notify_one();
-        r.map_err(Error::from)
+        if !std::mem::take(&mut w.restart_due) {
+            return None;
+        }
+        w.writer_copying = true;
+        Some(WalRestart { signal: self })
     }
 
     /// Records what a background checkpoint saw: `wal_pages` frames in the
@@ -260,6 +243,42 @@ impl CheckpointSignal {
     }
 }
 
+/// The writer's part of a WAL restart, handed out by
+/// [`CheckpointSignal::committed`]. While it lives the checkpointer waits
+/// (a checkpoint of its own would hold SQLite's checkpoint lock and turn
+/// the writer's away); dropping it without running it lets the
+/// checkpointer go on, and the restart is asked for again later.
+pub struct WalRestart<'a> {
+    signal: &'a CheckpointSignal,
+}
+
+impl WalRestart<'_> {
+    /// Copies the frames of the WAL that the background checkpoints left
+    /// (those committed since the last of them) into the database file and
+    /// syncs it, on the writer's connection between two batches, so the
+    /// writer's next transaction starts the WAL over from its beginning.
+    /// A PASSIVE checkpoint: it never waits for readers (one still reading
+    /// an older snapshot keeps its frames, and the restart waits for a
+    /// later round).
+    ///
+    /// Errors: [`Error::Storage`] when the checkpoint fails (the WAL stays
+    /// as it is; committed data is not affected).
+    pub fn run(self, conn: &Connection) -> Result<()> {
+        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+        Ok(())
+    }
+}
+
+impl Drop for WalRestart<'_> {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.signal.0;
+        lock.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .writer_copying = false;
+        cv.notify_one();
+    }
+}
+
 /// Checkpoints the WAL from its own thread and connection, so the writer
 /// copies few pages into the database file itself. It sleeps until the
 /// writer signals a commit that wrote (no work while idle) and checkpoints
@@ -269,9 +288,9 @@ impl CheckpointSignal {
 /// next transaction restarts the WAL from its beginning. Under a steady
 /// stream of commits that never happens (each checkpoint ends behind the
 /// latest commit), so once the WAL holds [`RESTART_PAGES`] the
-/// checkpointer runs one more (short) pass and then asks the writer to run
-/// [`CheckpointSignal::restart_wal`], which copies the few frames committed
-/// during it and lets the WAL start over.
+/// checkpointer runs one more (short) pass and then hands the writer a
+/// [`WalRestart`], which copies the few frames committed during it and
+/// lets the WAL start over.
 /// Durability is unchanged: commits are durable in the WAL (synced per
 /// commit with `synchronous=FULL`).
 pub struct Checkpointer {
@@ -713,42 +732,56 @@ mod tests {
         assert_eq!(sync(&normal), 1);
     }
 
+    /// A database opened as the store opens it, with a table `t (x BLOB)`;
+    /// its path and an insert of one 4 KiB row (about two WAL frames).
+    fn blob_db(name: &str) -> (tempfile::TempDir, std::path::PathBuf, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
+        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        (dir, path, conn)
+    }
+
+    fn insert_blob(conn: &Connection) {
+        conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+            .unwrap();
+    }
+
+    fn wal_len(path: &Path) -> u64 {
+        std::fs::metadata(path.with_extension("db-wal"))
+            .unwrap()
+            .len()
+    }
+
     /// Under a steady stream of commits, with the checkpointer copying in
     /// the background, the WAL still starts over from its beginning every
     /// few thousand frames: once it holds [`RESTART_PAGES`], the
-    /// checkpointer asks the writer to copy the last frames itself
-    /// ([`CheckpointSignal::restart_wal`], as the writer thread does
-    /// between batches), which
+    /// checkpointer hands the writer a [`WalRestart`] to copy the last
+    /// frames itself (as the writer thread does between batches), which
     /// the background checkpoint never catches up with. The WAL file's
     /// size is its high-water mark, so it shows the most frames it ever
     /// held. (Without the writer's part the WAL reaches the 10,000-page
     /// backstop.)
     #[test]
     fn the_wal_starts_over_while_commits_keep_coming() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("w.db");
-        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
-        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        let (_dir, path, conn) = blob_db("w.db");
         let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
         let mut restarts = 0;
         // 3,000 commits of a 4 KiB row each: more than 6,000 frames.
         for _ in 0..3000 {
-            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
-                .unwrap();
-            if cp.signal().committed() {
-                cp.signal().restart_wal(&conn).unwrap();
+            insert_blob(&conn);
+            if let Some(restart) = cp.signal().committed() {
+                restart.run(&conn).unwrap();
                 restarts += 1;
             }
         }
         cp.stop();
         assert!(restarts >= 2, "the writer was asked {restarts} times");
-        let wal = std::fs::metadata(dir.path().join("w.db-wal"))
-            .unwrap()
-            .len();
         let page: i64 = conn
             .pragma_query_value(None, "page_size", |r| r.get(0))
             .unwrap();
         let frame = page.unsigned_abs() + 24;
+        let wal = wal_len(&path);
         // Without the writer's part: 10,000 frames (the backstop).
         assert!(
             wal <= 5_000 * frame,
@@ -757,36 +790,102 @@ mod tests {
         );
     }
 
-    /// The writer's part of a WAL restart: after
-    /// [`CheckpointSignal::restart_wal`] the next commit writes from the
-    /// WAL's beginning; without it, after the last frame. (The WAL file
-    /// keeps its size when it starts over, so it grows only in the second
-    /// case.)
+    /// The writer's part of a WAL restart: after [`WalRestart::run`] the
+    /// next commit writes from the WAL's beginning; without it, after the
+    /// last frame. (The WAL file keeps its size when it starts over, so it
+    /// grows only in the second case.)
     #[test]
     fn after_the_writers_checkpoint_the_next_commit_starts_the_wal_over() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("r.db");
-        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
-        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
-        let wal_len = || {
-            std::fs::metadata(dir.path().join("r.db-wal"))
-                .unwrap()
-                .len()
-        };
-        let insert = || {
-            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
-                .unwrap()
-        };
+        let (_dir, path, conn) = blob_db("r.db");
         for _ in 0..200 {
-            insert();
+            insert_blob(&conn);
         }
-        let full = wal_len();
-        insert();
-        assert!(wal_len() > full, "the commit was not appended");
-        let full = wal_len();
-        CheckpointSignal::default().restart_wal(&conn).unwrap();
-        insert();
-        assert_eq!(wal_len(), full, "the WAL did not start over");
+        let full = wal_len(&path);
+        insert_blob(&conn);
+        assert!(wal_len(&path) > full, "the commit was not appended");
+        let full = wal_len(&path);
+        let signal = CheckpointSignal::default();
+        WalRestart { signal: &signal }.run(&conn).unwrap();
+        insert_blob(&conn);
+        assert_eq!(wal_len(&path), full, "the WAL did not start over");
+    }
+
+    /// A WAL that started over loses nothing at a crash: the files as a
+    /// killed process leaves them (copied while the writer's connection is
+    /// still open, without the shared-memory index) hold every committed
+    /// row, the ones in the database file and the ones written over the
+    /// start of the old WAL, and none of the old WAL's stale frames behind
+    /// them comes back (a row updated after the restart reads its last
+    /// value).
+    #[test]
+    fn a_crash_after_the_wal_started_over_loses_no_commit() {
+        let (dir, path, conn) = blob_db("c.db");
+        conn.execute_batch("CREATE TABLE n (v INTEGER); INSERT INTO n VALUES (0)")
+            .unwrap();
+        for i in 1..=300 {
+            insert_blob(&conn);
+            conn.execute("UPDATE n SET v = ?1", [i]).unwrap();
+        }
+        let signal = CheckpointSignal::default();
+        WalRestart { signal: &signal }.run(&conn).unwrap();
+        let before = wal_len(&path);
+        for i in 301..=320 {
+            insert_blob(&conn);
+            conn.execute("UPDATE n SET v = ?1", [i]).unwrap();
+        }
+        assert_eq!(wal_len(&path), before, "the WAL did not start over");
+        let copy = dir.path().join("copy.db");
+        std::fs::copy(&path, &copy).unwrap();
+        std::fs::copy(path.with_extension("db-wal"), copy.with_extension("db-wal")).unwrap();
+        let after = Connection::open(&copy).unwrap();
+        let (rows, v): (i64, i64) = after
+            .query_row(
+                "SELECT (SELECT count(*) FROM t), (SELECT v FROM n)",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((rows, v), (320, 320));
+        let ok: String = after
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(ok, "ok");
+    }
+
+    /// A [`WalRestart`] the writer drops without running lets the
+    /// checkpointer go on: later commits are still copied into the
+    /// database file.
+    #[test]
+    fn a_dropped_restart_does_not_stop_the_checkpointer() {
+        let (_dir, path, conn) = blob_db("d.db");
+        let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
+        let main_len = || std::fs::metadata(&path).unwrap().len();
+        // Commit until the checkpointer hands over a restart (bounded).
+        let mut handed = false;
+        for _ in 0..20_000 {
+            insert_blob(&conn);
+            if let Some(restart) = cp.signal().committed() {
+                drop(restart);
+                handed = true;
+                break;
+            }
+        }
+        assert!(handed, "no restart was handed over");
+        let before = main_len();
+        for _ in 0..50 {
+            insert_blob(&conn);
+            drop(cp.signal().committed());
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while main_len() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the checkpointer stopped after a dropped restart"
+            );
+            drop(cp.signal().committed());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        cp.stop();
     }
 
     /// The checkpointer copies the WAL into the database only when a commit
@@ -811,7 +910,7 @@ mod tests {
         }
         std::thread::sleep(Duration::from_millis(400));
         assert_eq!(main_len(), before, "checkpointed without being signalled");
-        cp.signal().committed();
+        drop(cp.signal().committed());
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while main_len() == before {
             assert!(
