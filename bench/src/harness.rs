@@ -242,22 +242,21 @@ impl Harness {
         };
         let text = server.engine().metrics().encode();
         let find = |suffix: &str| {
-            text.lines()
-                .filter(|l| !l.starts_with('#'))
-                .find_map(|l| {
-                    let (name, v) = l.split_once(' ')?;
-                    name.ends_with(suffix)
-                        .then(|| v.trim().parse::<f64>().ok())?
-                })
-                .unwrap_or(0.0)
+            text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+                let (name, v) = l.split_once(' ')?;
+                name.ends_with(suffix)
+                    .then(|| v.trim().parse::<f64>().ok())?
+            })
         };
-        let timed = find("store_commit_seconds_count") as u64;
+        let timed = find("store_commit_seconds_count").unwrap_or(0.0) as u64;
         CommitStats {
-            commits: find("commit_batch_ops_count") as u64,
-            ops: find("commit_batch_ops_sum") as u64,
-            seconds: find("store_commit_seconds_sum"),
-            over_3ms: timed
-                .saturating_sub(find("store_commit_seconds_bucket{le=\"0.003\"}") as u64),
+            commits: find("commit_batch_ops_count").unwrap_or(0.0) as u64,
+            ops: find("commit_batch_ops_sum").unwrap_or(0.0) as u64,
+            seconds: find("store_commit_seconds_sum").unwrap_or(0.0),
+            // None when the histogram has no 3 ms bucket (its bounds are
+            // agq::metrics::COMMIT_SECONDS_BUCKETS).
+            over_3ms: find("store_commit_seconds_bucket{le=\"0.003\"}")
+                .map(|le| timed.saturating_sub(le as u64)),
         }
     }
 
@@ -346,8 +345,8 @@ pub struct CommitStats {
     pub ops: u64,
     /// Seconds spent in `COMMIT` (writing and syncing the WAL).
     pub seconds: f64,
-    /// Commits that took longer than 3 ms.
-    pub over_3ms: u64,
+    /// Commits that took longer than 3 ms (`None`: not known).
+    pub over_3ms: Option<u64>,
 }
 
 impl std::ops::Sub for CommitStats {
@@ -358,7 +357,10 @@ impl std::ops::Sub for CommitStats {
             commits: self.commits.saturating_sub(before.commits),
             ops: self.ops.saturating_sub(before.ops),
             seconds: (self.seconds - before.seconds).max(0.0),
-            over_3ms: self.over_3ms.saturating_sub(before.over_3ms),
+            over_3ms: self
+                .over_3ms
+                .zip(before.over_3ms)
+                .map(|(a, b)| a.saturating_sub(b)),
         }
     }
 }
