@@ -1589,3 +1589,96 @@ async fn a_late_leader_statement_leaves_a_re_leased_job_alone() {
         ledger.leases_of(&j2).len()
     );
 }
+
+/// The leader stamps an action finished (for retention) once no job of it
+/// is pending, running or failed. Its pass reads the jobs in one snapshot
+/// and then waits for the action's row; if the action is reopened
+/// meanwhile (RetryJob or RetryAction: a job pending again, the stamp
+/// cleared, one transaction), the late pass must not stamp it with the
+/// jobs as they were before, or retention would delete an action that
+/// runs. The test holds the action's row, as a slow retry would, ends the
+/// job, waits until the leader's statement waits on the row, then reopens
+/// the action in the held transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_finish_stamp_leaves_a_reopened_action_open() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let urls = cluster.urls();
+    put_plan(&urls[0]).await;
+    let job = submit_one(&urls[0]).await;
+    let mut db = pg::connect(&cluster.url).await;
+    let action: String = db
+        .query_one("SELECT action_id FROM jobs WHERE job_id = $1", &[&job])
+        .await
+        .unwrap()
+        .get(0);
+    let retry = db.transaction().await.unwrap();
+    retry
+        .query(
+            "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
+            &[&action],
+        )
+        .await
+        .unwrap();
+    // The job ends (cancelled): the leader's next pass finds the action
+    // finished and waits for its row.
+    let probe = pg::connect(&cluster.url).await;
+    probe
+        .execute(
+            "UPDATE jobs SET status = 6 WHERE action_id = $1",
+            &[&action],
+        )
+        .await
+        .unwrap();
+    let stamp_waits = || async {
+        probe
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                 AND wait_event_type = 'Lock' AND query LIKE '%SET finished_at_ms = coalesce%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    };
+    eventually(
+        10,
+        "the leader's finish stamp waits on the action",
+        stamp_waits,
+    )
+    .await;
+    // The retry: the job pending again, the stamp cleared, committed while
+    // the stamp waits.
+    retry
+        .execute(
+            "UPDATE jobs SET status = 1 WHERE action_id = $1",
+            &[&action],
+        )
+        .await
+        .unwrap();
+    retry
+        .execute(
+            "UPDATE actions SET finished_at_ms = NULL WHERE action_id = $1",
+            &[&action],
+        )
+        .await
+        .unwrap();
+    retry.commit().await.unwrap();
+    eventually(10, "the finish stamp no longer waits", || async {
+        !stamp_waits().await
+    })
+    .await;
+    // A few more passes (one every 100 ms) see the pending job.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stamp: Option<i64> = probe
+        .query_one(
+            "SELECT finished_at_ms FROM actions WHERE action_id = $1",
+            &[&action],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stamp, None, "a reopened action was stamped finished");
+    cluster.assert_no_panic();
+}
