@@ -710,6 +710,19 @@ async fn search(url: &str, status: JobStatus) -> Option<HashSet<String>> {
     }
 }
 
+/// Statements of this test's database, their text `LIKE` `pattern`,
+/// that wait for a lock (a row lock another transaction holds).
+async fn lock_waiters(db: &tokio_postgres::Client, pattern: &str) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+         AND wait_event_type = 'Lock' AND query LIKE $1",
+        &[&pattern],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 async fn serving(url: &str) -> bool {
     use tonic_health::pb::{
         health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
@@ -1521,18 +1534,7 @@ async fn a_late_leader_statement_leaves_a_re_leased_job_alone() {
     eventually(
         10,
         "the leader waits on J1 while failing W's leases",
-        || async {
-            probe
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-                 AND wait_event_type = 'Lock' AND query LIKE '%FROM jobs%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-                == 1
-        },
+        || async { lock_waiters(&probe, "%FROM jobs%").await == 1 },
     )
     .await;
     // Meanwhile J2 moves on: W reports it failed, it is retried, and V
@@ -1630,18 +1632,8 @@ async fn a_late_finish_stamp_leaves_a_reopened_action_open() {
         )
         .await
         .unwrap();
-    let stamp_waits = || async {
-        probe
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-                 AND wait_event_type = 'Lock' AND query LIKE '%SET finished_at_ms = coalesce%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    };
+    let stamp_waits =
+        || async { lock_waiters(&probe, "%SET finished_at_ms = coalesce%").await == 1 };
     eventually(
         10,
         "the leader's finish stamp waits on the action",
