@@ -253,9 +253,11 @@ impl Harness {
             commits: find("commit_batch_ops_count").unwrap_or(0.0) as u64,
             ops: find("commit_batch_ops_sum").unwrap_or(0.0) as u64,
             seconds: find("store_commit_seconds_sum").unwrap_or(0.0),
-            // None when the histogram has no 3 ms bucket (its bounds are
+            // None when the histogram has no such bucket (its bounds are
             // agq::metrics::COMMIT_SECONDS_BUCKETS).
             over_3ms: find("store_commit_seconds_bucket{le=\"0.003\"}")
+                .map(|le| timed.saturating_sub(le as u64)),
+            over_50ms: find("store_commit_seconds_bucket{le=\"0.05\"}")
                 .map(|le| timed.saturating_sub(le as u64)),
         }
     }
@@ -347,6 +349,9 @@ pub struct CommitStats {
     pub seconds: f64,
     /// Commits that took longer than 3 ms (`None`: not known).
     pub over_3ms: Option<u64>,
+    /// Commits that took longer than 50 ms, the stalls that hold every
+    /// queued operation up (`None`: not known).
+    pub over_50ms: Option<u64>,
 }
 
 impl std::ops::Sub for CommitStats {
@@ -360,6 +365,10 @@ impl std::ops::Sub for CommitStats {
             over_3ms: self
                 .over_3ms
                 .zip(before.over_3ms)
+                .map(|(a, b)| a.saturating_sub(b)),
+            over_50ms: self
+                .over_50ms
+                .zip(before.over_50ms)
                 .map(|(a, b)| a.saturating_sub(b)),
         }
     }

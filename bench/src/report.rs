@@ -626,14 +626,15 @@ fn print_phase(t: &Table, a: &Phase, peers: [Option<&Phase>; 2], paced: bool) {
             ),
         );
         t.agq_row(
-            "AGQ commit (WAL write, sync) ms, % > 3 ms",
+            "AGQ commit ms, % over 3 ms, n over 50 ms",
             format!(
-                "{:.2}, {}",
+                "{:.2}, {}, {}",
                 c.seconds * 1e3 / c.commits as f64,
                 c.over_3ms.map_or("-".into(), |n| format!(
                     "{:.1}%",
                     n as f64 * 100.0 / c.commits as f64
-                ))
+                )),
+                c.over_50ms.map_or("-".into(), |n| n.to_string())
             ),
         );
     }
