@@ -249,16 +249,19 @@ impl Harness {
             })
         };
         let timed = find("store_commit_seconds_count").unwrap_or(0.0) as u64;
+        // Commits slower than the bucket bound `le`; None when the
+        // histogram has no such bucket (its bounds are
+        // agq::metrics::COMMIT_SECONDS_BUCKETS).
+        let over = |le: &str| {
+            find(&format!("store_commit_seconds_bucket{{le=\"{le}\"}}"))
+                .map(|n| timed.saturating_sub(n as u64))
+        };
         CommitStats {
             commits: find("commit_batch_ops_count").unwrap_or(0.0) as u64,
             ops: find("commit_batch_ops_sum").unwrap_or(0.0) as u64,
             seconds: find("store_commit_seconds_sum").unwrap_or(0.0),
-            // None when the histogram has no such bucket (its bounds are
-            // agq::metrics::COMMIT_SECONDS_BUCKETS).
-            over_3ms: find("store_commit_seconds_bucket{le=\"0.003\"}")
-                .map(|le| timed.saturating_sub(le as u64)),
-            over_50ms: find("store_commit_seconds_bucket{le=\"0.05\"}")
-                .map(|le| timed.saturating_sub(le as u64)),
+            over_3ms: over("0.003"),
+            over_50ms: over("0.05"),
         }
     }
 
@@ -358,18 +361,14 @@ impl std::ops::Sub for CommitStats {
     type Output = CommitStats;
 
     fn sub(self, before: CommitStats) -> CommitStats {
+        let since =
+            |now: Option<u64>, then: Option<u64>| now.zip(then).map(|(a, b)| a.saturating_sub(b));
         CommitStats {
             commits: self.commits.saturating_sub(before.commits),
             ops: self.ops.saturating_sub(before.ops),
             seconds: (self.seconds - before.seconds).max(0.0),
-            over_3ms: self
-                .over_3ms
-                .zip(before.over_3ms)
-                .map(|(a, b)| a.saturating_sub(b)),
-            over_50ms: self
-                .over_50ms
-                .zip(before.over_50ms)
-                .map(|(a, b)| a.saturating_sub(b)),
+            over_3ms: since(self.over_3ms, before.over_3ms),
+            over_50ms: since(self.over_50ms, before.over_50ms),
         }
     }
 }

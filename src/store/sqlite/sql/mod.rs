@@ -732,25 +732,34 @@ mod tests {
         assert_eq!(sync(&normal), 1);
     }
 
-    /// A database opened as the store opens it, with a table `t (x BLOB)`;
-    /// its path and an insert of one 4 KiB row (about two WAL frames).
-    fn blob_db(name: &str) -> (tempfile::TempDir, std::path::PathBuf, Connection) {
+    /// A database opened as the store opens it (with `sync`), with a table
+    /// `t (x BLOB)`: its directory, its path and the writer's connection.
+    fn blob_db(name: &str, sync: SyncMode) -> (tempfile::TempDir, std::path::PathBuf, Connection) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(name);
-        let (conn, _pool) = open(&path, SyncMode::Normal).unwrap();
+        let (conn, _pool) = open(&path, sync).unwrap();
         conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
         (dir, path, conn)
     }
 
+    /// One commit of a 4 KiB row (about three WAL frames).
     fn insert_blob(conn: &Connection) {
         conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
             .unwrap();
     }
 
+    /// Bytes of the WAL file of the database at `path` (its high-water
+    /// mark: the file keeps its size when the WAL starts over).
     fn wal_len(path: &Path) -> u64 {
         std::fs::metadata(path.with_extension("db-wal"))
             .unwrap()
             .len()
+    }
+
+    /// Bytes of the database file at `path`: it grows when a checkpoint
+    /// copies new pages into it.
+    fn main_len(path: &Path) -> u64 {
+        std::fs::metadata(path).unwrap().len()
     }
 
     /// How many times the WAL of the database at `path` started over: the
@@ -775,8 +784,7 @@ mod tests {
     /// backstop.)
     #[test]
     fn the_wal_starts_over_while_commits_keep_coming() {
-        let (_dir, path, conn) = blob_db("w.db");
-        conn.pragma_update(None, "synchronous", "FULL").unwrap();
+        let (_dir, path, conn) = blob_db("w.db", SyncMode::Full);
         let cp = Checkpointer::start(&path, SyncMode::Full).unwrap();
         let signal = cp.signal();
         // 3,000 commits of a 4 KiB row each: about 10,000 frames.
@@ -826,7 +834,7 @@ mod tests {
     /// grows only in the second case.)
     #[test]
     fn after_the_writers_checkpoint_the_next_commit_starts_the_wal_over() {
-        let (_dir, path, conn) = blob_db("r.db");
+        let (_dir, path, conn) = blob_db("r.db", SyncMode::Normal);
         for _ in 0..200 {
             insert_blob(&conn);
         }
@@ -849,7 +857,7 @@ mod tests {
     /// value).
     #[test]
     fn a_crash_after_the_wal_started_over_loses_no_commit() {
-        let (dir, path, conn) = blob_db("c.db");
+        let (dir, path, conn) = blob_db("c.db", SyncMode::Normal);
         conn.execute_batch("CREATE TABLE n (v INTEGER); INSERT INTO n VALUES (0)")
             .unwrap();
         for i in 1..=300 {
@@ -887,21 +895,20 @@ mod tests {
     /// database file.
     #[test]
     fn a_dropped_restart_does_not_stop_the_checkpointer() {
-        let (_dir, path, conn) = blob_db("d.db");
+        let (_dir, path, conn) = blob_db("d.db", SyncMode::Normal);
         let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
-        let main_len = || std::fs::metadata(&path).unwrap().len();
         insert_blob(&conn);
         // As a background pass that found a long WAL does.
         let signal = cp.signal();
         signal.checkpointed(RESTART_PAGES);
         drop(signal.committed().expect("a restart is due"));
-        let before = main_len();
+        let before = main_len(&path);
         for _ in 0..50 {
             insert_blob(&conn);
             drop(cp.signal().committed());
         }
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while main_len() == before {
+        while main_len(&path) == before {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the checkpointer stopped after a dropped restart"
@@ -916,29 +923,27 @@ mod tests {
     /// signals it, not on a timer.
     #[test]
     fn checkpoints_follow_commits_not_a_timer() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.db");
-        let conn = Connection::open(&path).unwrap();
-        configure(&conn, SyncMode::Normal).unwrap();
+        let (_dir, path, conn) = blob_db("f.db", SyncMode::Normal);
         conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
-        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
         // Bring the main file to its settled size first.
         conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
             .unwrap();
-        let main_len = || std::fs::metadata(&path).unwrap().len();
-        let before = main_len();
+        let before = main_len(&path);
         let cp = Checkpointer::start(&path, SyncMode::Normal).unwrap();
         for _ in 0..50 {
-            conn.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
-                .unwrap();
+            insert_blob(&conn);
         }
         std::thread::sleep(Duration::from_millis(400));
-        assert_eq!(main_len(), before, "checkpointed without being signalled");
+        assert_eq!(
+            main_len(&path),
+            before,
+            "checkpointed without being signalled"
+        );
         drop(cp.signal().committed());
         // The file grows page by page while the checkpoint copies: wait for
         // all 50 rows.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while main_len() <= before + 50 * 4096 {
+        while main_len(&path) <= before + 50 * 4096 {
             assert!(
                 std::time::Instant::now() < deadline,
                 "no checkpoint of the 50 rows after the signal"
