@@ -89,7 +89,9 @@ pub struct Metrics {
     /// family's lock.
     jobs_total_by_status: Vec<Counter>,
     /// Jobs currently in each status (gauge, `agq_jobs_current{status}`,
-    /// refreshed at scrape).
+    /// refreshed at scrape). On SQLite the `completed`, `dead` and
+    /// `cancelled` series appear once the start-up count of the stored
+    /// jobs is done (seconds for millions of rows).
     pub jobs: Family<StatusLabel, Gauge>,
     /// Jobs by queue: ready, scheduled, running (gauge,
     /// `agq_queue_length{queue}`, the specification's name; refreshed at

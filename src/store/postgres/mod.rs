@@ -386,7 +386,13 @@ impl PgEngine {
         for w in self.pg_workers(None, None).await? {
             *workers.entry((w.state, w.fresh)).or_default() += 1;
         }
-        crate::store::sqlite::loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
+        crate::store::sqlite::loops::refresh_gauges(
+            &self.metrics,
+            &counts,
+            &queue,
+            &workers,
+            false,
+        );
         Ok(())
     }
 

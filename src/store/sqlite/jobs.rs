@@ -598,6 +598,7 @@ impl State {
             .get(&row)
             .map_or(JobStatus::Dead, |w| w.status);
         jobs::retry(conn, row, now_ms, sched.priority)?;
+        self.open_floor = self.open_floor.min(row);
         self.moved(Some(from), Some(JobStatus::Pending));
         self.metrics.transition(JobStatus::Pending);
         self.dequeue(row);

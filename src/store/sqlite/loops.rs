@@ -113,15 +113,23 @@ fn tick_period(cfg: &EngineConfig) -> Duration {
 
 /// Sets the gauges of `/metrics` from a snapshot: jobs by status
 /// (`counts`, keyed by the stored status value), queue depths, and
-/// workers by (state, fresh).
+/// workers by (state, fresh). A status missing from `counts` has no job
+/// (its gauge is set to 0), or, with `missing_unknown`, is still being
+/// counted (its gauge is left as it is).
 pub(crate) fn refresh_gauges(
     m: &SharedMetrics,
     counts: &HashMap<i32, i64>,
     queue: &QueueStats,
     workers: &HashMap<(WorkerState, bool), i64>,
+    missing_unknown: bool,
 ) {
     for status in JobStatus::ALL {
-        let n = counts.get(&(status as i32)).copied().unwrap_or(0);
+        let n = match counts.get(&(status as i32)) {
+            Some(&n) => n,
+            // Not counted yet: the gauge keeps its value (unset after a start).
+            None if missing_unknown => continue,
+            None => 0,
+        };
         m.jobs
             .get_or_create(&StatusLabel {
                 status: status.name().into(),

@@ -90,7 +90,8 @@ impl SqliteEngine {
             cfg.max_watch_streams_per_connection,
             metrics.watch_streams.clone(),
         ));
-        let state = State::new(cfg.clone(), metrics.clone(), watchers.clone());
+        let state =
+            State::new(cfg.clone(), metrics.clone(), watchers.clone()).with_pool(pool.clone());
         let health = StoreHealth::new(metrics.store_write_errors.clone());
         let (writer, thread) = Writer::start(conn, state, checkpointer.signal(), health.clone())?;
         writer.write(|s, c| s.load(c)).await?;
@@ -536,7 +537,7 @@ impl Engine for SqliteEngine {
             .writer
             .run(|s, _| Ok((s.job_counts(), s.queue_stats(), s.worker_counts())))
             .await?;
-        loops::refresh_gauges(&self.metrics, &counts, &queue, &workers);
+        loops::refresh_gauges(&self.metrics, &counts, &queue, &workers, true);
         Ok(self.metrics.encode())
     }
 

@@ -396,16 +396,48 @@ pub(super) struct State {
     /// metrics once the batch commits.
     pub(super) expired_in_batch: u64,
     /// Number of stored jobs in each status, indexed by the `JobStatus`
-    /// value: counted by [`State::load`] and moved by the writer with every
-    /// status it writes (see [`State::moved`]), so reading it costs no
-    /// scan and the job rows need no status index. A rolled-back batch
-    /// reloads it with the rest of the state.
+    /// value: counted by [`State::load`] (the open statuses as it loads
+    /// them, the finished ones in the background, see
+    /// [`State::job_counts`]) and moved by the writer with every status it
+    /// writes (see [`State::moved`]), so reading it costs no scan and the
+    /// job rows need no status index. A rolled-back batch reloads it with
+    /// the rest of the state.
     pub(super) job_counts: [i64; JOB_STATUSES],
     /// The highest job row handed out (`sql::jobs::next_rows`): the
-    /// largest stored at load, or a larger one handed out since (rows of
-    /// a rolled-back batch are not handed out again).
+    /// largest stored at load (at least the stored open floor less one),
+    /// or a larger one handed out since (rows of a rolled-back batch are
+    /// not handed out again).
     pub(super) last_job_row: i64,
+    /// The stored first row that may be open (`sql::jobs::open_floor`) as
+    /// this writer last read, wrote or lowered it: the start-up load reads
+    /// the job rows from it on. Raised by [`BatchState::before_commit`]
+    /// (at most every [`FLOOR_EVERY`]) to the lowest open row in memory.
+    pub(super) open_floor: i64,
+    /// When `before_commit` last looked at raising [`State::open_floor`].
+    pub(super) floor_checked: Instant,
+    /// Read connections, for counting the finished jobs from a snapshot in
+    /// the background after a load; `None`: [`State::load`] counts them
+    /// itself.
+    pub(super) pool: Option<sql::ReadPool>,
+    /// The background count of finished jobs that [`State::load`] started,
+    /// until [`State::job_counts`] takes its result: meanwhile
+    /// [`State::job_counts`] holds only their changes since the load.
+    pub(super) counting: Option<std::sync::mpsc::Receiver<Result<HashMap<i32, i64>>>>,
+    /// The finished statuses of [`State::job_counts`] include the jobs
+    /// counted at the last load (false while or when that count failed).
+    pub(super) finished_counted: bool,
 }
+
+/// Least time between two looks of `before_commit` at raising
+/// [`State::open_floor`]: each look walks the leases and the delayed jobs
+/// (about a millisecond for a million delayed jobs), and a raise writes
+/// one row.
+pub(super) const FLOOR_EVERY: Duration = Duration::from_secs(1);
+
+/// The statuses of finished jobs: counted in the background after a load
+/// (they are most of the table), while the open ones are counted as they
+/// are loaded.
+const FINISHED: [JobStatus; 3] = [JobStatus::Completed, JobStatus::Dead, JobStatus::Cancelled];
 
 /// Length of [`State::job_counts`]: one past the largest `JobStatus` value.
 pub(super) const JOB_STATUSES: usize = JobStatus::Cancelled as usize + 1;
@@ -443,7 +475,19 @@ impl State {
             expired_in_batch: 0,
             job_counts: [0; JOB_STATUSES],
             last_job_row: 0,
+            open_floor: 0,
+            floor_checked: Instant::now(),
+            pool: None,
+            counting: None,
+            finished_counted: false,
         }
+    }
+
+    /// The same state counting the finished jobs after each load in the
+    /// background, on a connection of `pool`.
+    pub(super) fn with_pool(mut self, pool: sql::ReadPool) -> Self {
+        self.pool = Some(pool);
+        self
     }
 
     /// Records in [`State::job_counts`] that one stored job went from
@@ -458,12 +502,103 @@ impl State {
     }
 
     /// The number of stored jobs in each status, keyed by the `JobStatus`
-    /// value (statuses with no job included, as 0).
-    pub(super) fn job_counts(&self) -> std::collections::HashMap<i32, i64> {
+    /// value (statuses with no job included, as 0). The finished statuses
+    /// are missing while their count since the last load is still under
+    /// way (seconds for millions of rows).
+    pub(super) fn job_counts(&mut self) -> HashMap<i32, i64> {
+        if let Some(rx) = &self.counting {
+            match rx.try_recv() {
+                Ok(Ok(base)) => {
+                    for s in FINISHED {
+                        self.job_counts[s as usize] += base.get(&(s as i32)).copied().unwrap_or(0);
+                    }
+                    self.counting = None;
+                    self.finished_counted = true;
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                Ok(Err(e)) => {
+                    tracing::error!(
+                        error = %e,
+                        "counting the finished jobs failed; their gauges stay unset until the next start"
+                    );
+                    self.counting = None;
+                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    tracing::error!(
+                        "counting the finished jobs ended without a count; their gauges stay unset until the next start"
+                    );
+                    self.counting = None;
+                }
+            }
+        }
         JobStatus::ALL
             .iter()
+            .filter(|&&s| self.finished_counted || !FINISHED.contains(&s))
             .map(|&s| (s as i32, self.job_counts[s as usize]))
             .collect()
+    }
+
+    /// Starts counting the finished jobs as the database is now (before
+    /// [`State::load`] writes anything): in the background on a snapshot
+    /// of a read connection when the state has a pool, else here. The
+    /// load's and later changes move [`State::job_counts`] from 0 meanwhile,
+    /// and [`State::job_counts`] adds the count once it is done.
+    ///
+    /// Errors: [`Error::Storage`] when the snapshot cannot be taken (or,
+    /// without a pool, the count fails); [`Error::Internal`] when the
+    /// thread cannot start.
+    fn count_finished(&mut self, conn: &Connection) -> Result<()> {
+        self.counting = None;
+        self.finished_counted = false;
+        for s in FINISHED {
+            self.job_counts[s as usize] = 0;
+        }
+        let Some(pool) = &self.pool else {
+            let counts = sql::jobs::count_by_status(conn)?;
+            for s in FINISHED {
+                self.job_counts[s as usize] = counts.get(&(s as i32)).copied().unwrap_or(0);
+            }
+            self.finished_counted = true;
+            return Ok(());
+        };
+        let reader = pool.get()?;
+        reader.execute_batch("BEGIN")?;
+        // A read transaction's snapshot starts with its first read.
+        sql::jobs::open_floor(&reader)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("agq-count".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let counts = sql::jobs::count_by_status(&reader);
+                let _ = reader.execute_batch("COMMIT");
+                tracing::debug!(
+                    secs = started.elapsed().as_secs_f64(),
+                    "counted the finished jobs"
+                );
+                let _ = tx.send(counts);
+            })
+            .map_err(|e| Error::Internal(format!("cannot start counting the jobs: {e}")))?;
+        self.counting = Some(rx);
+        Ok(())
+    }
+
+    /// The lowest row of an open job (queued, delayed or leased), or the
+    /// next row to hand out when none is open: what the stored open floor
+    /// may be raised to. `None` while open jobs are held outside the queues
+    /// (their plan version is missing), whose rows memory does not know.
+    pub(super) fn first_open_row(&self) -> Option<i64> {
+        if !self.unscheduled.is_empty() {
+            return None;
+        }
+        let queued = self.ready.first_key_value().map(|(&r, _)| r);
+        let leased = self.leases.keys().copied().min();
+        let delayed = self.delayed_jobs.keys().copied().min();
+        [queued, leased, delayed]
+            .into_iter()
+            .flatten()
+            .min()
+            .or(Some(self.last_job_row + 1))
     }
 
     /// An interned `Arc<str>` of the action id `s` (shared by its jobs).
@@ -589,21 +724,20 @@ impl State {
         self.lease_by_job.clear();
         self.unscheduled.clear();
         self.job_counts = [0; JOB_STATUSES];
-        self.last_job_row = self.last_job_row.max(sql::jobs::last_row(conn)?);
-        for (status, n) in sql::jobs::count_by_status(conn)? {
-            match usize::try_from(status).ok().filter(|&i| i < JOB_STATUSES) {
-                Some(i) => self.job_counts[i] = n,
-                None => tracing::error!(
-                    status,
-                    jobs = n,
-                    "jobs with an unknown status are not counted"
-                ),
-            }
-        }
+        self.count_finished(conn)?;
+        self.open_floor = sql::jobs::open_floor(conn)?;
+        // Rows below the floor are never handed out again, even when the
+        // rows above them were deleted.
+        self.last_job_row = self
+            .last_job_row
+            .max(sql::jobs::last_row(conn)?)
+            .max(self.open_floor - 1);
+        self.floor_checked = now;
         let mut orphaned = Vec::new();
         let settings = sql::jobs::open_action_scheduling(conn)?;
         let mut scheds: HashMap<(String, i32), Arc<Sched>> = HashMap::new();
-        for job in sql::jobs::load_open(conn)? {
+        for job in sql::jobs::load_open(conn, self.open_floor)? {
+            self.job_counts[job.status as usize] += 1;
             // Deleting a plan deletes its jobs, and refuses while any is
             // open: only a database edited by hand lacks the version.
             let Some(plan) = self.plan_version(conn, &job.plan_id, job.plan_version)? else {
@@ -899,6 +1033,15 @@ impl BatchState for State {
             if Arc::strong_count(action) == 1 {
                 let at_ms = *finished_ms.get_or_insert_with(now_ms);
                 sql::retention::mark_finished(conn, action, at_ms)?;
+            }
+        }
+        // Raise the stored open floor to the lowest open row, in the same
+        // transaction as the changes that finished the jobs below it.
+        if self.floor_checked.elapsed() >= FLOOR_EVERY {
+            self.floor_checked = Instant::now();
+            if let Some(row) = self.first_open_row().filter(|&r| r > self.open_floor) {
+                sql::jobs::set_open_floor(conn, row)?;
+                self.open_floor = row;
             }
         }
         Ok(())

@@ -9,7 +9,7 @@ use super::SqliteEngine;
 use crate::{
     config::{EngineConfig, SyncMode},
     core::{
-        engine::{ActionRequest, HeartbeatEvent, JobQuery},
+        engine::{ActionRequest, Engine, HeartbeatEvent, JobQuery},
         model::{
             JobLease, JobReport, JobStatus, Plan, Registration, Task, WorkerCapabilities,
             WorkerCommand,
@@ -365,16 +365,22 @@ fn stored(dir: &tempfile::TempDir) -> HashMap<String, i64> {
 /// stale worker's leases going back) may commit at any moment, so the
 /// gauge is read between two scans that agree: no commit changed the
 /// counts in between.
+/// After a start the finished statuses are counted in the background:
+/// their gauges appear once that count is done.
 async fn assert_gauge_matches_table(e: &SharedEngine, dir: &tempfile::TempDir) {
-    for _ in 0..50 {
+    for _ in 0..100 {
         let before = stored(dir);
         let g = gauge(e).await;
+        if g.len() < before.len() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
         if stored(dir) == before {
             assert_eq!(g, before);
             return;
         }
     }
-    panic!("the job counts kept changing");
+    panic!("the job counts kept changing or were never all counted");
 }
 
 /// The engine counts the jobs in each status without an index on the
@@ -792,5 +798,241 @@ async fn a_late_tick_does_not_count_the_writers_queue_as_silence() {
     e.update_job(w.report(&lease, JobStatus::Completed))
         .await
         .unwrap();
+    e.close().await;
+}
+
+/// The stored open floor: `job_floor.first_open_row`.
+fn stored_floor(dir: &tempfile::TempDir) -> i64 {
+    let conn = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    conn.query_row("SELECT first_open_row FROM job_floor", [], |r| r.get(0))
+        .unwrap()
+}
+
+/// The lowest row of an open job (pending, running, failed awaiting
+/// retry) by a scan of the table; `None`: no open job.
+fn lowest_open_row(dir: &tempfile::TempDir) -> Option<i64> {
+    let conn = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    conn.query_row(
+        "SELECT min(id) FROM jobs WHERE status IN (1, 2, 4)",
+        [],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// Runs a batch that looks at raising the open floor (as one does at
+/// most every `FLOOR_EVERY`).
+async fn raise_floor(e: &SqliteEngine) {
+    e.writer
+        .write(|s, _| {
+            s.floor_checked = std::time::Instant::now() - super::state::FLOOR_EVERY;
+            Ok(())
+        })
+        .await
+        .unwrap();
+}
+
+fn row_of(job_id: &str) -> i64 {
+    super::sql::jobs::parse_job_id(job_id).unwrap().0
+}
+
+/// The start-up load reads the job rows from the stored open floor on:
+/// a batch raises it past finished jobs to the lowest open one (never
+/// past an open job), RetryJob lowers it to the job it reopens, and after
+/// a restart every open job, the reopened one included, is leased again
+/// while the gauges still count every stored job.
+#[tokio::test]
+async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&(e.clone() as SharedEngine), "w1", &["sort"], 1).await;
+    let first = submit(&(e.clone() as SharedEngine), "p", 3, 1).await;
+    for (i, id) in first.iter().enumerate() {
+        let l = w.lease_within(2000).await.unwrap();
+        assert_eq!(&l.job.job_id, id);
+        let status = if i == 1 {
+            JobStatus::Failed
+        } else {
+            JobStatus::Completed
+        };
+        e.update_job(w.report(&l, status)).await.unwrap();
+    }
+    // Two attempts: the running one goes back to pending when its worker
+    // does not come back after the restart.
+    let later = submit(&(e.clone() as SharedEngine), "p", 2, 2).await;
+    let running = w.lease_within(2000).await.unwrap();
+    assert_eq!(running.job.job_id, later[0]);
+    assert_eq!(
+        stored_floor(&dir),
+        0,
+        "a database starts with the floor at 0"
+    );
+    raise_floor(&e).await;
+    assert_eq!(
+        stored_floor(&dir),
+        row_of(&later[0]),
+        "the running job holds it"
+    );
+    assert_eq!(lowest_open_row(&dir), Some(row_of(&later[0])));
+
+    // The dead job comes back: the floor follows it down, and a raise
+    // while it is open leaves it there.
+    e.retry_job(first[1].clone(), None).await.unwrap();
+    assert_eq!(stored_floor(&dir), row_of(&first[1]));
+    raise_floor(&e).await;
+    assert_eq!(stored_floor(&dir), row_of(&first[1]));
+    e.close().await;
+
+    // Every open job is loaded again: the retried one and the two later
+    // ones (the running one returns once its worker is stale).
+    let e = open(&dir, quick()).await;
+    assert_gauge_matches_table(&(e.clone() as SharedEngine), &dir).await;
+    let mut w = Worker::start(&(e.clone() as SharedEngine), "w2", &["sort"], 4).await;
+    let mut leased = Vec::new();
+    while leased.len() < 3 {
+        let l = w
+            .lease_within(3000)
+            .await
+            .expect("every open job is leased again");
+        e.update_job(w.report(&l, JobStatus::Completed))
+            .await
+            .unwrap();
+        leased.push(l.job.job_id);
+    }
+    leased.sort();
+    let mut want = vec![first[1].clone(), later[0].clone(), later[1].clone()];
+    want.sort();
+    assert_eq!(leased, want);
+    assert_eq!(lowest_open_row(&dir), None);
+    // With nothing open the floor goes past the last row; jobs submitted
+    // later get rows from it on and are loaded after a restart.
+    raise_floor(&e).await;
+    assert_eq!(stored_floor(&dir), row_of(&later[1]) + 1);
+    let last = submit(&(e.clone() as SharedEngine), "p", 1, 2).await;
+    assert!(row_of(&last[0]) >= stored_floor(&dir));
+    e.close().await;
+    let e = open(&dir, quick()).await;
+    let mut w = Worker::start(&(e.clone() as SharedEngine), "w3", &["sort"], 1).await;
+    assert_eq!(w.lease_within(3000).await.unwrap().job.job_id, last[0]);
+    assert_gauge_matches_table(&(e.clone() as SharedEngine), &dir).await;
+    e.close().await;
+}
+
+/// Once retention has deleted every job row, the stored floor stays where
+/// the last job left it and a restarted server hands out rows from it on
+/// (rows also carry their creation time, so this holds with the clock as
+/// it is; the load lifts the row counter to the floor for a clock set
+/// back), so its new jobs are loaded again after the next restart.
+#[tokio::test]
+async fn rows_after_retention_emptied_the_table_start_at_the_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        job_retention: Some(Duration::from_millis(200)),
+        ..quick()
+    };
+    let e = open(&dir, cfg.clone()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&(e.clone() as SharedEngine), "w1", &["sort"], 2).await;
+    let ids = submit(&(e.clone() as SharedEngine), "p", 2, 1).await;
+    for _ in 0..2 {
+        let l = w.lease_within(2000).await.unwrap();
+        e.update_job(w.report(&l, JobStatus::Completed))
+            .await
+            .unwrap();
+    }
+    raise_floor(&e).await;
+    let floor = stored_floor(&dir);
+    assert_eq!(floor, row_of(&ids[1]) + 1);
+    for _ in 0..100 {
+        if stored(&dir).values().all(|&n| n == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(stored(&dir).values().all(|&n| n == 0), "{:?}", stored(&dir));
+    e.close().await;
+
+    let e = open(&dir, quick()).await;
+    let fresh = submit(&(e.clone() as SharedEngine), "p", 1, 1).await;
+    assert!(
+        row_of(&fresh[0]) >= floor,
+        "{} < {floor}",
+        row_of(&fresh[0])
+    );
+    e.close().await;
+    let e = open(&dir, quick()).await;
+    let mut w = Worker::start(&(e.clone() as SharedEngine), "w2", &["sort"], 1).await;
+    assert_eq!(w.lease_within(3000).await.unwrap().job.job_id, fresh[0]);
+    e.close().await;
+}
+
+/// Under a mix of completions, failures with retries left (backoff),
+/// dead jobs, cancellations and RetryJob, with the floor looked at after
+/// every step, the stored floor never passes an open job.
+#[tokio::test]
+async fn the_open_floor_never_passes_an_open_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        heartbeat_interval: Duration::from_secs(10),
+        retry_backoff_base: Duration::from_millis(30),
+        retry_backoff_max: Duration::from_millis(60),
+        ..quick()
+    };
+    let e = open(&dir, cfg).await;
+    let shared: SharedEngine = e.clone();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&shared, "w1", &["sort"], 3).await;
+    let mut ids = Vec::new();
+    let mut dead = Vec::new();
+    let mut retried = 0;
+    // A fixed pseudo-random sequence (xorshift), so a failure repeats.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for step in 0..300 {
+        match next(8) {
+            0 => ids.extend(submit(&shared, "p", 1 + next(3) as usize, 1 + next(2) as u32).await),
+            1 if !ids.is_empty() => {
+                let id = ids[next(ids.len() as u64) as usize].clone();
+                let _ = e.cancel_job(id).await;
+            }
+            2 if !dead.is_empty() => {
+                let id = dead.swap_remove(next(dead.len() as u64) as usize);
+                if e.retry_job(id, None).await.is_ok() {
+                    retried += 1;
+                }
+            }
+            _ => {
+                if let Some(l) = w.lease_within(20).await {
+                    let status = if next(3) == 0 {
+                        JobStatus::Failed
+                    } else {
+                        JobStatus::Completed
+                    };
+                    if matches!(
+                        e.update_job(w.report(&l, status)).await,
+                        Ok(JobStatus::Dead)
+                    ) {
+                        dead.push(l.job.job_id);
+                    }
+                }
+            }
+        }
+        raise_floor(&e).await;
+        let floor = stored_floor(&dir);
+        if let Some(open) = lowest_open_row(&dir) {
+            assert!(
+                floor <= open,
+                "step {step}: floor {floor} passed open row {open}"
+            );
+        }
+    }
+    assert!(stored_floor(&dir) > 0, "the floor never moved");
+    assert!(retried >= 5, "only {retried} dead jobs were retried");
     e.close().await;
 }

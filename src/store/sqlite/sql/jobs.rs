@@ -617,6 +617,8 @@ pub fn cancel(conn: &Connection, row: i64, now_ms: i64) -> Result<()> {
 /// The attempt count starts again from 0, so a completion row the job
 /// may have (of an attempt that did not count, see [`complete`]) is
 /// deleted: it would otherwise match a later attempt of the same number.
+/// Lowers the stored [`open_floor`] to the job's row when it is above it:
+/// the only statement that reopens a finished job.
 ///
 /// Errors: [`Error::Storage`].
 pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<()> {
@@ -626,6 +628,35 @@ pub fn retry(conn: &Connection, row: i64, now_ms: i64, priority: i32) -> Result<
     )?
     .execute(params![row, PENDING, now_ms, priority])?;
     conn.prepare_cached("DELETE FROM job_completions WHERE job_row = ?1")?
+        .execute([row])?;
+    // The job is open again: the start-up load must read its row.
+    conn.prepare_cached(
+        "UPDATE job_floor SET first_open_row = min(first_open_row, ?1) WHERE one = 1",
+    )?
+    .execute([row])?;
+    Ok(())
+}
+
+/// The first job row that may be open (`job_floor.first_open_row`):
+/// every job row below it is completed, dead or cancelled. 0 when the
+/// database has no floor stored.
+///
+/// Errors: [`Error::Storage`].
+pub fn open_floor(conn: &Connection) -> Result<i64> {
+    Ok(conn
+        .prepare_cached("SELECT first_open_row FROM job_floor WHERE one = 1")?
+        .query_row([], |r| r.get(0))
+        .optional()?
+        .unwrap_or(0))
+}
+
+/// Stores `row` as the first job row that may be open (see
+/// [`open_floor`]). The caller holds every open job and passes the lowest
+/// of their rows (or, with none open, the next row it would hand out).
+///
+/// Errors: [`Error::Storage`].
+pub fn set_open_floor(conn: &Connection, row: i64) -> Result<()> {
+    conn.prepare_cached("UPDATE job_floor SET first_open_row = ?1 WHERE one = 1")?
         .execute([row])?;
     Ok(())
 }
@@ -670,16 +701,20 @@ pub struct OpenJob {
     pub priority: i32,
 }
 
-/// Every pending, running and failed job in FIFO order.
+/// The statement of [`load_open`].
+pub(super) const LOAD_OPEN: &str =
+    "SELECT action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
+            attempt, max_attempts, plan_version, priority, id, job_key, job_id
+     FROM jobs WHERE id >= ?4 AND status IN (?1, ?2, ?3) ORDER BY id";
+
+/// Every pending, running and failed job from row `floor` on (the stored
+/// [`open_floor`]: every row below it is finished), in FIFO order. Reads
+/// the rows from `floor` on, not the whole table.
 ///
 /// Errors: [`Error::Storage`].
-pub fn load_open(conn: &Connection) -> Result<Vec<OpenJob>> {
-    let mut stmt = conn.prepare(
-        "SELECT action_id, plan_id, status, ready_at_ms, worker_id, lease_id, lease_expires_at_ms,
-                attempt, max_attempts, plan_version, priority, id, job_key, job_id
-         FROM jobs WHERE status IN (?1, ?2, ?3) ORDER BY id",
-    )?;
-    let rows = stmt.query_map(params![PENDING, RUNNING, FAILED], |r| {
+pub fn load_open(conn: &Connection, floor: i64) -> Result<Vec<OpenJob>> {
+    let mut stmt = conn.prepare(LOAD_OPEN)?;
+    let rows = stmt.query_map(params![PENDING, RUNNING, FAILED, floor], |r| {
         Ok(OpenJob {
             row: r.get(11)?,
             job_id: job_id_at(r, 11)?,

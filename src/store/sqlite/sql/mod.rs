@@ -62,6 +62,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0015_drop_status_index.sql"),
     include_str!("migrations/0016_job_rows_without_secondary_indexes.sql"),
     include_str!("migrations/0017_job_completions.sql"),
+    include_str!("migrations/0018_open_job_floor.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -703,6 +704,13 @@ mod tests {
         assert!(
             range.iter().all(|step| !step.starts_with("SCAN")),
             "{range:?}"
+        );
+        // The start-up load reads the rows from the open floor on.
+        let open = plan(jobs::LOAD_OPEN);
+        assert_eq!(
+            open.first().map(String::as_str),
+            Some("SEARCH j USING INTEGER PRIMARY KEY (rowid>?)"),
+            "{open:?}"
         );
         let plan_jobs = plan(concat!(
             "SELECT j.status, count(*) FROM actions a CROSS JOIN jobs j ON ",

@@ -1,0 +1,16 @@
+-- AGQ schema, version 18: the first job row that may still be open.
+--
+-- Every job row below `first_open_row` is finished (completed, dead or
+-- cancelled), so the start-up load of the open jobs (pending, running,
+-- failed awaiting retry) reads the rows from it on instead of the whole
+-- table. The writer raises it, in the transaction of a batch, to the
+-- lowest row of an open job it holds in memory (every open job is); the
+-- only statement that reopens a finished job (RetryJob and RetryAction)
+-- lowers it to that job's row in its own transaction. New jobs get rows
+-- above it. 0, as a database upgraded to this version starts: every row
+-- is read once, and the next batch raises it.
+CREATE TABLE job_floor (
+    one             INTEGER PRIMARY KEY CHECK (one = 1),
+    first_open_row  INTEGER NOT NULL
+);
+INSERT INTO job_floor (one, first_open_row) VALUES (1, 0);
