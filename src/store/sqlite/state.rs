@@ -430,7 +430,7 @@ pub(super) struct State {
 
 /// Least time between two looks of `before_commit` at raising
 /// [`State::open_floor`]: each look walks the leases and the delayed jobs
-/// (about a millisecond for a million delayed jobs), and a raise writes
+/// (milliseconds for a million delayed jobs), and a raise writes
 /// one row.
 pub(super) const FLOOR_EVERY: Duration = Duration::from_secs(1);
 
