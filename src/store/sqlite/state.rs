@@ -426,6 +426,10 @@ pub(super) struct State {
     /// The finished statuses of [`State::job_counts`] include the jobs
     /// counted at the last load (false while or when that count failed).
     pub(super) finished_counted: bool,
+    /// Tests: the next background count waits for a message (or the
+    /// sender's drop) on this before it reads a row.
+    #[cfg(test)]
+    pub(super) count_gate: Option<std::sync::mpsc::Receiver<()>>,
 }
 
 /// Least time between two looks of `before_commit` at raising
@@ -480,6 +484,8 @@ impl State {
             pool: None,
             counting: None,
             finished_counted: false,
+            #[cfg(test)]
+            count_gate: None,
         }
     }
 
@@ -566,9 +572,15 @@ impl State {
         // A read transaction's snapshot starts with its first read.
         sql::jobs::open_floor(&reader)?;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        #[cfg(test)]
+        let gate = self.count_gate.take();
         std::thread::Builder::new()
             .name("agq-count".into())
             .spawn(move || {
+                #[cfg(test)]
+                if let Some(gate) = gate {
+                    let _ = gate.recv();
+                }
                 let started = Instant::now();
                 let counts = sql::jobs::count_by_status(&reader);
                 let _ = reader.execute_batch("COMMIT");

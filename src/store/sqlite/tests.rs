@@ -1036,3 +1036,112 @@ async fn the_open_floor_never_passes_an_open_job() {
     assert!(retried >= 5, "only {retried} dead jobs were retried");
     e.close().await;
 }
+
+/// The finished jobs are counted on a snapshot taken as the state loads,
+/// while the writer goes on: completions, failures to dead, a cancel, a
+/// retry and retention commit before that count reads a row, and the
+/// gauge adds up to the table once it is done (the changes are neither
+/// lost nor counted twice). Until then the counts lack the finished
+/// statuses.
+#[tokio::test]
+async fn finished_jobs_counted_in_the_background_add_up_with_later_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        job_retention: Some(Duration::from_millis(300)),
+        ..quick()
+    };
+    let e = open(&dir, cfg).await;
+    let shared: SharedEngine = e.clone();
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&shared, "w1", &["sort"], 4).await;
+    let heartbeat = |e: SharedEngine| async move {
+        e.heartbeat("w1".into(), None, None).await.unwrap();
+    };
+    // An action that finishes now (retention deletes it later), and one
+    // that stays.
+    let old = submit(&shared, "p", 2, 1).await;
+    for _ in &old {
+        let l = w.lease_within(2000).await.unwrap();
+        e.update_job(w.report(&l, JobStatus::Completed))
+            .await
+            .unwrap();
+    }
+    let ids = submit(&shared, "p", 6, 1).await;
+    assert_gauge_matches_table(&shared, &dir).await;
+
+    // Load again (as after a failed commit) with the count held.
+    let (release, gate) = std::sync::mpsc::channel();
+    e.writer
+        .write(move |s, c| {
+            s.count_gate = Some(gate);
+            s.load(c)
+        })
+        .await
+        .unwrap();
+    // (The gauge keeps its last values; the counts behind it lack the
+    // finished statuses.)
+    let counts = || async { e.writer.run(|s, _| Ok(s.job_counts())).await.unwrap() };
+    let c = counts().await;
+    let (pending, running) = (JobStatus::Pending as i32, JobStatus::Running as i32);
+    assert_eq!(c.len(), 3, "only the open statuses: {c:?}");
+    assert_eq!(c[&pending] + c[&running], 6, "{c:?}");
+    heartbeat(shared.clone()).await;
+    let mut leased = Vec::new();
+    while leased.len() < 4 {
+        leased.push(w.lease_within(2000).await.expect("a lease"));
+    }
+    e.update_job(w.report(&leased[0], JobStatus::Completed))
+        .await
+        .unwrap();
+    e.update_job(w.report(&leased[1], JobStatus::Completed))
+        .await
+        .unwrap();
+    assert!(matches!(
+        e.update_job(w.report(&leased[2], JobStatus::Failed)).await,
+        Ok(JobStatus::Dead)
+    ));
+    let cancelled = ids
+        .iter()
+        .find(|id| !leased.iter().any(|l| &l.job.job_id == *id))
+        .unwrap();
+    e.cancel_job(cancelled.clone()).await.unwrap();
+    e.retry_job(leased[2].job.job_id.clone(), None)
+        .await
+        .unwrap();
+    // Retention deletes the first action's two completed jobs meanwhile.
+    for _ in 0..100 {
+        if old.iter().all(|id| stored_has_not(&dir, id)) {
+            break;
+        }
+        heartbeat(shared.clone()).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        old.iter().all(|id| stored_has_not(&dir, id)),
+        "retention ran"
+    );
+    assert_eq!(counts().await.len(), 3, "still counting");
+    release.send(()).unwrap();
+    for _ in 0..100 {
+        if counts().await.len() == JobStatus::ALL.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(counts().await.len(), JobStatus::ALL.len(), "counted");
+    assert_gauge_matches_table(&shared, &dir).await;
+    e.close().await;
+}
+
+/// True when no job row has the public id `job_id`.
+fn stored_has_not(dir: &tempfile::TempDir, job_id: &str) -> bool {
+    let conn = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    let n: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM job_rows WHERE id = ?1",
+            [row_of(job_id)],
+            |r| r.get(0),
+        )
+        .unwrap();
+    n == 0
+}
