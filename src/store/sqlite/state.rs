@@ -422,7 +422,7 @@ pub(super) struct State {
     /// The background count of finished jobs that [`State::load`] started,
     /// until [`State::job_counts`] takes its result: meanwhile
     /// [`State::job_counts`] holds only their changes since the load.
-    pub(super) counting: Option<std::sync::mpsc::Receiver<Result<HashMap<i32, i64>>>>,
+    pub(super) counting: Option<Counting>,
     /// The finished statuses of [`State::job_counts`] include the jobs
     /// counted at the last load (false while or when that count failed).
     pub(super) finished_counted: bool,
@@ -430,6 +430,14 @@ pub(super) struct State {
     /// sender's drop) on this before it reads a row.
     #[cfg(test)]
     pub(super) count_gate: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+/// A background count of the finished jobs (see [`State::job_counts`]).
+pub(super) struct Counting {
+    /// Its result, once done.
+    result: std::sync::mpsc::Receiver<Result<HashMap<i32, i64>>>,
+    /// Stops its statement.
+    interrupt: rusqlite::InterruptHandle,
 }
 
 /// Least time between two looks of `before_commit` at raising
@@ -512,8 +520,8 @@ impl State {
     /// are missing while their count since the last load is still under
     /// way (seconds for millions of rows).
     pub(super) fn job_counts(&mut self) -> HashMap<i32, i64> {
-        if let Some(rx) = &self.counting {
-            match rx.try_recv() {
+        if let Some(Counting { result, .. }) = &self.counting {
+            match result.try_recv() {
                 Ok(Ok(base)) => {
                     for s in FINISHED {
                         self.job_counts[s as usize] += base.get(&(s as i32)).copied().unwrap_or(0);
@@ -554,7 +562,7 @@ impl State {
     /// without a pool, the count fails); [`Error::Internal`] when the
     /// thread cannot start.
     fn count_finished(&mut self, conn: &Connection) -> Result<()> {
-        self.counting = None;
+        self.stop_counting();
         self.finished_counted = false;
         for s in FINISHED {
             self.job_counts[s as usize] = 0;
@@ -572,6 +580,7 @@ impl State {
         // A read transaction's snapshot starts with its first read.
         sql::jobs::open_floor(&reader)?;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let interrupt = reader.get_interrupt_handle();
         #[cfg(test)]
         let gate = self.count_gate.take();
         std::thread::Builder::new()
@@ -591,8 +600,19 @@ impl State {
                 let _ = tx.send(counts);
             })
             .map_err(|e| Error::Internal(format!("cannot start counting the jobs: {e}")))?;
-        self.counting = Some(rx);
+        self.counting = Some(Counting {
+            result: rx,
+            interrupt,
+        });
         Ok(())
+    }
+
+    /// Ends a background count still under way (its snapshot is no longer
+    /// the state's), so counts do not pile up or hold the WAL.
+    fn stop_counting(&mut self) {
+        if let Some(c) = self.counting.take() {
+            c.interrupt.interrupt();
+        }
     }
 
     /// The lowest row of an open job (queued, delayed or leased), or the
@@ -1095,6 +1115,9 @@ impl BatchState for State {
     }
 
     fn on_shutdown(&mut self, conn: &Connection) {
+        // A count still reading would hold the WAL the final checkpoint
+        // truncates.
+        self.stop_counting();
         if let Err(e) = self.flush_heartbeats(conn, true) {
             tracing::warn!(error = %e, "flushing heartbeats at shutdown failed");
         }
