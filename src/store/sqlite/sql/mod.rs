@@ -648,6 +648,16 @@ mod tests {
             .unwrap();
         assert_eq!(completions, 0);
 
+        // Version 18: the open floor starts at 0, so the first load reads
+        // every row and finds the one open job.
+        assert_eq!(jobs::open_floor(&conn).unwrap(), 0);
+        let open: Vec<String> = jobs::load_open(&conn, jobs::open_floor(&conn).unwrap())
+            .unwrap()
+            .into_iter()
+            .map(|j| j.job_id)
+            .collect();
+        assert_eq!(open, ["j"]);
+
         conn.pragma_update(None, "user_version", MIGRATIONS.len() as i64 + 1)
             .unwrap();
         assert!(matches!(migrate(&mut conn), Err(Error::Internal(_))));
