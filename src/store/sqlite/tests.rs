@@ -1145,3 +1145,38 @@ fn stored_has_not(dir: &tempfile::TempDir, job_id: &str) -> bool {
         .unwrap();
     n == 0
 }
+
+/// With more delayed jobs than the floor walks (`FLOOR_WALK_MAX`), the
+/// lowest row ever delayed stands for them: the floor stays at or below
+/// every open job when the lowest delayed one leaves, and rises once the
+/// delayed jobs are few enough to walk again.
+#[tokio::test]
+async fn many_delayed_jobs_hold_the_floor_at_or_below_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let delayed = |n: usize| {
+        e.submit_action(ActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![HashMap::new(); n],
+            max_attempts: 1,
+            run_at_ms: Some(crate::time::now_ms() + 3_600_000),
+            ..Default::default()
+        })
+    };
+    // FLOOR_WALK_MAX + 2 delayed jobs (an action has at most 10,000).
+    let later = delayed(2).await.unwrap().job_ids;
+    let rest = delayed(super::state::FLOOR_WALK_MAX).await.unwrap().job_ids;
+    raise_floor(&e).await;
+    assert_eq!(stored_floor(&dir), row_of(&later[0]));
+    // The lowest delayed job leaves; the floor may not pass the next.
+    e.cancel_job(later[0].clone()).await.unwrap();
+    raise_floor(&e).await;
+    assert_eq!(lowest_open_row(&dir), Some(row_of(&later[1])));
+    assert!(stored_floor(&dir) <= row_of(&later[1]));
+    // One fewer: few enough to walk, and the floor reaches the lowest.
+    e.cancel_job(later[1].clone()).await.unwrap();
+    raise_floor(&e).await;
+    assert_eq!(stored_floor(&dir), row_of(&rest[0]));
+    e.close().await;
+}
