@@ -743,6 +743,12 @@ fn scheduling_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<Scheduling> {
     })
 }
 
+/// The statement of [`open_action_scheduling`]: it walks the partial
+/// index of unfinished actions (`actions_open`, migration 0018).
+pub(super) const OPEN_ACTION_SCHEDULING: &str =
+    "SELECT action_id, priority, worker_selector, concurrency_key, max_running FROM actions
+     WHERE finished_at_ms IS NULL AND (worker_selector != '' OR concurrency_key != '')";
+
 /// The fleet-scheduling settings of every unfinished action that has a
 /// worker selector or a concurrency key, by action id (every other
 /// action schedules by its jobs' priorities alone): what the start-up
@@ -750,10 +756,7 @@ fn scheduling_at(r: &Row<'_>, idx: usize) -> rusqlite::Result<Scheduling> {
 ///
 /// Errors: [`Error::Storage`].
 pub fn open_action_scheduling(conn: &Connection) -> Result<HashMap<String, Scheduling>> {
-    let mut stmt = conn.prepare(
-        "SELECT action_id, priority, worker_selector, concurrency_key, max_running FROM actions
-         WHERE finished_at_ms IS NULL AND (worker_selector != '' OR concurrency_key != '')",
-    )?;
+    let mut stmt = conn.prepare(OPEN_ACTION_SCHEDULING)?;
     let rows = stmt.query_map([], |r| Ok((r.get(0)?, scheduling_at(r, 1)?)))?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }

@@ -504,7 +504,8 @@ mod tests {
         // unique index of every id: only the ids of the jobs created
         // before it are indexed.
         assert_eq!(indexes, ["jobs_by_legacy_id", "jobs_dead_by_action"]);
-        // Version 8: the indexes ListActions walks.
+        // Version 8: the indexes ListActions walks; version 18: the
+        // unfinished actions the start-up load reads.
         let action_indexes: Vec<String> = conn
             .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'actions' AND sql IS NOT NULL ORDER BY name")
             .unwrap()
@@ -517,7 +518,8 @@ mod tests {
             [
                 "actions_by_created",
                 "actions_by_finished",
-                "actions_by_plan"
+                "actions_by_plan",
+                "actions_open"
             ]
         );
         let job: String = conn
@@ -721,6 +723,10 @@ mod tests {
             open.first().map(String::as_str),
             Some("SEARCH j USING INTEGER PRIMARY KEY (rowid>?)"),
             "{open:?}"
+        );
+        assert_eq!(
+            plan(jobs::OPEN_ACTION_SCHEDULING),
+            ["SCAN actions USING INDEX actions_open"]
         );
         let plan_jobs = plan(concat!(
             "SELECT j.status, count(*) FROM actions a CROSS JOIN jobs j ON ",

@@ -1,4 +1,4 @@
--- AGQ schema, version 18: the first job row that may still be open.
+-- AGQ schema, version 18: start-up reads the open work, not the history.
 --
 -- Every job row below `first_open_row` is finished (completed, dead or
 -- cancelled), so the start-up load of the open jobs (pending, running,
@@ -14,3 +14,7 @@ CREATE TABLE job_floor (
     first_open_row  INTEGER NOT NULL
 );
 INSERT INTO job_floor (one, first_open_row) VALUES (1, 0);
+
+-- The unfinished actions, whose scheduling settings the same load reads:
+-- proportional to them, not to every action kept.
+CREATE INDEX actions_open ON actions(action_id) WHERE finished_at_ms IS NULL;
