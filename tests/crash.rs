@@ -2,7 +2,9 @@
 //! workers, `kill -9` the `agq` process at random moments and restart it on
 //! the same database. At the end every acknowledged job exists and is
 //! completed, none was accepted as completed twice, none is stuck in
-//! running, and `PRAGMA integrity_check` is ok.
+//! running, and `PRAGMA integrity_check` is ok. Every fourth server lives
+//! long enough to store the open floor, so the restarts after it load the
+//! jobs from that floor on.
 //!
 //! `AGQ_CRASH_KILLS` sets the number of kills (default 20).
 
@@ -269,8 +271,15 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         })
         .collect();
 
-    for _ in 0..kills {
-        let wait = rand::rng().random_range(100..400);
+    for i in 0..kills {
+        // Every fourth server lives long enough to store the open floor
+        // (at most once a second), so the restarts after it load the
+        // jobs from that floor on instead of from the first row.
+        let wait = if i % 4 == 3 {
+            1_500
+        } else {
+            rand::rng().random_range(100..400)
+        };
         tokio::time::sleep(Duration::from_millis(wait)).await;
         server.kill(); // SIGKILL
         server = spawn_server(&db, &addr);
@@ -380,4 +389,9 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))
         .unwrap();
     assert_eq!(check, "ok");
+    // A floor was stored (the restarts after one load from it).
+    let floor: i64 = conn
+        .query_row("SELECT first_open_row FROM job_floor", [], |r| r.get(0))
+        .unwrap();
+    assert!(floor > 0, "the open floor was never stored");
 }
