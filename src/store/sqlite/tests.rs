@@ -832,6 +832,11 @@ async fn raise_floor(e: &SqliteEngine) {
         .unwrap();
 }
 
+/// `e` behind the engine interface the helpers take.
+fn shared(e: &std::sync::Arc<SqliteEngine>) -> SharedEngine {
+    e.clone()
+}
+
 fn row_of(job_id: &str) -> i64 {
     super::sql::jobs::parse_job_id(job_id).unwrap().0
 }
@@ -846,8 +851,8 @@ async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
     let dir = tempfile::tempdir().unwrap();
     let e = open(&dir, quick()).await;
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
-    let mut w = Worker::start(&(e.clone() as SharedEngine), "w1", &["sort"], 1).await;
-    let first = submit(&(e.clone() as SharedEngine), "p", 3, 1).await;
+    let mut w = Worker::start(&shared(&e), "w1", &["sort"], 1).await;
+    let first = submit(&shared(&e), "p", 3, 1).await;
     for (i, id) in first.iter().enumerate() {
         let l = w.lease_within(2000).await.unwrap();
         assert_eq!(&l.job.job_id, id);
@@ -860,7 +865,7 @@ async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
     }
     // Two attempts: the running one goes back to pending when its worker
     // does not come back after the restart.
-    let later = submit(&(e.clone() as SharedEngine), "p", 2, 2).await;
+    let later = submit(&shared(&e), "p", 2, 2).await;
     let running = w.lease_within(2000).await.unwrap();
     assert_eq!(running.job.job_id, later[0]);
     assert_eq!(
@@ -887,8 +892,8 @@ async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
     // Every open job is loaded again: the retried one and the two later
     // ones (the running one returns once its worker is stale).
     let e = open(&dir, quick()).await;
-    assert_gauge_matches_table(&(e.clone() as SharedEngine), &dir).await;
-    let mut w = Worker::start(&(e.clone() as SharedEngine), "w2", &["sort"], 4).await;
+    assert_gauge_matches_table(&shared(&e), &dir).await;
+    let mut w = Worker::start(&shared(&e), "w2", &["sort"], 4).await;
     let mut leased = Vec::new();
     while leased.len() < 3 {
         let l = w
@@ -909,13 +914,13 @@ async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
     // later get rows from it on and are loaded after a restart.
     raise_floor(&e).await;
     assert_eq!(stored_floor(&dir), row_of(&later[1]) + 1);
-    let last = submit(&(e.clone() as SharedEngine), "p", 1, 2).await;
+    let last = submit(&shared(&e), "p", 1, 2).await;
     assert!(row_of(&last[0]) >= stored_floor(&dir));
     e.close().await;
     let e = open(&dir, quick()).await;
-    let mut w = Worker::start(&(e.clone() as SharedEngine), "w3", &["sort"], 1).await;
+    let mut w = Worker::start(&shared(&e), "w3", &["sort"], 1).await;
     assert_eq!(w.lease_within(3000).await.unwrap().job.job_id, last[0]);
-    assert_gauge_matches_table(&(e.clone() as SharedEngine), &dir).await;
+    assert_gauge_matches_table(&shared(&e), &dir).await;
     e.close().await;
 }
 
@@ -931,10 +936,10 @@ async fn rows_after_retention_emptied_the_table_start_at_the_floor() {
         job_retention: Some(Duration::from_millis(200)),
         ..quick()
     };
-    let e = open(&dir, cfg.clone()).await;
+    let e = open(&dir, cfg).await;
     e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
-    let mut w = Worker::start(&(e.clone() as SharedEngine), "w1", &["sort"], 2).await;
-    let ids = submit(&(e.clone() as SharedEngine), "p", 2, 1).await;
+    let mut w = Worker::start(&shared(&e), "w1", &["sort"], 2).await;
+    let ids = submit(&shared(&e), "p", 2, 1).await;
     for _ in 0..2 {
         let l = w.lease_within(2000).await.unwrap();
         e.update_job(w.report(&l, JobStatus::Completed))
@@ -954,7 +959,7 @@ async fn rows_after_retention_emptied_the_table_start_at_the_floor() {
     e.close().await;
 
     let e = open(&dir, quick()).await;
-    let fresh = submit(&(e.clone() as SharedEngine), "p", 1, 1).await;
+    let fresh = submit(&shared(&e), "p", 1, 1).await;
     assert!(
         row_of(&fresh[0]) >= floor,
         "{} < {floor}",
@@ -962,7 +967,7 @@ async fn rows_after_retention_emptied_the_table_start_at_the_floor() {
     );
     e.close().await;
     let e = open(&dir, quick()).await;
-    let mut w = Worker::start(&(e.clone() as SharedEngine), "w2", &["sort"], 1).await;
+    let mut w = Worker::start(&shared(&e), "w2", &["sort"], 1).await;
     assert_eq!(w.lease_within(3000).await.unwrap().job.job_id, fresh[0]);
     e.close().await;
 }
