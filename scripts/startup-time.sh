@@ -4,7 +4,8 @@
 # schema of that agq: FINISHED completed jobs (actions of 100, 128-byte
 # inputs) and 1,000 pending ones after them. Runs the server three times:
 # the first start (which may migrate the database), then a start with the
-# page cache dropped (when run as root) and one with it warm.
+# page cache dropped (when run as root) and one with it warm, which also
+# times the first page of `agq job search --status pending`.
 #
 #   bash scripts/startup-time.sh [AGQ_BINARY] [FINISHED]
 #
@@ -33,6 +34,15 @@ serve() {
   end="$(date +%s.%N)"
   grep -q listening "$dir/log" || { cat "$dir/log" >&2; echo "no listening line" >&2; exit 1; }
   echo "$1: listening after $(echo "$end - $start" | bc) s"
+  if [ -n "${3:-}" ]; then
+    # The first page of a search by an open status (SearchJobs).
+    local addr
+    addr="$(sed -n 's/.*listening on \([0-9.:]*\).*/\1/p' "$dir/log" | head -1)"
+    start="$(date +%s.%N)"
+    "$agq" job search --server "http://$addr" --status pending >/dev/null 2>&1
+    end="$(date +%s.%N)"
+    echo "  agq job search --status pending: $(echo "$end - $start" | bc) s"
+  fi
   # Long enough for a batch to store the open floor (at most once a second).
   sleep "${2:-0}"
   kill -INT "$pid"
@@ -79,4 +89,4 @@ if [ "$(id -u)" = 0 ]; then
   echo 3 >/proc/sys/vm/drop_caches
   serve "cold page cache"
 fi
-serve "warm page cache"
+serve "warm page cache" 0 search

@@ -832,6 +832,17 @@ async fn raise_floor(e: &SqliteEngine) {
         .unwrap();
 }
 
+/// The ids of the jobs in `status` (SearchJobs, first page).
+async fn with_status(e: &SqliteEngine, status: JobStatus) -> Vec<String> {
+    e.search_jobs(JobQuery {
+        status: Some(status),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .items
+}
+
 /// `e` behind the engine interface the helpers take.
 fn shared(e: &std::sync::Arc<SqliteEngine>) -> SharedEngine {
     e.clone()
@@ -881,12 +892,27 @@ async fn the_open_floor_passes_finished_jobs_and_a_retry_lowers_it() {
     );
     assert_eq!(lowest_open_row(&dir), Some(row_of(&later[0])));
 
+    // A search by an open status starts at the floor; by a finished one,
+    // at the first row.
+    assert_eq!(
+        with_status(&e, JobStatus::Running).await,
+        [later[0].clone()]
+    );
+    assert_eq!(
+        with_status(&e, JobStatus::Completed).await,
+        [first[0].clone(), first[2].clone()]
+    );
+
     // The dead job comes back: the floor follows it down, and a raise
     // while it is open leaves it there.
     e.retry_job(first[1].clone(), None).await.unwrap();
     assert_eq!(stored_floor(&dir), row_of(&first[1]));
     raise_floor(&e).await;
     assert_eq!(stored_floor(&dir), row_of(&first[1]));
+    assert_eq!(
+        with_status(&e, JobStatus::Pending).await,
+        [first[1].clone(), later[1].clone()]
+    );
     e.close().await;
 
     // Every open job is loaded again: the retried one and the two later

@@ -1064,6 +1064,8 @@ pub fn action_exists(conn: &Connection, action_id: &str) -> Result<bool> {
 }
 
 /// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
+/// Without an action, an open status (pending, running, failed) is
+/// looked for from the stored [`open_floor`] on.
 ///
 /// Errors: [`Error::Storage`].
 pub fn search(
@@ -1091,9 +1093,14 @@ pub fn search(
         )
     } else {
         // `?2` (no action: NULL) keeps the parameters of both statements
-        // the same.
+        // the same. An open status (pending, running, failed) is looked
+        // for from the open floor on: every row below it is finished.
         concat!(
-            "SELECT id, job_key, job_id FROM jobs WHERE id > ?1 AND ?2 IS NULL",
+            "SELECT id, job_key, job_id FROM jobs
+             WHERE id > max(?1, CASE WHEN ?3 IN (1, 2, 4)
+                                THEN coalesce((SELECT first_open_row FROM job_floor), 0) - 1
+                                ELSE ?1 END)
+               AND ?2 IS NULL",
             rest!()
         )
     })?;
