@@ -587,8 +587,12 @@ impl State {
         };
         let reader = pool.get()?;
         reader.execute_batch("BEGIN")?;
-        // A read transaction's snapshot starts with its first read.
-        sql::jobs::open_floor(&reader)?;
+        // A read transaction's snapshot starts with its first read. The
+        // connection goes back to the pool with no transaction open.
+        if let Err(e) = sql::jobs::open_floor(&reader) {
+            let _ = reader.execute_batch("ROLLBACK");
+            return Err(e);
+        }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let interrupt = reader.get_interrupt_handle();
         #[cfg(test)]
@@ -602,7 +606,9 @@ impl State {
                 }
                 let started = Instant::now();
                 let counts = sql::jobs::count_by_status(&reader);
-                let _ = reader.execute_batch("COMMIT");
+                if reader.execute_batch("COMMIT").is_err() {
+                    let _ = reader.execute_batch("ROLLBACK");
+                }
                 tracing::debug!(
                     secs = started.elapsed().as_secs_f64(),
                     "counted the finished jobs"
