@@ -441,8 +441,9 @@ pub(super) struct State {
 pub(super) struct Counting {
     /// Its result, once done.
     result: std::sync::mpsc::Receiver<Result<HashMap<i32, i64>>>,
-    /// Stops its statement.
-    interrupt: rusqlite::InterruptHandle,
+    /// Stops its statement; `None` once it is done reading (the
+    /// connection may be another reader's by then).
+    interrupt: Arc<std::sync::Mutex<Option<rusqlite::InterruptHandle>>>,
 }
 
 /// Least time between two looks of `before_commit` at raising
@@ -594,7 +595,8 @@ impl State {
             return Err(e);
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let interrupt = reader.get_interrupt_handle();
+        let interrupt = Arc::new(std::sync::Mutex::new(Some(reader.get_interrupt_handle())));
+        let reading = interrupt.clone();
         #[cfg(test)]
         let gate = self.count_gate.take();
         std::thread::Builder::new()
@@ -606,6 +608,9 @@ impl State {
                 }
                 let started = Instant::now();
                 let counts = sql::jobs::count_by_status(&reader);
+                // Done reading: from here on the connection may go back to
+                // the pool, where an interrupt would hit another reader.
+                reading.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if reader.execute_batch("COMMIT").is_err() {
                     let _ = reader.execute_batch("ROLLBACK");
                 }
@@ -627,7 +632,10 @@ impl State {
     /// the state's), so counts do not pile up or hold the WAL.
     fn stop_counting(&mut self) {
         if let Some(c) = self.counting.take() {
-            c.interrupt.interrupt();
+            let reading = c.interrupt.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(handle) = reading.as_ref() {
+                handle.interrupt();
+            }
         }
     }
 

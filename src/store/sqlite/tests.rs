@@ -1211,3 +1211,64 @@ async fn many_delayed_jobs_hold_the_floor_at_or_below_them() {
     assert_eq!(stored_floor(&dir), row_of(&rest[0]));
     e.close().await;
 }
+
+/// A load while the last one's count is still under way replaces that
+/// count: its result, when it comes, is not added, and the counts add up
+/// to the table once the new one is done.
+#[tokio::test]
+async fn a_new_load_replaces_a_count_under_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&shared(&e), "w1", &["sort"], 1).await;
+    let ids = submit(&shared(&e), "p", 4, 1).await;
+    let mut done = 0;
+    let mut complete_next = async || {
+        let l = w.lease_within(2000).await.unwrap();
+        assert_eq!(l.job.job_id, ids[done]);
+        e.update_job(w.report(&l, JobStatus::Completed))
+            .await
+            .unwrap();
+        done += 1;
+    };
+    complete_next().await;
+    let load_held = |e: &std::sync::Arc<SqliteEngine>| {
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let e = e.clone();
+        async move {
+            e.writer
+                .write(move |s, c| {
+                    s.count_gate = Some(gate);
+                    s.load(c)
+                })
+                .await
+                .unwrap();
+            release
+        }
+    };
+    // A completion between the two loads: their snapshots differ.
+    let first = load_held(&e).await;
+    complete_next().await;
+    let second = load_held(&e).await;
+    drop(first);
+    // The first count may now finish; its result must not count.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let counts = || async { e.writer.run(|s, _| Ok(s.job_counts())).await.unwrap() };
+    assert_eq!(
+        counts().await.len(),
+        3,
+        "the finished jobs are not counted yet"
+    );
+    complete_next().await;
+    drop(second);
+    for _ in 0..100 {
+        if counts().await.len() == JobStatus::ALL.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(counts().await[&(JobStatus::Completed as i32)], 3);
+    complete_next().await;
+    assert_gauge_matches_table(&shared(&e), &dir).await;
+    e.close().await;
+}
