@@ -1272,3 +1272,64 @@ async fn a_new_load_replaces_a_count_under_way() {
     assert_gauge_matches_table(&shared(&e), &dir).await;
     e.close().await;
 }
+
+/// SearchJobs for dead jobs of any action reads the index of dead jobs:
+/// it finds them across actions and plans in row order, page by page,
+/// with the plan filter, and a retried one is no longer dead.
+#[tokio::test]
+async fn dead_jobs_are_searched_across_actions_page_by_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    e.submit_plan(plan("q", &["sort"]), false).await.unwrap();
+    let mut w = Worker::start(&shared(&e), "w1", &["sort"], 1).await;
+    let mut dead = Vec::new();
+    for (i, plan_id) in ["p", "q", "p"].into_iter().enumerate() {
+        let ids = submit(&shared(&e), plan_id, 3, 1).await;
+        for (j, id) in ids.iter().enumerate() {
+            let l = w.lease_within(2000).await.unwrap();
+            assert_eq!(&l.job.job_id, id);
+            // Jobs 0 and 2 of each action fail for good, job 1 completes.
+            let status = if j == 1 {
+                JobStatus::Completed
+            } else {
+                JobStatus::Failed
+            };
+            e.update_job(w.report(&l, status)).await.unwrap();
+            if j != 1 {
+                dead.push((i, plan_id, id.clone()));
+            }
+        }
+    }
+    let search = |plan_id: Option<&str>, page_token: String| {
+        e.search_jobs(JobQuery {
+            status: Some(JobStatus::Dead),
+            plan_id: plan_id.map(str::to_string),
+            page_size: 2,
+            page_token,
+            ..Default::default()
+        })
+    };
+    let mut found = Vec::new();
+    let mut token = String::new();
+    for _ in 0..10 {
+        let page = search(None, token).await.unwrap();
+        assert!(page.items.len() <= 2);
+        found.extend(page.items);
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    let all: Vec<String> = dead.iter().map(|(_, _, id)| id.clone()).collect();
+    assert_eq!(found, all);
+    let of_q: Vec<String> = dead
+        .iter()
+        .filter(|(_, p, _)| *p == "q")
+        .map(|(_, _, id)| id.clone())
+        .collect();
+    assert_eq!(search(Some("q"), String::new()).await.unwrap().items, of_q);
+    e.retry_job(all[0].clone(), None).await.unwrap();
+    assert_eq!(with_status(&e, JobStatus::Dead).await, all[1..]);
+    e.close().await;
+}

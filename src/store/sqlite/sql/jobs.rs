@@ -1063,9 +1063,18 @@ pub fn action_exists(conn: &Connection, action_id: &str) -> Result<bool> {
         .is_some())
 }
 
+/// The statement of [`search`] for dead jobs of any action.
+pub(super) const SEARCH_DEAD: &str =
+    "SELECT id, job_key, job_id FROM job_rows INDEXED BY jobs_dead_by_action
+     WHERE status = 5 AND id > ?1 AND ?2 IS NULL AND ?3 = 5
+       AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
+       AND (?6 IS NULL OR created_at_ms < ?6)
+     ORDER BY id LIMIT ?7";
+
 /// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
 /// Without an action, an open status (pending, running, failed) is
-/// looked for from the stored [`open_floor`] on.
+/// looked for from the stored [`open_floor`] on, and dead jobs through
+/// the index of dead jobs.
 ///
 /// Errors: [`Error::Storage`].
 pub fn search(
@@ -1091,6 +1100,12 @@ pub fn search(
                AND action_id = ?2",
             rest!()
         )
+    } else if filter.status == Some(JobStatus::Dead) {
+        // Dead jobs of any action: read from the partial index that holds
+        // only them, then sorted (a walk of the rows would read every
+        // finished job to find the few dead ones). A dead job's row keeps
+        // its status (the `jobs` view changes only running ones).
+        SEARCH_DEAD
     } else {
         // `?2` (no action: NULL) keeps the parameters of both statements
         // the same. An open status (pending, running, failed) is looked

@@ -724,6 +724,14 @@ mod tests {
             Some("SEARCH j USING INTEGER PRIMARY KEY (rowid>?)"),
             "{open:?}"
         );
+        // Dead jobs of any action: the index of dead jobs, not the rows.
+        assert_eq!(
+            plan(jobs::SEARCH_DEAD),
+            [
+                "SCAN job_rows USING INDEX jobs_dead_by_action",
+                "USE TEMP B-TREE FOR ORDER BY"
+            ]
+        );
         assert_eq!(
             plan(jobs::OPEN_ACTION_SCHEDULING),
             ["SCAN actions USING INDEX actions_open"]
