@@ -590,7 +590,8 @@ fn finished_at(dir: &tempfile::TempDir, action_id: &str) -> Option<i64> {
 
 /// An action is marked finished when its last open job ends, and not
 /// while it has an open job the scheduler does not hold (its plan version
-/// is gone from a database edited by hand).
+/// is gone from a database edited by hand); nor does the open floor pass
+/// that job.
 #[tokio::test]
 async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
     let dir = tempfile::tempdir().unwrap();
@@ -609,7 +610,8 @@ async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
         )
         .unwrap();
 
-    let e = engine(&dir).await;
+    let engine = open(&dir, quick()).await;
+    let e = shared(&engine);
     let mut w = Worker::start(&e, "w", &["sort"], 4).await;
     for _ in 0..2 {
         let l = w.lease_within(2000).await.unwrap();
@@ -620,6 +622,21 @@ async fn an_action_with_an_unscheduled_open_job_is_never_finished() {
     assert!(
         w.lease_within(300).await.is_none(),
         "the unscheduled job ran"
+    );
+    // Memory does not hold the unscheduled job: the open floor stays put
+    // below it (the next start still loads it).
+    raise_floor(&engine).await;
+    let unscheduled: i64 = rusqlite::Connection::open(dir.path().join("agq.db"))
+        .unwrap()
+        .query_row(
+            "SELECT last_job_row FROM actions WHERE action_id = 'kept'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        stored_floor(&dir) <= unscheduled,
+        "the floor passed the unscheduled job"
     );
     e.close().await;
     assert!(finished_at(&dir, "done").is_some(), "the finished action");
