@@ -361,6 +361,17 @@ fn stored(dir: &tempfile::TempDir) -> HashMap<String, i64> {
     out
 }
 
+/// Waits (5 s at most) until retention has deleted every job row.
+async fn wait_all_deleted(dir: &tempfile::TempDir) {
+    for _ in 0..100 {
+        if stored(dir).values().all(|&n| n == 0) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("retention left jobs: {:?}", stored(dir));
+}
+
 /// Asserts that the gauge equals the table. The engine's maintenance (a
 /// stale worker's leases going back) may commit at any moment, so the
 /// gauge is read between two scans that agree: no commit changed the
@@ -482,13 +493,7 @@ async fn job_counts_follow_every_transition_and_survive_a_restart() {
     )
     .await
     .unwrap();
-    for _ in 0..100 {
-        if stored(&dir).values().all(|&n| n == 0) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(stored(&dir).values().all(|&n| n == 0), "{:?}", stored(&dir));
+    wait_all_deleted(&dir).await;
     assert_gauge_matches_table(&e, &dir).await;
     e.close().await;
 }
@@ -992,13 +997,7 @@ async fn rows_after_retention_emptied_the_table_start_at_the_floor() {
     raise_floor(&e).await;
     let floor = stored_floor(&dir);
     assert_eq!(floor, row_of(&ids[1]) + 1);
-    for _ in 0..100 {
-        if stored(&dir).values().all(|&n| n == 0) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(stored(&dir).values().all(|&n| n == 0), "{:?}", stored(&dir));
+    wait_all_deleted(&dir).await;
     e.close().await;
 
     let e = open(&dir, quick()).await;
@@ -1118,18 +1117,10 @@ async fn finished_jobs_counted_in_the_background_add_up_with_later_changes() {
     assert_gauge_matches_table(&shared, &dir).await;
 
     // Load again (as after a failed commit) with the count held.
-    let (release, gate) = std::sync::mpsc::channel();
-    e.writer
-        .write(move |s, c| {
-            s.count_gate = Some(gate);
-            s.load(c)
-        })
-        .await
-        .unwrap();
+    let release = load_with_count_held(&e).await;
     // (The gauge keeps its last values; the counts behind it lack the
     // finished statuses.)
-    let counts = || async { e.writer.run(|s, _| Ok(s.job_counts())).await.unwrap() };
-    let c = counts().await;
+    let c = counts_of(&e).await;
     let (pending, running) = (JobStatus::Pending as i32, JobStatus::Running as i32);
     assert_eq!(c.len(), 3, "only the open statuses: {c:?}");
     assert_eq!(c[&pending] + c[&running], 6, "{c:?}");
@@ -1168,17 +1159,45 @@ async fn finished_jobs_counted_in_the_background_add_up_with_later_changes() {
         old.iter().all(|id| stored_has_not(&dir, id)),
         "retention ran"
     );
-    assert_eq!(counts().await.len(), 3, "still counting");
+    assert_eq!(counts_of(&e).await.len(), 3, "still counting");
     release.send(()).unwrap();
+    wait_counted(&e).await;
+    assert_gauge_matches_table(&shared, &dir).await;
+    e.close().await;
+}
+
+/// Loads `e`'s state again (as after a failed commit) with the background
+/// count of finished jobs held until the returned sender is used or
+/// dropped.
+async fn load_with_count_held(e: &SqliteEngine) -> std::sync::mpsc::Sender<()> {
+    let (release, gate) = std::sync::mpsc::channel();
+    e.writer
+        .write(move |s, c| {
+            s.count_gate = Some(gate);
+            s.load(c)
+        })
+        .await
+        .unwrap();
+    release
+}
+
+/// The engine's job counts by status value (`State::job_counts`).
+async fn counts_of(e: &SqliteEngine) -> HashMap<i32, i64> {
+    e.writer.run(|s, _| Ok(s.job_counts())).await.unwrap()
+}
+
+/// Waits (2 s at most) until the finished statuses are counted too.
+async fn wait_counted(e: &SqliteEngine) {
     for _ in 0..100 {
-        if counts().await.len() == JobStatus::ALL.len() {
-            break;
+        if counts_of(e).await.len() == JobStatus::ALL.len() {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(counts().await.len(), JobStatus::ALL.len(), "counted");
-    assert_gauge_matches_table(&shared, &dir).await;
-    e.close().await;
+    panic!(
+        "the finished jobs were never counted: {:?}",
+        counts_of(e).await
+    );
 }
 
 /// True when no job row has the public id `job_id`.
@@ -1249,42 +1268,22 @@ async fn a_new_load_replaces_a_count_under_way() {
         done += 1;
     };
     complete_next().await;
-    let load_held = |e: &std::sync::Arc<SqliteEngine>| {
-        let (release, gate) = std::sync::mpsc::channel::<()>();
-        let e = e.clone();
-        async move {
-            e.writer
-                .write(move |s, c| {
-                    s.count_gate = Some(gate);
-                    s.load(c)
-                })
-                .await
-                .unwrap();
-            release
-        }
-    };
     // A completion between the two loads: their snapshots differ.
-    let first = load_held(&e).await;
+    let first = load_with_count_held(&e).await;
     complete_next().await;
-    let second = load_held(&e).await;
+    let second = load_with_count_held(&e).await;
     drop(first);
     // The first count may now finish; its result must not count.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let counts = || async { e.writer.run(|s, _| Ok(s.job_counts())).await.unwrap() };
     assert_eq!(
-        counts().await.len(),
+        counts_of(&e).await.len(),
         3,
         "the finished jobs are not counted yet"
     );
     complete_next().await;
     drop(second);
-    for _ in 0..100 {
-        if counts().await.len() == JobStatus::ALL.len() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(counts().await[&(JobStatus::Completed as i32)], 3);
+    wait_counted(&e).await;
+    assert_eq!(counts_of(&e).await[&(JobStatus::Completed as i32)], 3);
     complete_next().await;
     assert_gauge_matches_table(&shared(&e), &dir).await;
     e.close().await;
