@@ -7,8 +7,8 @@
 -- lowest row of an open job it holds in memory (every open job is); the
 -- only statement that reopens a finished job (RetryJob and RetryAction)
 -- lowers it to that job's row in its own transaction. New jobs get rows
--- above it. 0, as a database upgraded to this version starts: every row
--- is read once, and the next batch raises it.
+-- above it. 0, as a database upgraded to this version starts: the first
+-- load reads every row once, and a batch a second later raises it.
 CREATE TABLE job_floor (
     one             INTEGER PRIMARY KEY CHECK (one = 1),
     first_open_row  INTEGER NOT NULL
