@@ -34,6 +34,7 @@ store_tests! {
     shutdown_turns_health_not_serving_finishes_calls_and_cuts_held_streams,
     finished_actions_expire_after_the_retention_with_their_jobs,
     a_wrong_finish_stamp_never_deletes_an_open_action,
+    job_counts_follow_every_transition_and_a_restart,
 }
 
 fn task(n: u32, cmd: &str) -> Task {
@@ -1291,4 +1292,172 @@ async fn a_wrong_finish_stamp_never_deletes_an_open_action(store: TestStore) {
         JobStatus::Pending as i32
     );
     s.stop().await;
+}
+
+/// The jobs of each status in `agq_jobs_current`, in the order of
+/// [`COUNTED`].
+async fn job_gauges(s: &TestServer) -> Vec<f64> {
+    let mut out = Vec::new();
+    for status in COUNTED {
+        out.push(metric(s, &format!("agq_jobs_current{{status=\"{status}\"}}")).await);
+    }
+    out
+}
+
+/// The statuses [`job_gauges`] reads.
+const COUNTED: [&str; 6] = [
+    "pending",
+    "running",
+    "failed",
+    "completed",
+    "dead",
+    "cancelled",
+];
+
+/// `agq_jobs_current` follows each transition (submit, lease, complete,
+/// fail into the dead letter, cancel, retry, retention's deletes) and
+/// reads the same after a restart. On PostgreSQL the gauges are the kept
+/// counts of `job_counts` (not a count of the rows at each scrape), which
+/// must equal a count of the rows; the counts of a connection that ended
+/// are folded into slot 0 by the next leader without changing a gauge.
+async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let backing = s.backing.clone();
+    let (_, ids) = submit(&s, plan("counts", &["cat"]), 5, 1).await;
+    assert_eq!(job_gauges(&s).await, [5.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    // One slot: the worker holds one lease at a time.
+    let mut w = SimWorker::start(&s, "counts-w", &["cat"], 1).await;
+    let done = w.lease().await;
+    w.complete(&done).await;
+    let failed = w.lease().await;
+    w.report(&failed, JobStatus::Failed).await.unwrap();
+    let running = w.lease().await;
+    let dead_id = job_id_of(&failed).to_string();
+    assert_eq!(job(&s, &dead_id).await.status, JobStatus::Dead as i32);
+    let leased = [job_id_of(&done), job_id_of(&failed), job_id_of(&running)];
+    let waiting: Vec<&String> = ids
+        .iter()
+        .filter(|id| !leased.contains(&id.as_str()))
+        .collect();
+    assert_eq!(waiting.len(), 2);
+    let mut jobs = s.jobs().await;
+    jobs.cancel_job(CancelJobRequest {
+        job_id: waiting[0].clone(),
+    })
+    .await
+    .unwrap();
+    jobs.retry_job(RetryJobRequest {
+        job_id: dead_id.clone(),
+        priority: None,
+    })
+    .await
+    .unwrap();
+    // 2 pending (one of them retried), 1 running, 1 completed, 1 cancelled.
+    let want = [2.0, 1.0, 0.0, 1.0, 0.0, 1.0];
+    assert_eq!(job_gauges(&s).await, want);
+    drop(w);
+    s.stop().await;
+
+    let mut s = TestServer::start_on(&backing, fast_config()).await;
+    // The finished statuses of SQLite are counted in the background.
+    eventually(10, "the counts after a restart", || async {
+        job_gauges(&s).await == want
+    })
+    .await;
+    if let agq::config::Store::Postgres(url) = s.backing.store.clone() {
+        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let sums = |sql: &'static str| {
+            let db = &db;
+            async move {
+                let mut m: Vec<(i16, i64)> = db
+                    .query(sql, &[])
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1)))
+                    .filter(|(_, n)| *n != 0)
+                    .collect();
+                m.sort();
+                m
+            }
+        };
+        let kept = "SELECT status, sum(n)::bigint FROM job_counts GROUP BY status";
+        let rows = "SELECT status, count(*) FROM jobs GROUP BY status";
+        assert_eq!(sums(kept).await, sums(rows).await);
+        // The gauges read the kept counts: 7 counted completions the rows
+        // do not have show up at the next scrape.
+        let completed = "INSERT INTO job_counts AS c (slot, status, n) VALUES (0, 3, $1)
+                         ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n";
+        db.execute(completed, &[&7i64]).await.unwrap();
+        let mut more = want;
+        more[3] += 7.0;
+        assert_eq!(job_gauges(&s).await, more);
+        db.execute(completed, &[&-7i64]).await.unwrap();
+        // The counts of a connection that ended (a process id no backend
+        // has) are folded into slot 0 by the next leader's first pass.
+        db.execute(
+            "INSERT INTO job_counts (slot, status, n) VALUES (2147483647, 1, 3), (2147483647, 3, -3)",
+            &[],
+        )
+        .await
+        .unwrap();
+        s.stop().await;
+        s = TestServer::start_on(&backing, fast_config()).await;
+        eventually(10, "the ended connection's counts folded", || async {
+            db.query("SELECT 1 FROM job_counts WHERE slot = 2147483647", &[])
+                .await
+                .unwrap()
+                .is_empty()
+        })
+        .await;
+        let mut folded = want;
+        folded[0] += 3.0;
+        folded[3] -= 3.0;
+        assert_eq!(job_gauges(&s).await, folded);
+        db.execute(
+            "UPDATE job_counts SET n = n + CASE status WHEN 1 THEN -3 ELSE 3 END
+             WHERE slot = 0 AND status IN (1, 3)",
+            &[],
+        )
+        .await
+        .unwrap();
+        // (Both rows of slot 0 exist: the 7 above made the completed one.)
+        assert_eq!(sums(kept).await, sums(rows).await);
+    }
+    // With a short retention, once every job has ended the action is
+    // deleted with its jobs, and every gauge falls to 0.
+    s.stop().await;
+    let cfg = EngineConfig {
+        job_retention: Some(std::time::Duration::from_secs(1)),
+        ..fast_config()
+    };
+    let s = TestServer::start_on(&backing, cfg).await;
+    let mut w = SimWorker::start(&s, "counts-w2", &["cat"], 4).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        // The pending jobs, and the one leased before the restart once its
+        // worker is declared dead (pending again or dead, as its attempts
+        // allow).
+        if let Some(l) = w.lease_within(100).await {
+            w.complete(&l).await;
+        }
+        if job_gauges(&s).await == [0.0; 6] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gauges never all fell to 0: {:?}",
+            job_gauges(&s).await
+        );
+    }
+    s.stop().await;
+}
+
+/// The job id of a lease.
+fn job_id_of(l: &JobLease) -> &str {
+    &l.job.as_ref().unwrap().job_id
 }

@@ -916,6 +916,32 @@ async fn settle(
     )
 }
 
+/// The job counts kept by the triggers (`job_counts`, what `/metrics`
+/// reads) equal a count of the job rows: transactions cut by a replica's
+/// `kill -9` or the database's crash took their counts with them.
+async fn assert_counts_kept(url: &str) {
+    let db = pg::connect(url).await;
+    let sums = |sql: &'static str| {
+        let db = &db;
+        async move {
+            let mut m: Vec<(i16, i64)> = db
+                .query(sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1)))
+                .filter(|(_, n)| *n != 0)
+                .collect();
+            m.sort();
+            m
+        }
+    };
+    let kept = sums("SELECT status, sum(n)::bigint FROM job_counts GROUP BY status").await;
+    let rows = sums("SELECT status, count(*) FROM jobs GROUP BY status").await;
+    assert!(!rows.is_empty(), "no jobs");
+    assert_eq!(kept, rows, "job_counts against the rows");
+}
+
 fn env_or(name: &str, default: u32) -> u32 {
     std::env::var(name)
         .ok()
@@ -971,6 +997,7 @@ async fn replica_kills_lose_and_duplicate_nothing() {
     }
     let summary = settle(&urls, &sub, &ledger, stop_workers, workers).await;
     cluster.assert_no_panic();
+    assert_counts_kept(&cluster.url).await;
     println!(
         "cluster kills: {kills} kill -9s ({victims:?} per replica) in {:.1} s; {summary}; \
          settled in {:.1} s",
@@ -1327,6 +1354,7 @@ async fn a_database_crash_under_load_loses_nothing() {
     }
     let summary = settle(&urls, &sub, &ledger, stop_workers, workers).await;
     cluster.assert_no_panic();
+    assert_counts_kept(&cluster.url).await;
     println!(
         "cluster database crash: PostgreSQL back after {:.1} s, every replica SERVING after \
          {:.1} s; {summary}",

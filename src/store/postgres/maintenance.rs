@@ -39,6 +39,10 @@ const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
 /// Undelivered commands are dropped after this, ms (1 h).
 const COMMAND_RETENTION_MS: i64 = 3600 * 1000;
 
+/// How often the leader folds the job counts of ended connections into
+/// slot 0 ([`PgEngine::fold_job_counts`]).
+const FOLD_EVERY: Duration = Duration::from_secs(30);
+
 /// The maintenance tick: half the heartbeat interval, between 50 ms and
 /// 1 s.
 fn tick(engine: &PgEngine) -> Duration {
@@ -50,6 +54,7 @@ fn tick(engine: &PgEngine) -> Duration {
 pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     let period = tick(&engine);
+    let mut last_fold: Option<std::time::Instant> = None;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(period) => {}
@@ -57,7 +62,11 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
         }
         match engine.lead().await {
             Ok(true) => {
-                let r = engine.maintain().await;
+                let mut r = engine.maintain().await;
+                if r.is_ok() && last_fold.is_none_or(|t| t.elapsed() >= FOLD_EVERY) {
+                    r = engine.fold_job_counts().await;
+                    last_fold = Some(std::time::Instant::now());
+                }
                 if let Err(e) = engine.observe(r) {
                     tracing::warn!(error = %e, "maintenance pass failed");
                 }
@@ -167,6 +176,42 @@ impl PgEngine {
         )
         .await
         .map_err(db_err)?;
+        Ok(())
+    }
+
+    /// Folds the `job_counts` rows of database connections that have
+    /// ended into slot 0 (migration 0002), so the table holds about one
+    /// row per status for each open connection, however many connections
+    /// came and went. Rows locked by a transaction under way (a
+    /// connection that reused an ended one's process id) are skipped
+    /// until the next fold; nothing waits on them.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn fold_job_counts(&self) -> Result<()> {
+        let c = self.client().await?;
+        let folded = c
+            .execute(
+                "WITH gone AS (
+                     SELECT slot, status FROM job_counts
+                     WHERE slot <> 0
+                       AND slot NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)
+                     ORDER BY slot, status
+                     FOR UPDATE SKIP LOCKED
+                 ), taken AS (
+                     DELETE FROM job_counts c USING gone g
+                     WHERE c.slot = g.slot AND c.status = g.status
+                     RETURNING c.status, c.n
+                 )
+                 INSERT INTO job_counts AS c (slot, status, n)
+                 SELECT 0, status, sum(n)::bigint FROM taken GROUP BY status ORDER BY status
+                 ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        if folded > 0 {
+            tracing::debug!(statuses = folded, "job counts of ended connections folded");
+        }
         Ok(())
     }
 

@@ -8,7 +8,10 @@ use crate::error::{Error, Result};
 use super::db_err;
 
 /// The migrations, in order; the index + 1 is the schema version.
-const MIGRATIONS: &[&str] = &[include_str!("migrations/0001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("migrations/0001_init.sql"),
+    include_str!("migrations/0002_job_counts.sql"),
+];
 
 /// Key of the advisory lock the migrations run under ("agq schema").
 const MIGRATION_LOCK: i64 = 0x6167_715f_7363_6d61;
