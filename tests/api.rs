@@ -1318,8 +1318,8 @@ const COUNTED: [&str; 6] = [
 /// fail into the dead letter, cancel, retry, retention's deletes) and
 /// reads the same after a restart. On PostgreSQL the gauges are the kept
 /// counts of `job_counts` (not a count of the rows at each scrape), which
-/// must equal a count of the rows; the counts of a connection that ended
-/// are folded into slot 0 by the next leader without changing a gauge.
+/// must equal a count of the rows; the leader folds them into one row per
+/// status without changing a gauge.
 async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
@@ -1390,42 +1390,48 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
         assert_eq!(sums(kept).await, sums(rows).await);
         // The gauges read the kept counts: 7 counted completions the rows
         // do not have show up at the next scrape.
-        let completed = "INSERT INTO job_counts AS c (slot, status, n) VALUES (0, 3, $1)
-                         ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n";
+        let completed = "INSERT INTO job_counts (status, n) VALUES (3, $1)";
         db.execute(completed, &[&7i64]).await.unwrap();
         let mut more = want;
         more[3] += 7.0;
         assert_eq!(job_gauges(&s).await, more);
         db.execute(completed, &[&-7i64]).await.unwrap();
-        // The counts of a connection that ended (a process id no backend
-        // has) are folded into slot 0 by the next leader's first pass.
+        assert_eq!(job_gauges(&s).await, want);
+        // The leader's first pass folds the rows into one per status,
+        // the sums unchanged.
+        s.stop().await;
         db.execute(
-            "INSERT INTO job_counts (slot, status, n) VALUES (2147483647, 1, 3), (2147483647, 3, -3)",
+            "INSERT INTO job_counts (status, n) VALUES (1, 3), (1, -3), (3, 5), (3, -5)",
             &[],
         )
         .await
         .unwrap();
-        s.stop().await;
+        let rows_and_statuses = "SELECT count(*), count(DISTINCT status) FROM job_counts";
+        let r = db.query_one(rows_and_statuses, &[]).await.unwrap();
+        let (n, statuses): (i64, i64) = (r.get(0), r.get(1));
+        assert!(
+            n > statuses,
+            "{n} rows for {statuses} statuses before a fold"
+        );
         s = TestServer::start_on(&backing, fast_config()).await;
-        eventually(10, "the ended connection's counts folded", || async {
-            db.query("SELECT 1 FROM job_counts WHERE slot = 2147483647", &[])
-                .await
-                .unwrap()
-                .is_empty()
+        eventually(10, "the counts folded into a row per status", || async {
+            let r = db.query_one(rows_and_statuses, &[]).await.unwrap();
+            r.get::<_, i64>(0) == r.get::<_, i64>(1)
         })
         .await;
-        let mut folded = want;
-        folded[0] += 3.0;
-        folded[3] -= 3.0;
-        assert_eq!(job_gauges(&s).await, folded);
-        db.execute(
-            "UPDATE job_counts SET n = n + CASE status WHEN 1 THEN -3 ELSE 3 END
-             WHERE slot = 0 AND status IN (1, 3)",
-            &[],
+        assert_eq!(job_gauges(&s).await, want);
+        assert_eq!(sums(kept).await, sums(rows).await);
+        // Migration 2 on a database of schema 1 with jobs stored: the
+        // counts start from a count of the rows.
+        s.stop().await;
+        db.batch_execute(
+            "DROP TABLE job_counts; DROP FUNCTION agq_count_jobs() CASCADE;
+             DELETE FROM agq_schema WHERE version = 2;",
         )
         .await
         .unwrap();
-        // (Both rows of slot 0 exist: the 7 above made the completed one.)
+        s = TestServer::start_on(&backing, fast_config()).await;
+        assert_eq!(job_gauges(&s).await, want);
         assert_eq!(sums(kept).await, sums(rows).await);
     }
     // With a short retention, once every job has ended the action is

@@ -39,9 +39,9 @@ const DEPARTED_RETENTION_MS: i64 = 24 * 3600 * 1000;
 /// Undelivered commands are dropped after this, ms (1 h).
 const COMMAND_RETENTION_MS: i64 = 3600 * 1000;
 
-/// How often the leader folds the job counts of ended connections into
-/// slot 0 ([`PgEngine::fold_job_counts`]).
-const FOLD_EVERY: Duration = Duration::from_secs(30);
+/// How often the leader folds the rows of the job counts
+/// ([`PgEngine::fold_job_counts`]).
+const FOLD_EVERY: Duration = Duration::from_secs(2);
 
 /// The maintenance tick: half the heartbeat interval, between 50 ms and
 /// 1 s.
@@ -179,39 +179,27 @@ impl PgEngine {
         Ok(())
     }
 
-    /// Folds the `job_counts` rows of database connections that have
-    /// ended into slot 0 (migration 0002), so the table holds about one
-    /// row per status for each open connection, however many connections
-    /// came and went. Rows locked by a transaction under way (a
-    /// connection that reused an ended one's process id) are skipped
-    /// until the next fold; nothing waits on them.
+    /// Folds the rows of `job_counts` (one appended per status by each
+    /// statement that moved jobs; migration 0002) into one per status,
+    /// so a scrape sums a few seconds' rows at most. One statement: a
+    /// scrape sees the rows before or after, the same sums. Rows of
+    /// transactions still under way are not visible to it and stay for
+    /// the next fold; a second leader's fold waits for this one's rows
+    /// and finds them gone.
     ///
     /// Errors: storage errors.
     pub(super) async fn fold_job_counts(&self) -> Result<()> {
         let c = self.client().await?;
-        let folded = c
+        let kept = c
             .execute(
-                "WITH gone AS (
-                     SELECT slot, status FROM job_counts
-                     WHERE slot <> 0
-                       AND slot NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)
-                     ORDER BY slot, status
-                     FOR UPDATE SKIP LOCKED
-                 ), taken AS (
-                     DELETE FROM job_counts c USING gone g
-                     WHERE c.slot = g.slot AND c.status = g.status
-                     RETURNING c.status, c.n
-                 )
-                 INSERT INTO job_counts AS c (slot, status, n)
-                 SELECT 0, status, sum(n)::bigint FROM taken GROUP BY status ORDER BY status
-                 ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n",
+                "WITH taken AS (DELETE FROM job_counts RETURNING status, n)
+                 INSERT INTO job_counts (status, n)
+                 SELECT status, sum(n)::bigint FROM taken GROUP BY status HAVING sum(n) <> 0",
                 &[],
             )
             .await
             .map_err(db_err)?;
-        if folded > 0 {
-            tracing::debug!(statuses = folded, "job counts of ended connections folded");
-        }
+        tracing::trace!(statuses = kept, "job counts folded");
         Ok(())
     }
 

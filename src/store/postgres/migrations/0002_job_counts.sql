@@ -2,42 +2,36 @@
 -- delete jobs, so that a scrape of /metrics reads a few rows instead of
 -- counting every job kept (up to the retention's whole history).
 --
--- Each database connection adds to rows of its own (`slot` is its
--- backend process id): one connection runs one transaction at a time, so
--- no two transactions ever wait on each other's counts. Slot 0 holds the
--- count taken when this table was made and the rows of connections that
--- have ended, folded into it by the maintenance leader. The count of a
--- status is the sum of its rows.
+-- The rows are changes: each statement on `jobs` appends one row per
+-- status it moved (+n or -n), and the count of a status is the sum of
+-- its rows. Appending takes no row lock and updates no row, so writers
+-- never wait on each other's counts and no row collects dead versions
+-- under heavy writes (a row updated at every statement would). The
+-- maintenance leader folds the rows into one per status every few
+-- seconds.
 CREATE TABLE job_counts (
-    slot    integer NOT NULL,
     status  smallint NOT NULL,
-    n       bigint NOT NULL,
-    PRIMARY KEY (slot, status)
-) WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+    n       bigint NOT NULL
+) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,
+        autovacuum_vacuum_insert_threshold = 5000);
 
--- Adds the changes of one statement on `jobs` to the connection's slot:
--- +1 for each row in the new rows, -1 for each in the old rows, by status
--- (an update that leaves a row's status adds nothing). Rows are taken in
--- status order, so that two transactions sharing a slot (a connection
--- whose process id is reused while the leader folds its old rows) lock
--- them in the same order.
+-- Appends the changes of one statement on `jobs`: +1 for each row in
+-- its new rows, -1 for each in its old rows, summed by status (an update
+-- that leaves every row's status appends nothing).
 CREATE FUNCTION agq_count_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        INSERT INTO job_counts AS c (slot, status, n)
-        SELECT pg_backend_pid(), status, count(*) FROM new_rows GROUP BY status ORDER BY status
-        ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n;
+        INSERT INTO job_counts (status, n)
+        SELECT status, count(*) FROM new_rows GROUP BY status;
     ELSIF TG_OP = 'DELETE' THEN
-        INSERT INTO job_counts AS c (slot, status, n)
-        SELECT pg_backend_pid(), status, -count(*) FROM old_rows GROUP BY status ORDER BY status
-        ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n;
+        INSERT INTO job_counts (status, n)
+        SELECT status, -count(*) FROM old_rows GROUP BY status;
     ELSE
-        INSERT INTO job_counts AS c (slot, status, n)
-        SELECT pg_backend_pid(), status, sum(d)
+        INSERT INTO job_counts (status, n)
+        SELECT status, sum(d)
         FROM (SELECT status, 1 AS d FROM new_rows
               UNION ALL SELECT status, -1 AS d FROM old_rows) t
-        GROUP BY status HAVING sum(d) <> 0 ORDER BY status
-        ON CONFLICT (slot, status) DO UPDATE SET n = c.n + excluded.n;
+        GROUP BY status HAVING sum(d) <> 0;
     END IF;
     RETURN NULL;
 END
@@ -56,5 +50,5 @@ CREATE TRIGGER jobs_count_delete AFTER DELETE ON jobs
     REFERENCING OLD TABLE AS old_rows
     FOR EACH STATEMENT EXECUTE FUNCTION agq_count_jobs();
 
-INSERT INTO job_counts (slot, status, n)
-SELECT 0, status, count(*) FROM jobs GROUP BY status;
+INSERT INTO job_counts (status, n)
+SELECT status, count(*) FROM jobs GROUP BY status;
