@@ -5,8 +5,9 @@
 # inputs) and 1,000 pending ones after them. Runs the server three times:
 # the first start (which may migrate the database), then a start with the
 # page cache dropped (when run as root) and one with it warm, which also
-# times the first page of `agq job search --status pending` and of
-# `--status dead` (there are none: the search finds that out).
+# times the first page of `agq job search --status pending`, of
+# `--status dead` and of `--status cancelled` (there are none: the search
+# finds that out).
 #
 #   bash scripts/startup-time.sh [AGQ_BINARY] [FINISHED]
 #
@@ -39,7 +40,7 @@ serve() {
     # The first page of SearchJobs by an open and by a finished status.
     local addr
     addr="$(sed -n 's/.*listening on \([0-9.:]*\).*/\1/p' "$dir/log" | head -1)"
-    for status in pending dead; do
+    for status in pending dead cancelled; do
       start="$(date +%s.%N)"
       "$agq" job search --server "http://$addr" --status "$status" >/dev/null 2>&1
       end="$(date +%s.%N)"

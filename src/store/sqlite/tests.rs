@@ -1349,3 +1349,67 @@ async fn dead_jobs_are_searched_across_actions_page_by_page() {
     assert_eq!(with_status(&e, JobStatus::Dead).await, all[1..]);
     e.close().await;
 }
+
+/// SearchJobs for cancelled jobs of any action reads the index of
+/// cancelled rows: it finds them across actions and plans in row order,
+/// page by page, with the plan and time filters.
+#[tokio::test]
+async fn cancelled_jobs_are_searched_across_actions_page_by_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    e.submit_plan(plan("p", &["sort"]), false).await.unwrap();
+    e.submit_plan(plan("q", &["sort"]), false).await.unwrap();
+    let mut cancelled = Vec::new();
+    for plan_id in ["p", "q", "p"] {
+        let ids = submit(&shared(&e), plan_id, 3, 1).await;
+        // Jobs 0 and 2 of each action are cancelled, job 1 stays pending.
+        for id in [&ids[0], &ids[2]] {
+            e.cancel_job(id.clone()).await.unwrap();
+            cancelled.push((plan_id, id.clone()));
+        }
+    }
+    let search = |plan_id: Option<&str>, created_after_ms: Option<i64>, page_token: String| {
+        e.search_jobs(JobQuery {
+            status: Some(JobStatus::Cancelled),
+            plan_id: plan_id.map(str::to_string),
+            created_after_ms,
+            page_size: 2,
+            page_token,
+            ..Default::default()
+        })
+    };
+    let mut found = Vec::new();
+    let mut token = String::new();
+    for _ in 0..10 {
+        let page = search(None, None, token).await.unwrap();
+        assert!(page.items.len() <= 2);
+        found.extend(page.items);
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    let all: Vec<String> = cancelled.iter().map(|(_, id)| id.clone()).collect();
+    assert_eq!(found, all);
+    let of_q: Vec<String> = cancelled
+        .iter()
+        .filter(|(p, _)| *p == "q")
+        .map(|(_, id)| id.clone())
+        .collect();
+    assert_eq!(
+        search(Some("q"), None, String::new()).await.unwrap().items,
+        of_q
+    );
+    let later = search(None, Some(i64::MAX / 2), String::new())
+        .await
+        .unwrap();
+    assert!(later.items.is_empty());
+    // Cancelled is final: a retry is refused and the job stays found.
+    let e2 = e.retry_job(all[0].clone(), None).await.unwrap_err();
+    assert!(
+        matches!(e2, crate::error::Error::FailedPrecondition(_)),
+        "{e2:?}"
+    );
+    assert_eq!(with_status(&e, JobStatus::Cancelled).await, all);
+    e.close().await;
+}

@@ -1071,10 +1071,19 @@ pub(super) const SEARCH_DEAD: &str =
        AND (?6 IS NULL OR created_at_ms < ?6)
      ORDER BY id LIMIT ?7";
 
+/// The statement of [`search`] for cancelled jobs of any action: a page
+/// of the index of cancelled rows (migration 0019), in row order.
+pub(super) const SEARCH_CANCELLED: &str =
+    "SELECT id, job_key, job_id FROM job_rows INDEXED BY jobs_cancelled
+     WHERE status = 6 AND id > ?1 AND ?2 IS NULL AND ?3 = 6
+       AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
+       AND (?6 IS NULL OR created_at_ms < ?6)
+     ORDER BY id LIMIT ?7";
+
 /// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
 /// Without an action, an open status (pending, running, failed) is
-/// looked for from the stored [`open_floor`] on, and dead jobs through
-/// the index of dead jobs.
+/// looked for from the stored [`open_floor`] on, and dead and cancelled
+/// jobs through the partial indexes that hold only them.
 ///
 /// Errors: [`Error::Storage`].
 pub fn search(
@@ -1106,6 +1115,8 @@ pub fn search(
         // finished job to find the few dead ones). A dead job's row keeps
         // its status (the `jobs` view changes only running ones).
         SEARCH_DEAD
+    } else if filter.status == Some(JobStatus::Cancelled) {
+        SEARCH_CANCELLED
     } else {
         // `?2` (no action: NULL) keeps the parameters of both statements
         // the same. An open status (pending, running, failed) is looked

@@ -63,6 +63,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0016_job_rows_without_secondary_indexes.sql"),
     include_str!("migrations/0017_job_completions.sql"),
     include_str!("migrations/0018_open_job_floor.sql"),
+    include_str!("migrations/0019_cancelled_jobs_index.sql"),
 ];
 
 /// Pool of read-only connections (WAL lets them read while the writer writes).
@@ -502,8 +503,23 @@ mod tests {
         // Version 15 drops the status index: the engine counts jobs per
         // status in memory. Version 16 drops the action index and the
         // unique index of every id: only the ids of the jobs created
-        // before it are indexed.
-        assert_eq!(indexes, ["jobs_by_legacy_id", "jobs_dead_by_action"]);
+        // before it are indexed. Version 19 indexes the cancelled rows.
+        assert_eq!(
+            indexes,
+            ["jobs_by_legacy_id", "jobs_cancelled", "jobs_dead_by_action"]
+        );
+        let cancelled: Vec<String> = conn
+            .prepare("SELECT job_id FROM job_rows INDEXED BY jobs_cancelled WHERE status = 6")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            cancelled,
+            ["l"],
+            "the cancelled job stored before version 19"
+        );
         // Version 8: the indexes ListActions walks; version 18: the
         // unfinished actions the start-up load reads.
         let action_indexes: Vec<String> = conn
@@ -731,6 +747,12 @@ mod tests {
                 "SCAN job_rows USING INDEX jobs_dead_by_action",
                 "USE TEMP B-TREE FOR ORDER BY"
             ]
+        );
+        // Cancelled jobs of any action: a page of the index of cancelled
+        // rows, in row order (no sort).
+        assert_eq!(
+            plan(jobs::SEARCH_CANCELLED),
+            ["SEARCH job_rows USING INDEX jobs_cancelled (id>?)"]
         );
         assert_eq!(
             plan(jobs::OPEN_ACTION_SCHEDULING),
