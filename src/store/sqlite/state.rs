@@ -16,7 +16,10 @@ use std::{
 
 use rusqlite::Connection;
 
-use super::{sql, writer::BatchState};
+use super::{
+    sql,
+    writer::{BatchState, Commit},
+};
 use crate::{
     config::EngineConfig,
     core::{
@@ -1112,12 +1115,10 @@ impl BatchState for State {
         Ok(())
     }
 
-    fn after_commit(&mut self, ops: usize, commit: Option<Duration>) {
-        if ops > 0 {
-            self.metrics.batch_size.observe(ops as f64);
-            if let Some(d) = commit {
-                self.metrics.commit_duration.observe(d.as_secs_f64());
-            }
+    fn after_commit(&mut self, commit: Option<Commit>) {
+        if let Some(c) = commit {
+            self.metrics.batch_size.observe(c.ops as f64);
+            self.metrics.commit_duration.observe(c.took.as_secs_f64());
         }
         if self.expired_in_batch > 0 {
             self.metrics

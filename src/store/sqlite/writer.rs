@@ -38,6 +38,17 @@ const MAX_BATCH: usize = 1024;
 /// callers had not seen each other's replies).
 const MAX_BATCH_ROWS: usize = 1024;
 
+/// One durable commit of the batch loop, as [`BatchState::after_commit`]
+/// is told of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Commit {
+    /// Operations the commit carried (at least 1).
+    pub ops: usize,
+    /// How long the `COMMIT` itself took: writing the WAL frames and,
+    /// with `synchronous=FULL`, syncing them.
+    pub took: Duration,
+}
+
 /// State owned by the writer thread, with the hooks the batch loop calls.
 pub trait BatchState: Send + 'static {
     /// Runs after the batch's operations, inside the transaction, before
@@ -46,12 +57,10 @@ pub trait BatchState: Send + 'static {
     /// Errors: a storage error rolls the whole batch back.
     fn before_commit(&mut self, conn: &Connection) -> Result<()>;
     /// Runs once the commit is durable: releases buffered side effects.
-    /// `ops` is the number of operations the commit carried; 0 after a
-    /// batch of reads run while the store cannot commit (no commit).
-    /// `commit` is how long the `COMMIT` itself took (writing the WAL
-    /// frames and, with `synchronous=FULL`, syncing them); `None` when
-    /// there was no commit.
-    fn after_commit(&mut self, ops: usize, commit: Option<Duration>);
+    /// `commit` describes the commit; `None` when no operation was
+    /// committed (a batch of reads run while the store cannot commit, or
+    /// a batch that only carried the stop).
+    fn after_commit(&mut self, commit: Option<Commit>);
     /// Runs when the batch was rolled back: drops buffered side effects and
     /// rebuilds the in-memory state from the database.
     fn after_rollback(&mut self, conn: &Connection);
@@ -591,7 +600,7 @@ fn run<S: BatchState>(
                     Op::Stop => {}
                 }
             }
-            state.after_commit(0, None);
+            state.after_commit(None);
             for reply in replies.drain(..) {
                 reply(Ok(()));
             }
@@ -620,7 +629,7 @@ fn run<S: BatchState>(
                 } else {
                     None
                 };
-                state.after_commit(ops, Some(commit));
+                state.after_commit((ops > 0).then_some(Commit { ops, took: commit }));
                 for reply in replies.drain(..) {
                     reply(Ok(()));
                 }
@@ -768,12 +777,8 @@ mod tests {
         fn before_commit(&mut self, _: &Connection) -> Result<()> {
             Ok(())
         }
-        fn after_commit(&mut self, ops: usize, commit: Option<Duration>) {
-            assert!(
-                ops == 0 || commit.is_some(),
-                "a commit's time comes with its operations"
-            );
-            self.commits.push(ops);
+        fn after_commit(&mut self, commit: Option<Commit>) {
+            self.commits.push(commit.map_or(0, |c| c.ops));
         }
         fn after_rollback(&mut self, _: &Connection) {
             self.rollbacks += 1;
