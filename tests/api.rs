@@ -1322,9 +1322,15 @@ const COUNTED: [&str; 6] = [
 /// status without changing a gauge.
 async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    // The lease held across the restarts stays held: no grace or
+    // heartbeat runs out within the test.
+    let cfg = || EngineConfig {
+        lease_grace: std::time::Duration::from_secs(300),
+        ..EngineConfig::default()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg()).await;
     let backing = s.backing.clone();
-    let (_, ids) = submit(&s, plan("counts", &["cat"]), 5, 1).await;
+    let (action_id, ids) = submit(&s, plan("counts", &["cat"]), 5, 1).await;
     assert_eq!(job_gauges(&s).await, [5.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
     // One slot: the worker holds one lease at a time.
     let mut w = SimWorker::start(&s, "counts-w", &["cat"], 1).await;
@@ -1359,7 +1365,7 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
     drop(w);
     s.stop().await;
 
-    let mut s = TestServer::start_on(&backing, fast_config()).await;
+    let mut s = TestServer::start_on(&backing, cfg()).await;
     // The finished statuses of SQLite are counted in the background.
     eventually(10, "the counts after a restart", || async {
         job_gauges(&s).await == want
@@ -1413,7 +1419,7 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
             n > statuses,
             "{n} rows for {statuses} statuses before a fold"
         );
-        s = TestServer::start_on(&backing, fast_config()).await;
+        s = TestServer::start_on(&backing, cfg()).await;
         eventually(10, "the counts folded into a row per status", || async {
             let r = db.query_one(rows_and_statuses, &[]).await.unwrap();
             r.get::<_, i64>(0) == r.get::<_, i64>(1)
@@ -1430,36 +1436,33 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
         )
         .await
         .unwrap();
-        s = TestServer::start_on(&backing, fast_config()).await;
+        s = TestServer::start_on(&backing, cfg()).await;
         assert_eq!(job_gauges(&s).await, want);
         assert_eq!(sums(kept).await, sums(rows).await);
     }
-    // With a short retention, once every job has ended the action is
-    // deleted with its jobs, and every gauge falls to 0.
+    // With a short retention, once every job has ended (CancelAction
+    // ends the running and pending ones) the action is deleted with its
+    // jobs, and every gauge falls to 0.
     s.stop().await;
-    let cfg = EngineConfig {
-        job_retention: Some(std::time::Duration::from_secs(1)),
-        ..fast_config()
-    };
-    let s = TestServer::start_on(&backing, cfg).await;
-    let mut w = SimWorker::start(&s, "counts-w2", &["cat"], 4).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        // The pending jobs, and the one leased before the restart once its
-        // worker is declared dead (pending again or dead, as its attempts
-        // allow).
-        if let Some(l) = w.lease_within(100).await {
-            w.complete(&l).await;
-        }
-        if job_gauges(&s).await == [0.0; 6] {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the gauges never all fell to 0: {:?}",
-            job_gauges(&s).await
-        );
-    }
+    let s = TestServer::start_on(
+        &backing,
+        EngineConfig {
+            job_retention: Some(std::time::Duration::from_secs(1)),
+            ..cfg()
+        },
+    )
+    .await;
+    s.actions()
+        .await
+        .cancel_action(CancelActionRequest {
+            action_id: action_id.clone(),
+        })
+        .await
+        .unwrap();
+    eventually(15, "every gauge back to 0 after retention", || async {
+        job_gauges(&s).await == [0.0; 6]
+    })
+    .await;
     s.stop().await;
 }
 
