@@ -1326,17 +1326,7 @@ async fn dead_jobs_are_searched_across_actions_page_by_page() {
             ..Default::default()
         })
     };
-    let mut found = Vec::new();
-    let mut token = String::new();
-    for _ in 0..10 {
-        let page = search(None, token).await.unwrap();
-        assert!(page.items.len() <= 2);
-        found.extend(page.items);
-        token = page.next_page_token;
-        if token.is_empty() {
-            break;
-        }
-    }
+    let found = every_page(|token| search(None, token)).await;
     let all: Vec<String> = dead.iter().map(|(_, _, id)| id.clone()).collect();
     assert_eq!(found, all);
     let of_q: Vec<String> = dead
@@ -1378,17 +1368,7 @@ async fn cancelled_jobs_are_searched_across_actions_page_by_page() {
             ..Default::default()
         })
     };
-    let mut found = Vec::new();
-    let mut token = String::new();
-    for _ in 0..10 {
-        let page = search(None, None, token).await.unwrap();
-        assert!(page.items.len() <= 2);
-        found.extend(page.items);
-        token = page.next_page_token;
-        if token.is_empty() {
-            break;
-        }
-    }
+    let found = every_page(|token| search(None, None, token)).await;
     let all: Vec<String> = cancelled.iter().map(|(_, id)| id.clone()).collect();
     assert_eq!(found, all);
     let of_q: Vec<String> = cancelled
@@ -1412,4 +1392,25 @@ async fn cancelled_jobs_are_searched_across_actions_page_by_page() {
     );
     assert_eq!(with_status(&e, JobStatus::Cancelled).await, all);
     e.close().await;
+}
+
+/// The items of every page `search` returns, following its page tokens
+/// from the first page (at most 10 pages of at most 2 items).
+async fn every_page<F, Fut>(mut search: F) -> Vec<String>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = crate::error::Result<crate::core::engine::Page<String>>>,
+{
+    let mut found = Vec::new();
+    let mut token = String::new();
+    for _ in 0..10 {
+        let page = search(token).await.unwrap();
+        assert!(page.items.len() <= 2);
+        found.extend(page.items);
+        token = page.next_page_token;
+        if token.is_empty() {
+            return found;
+        }
+    }
+    panic!("more than 10 pages");
 }

@@ -1063,22 +1063,34 @@ pub fn action_exists(conn: &Connection, action_id: &str) -> Result<bool> {
         .is_some())
 }
 
-/// The statement of [`search`] for dead jobs of any action.
-pub(super) const SEARCH_DEAD: &str =
-    "SELECT id, job_key, job_id FROM job_rows INDEXED BY jobs_dead_by_action
-     WHERE status = 5 AND id > ?1 AND ?2 IS NULL AND ?3 = 5
-       AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
-       AND (?6 IS NULL OR created_at_ms < ?6)
-     ORDER BY id LIMIT ?7";
+/// The statement of [`search`] for the jobs of one finished status of
+/// any action, read through `$index`, a partial index that holds only
+/// rows whose stored status is `$status` (a literal: SQLite uses a
+/// partial index only where the query's terms imply its condition).
+/// The parameters are those of [`search`]'s other statements.
+macro_rules! search_by_index {
+    ($index:literal, $status:literal) => {
+        concat!(
+            "SELECT id, job_key, job_id FROM job_rows INDEXED BY ",
+            $index,
+            " WHERE status = ",
+            $status,
+            " AND id > ?1 AND ?2 IS NULL AND ?3 = ",
+            $status,
+            " AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
+              AND (?6 IS NULL OR created_at_ms < ?6)
+             ORDER BY id LIMIT ?7"
+        )
+    };
+}
+
+/// The statement of [`search`] for dead jobs of any action: the index of
+/// dead jobs by action (migration 0008), sorted.
+pub(super) const SEARCH_DEAD: &str = search_by_index!("jobs_dead_by_action", "5");
 
 /// The statement of [`search`] for cancelled jobs of any action: a page
 /// of the index of cancelled rows (migration 0019), in row order.
-pub(super) const SEARCH_CANCELLED: &str =
-    "SELECT id, job_key, job_id FROM job_rows INDEXED BY jobs_cancelled
-     WHERE status = 6 AND id > ?1 AND ?2 IS NULL AND ?3 = 6
-       AND (?4 IS NULL OR plan_id = ?4) AND (?5 IS NULL OR created_at_ms >= ?5)
-       AND (?6 IS NULL OR created_at_ms < ?6)
-     ORDER BY id LIMIT ?7";
+pub(super) const SEARCH_CANCELLED: &str = search_by_index!("jobs_cancelled", "6");
 
 /// Up to `limit` (row, job_id) pairs matching `filter` with row > `after_row`, in row order.
 /// Without an action, an open status (pending, running, failed) is

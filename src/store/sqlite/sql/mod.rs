@@ -493,13 +493,16 @@ mod tests {
             .pragma_query_value(None, "user_version", |r| r.get(0))
             .unwrap();
         assert_eq!(version as usize, MIGRATIONS.len());
-        let indexes: Vec<String> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'job_rows' AND sql IS NOT NULL ORDER BY name")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        // The first column of every row `sql` returns.
+        let column = |sql: &str| -> Vec<String> {
+            conn.prepare(sql)
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let indexes = column("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'job_rows' AND sql IS NOT NULL ORDER BY name");
         // Version 15 drops the status index: the engine counts jobs per
         // status in memory. Version 16 drops the action index and the
         // unique index of every id: only the ids of the jobs created
@@ -508,13 +511,8 @@ mod tests {
             indexes,
             ["jobs_by_legacy_id", "jobs_cancelled", "jobs_dead_by_action"]
         );
-        let cancelled: Vec<String> = conn
-            .prepare("SELECT job_id FROM job_rows INDEXED BY jobs_cancelled WHERE status = 6")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        let cancelled =
+            column("SELECT job_id FROM job_rows INDEXED BY jobs_cancelled WHERE status = 6");
         assert_eq!(
             cancelled,
             ["l"],
@@ -522,13 +520,7 @@ mod tests {
         );
         // Version 8: the indexes ListActions walks; version 18: the
         // unfinished actions the start-up load reads.
-        let action_indexes: Vec<String> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'actions' AND sql IS NOT NULL ORDER BY name")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        let action_indexes = column("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'actions' AND sql IS NOT NULL ORDER BY name");
         assert_eq!(
             action_indexes,
             [
