@@ -921,31 +921,13 @@ async fn settle(
 /// `kill -9` or the database's crash took their counts with them.
 async fn assert_counts_kept(url: &str) {
     let db = pg::connect(url).await;
-    // One statement, one snapshot: the kept counts less a count of the
-    // rows, by status; nothing but zeros.
-    let off: Vec<(i16, i64)> = db
-        .query(
-            "SELECT status, sum(n)::bigint FROM (
-                 SELECT status, n FROM job_counts
-                 UNION ALL SELECT status, -count(*) FROM jobs GROUP BY status) t
-             GROUP BY status HAVING sum(n) <> 0 ORDER BY status",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
     let jobs: i64 = db
         .query_one("SELECT count(*) FROM jobs", &[])
         .await
         .unwrap()
         .get(0);
     assert!(jobs > 0, "no jobs");
-    assert!(
-        off.is_empty(),
-        "job_counts less the rows, by status (of {jobs} jobs): {off:?}"
-    );
+    common::assert_job_counts_kept(&db).await;
 }
 
 fn env_or(name: &str, default: u32) -> u32 {

@@ -676,3 +676,27 @@ pub async fn metric(server: &TestServer, name: &str) -> f64 {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} in metrics:\n{body}"))
 }
+
+/// Asserts that the PostgreSQL store's kept job counts (`job_counts`,
+/// what `/metrics` reads) equal a count of the job rows, by status, in
+/// one statement (one snapshot: a transaction committing meanwhile
+/// cannot make them differ). Panics with the differences.
+pub async fn assert_job_counts_kept(db: &tokio_postgres::Client) {
+    let off: Vec<(i16, i64)> = db
+        .query(
+            "SELECT status, sum(n)::bigint FROM (
+                 SELECT status, n FROM job_counts
+                 UNION ALL SELECT status, -count(*) FROM jobs GROUP BY status) t
+             GROUP BY status HAVING sum(n) <> 0 ORDER BY status",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        off.is_empty(),
+        "job_counts less a count of the job rows, by status: {off:?}"
+    );
+}

@@ -1291,7 +1291,7 @@ async fn a_new_load_replaces_a_count_under_way() {
 
 /// SearchJobs for dead jobs of any action reads the index of dead jobs:
 /// it finds them across actions and plans in row order, page by page,
-/// with the plan filter, and a retried one is no longer dead.
+/// with the plan and time filters, and a retried one is no longer dead.
 #[tokio::test]
 async fn dead_jobs_are_searched_across_actions_page_by_page() {
     let dir = tempfile::tempdir().unwrap();
@@ -1300,7 +1300,7 @@ async fn dead_jobs_are_searched_across_actions_page_by_page() {
     e.submit_plan(plan("q", &["sort"]), false).await.unwrap();
     let mut w = Worker::start(&shared(&e), "w1", &["sort"], 1).await;
     let mut dead = Vec::new();
-    for (i, plan_id) in ["p", "q", "p"].into_iter().enumerate() {
+    for plan_id in ["p", "q", "p"] {
         let ids = submit(&shared(&e), plan_id, 3, 1).await;
         for (j, id) in ids.iter().enumerate() {
             let l = w.lease_within(2000).await.unwrap();
@@ -1313,28 +1313,11 @@ async fn dead_jobs_are_searched_across_actions_page_by_page() {
             };
             e.update_job(w.report(&l, status)).await.unwrap();
             if j != 1 {
-                dead.push((i, plan_id, id.clone()));
+                dead.push((plan_id, id.clone()));
             }
         }
     }
-    let search = |plan_id: Option<&str>, page_token: String| {
-        e.search_jobs(JobQuery {
-            status: Some(JobStatus::Dead),
-            plan_id: plan_id.map(str::to_string),
-            page_size: 2,
-            page_token,
-            ..Default::default()
-        })
-    };
-    let found = every_page(|token| search(None, token)).await;
-    let all: Vec<String> = dead.iter().map(|(_, _, id)| id.clone()).collect();
-    assert_eq!(found, all);
-    let of_q: Vec<String> = dead
-        .iter()
-        .filter(|(_, p, _)| *p == "q")
-        .map(|(_, _, id)| id.clone())
-        .collect();
-    assert_eq!(search(Some("q"), String::new()).await.unwrap().items, of_q);
+    let all = assert_found_across_actions(&e, JobStatus::Dead, &dead).await;
     e.retry_job(all[0].clone(), None).await.unwrap();
     assert_eq!(with_status(&e, JobStatus::Dead).await, all[1..]);
     e.close().await;
@@ -1358,32 +1341,7 @@ async fn cancelled_jobs_are_searched_across_actions_page_by_page() {
             cancelled.push((plan_id, id.clone()));
         }
     }
-    let search = |plan_id: Option<&str>, created_after_ms: Option<i64>, page_token: String| {
-        e.search_jobs(JobQuery {
-            status: Some(JobStatus::Cancelled),
-            plan_id: plan_id.map(str::to_string),
-            created_after_ms,
-            page_size: 2,
-            page_token,
-            ..Default::default()
-        })
-    };
-    let found = every_page(|token| search(None, None, token)).await;
-    let all: Vec<String> = cancelled.iter().map(|(_, id)| id.clone()).collect();
-    assert_eq!(found, all);
-    let of_q: Vec<String> = cancelled
-        .iter()
-        .filter(|(p, _)| *p == "q")
-        .map(|(_, id)| id.clone())
-        .collect();
-    assert_eq!(
-        search(Some("q"), None, String::new()).await.unwrap().items,
-        of_q
-    );
-    let later = search(None, Some(i64::MAX / 2), String::new())
-        .await
-        .unwrap();
-    assert!(later.items.is_empty());
+    let all = assert_found_across_actions(&e, JobStatus::Cancelled, &cancelled).await;
     // Cancelled is final: a retry is refused and the job stays found.
     let e2 = e.retry_job(all[0].clone(), None).await.unwrap_err();
     assert!(
@@ -1394,23 +1352,49 @@ async fn cancelled_jobs_are_searched_across_actions_page_by_page() {
     e.close().await;
 }
 
-/// The items of every page `search` returns, following its page tokens
-/// from the first page (at most 10 pages of at most 2 items).
-async fn every_page<F, Fut>(mut search: F) -> Vec<String>
-where
-    F: FnMut(String) -> Fut,
-    Fut: std::future::Future<Output = crate::error::Result<crate::core::engine::Page<String>>>,
-{
+/// Asserts that SearchJobs for `status` without an action finds `want`
+/// ((plan, job id) in submission order) across actions and plans: page by
+/// page (pages of 2, following their tokens), with the plan filter (plan
+/// "q"), and nothing with a creation time far ahead. Returns the job ids.
+async fn assert_found_across_actions(
+    e: &SqliteEngine,
+    status: JobStatus,
+    want: &[(&str, String)],
+) -> Vec<String> {
+    let search = |plan_id: Option<&str>, created_after_ms: Option<i64>, page_token: String| {
+        e.search_jobs(JobQuery {
+            status: Some(status),
+            plan_id: plan_id.map(str::to_string),
+            created_after_ms,
+            page_size: 2,
+            page_token,
+            ..Default::default()
+        })
+    };
     let mut found = Vec::new();
     let mut token = String::new();
     for _ in 0..10 {
-        let page = search(token).await.unwrap();
+        let page = search(None, None, token).await.unwrap();
         assert!(page.items.len() <= 2);
         found.extend(page.items);
         token = page.next_page_token;
         if token.is_empty() {
-            return found;
+            break;
         }
     }
-    panic!("more than 10 pages");
+    assert!(token.is_empty(), "more than 10 pages");
+    let all: Vec<String> = want.iter().map(|(_, id)| id.clone()).collect();
+    assert_eq!(found, all);
+    let of_q: Vec<String> = want
+        .iter()
+        .filter(|(p, _)| *p == "q")
+        .map(|(_, id)| id.clone())
+        .collect();
+    let by_plan = search(Some("q"), None, String::new()).await.unwrap();
+    assert_eq!(by_plan.items, of_q);
+    let later = search(None, Some(i64::MAX / 2), String::new())
+        .await
+        .unwrap();
+    assert!(later.items.is_empty());
+    all
 }
