@@ -1408,6 +1408,14 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
             r.get::<_, i64>(0) == r.get::<_, i64>(1)
         })
         .await;
+        // Folded rows stay as they are while nothing changes: the leader's
+        // later folds (every 2 s) write nothing.
+        let versions =
+            "SELECT string_agg(ctid::text || xmin::text, ',' ORDER BY status) FROM job_counts";
+        let before: String = db.query_one(versions, &[]).await.unwrap().get(0);
+        tokio::time::sleep(std::time::Duration::from_millis(4500)).await;
+        let after: String = db.query_one(versions, &[]).await.unwrap().get(0);
+        assert_eq!(before, after, "an idle fold rewrote the counts");
         assert_eq!(job_gauges(&s).await, want);
         assert_job_counts_kept(&db).await;
         // Migration 2 on a database of schema 1 with jobs stored: the

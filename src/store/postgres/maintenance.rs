@@ -181,7 +181,8 @@ impl PgEngine {
 
     /// Folds the rows of `job_counts` (one appended per status by each
     /// statement that moved jobs; migration 0002) into one per status,
-    /// so a scrape sums a few seconds' rows at most. One statement: a
+    /// so a scrape sums a few seconds' rows at most; when they already are
+    /// one per status (an idle cluster) it writes nothing. One statement: a
     /// scrape sees the rows before or after, the same sums. Rows of
     /// transactions still under way are not visible to it and stay for
     /// the next fold; a second leader's fold waits for this one's rows
@@ -192,7 +193,10 @@ impl PgEngine {
         let c = self.client().await?;
         let kept = c
             .execute(
-                "WITH taken AS (DELETE FROM job_counts RETURNING status, n)
+                "WITH taken AS (
+                     DELETE FROM job_counts
+                     WHERE (SELECT count(*) > count(DISTINCT status) FROM job_counts)
+                     RETURNING status, n)
                  INSERT INTO job_counts (status, n)
                  SELECT status, sum(n)::bigint FROM taken GROUP BY status HAVING sum(n) <> 0",
                 &[],
