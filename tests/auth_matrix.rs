@@ -154,6 +154,23 @@ async fn call_for(ch: Ch, rpc: &str, worker: &str) -> Result<(), Status> {
             })
             .await
             .map(|_| ()),
+        // The stream opens for any authenticated caller; each request is
+        // checked as it is read, so a refusal ends the stream before the
+        // first answer.
+        "ReportJobs" => {
+            let req = ReportJobsRequest {
+                worker_id: worker.into(),
+                requests: vec![UpdateJobRequest {
+                    job_id: id(),
+                    lease_id: id(),
+                    ..Default::default()
+                }],
+            };
+            match w.report_jobs(tokio_stream::iter(vec![req])).await {
+                Ok(answers) => answers.into_inner().message().await.map(|_| ()),
+                Err(st) => Err(st),
+            }
+        }
         "UnregisterWorker" => w
             .unregister_worker(UnregisterWorkerRequest {
                 worker_id: worker.into(),
@@ -262,6 +279,7 @@ const RPCS: &[(&str, Kind)] = &[
     ("LeaseJobs", Kind::Worker),
     ("UpdateJob", Kind::Worker),
     ("BatchUpdateJobs", Kind::Worker),
+    ("ReportJobs", Kind::Worker),
     ("UnregisterWorker", Kind::Worker),
     ("DrainWorker", Kind::Worker),
     // An operator action on a worker's record: the worker's own (or its
@@ -357,7 +375,7 @@ async fn every_rpc_under_every_identity() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 37);
+    assert_eq!(checked, 38);
     s.stop().await;
 }
 
@@ -444,7 +462,7 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 37);
+    assert_eq!(checked, 38);
     // The refused calls changed nothing: gpu-pod-1 is still ACTIVE with
     // the registration the admin made, and no worker "agw" exists.
     let gpu = admin

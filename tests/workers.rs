@@ -28,7 +28,8 @@ store_tests! {
     server_restart_mid_lease_strands_nothing,
     a_worker_that_registers_and_never_heartbeats_strands_nothing,
     batch_update_jobs_applies_each_report_on_its_own,
-    agw_reporter_batches_queued_reports,
+    report_jobs_answers_each_request_in_order,
+    agw_reporter_streams_reports,
     a_lease_carries_the_job_as_stored,
     task_results_are_replaced_by_the_next_report,
 }
@@ -743,9 +744,120 @@ async fn batch_update_jobs_applies_each_report_on_its_own(store: TestStore) {
     s.stop().await;
 }
 
-/// agw's reporter: reports queued while no call is in flight go in one
-/// BatchUpdateJobs call, and each caller gets its own report's outcome.
-async fn agw_reporter_batches_queued_reports(store: TestStore) {
+/// ReportJobs: each request is answered in order, each report as
+/// UpdateJob would answer it; an idle stream stays open; a refused request
+/// ends the stream after the answers before it, and nothing sent behind it
+/// is applied; a half-closed stream answers what it was sent, then ends.
+async fn report_jobs_answers_each_request_in_order(store: TestStore) {
+    use tokio_stream::wrappers::UnboundedReceiverStream;
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    submit(&s, plan("p", &["cat"]), 5, 3).await;
+    let mut w1 = SimWorker::start(&s, "w1", &["cat"], 5).await;
+    let mut l = Vec::new();
+    for _ in 0..5 {
+        l.push(w1.lease().await);
+    }
+    let id = |l: &JobLease| l.job.as_ref().unwrap().job_id.clone();
+    let req = |requests: Vec<UpdateJobRequest>| ReportJobsRequest {
+        worker_id: "w1".into(),
+        requests,
+    };
+    let codes = |a: Option<ReportJobsResponse>| -> Vec<Code> {
+        let a = a.expect("an answer, not the end of the stream");
+        a.results.iter().map(|r| Code::from(r.code)).collect()
+    };
+    let mut c = w1.client();
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut stale = batched(&l[2], JobStatus::Completed);
+    stale.lease_id = "not-the-lease".into();
+    tx.send(req(vec![batched(&l[0], JobStatus::Completed)]))
+        .unwrap();
+    tx.send(req(vec![batched(&l[1], JobStatus::Failed), stale]))
+        .unwrap();
+    let mut answers = c
+        .report_jobs(UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(codes(answers.message().await.unwrap()), [Code::Ok]);
+    assert_eq!(
+        codes(answers.message().await.unwrap()),
+        [Code::Ok, Code::FailedPrecondition]
+    );
+    assert_eq!(
+        job(&s, &id(&l[0])).await.status,
+        JobStatus::Completed as i32
+    );
+    assert_ne!(job(&s, &id(&l[1])).await.status, JobStatus::Running as i32);
+    // Idle for a while, the stream still takes the next request.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.send(req(vec![batched(&l[2], JobStatus::Completed)]))
+        .unwrap();
+    assert_eq!(codes(answers.message().await.unwrap()), [Code::Ok]);
+    // Another worker's id: refused, the stream ends; the request sent
+    // behind it is not applied.
+    tx.send(ReportJobsRequest {
+        worker_id: "w2".into(),
+        requests: vec![batched(&l[3], JobStatus::Completed)],
+    })
+    .unwrap();
+    tx.send(req(vec![batched(&l[4], JobStatus::Completed)]))
+        .unwrap();
+    let end = answers.message().await.unwrap_err();
+    assert_eq!(end.code(), Code::InvalidArgument, "{end:?}");
+    assert!(end.message().contains("changed"), "{end:?}");
+    for l in &l[3..] {
+        assert_eq!(job(&s, &id(l)).await.status, JobStatus::Running as i32);
+    }
+
+    // Refused as a whole, nothing applied: no reports, too many, a report
+    // naming another worker, a bad worker_id.
+    let mut other = batched(&l[3], JobStatus::Completed);
+    other.worker_id = "w2".into();
+    let mut bad = req(vec![batched(&l[3], JobStatus::Completed)]);
+    bad.worker_id = String::new();
+    for refused in [
+        req(vec![]),
+        req(vec![batched(&l[3], JobStatus::Completed); 1025]),
+        req(vec![batched(&l[4], JobStatus::Completed), other]),
+        bad,
+    ] {
+        let mut answers = c
+            .report_jobs(tokio_stream::iter(vec![refused]))
+            .await
+            .unwrap()
+            .into_inner();
+        let end = answers.message().await.unwrap_err();
+        assert_eq!(end.code(), Code::InvalidArgument, "{end:?}");
+    }
+    for l in &l[3..] {
+        assert_eq!(job(&s, &id(l)).await.status, JobStatus::Running as i32);
+    }
+
+    // Half-closed after two requests: both answered, then the end.
+    let last = vec![
+        req(vec![batched(&l[3], JobStatus::Completed)]),
+        req(vec![batched(&l[4], JobStatus::Completed)]),
+    ];
+    let mut answers = c
+        .report_jobs(tokio_stream::iter(last))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(codes(answers.message().await.unwrap()), [Code::Ok]);
+    assert_eq!(codes(answers.message().await.unwrap()), [Code::Ok]);
+    assert!(answers.message().await.unwrap().is_none());
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+/// agw's reporter: every report goes on one ReportJobs stream (the ones
+/// queued together in one request), each caller gets its own report's
+/// outcome, and a traced report sent alone goes as a plain UpdateJob with
+/// its trace context.
+async fn agw_reporter_streams_reports(store: TestStore) {
     use agq::worker::{client::worker_client, reporter::Reporter};
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
@@ -792,23 +904,39 @@ async fn agw_reporter_batches_queued_reports(store: TestStore) {
         .into_inner()
         .body;
     assert!(
-        m.contains(
-            "agq_rpc_requests_total{method=\"WorkerService/BatchUpdateJobs\",code=\"Ok\"} 1\n"
-        ),
+        m.contains("agq_rpc_requests_total{method=\"WorkerService/ReportJobs\",code=\"Ok\"} 1\n"),
         "{m}"
     );
     assert!(!m.contains("WorkerService/UpdateJob\""), "{m}");
+    assert!(!m.contains("WorkerService/BatchUpdateJobs\""), "{m}");
     let done = futures_util::future::join_all(ids.iter().map(|id| job(&s, id))).await;
     let completed = done
         .iter()
         .filter(|j| j.status == JobStatus::Completed as i32)
         .count();
     assert_eq!(completed, 4);
-    // A lone report goes as a plain UpdateJob.
+    // A lone traced report goes as a plain UpdateJob; the stream stays.
     let last = &leases[4];
     let mut r = batched(last, JobStatus::Completed);
     r.worker_id = "w1".into();
-    reporter.send(r, None).await.unwrap();
+    let traced = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    reporter.send(r, Some(traced.into())).await.unwrap();
+    let m = s
+        .queue()
+        .await
+        .get_metrics(GetMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .body;
+    assert!(
+        m.contains("agq_rpc_requests_total{method=\"WorkerService/UpdateJob\",code=\"Ok\"} 1\n"),
+        "{m}"
+    );
+    assert!(
+        m.contains("agq_rpc_requests_total{method=\"WorkerService/ReportJobs\",code=\"Ok\"} 1\n"),
+        "{m}"
+    );
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }

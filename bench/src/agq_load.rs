@@ -23,7 +23,7 @@ use tokio::{
     sync::{mpsc, watch, Semaphore},
     task::JoinHandle,
 };
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tonic::transport::Channel;
 
 use super::{
@@ -145,10 +145,21 @@ pub struct WorkerSpec {
     pub slots: u32,
     /// Heartbeat period.
     pub heartbeat: Duration,
-    /// Report completions with BatchUpdateJobs (the reports that queued up
-    /// while the previous call was in flight, as agw does) instead of one
-    /// UpdateJob each.
-    pub batch_updates: bool,
+    /// How completions are reported.
+    pub reports: Reports,
+}
+
+/// How a simulated worker reports its completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Reports {
+    /// Each report as it is ready, one request on the worker's ReportJobs
+    /// stream (as agw does).
+    Stream,
+    /// The reports that queued up while the previous BatchUpdateJobs call
+    /// was in flight, in the next call.
+    Batch,
+    /// One UpdateJob call per report.
+    Unary,
 }
 
 /// A running set of simulated workers.
@@ -316,11 +327,21 @@ async fn worker_main(
             })
             .await?
             .into_inner();
-        Ok::<_, tonic::Status>((hb_tx, inbound, leases, first, beat))
+        let (report_tx, report_rx) = mpsc::unbounded_channel::<pb::ReportJobsRequest>();
+        let answers = match spec.reports {
+            Reports::Stream => Some(
+                client
+                    .report_jobs(UnboundedReceiverStream::new(report_rx))
+                    .await?
+                    .into_inner(),
+            ),
+            Reports::Batch | Reports::Unary => None,
+        };
+        Ok::<_, tonic::Status>((hb_tx, inbound, leases, first, beat, report_tx, answers))
     }
     .await;
     drop(permit);
-    let (hb_tx, mut inbound, mut leases, first, beat) = match setup {
+    let (hb_tx, mut inbound, mut leases, first, beat, report_tx, mut answers) = match setup {
         Ok(s) => {
             let _ = ready.send(Ok(())).await;
             s
@@ -344,7 +365,15 @@ async fn worker_main(
     let mut queued: Vec<pb::UpdateJobRequest> = Vec::new();
     let one_slot = spec.slots == 1;
     let mut freed_at: Option<u64> = None;
+    // Send times of the ReportJobs requests not yet answered, oldest first.
+    let mut unanswered: VecDeque<u64> = VecDeque::new();
     loop {
+        let answer = async {
+            match answers.as_mut() {
+                Some(a) => a.message().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = stop.changed() => break,
             _ = ticker.tick() => {
@@ -377,13 +406,22 @@ async fn worker_main(
                     rec.leased(t, if one_slot { freed_at.take() } else { None }, now);
                     let req = pb::UpdateJobRequest {
                         job_id: job.job_id,
-                        worker_id: if spec.batch_updates { String::new() } else { id.clone() },
+                        worker_id: if spec.reports == Reports::Unary { id.clone() } else { String::new() },
                         lease_id: lease.lease_id,
                         status: pb::JobStatus::Completed as i32,
                         task_results: vec![task_result()],
                         ..Default::default()
                     };
-                    if !spec.batch_updates {
+                    if spec.reports == Reports::Stream {
+                        unanswered.push_back(now_us());
+                        let sent = report_tx.send(pb::ReportJobsRequest {
+                            worker_id: id.clone(),
+                            requests: vec![req],
+                        });
+                        if sent.is_err() {
+                            break;
+                        }
+                    } else if spec.reports == Reports::Unary {
                         inflight.push(send_one(client.clone(), req));
                     } else if inflight.is_empty() {
                         inflight.push(send_batch(client.clone(), id.clone(), vec![req]));
@@ -398,6 +436,25 @@ async fn worker_main(
                 Err(e) => {
                     if !*stop.borrow() {
                         rec.error(format!("{id} lease stream: {e}"));
+                    }
+                    break;
+                }
+            },
+            msg = answer => match msg {
+                Ok(Some(a)) => {
+                    let now = now_us();
+                    let sent = unanswered.pop_front().unwrap_or(now);
+                    for r in a.results {
+                        match r.code {
+                            0 => rec.completed_at(sent, now),
+                            code => rec.error(format!("{id} ReportJobs report: code {code}: {}", r.message)),
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    if !*stop.borrow() {
+                        rec.error(format!("{id} report stream: {e}"));
                     }
                     break;
                 }

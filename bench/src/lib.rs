@@ -171,11 +171,12 @@ pub struct BenchArgs {
     /// soak shows the database size level off.
     #[arg(long, env = "AGQ_BENCH_JOB_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
     pub job_retention_secs: u64,
-    /// Simulated AGQ workers report each completion with its own UpdateJob
-    /// call instead of batching the reports that queue up while one call
-    /// is in flight into a BatchUpdateJobs (as agw does).
-    #[arg(long, env = "AGQ_BENCH_UNARY_UPDATES", default_value_t = false)]
-    pub unary_updates: bool,
+    /// How the simulated AGQ workers report completions: `stream` (each
+    /// report as it is ready on one ReportJobs stream per worker, as agw
+    /// does), `batch` (the reports that queue up while one BatchUpdateJobs
+    /// call is in flight go in the next) or `unary` (one UpdateJob each).
+    #[arg(long, env = "AGQ_BENCH_REPORTS", value_enum, default_value_t = agq_load::Reports::Stream)]
+    pub reports: agq_load::Reports,
     /// The store of the default mode: `sqlite` (one node, beside the
     /// Redis and BullMQ peers) or `postgres` (the clustered mode beside one
     /// SQLite node; needs the `agq` binary and PostgreSQL).
@@ -241,7 +242,7 @@ impl BenchArgs {
         agq_load::WorkerSpec {
             slots,
             heartbeat: Duration::from_millis(self.heartbeat_ms.max(10)),
-            batch_updates: !self.unary_updates,
+            reports: self.reports,
         }
     }
 

@@ -18,11 +18,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{convert::state_filter, rpc, rpc_traced};
 use crate::{
-    auth::{identity, require_admin, require_client, require_worker},
+    auth::{identity, require_admin, require_client, require_worker, Identity},
     core::{
         engine::{HeartbeatEvent, StreamKind},
-        model::{JobLease, JobReport},
-        SharedEngine,
+        model::{JobLease, JobReport, JobStatus},
+        validate, SharedEngine,
     },
     error::Error,
     pb::{self, worker_service_server::WorkerService},
@@ -51,6 +51,64 @@ fn traced_lease(l: JobLease) -> pb::JobLease {
         lease.traceparent = own;
     }
     lease
+}
+
+/// Most requests of one ReportJobs stream read and not yet answered: the
+/// stream reads no further until the oldest is answered.
+pub const MAX_UNANSWERED_REPORTS: usize = 64;
+
+/// Checks one ReportJobs request before anything of it is applied: the
+/// token may act for its worker, which is the stream's first request's,
+/// and the reports are a valid batch of that worker (each is checked on
+/// its own when applied). Returns the worker and the reports.
+///
+/// Errors: `PERMISSION_DENIED` (the token), `INVALID_ARGUMENT` (another
+/// worker than the stream's, a bad worker id, no reports or more than
+/// 1024, a report naming another worker).
+fn check_reports(
+    who: &Identity,
+    bound: &mut Option<String>,
+    m: pb::ReportJobsRequest,
+) -> Result<(String, Vec<JobReport>), Status> {
+    match bound {
+        Some(w) if *w != m.worker_id => {
+            return Err(Status::invalid_argument(format!(
+                "worker_id changed within one ReportJobs stream: {w:?}, then {:?}",
+                m.worker_id
+            )))
+        }
+        Some(_) => {}
+        None => {
+            require_worker(who, &m.worker_id)?;
+            *bound = Some(m.worker_id.clone());
+        }
+    }
+    let reports = m.requests.into_iter().map(Into::into).collect();
+    let reports = validate::batch(&m.worker_id, reports).map_err(Status::from)?;
+    Ok((m.worker_id, reports))
+}
+
+/// Each report's outcome as an UpdateJobResult (the code and message
+/// UpdateJob would have returned, or the job's new status).
+fn report_results(outcomes: Vec<Result<JobStatus, Error>>) -> Vec<pb::UpdateJobResult> {
+    outcomes
+        .into_iter()
+        .map(|r| match r {
+            Ok(status) => pb::UpdateJobResult {
+                code: 0,
+                message: String::new(),
+                status: pb::JobStatus::from(status) as i32,
+            },
+            Err(e) => {
+                let st = Status::from(e);
+                pb::UpdateJobResult {
+                    code: st.code() as i32,
+                    message: st.message().to_string(),
+                    status: 0,
+                }
+            }
+        })
+        .collect()
 }
 
 /// The WorkerService implementation.
@@ -254,28 +312,47 @@ impl WorkerService for WorkerApi {
             require_worker(&identity(&req), &req.get_ref().worker_id)?;
             let r = req.into_inner();
             let reports: Vec<JobReport> = r.requests.into_iter().map(Into::into).collect();
-            let results = self
-                .engine
-                .batch_update_jobs(r.worker_id, reports)
-                .await?
-                .into_iter()
-                .map(|r| match r {
-                    Ok(status) => pb::UpdateJobResult {
-                        code: 0,
-                        message: String::new(),
-                        status: pb::JobStatus::from(status) as i32,
-                    },
-                    Err(e) => {
-                        let st = Status::from(e);
-                        pb::UpdateJobResult {
-                            code: st.code() as i32,
-                            message: st.message().to_string(),
-                            status: 0,
-                        }
+            let outcomes = self.engine.batch_update_jobs(r.worker_id, reports).await?;
+            Ok(pb::BatchUpdateJobsResponse {
+                results: report_results(outcomes),
+            })
+        })
+        .await
+    }
+
+    type ReportJobsStream = BoxStream<pb::ReportJobsResponse>;
+
+    async fn report_jobs(
+        &self,
+        req: Request<Streaming<pb::ReportJobsRequest>>,
+    ) -> Result<Response<Self::ReportJobsStream>, Status> {
+        rpc(&self.engine, "WorkerService/ReportJobs", async {
+            let who = identity(&req);
+            let engine = self.engine.clone();
+            // At shutdown the stream stops reading; what it read is still
+            // answered (the buffered answers drain), then it ends.
+            let requests = until_shutdown(req.into_inner(), self.shutdown.clone());
+            let answers = requests
+                .scan((None::<String>, false), move |(bound, refused), m| {
+                    if *refused {
+                        return std::future::ready(None);
+                    }
+                    let checked = m.and_then(|m| check_reports(&who, bound, m));
+                    *refused = checked.is_err();
+                    std::future::ready(Some(checked))
+                })
+                .map(move |checked| {
+                    let engine = engine.clone();
+                    async move {
+                        let (worker_id, reports) = checked?;
+                        let outcomes = engine.batch_update_jobs(worker_id, reports).await?;
+                        Ok(pb::ReportJobsResponse {
+                            results: report_results(outcomes),
+                        })
                     }
                 })
-                .collect();
-            Ok(pb::BatchUpdateJobsResponse { results })
+                .buffered(MAX_UNANSWERED_REPORTS);
+            Ok(Box::pin(answers) as BoxStream<pb::ReportJobsResponse>)
         })
         .await
     }

@@ -12,8 +12,8 @@
 //!   exponential backoff (1 s, 2 s, 4 s … 60 s, jittered);
 //! - one **job task** per lease ([`run_job`]) runs the plan through the
 //!   [`Executor`], reports `RUNNING` as each task starts and the final
-//!   result (through the [`Reporter`], which batches the reports that
-//!   queue up into `BatchUpdateJobs`), retried with backoff while the
+//!   result (through the [`Reporter`], which sends the reports on one
+//!   `ReportJobs` stream), retried with backoff while the
 //!   server is unreachable or its store cannot commit, until the server
 //!   acknowledges it or fences it (the job is held until then, so
 //!   reconnects list it in `held_leases`). Jobs outlive reconnects;

@@ -12,7 +12,7 @@
 //! - [`sandbox`]: the kernel sandbox around every task (Landlock,
 //!   seccomp, resource limits, an unprivileged identity, a scratch
 //!   directory per job).
-//! - [`reporter`]: final reports, batched into `BatchUpdateJobs` calls.
+//! - [`reporter`]: final reports, sent on one `ReportJobs` stream.
 //! - [`client`], [`backoff`], [`stats`], [`error`]: the channel and auth,
 //!   retry delays, heartbeat figures, fatal errors.
 

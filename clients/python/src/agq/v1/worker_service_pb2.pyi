@@ -539,7 +539,9 @@ Global___BatchUpdateJobsRequest: _TypeAlias = BatchUpdateJobsRequest  # noqa: Y0
 
 @_typing.final
 class UpdateJobResult(_message.Message):
-    """The outcome of one report of a BatchUpdateJobs call."""
+    """The outcome of one report of a BatchUpdateJobs call or a ReportJobs
+    request.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -593,6 +595,61 @@ class BatchUpdateJobsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BatchUpdateJobsResponse: _TypeAlias = BatchUpdateJobsResponse  # noqa: Y015
+
+@_typing.final
+class ReportJobsRequest(_message.Message):
+    """One request of a ReportJobs stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The worker holding the leases: the same on every request of a stream.
+    Every report's worker_id must be empty (meaning this worker) or equal
+    to it.
+    """
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpdateJobRequest]:
+        """The reports, 1..=1024, each as in UpdateJob."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        requests: _abc.Iterable[Global___UpdateJobRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportJobsRequest: _TypeAlias = ReportJobsRequest  # noqa: Y015
+
+@_typing.final
+class ReportJobsResponse(_message.Message):
+    """The answer to one ReportJobsRequest, sent in the order of the requests."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpdateJobResult]:
+        """One result per report, in the order of the request's reports."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___UpdateJobResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportJobsResponse: _TypeAlias = ReportJobsResponse  # noqa: Y015
 
 @_typing.final
 class UnregisterWorkerRequest(_message.Message):

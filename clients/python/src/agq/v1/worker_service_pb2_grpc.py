@@ -27,9 +27,10 @@ if _version_not_supported:
 
 class WorkerServiceStub:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     def __init__(self, channel):
@@ -62,6 +63,11 @@ class WorkerServiceStub:
                 '/agq.v1.WorkerService/BatchUpdateJobs',
                 request_serializer=agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsRequest.SerializeToString,
                 response_deserializer=agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsResponse.FromString,
+                _registered_method=True)
+        self.ReportJobs = channel.stream_stream(
+                '/agq.v1.WorkerService/ReportJobs',
+                request_serializer=agq_dot_v1_dot_worker__service__pb2.ReportJobsRequest.SerializeToString,
+                response_deserializer=agq_dot_v1_dot_worker__service__pb2.ReportJobsResponse.FromString,
                 _registered_method=True)
         self.UnregisterWorker = channel.unary_unary(
                 '/agq.v1.WorkerService/UnregisterWorker',
@@ -102,9 +108,10 @@ class WorkerServiceStub:
 
 class WorkerServiceServicer:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     def RegisterWorker(self, request, context):
@@ -163,6 +170,28 @@ class WorkerServiceServicer:
         outcome is in the matching UpdateJobResult. Errors of the whole call
         (nothing applied): INVALID_ARGUMENT when worker_id is invalid, there
         are no reports or more than 1024, or a report names another worker;
+        PERMISSION_DENIED for a token that may not act for worker_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportJobs(self, request_iterator, context):
+        """Bidirectional stream of one worker's reports (agw's way of reporting):
+        each request carries 1..=1024 UpdateJob reports and is answered by one
+        response, in the order of the requests, once its reports are committed;
+        each report is checked and applied as UpdateJob would, independently
+        of the others. Requests are taken while earlier ones are being
+        committed (up to 64 unanswered per stream), so a worker sends each
+        report as it is ready and pays no call per report. The stream ends
+        with an error after answering every request before the first refused
+        one; requests sent after a refused one are not applied. When the server
+        shuts down it stops reading, answers what it read and ends the stream
+        without an error: a report sent and not answered must be sent again
+        (a report already applied is then refused with FAILED_PRECONDITION,
+        its lease being over). Errors that end the stream: INVALID_ARGUMENT
+        (a request's worker_id is invalid or differs from the stream's first,
+        it has no reports or more than 1024, a report names another worker),
         PERMISSION_DENIED for a token that may not act for worker_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -270,6 +299,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsRequest.FromString,
                     response_serializer=agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsResponse.SerializeToString,
             ),
+            'ReportJobs': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReportJobs,
+                    request_deserializer=agq_dot_v1_dot_worker__service__pb2.ReportJobsRequest.FromString,
+                    response_serializer=agq_dot_v1_dot_worker__service__pb2.ReportJobsResponse.SerializeToString,
+            ),
             'UnregisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterWorker,
                     request_deserializer=agq_dot_v1_dot_worker__service__pb2.UnregisterWorkerRequest.FromString,
@@ -315,9 +349,10 @@ def add_WorkerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     @staticmethod
@@ -445,6 +480,33 @@ class WorkerService:
             '/agq.v1.WorkerService/BatchUpdateJobs',
             agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsRequest.SerializeToString,
             agq_dot_v1_dot_worker__service__pb2.BatchUpdateJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportJobs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/agq.v1.WorkerService/ReportJobs',
+            agq_dot_v1_dot_worker__service__pb2.ReportJobsRequest.SerializeToString,
+            agq_dot_v1_dot_worker__service__pb2.ReportJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

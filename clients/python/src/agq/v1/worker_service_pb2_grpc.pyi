@@ -28,9 +28,10 @@ GRPC_VERSION: str
 
 class WorkerServiceStub:
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     @_typing.overload
@@ -77,6 +78,24 @@ class WorkerServiceStub:
     outcome is in the matching UpdateJobResult. Errors of the whole call
     (nothing applied): INVALID_ARGUMENT when worker_id is invalid, there
     are no reports or more than 1024, or a report names another worker;
+    PERMISSION_DENIED for a token that may not act for worker_id.
+    """
+    ReportJobs: _grpc.StreamStreamMultiCallable[_worker_service_pb2.ReportJobsRequest, _worker_service_pb2.ReportJobsResponse]
+    """Bidirectional stream of one worker's reports (agw's way of reporting):
+    each request carries 1..=1024 UpdateJob reports and is answered by one
+    response, in the order of the requests, once its reports are committed;
+    each report is checked and applied as UpdateJob would, independently
+    of the others. Requests are taken while earlier ones are being
+    committed (up to 64 unanswered per stream), so a worker sends each
+    report as it is ready and pays no call per report. The stream ends
+    with an error after answering every request before the first refused
+    one; requests sent after a refused one are not applied. When the server
+    shuts down it stops reading, answers what it read and ends the stream
+    without an error: a report sent and not answered must be sent again
+    (a report already applied is then refused with FAILED_PRECONDITION,
+    its lease being over). Errors that end the stream: INVALID_ARGUMENT
+    (a request's worker_id is invalid or differs from the stream's first,
+    it has no reports or more than 1024, a report names another worker),
     PERMISSION_DENIED for a token that may not act for worker_id.
     """
     UnregisterWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.UnregisterWorkerRequest, _worker_service_pb2.UnregisterWorkerResponse]
@@ -127,9 +146,10 @@ class WorkerServiceStub:
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -173,6 +193,24 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     outcome is in the matching UpdateJobResult. Errors of the whole call
     (nothing applied): INVALID_ARGUMENT when worker_id is invalid, there
     are no reports or more than 1024, or a report names another worker;
+    PERMISSION_DENIED for a token that may not act for worker_id.
+    """
+    ReportJobs: _aio.StreamStreamMultiCallable[_worker_service_pb2.ReportJobsRequest, _worker_service_pb2.ReportJobsResponse]  # type: ignore[assignment]
+    """Bidirectional stream of one worker's reports (agw's way of reporting):
+    each request carries 1..=1024 UpdateJob reports and is answered by one
+    response, in the order of the requests, once its reports are committed;
+    each report is checked and applied as UpdateJob would, independently
+    of the others. Requests are taken while earlier ones are being
+    committed (up to 64 unanswered per stream), so a worker sends each
+    report as it is ready and pays no call per report. The stream ends
+    with an error after answering every request before the first refused
+    one; requests sent after a refused one are not applied. When the server
+    shuts down it stops reading, answers what it read and ends the stream
+    without an error: a report sent and not answered must be sent again
+    (a report already applied is then refused with FAILED_PRECONDITION,
+    its lease being over). Errors that end the stream: INVALID_ARGUMENT
+    (a request's worker_id is invalid or differs from the stream's first,
+    it has no reports or more than 1024, a report names another worker),
     PERMISSION_DENIED for a token that may not act for worker_id.
     """
     UnregisterWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.UnregisterWorkerRequest, _worker_service_pb2.UnregisterWorkerResponse]  # type: ignore[assignment]
@@ -222,9 +260,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Coordinates workers (agw). Register, Heartbeat, LeaseJobs, UpdateJob,
-    BatchUpdateJobs, DrainWorker, ForgetWorker and UnregisterWorker take a worker token
-    bound to the same worker_id (or an admin token) when auth is on;
-    ListWorkers and GetWorker take a client or admin token.
+    BatchUpdateJobs, ReportJobs, DrainWorker, ForgetWorker and
+    UnregisterWorker take a worker token bound to the same worker_id (or an
+    admin token) when auth is on; ListWorkers and GetWorker take a client or
+    admin token.
     """
 
     @_abc_1.abstractmethod
@@ -296,6 +335,30 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         outcome is in the matching UpdateJobResult. Errors of the whole call
         (nothing applied): INVALID_ARGUMENT when worker_id is invalid, there
         are no reports or more than 1024, or a report names another worker;
+        PERMISSION_DENIED for a token that may not act for worker_id.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportJobs(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_service_pb2.ReportJobsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_service_pb2.ReportJobsResponse], _abc.AsyncIterator[_worker_service_pb2.ReportJobsResponse]]:
+        """Bidirectional stream of one worker's reports (agw's way of reporting):
+        each request carries 1..=1024 UpdateJob reports and is answered by one
+        response, in the order of the requests, once its reports are committed;
+        each report is checked and applied as UpdateJob would, independently
+        of the others. Requests are taken while earlier ones are being
+        committed (up to 64 unanswered per stream), so a worker sends each
+        report as it is ready and pays no call per report. The stream ends
+        with an error after answering every request before the first refused
+        one; requests sent after a refused one are not applied. When the server
+        shuts down it stops reading, answers what it read and ends the stream
+        without an error: a report sent and not answered must be sent again
+        (a report already applied is then refused with FAILED_PRECONDITION,
+        its lease being over). Errors that end the stream: INVALID_ARGUMENT
+        (a request's worker_id is invalid or differs from the stream's first,
+        it has no reports or more than 1024, a report names another worker),
         PERMISSION_DENIED for a token that may not act for worker_id.
         """
 
