@@ -1042,3 +1042,161 @@ async fn task_results_are_replaced_by_the_next_report(store: TestStore) {
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }
+
+/// agw's reporter against a server without ReportJobs and BatchUpdateJobs
+/// (an older server): the report that found them missing is answered
+/// UNAVAILABLE (its caller sends it again), then the reporter falls back
+/// to BatchUpdateJobs and then to one UpdateJob per report.
+#[tokio::test]
+async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
+    use agq::{
+        pb::worker_service_server::{WorkerService, WorkerServiceServer},
+        worker::{client::worker_client, reporter::Reporter},
+    };
+    use std::{
+        pin::Pin,
+        sync::{Arc, Mutex},
+    };
+    use tonic::{Request, Response, Status, Streaming};
+
+    type Answers<T> = Pin<Box<dyn futures_util::Stream<Item = Result<T, Status>> + Send>>;
+    /// A WorkerService that has UpdateJob only, and records what it got.
+    struct Older(Arc<Mutex<Vec<&'static str>>>);
+    impl Older {
+        fn missing<T>(&self, rpc: &'static str) -> Result<T, Status> {
+            self.0.lock().unwrap().push(rpc);
+            Err(Status::unimplemented(rpc))
+        }
+    }
+    #[tonic::async_trait]
+    impl WorkerService for Older {
+        async fn register_worker(
+            &self,
+            _: Request<RegisterWorkerRequest>,
+        ) -> Result<Response<RegisterWorkerResponse>, Status> {
+            self.missing("RegisterWorker")
+        }
+        type HeartbeatStream = Answers<HeartbeatResponse>;
+        async fn heartbeat(
+            &self,
+            _: Request<Streaming<HeartbeatRequest>>,
+        ) -> Result<Response<Self::HeartbeatStream>, Status> {
+            self.missing("Heartbeat")
+        }
+        type LeaseJobsStream = Answers<JobLease>;
+        async fn lease_jobs(
+            &self,
+            _: Request<LeaseJobsRequest>,
+        ) -> Result<Response<Self::LeaseJobsStream>, Status> {
+            self.missing("LeaseJobs")
+        }
+        async fn update_job(
+            &self,
+            _: Request<UpdateJobRequest>,
+        ) -> Result<Response<UpdateJobResponse>, Status> {
+            self.0.lock().unwrap().push("UpdateJob");
+            Ok(Response::new(UpdateJobResponse {
+                status: JobStatus::Completed as i32,
+            }))
+        }
+        async fn batch_update_jobs(
+            &self,
+            _: Request<BatchUpdateJobsRequest>,
+        ) -> Result<Response<BatchUpdateJobsResponse>, Status> {
+            self.missing("BatchUpdateJobs")
+        }
+        type ReportJobsStream = Answers<ReportJobsResponse>;
+        async fn report_jobs(
+            &self,
+            _: Request<Streaming<ReportJobsRequest>>,
+        ) -> Result<Response<Self::ReportJobsStream>, Status> {
+            self.missing("ReportJobs")
+        }
+        async fn unregister_worker(
+            &self,
+            _: Request<UnregisterWorkerRequest>,
+        ) -> Result<Response<UnregisterWorkerResponse>, Status> {
+            self.missing("UnregisterWorker")
+        }
+        async fn list_workers(
+            &self,
+            _: Request<ListWorkersRequest>,
+        ) -> Result<Response<ListWorkersResponse>, Status> {
+            self.missing("ListWorkers")
+        }
+        async fn get_worker(
+            &self,
+            _: Request<GetWorkerRequest>,
+        ) -> Result<Response<GetWorkerResponse>, Status> {
+            self.missing("GetWorker")
+        }
+        async fn drain_worker(
+            &self,
+            _: Request<DrainWorkerRequest>,
+        ) -> Result<Response<DrainWorkerResponse>, Status> {
+            self.missing("DrainWorker")
+        }
+        async fn forget_worker(
+            &self,
+            _: Request<ForgetWorkerRequest>,
+        ) -> Result<Response<ForgetWorkerResponse>, Status> {
+            self.missing("ForgetWorker")
+        }
+        async fn release_worker(
+            &self,
+            _: Request<ReleaseWorkerRequest>,
+        ) -> Result<Response<ReleaseWorkerResponse>, Status> {
+            self.missing("ReleaseWorker")
+        }
+        async fn verify_worker(
+            &self,
+            _: Request<VerifyWorkerRequest>,
+        ) -> Result<Response<VerifyWorkerResponse>, Status> {
+            self.missing("VerifyWorker")
+        }
+    }
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(WorkerServiceServer::new(Older(seen.clone())))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let reporter = Reporter::start(
+        worker_client(channel, None).unwrap(),
+        "w1".into(),
+        Duration::from_secs(5),
+    );
+    let report = |n: u32| UpdateJobRequest {
+        job_id: format!("job-{n}"),
+        worker_id: "w1".into(),
+        lease_id: format!("lease-{n}"),
+        status: JobStatus::Completed as i32,
+        ..Default::default()
+    };
+    let codes = |outcomes: Vec<Result<(), Status>>| -> Vec<Code> {
+        outcomes
+            .iter()
+            .map(|r| r.as_ref().err().map_or(Code::Ok, |e| e.code()))
+            .collect()
+    };
+    let alone = reporter.send(report(1), None).await;
+    assert_eq!(codes(vec![alone]), [Code::Unavailable]);
+    // One thread: both sends are queued before the sender task runs, so
+    // they go together (a batch), then, the batch refused, one by one.
+    let two = || futures_util::future::join_all([1, 2].map(|n| reporter.send(report(n), None)));
+    assert_eq!(codes(two().await), [Code::Unavailable, Code::Unavailable]);
+    assert_eq!(codes(two().await), [Code::Ok, Code::Ok]);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["ReportJobs", "BatchUpdateJobs", "UpdateJob", "UpdateJob"]
+    );
+    server.abort();
+}
