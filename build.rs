@@ -22,6 +22,8 @@ fn main() -> Result<(), Box<dyn Error>> {
         "proto/agq/v1/schedule_service.proto",
     ];
     tonic_prost_build::configure()
+        // tonic-prost's encoding with smaller first buffers (src/pb/codec.rs).
+        .codec_path("crate::pb::codec::Codec")
         .file_descriptor_set_path(out_dir.join("agq_descriptor.bin"))
         .compile_protos(&protos, &["proto"])?;
     for p in protos {
