@@ -29,6 +29,7 @@ store_tests! {
     a_worker_that_registers_and_never_heartbeats_strands_nothing,
     batch_update_jobs_applies_each_report_on_its_own,
     report_jobs_answers_each_request_in_order,
+    report_jobs_ends_without_an_error_when_the_server_stops,
     agw_reporter_streams_reports,
     a_lease_carries_the_job_as_stored,
     task_results_are_replaced_by_the_next_report,
@@ -851,6 +852,39 @@ async fn report_jobs_answers_each_request_in_order(store: TestStore) {
     assert!(answers.message().await.unwrap().is_none());
     assert_nothing_stranded(&s).await;
     s.stop().await;
+}
+
+/// A server that stops ends an open ReportJobs stream after answering
+/// what it read, without an error, and the server's stop does not wait
+/// for the worker to close it.
+async fn report_jobs_ends_without_an_error_when_the_server_stops(store: TestStore) {
+    use tokio_stream::wrappers::UnboundedReceiverStream;
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 1).await;
+    let l = w.lease().await;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(ReportJobsRequest {
+        worker_id: "w1".into(),
+        requests: vec![batched(&l, JobStatus::Completed)],
+    })
+    .unwrap();
+    let mut answers = w
+        .client()
+        .report_jobs(UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let a = answers.message().await.unwrap().expect("an answer");
+    assert_eq!(a.results[0].code, 0, "{a:?}");
+    // The request stream stays open (tx is kept): the server ends it.
+    s.stop().await;
+    let end = tokio::time::timeout(Duration::from_secs(10), answers.message())
+        .await
+        .expect("the stream ended");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    drop(tx);
 }
 
 /// agw's reporter: every report goes on one ReportJobs stream (the ones
