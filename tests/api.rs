@@ -1461,3 +1461,81 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
 fn job_id_of(l: &JobLease) -> &str {
     &l.job.as_ref().unwrap().job_id
 }
+
+/// PostgreSQL: folds of the job counts running at once (a paused leader
+/// resuming beside the new one), from four connections beside the
+/// server's own leader and a writer appending counts, keep every
+/// status's sum exact, and a last fold leaves one row per status.
+#[tokio::test]
+async fn concurrent_folds_keep_the_postgres_job_counts_exact() {
+    use agq::store::postgres::FOLD_JOB_COUNTS;
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(
+        TestStore::Postgres,
+        &dir.path().join("agq.db"),
+        fast_config(),
+    )
+    .await;
+    let agq::config::Store::Postgres(url) = s.backing.store.clone() else {
+        unreachable!("a PostgreSQL test server")
+    };
+    let connect = || async {
+        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        db
+    };
+    let sums = "SELECT status, sum(n)::bigint FROM job_counts GROUP BY status ORDER BY status";
+    let read = |rows: Vec<tokio_postgres::Row>| -> Vec<(i16, i64)> {
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+    };
+    let db = connect().await;
+    // Counts no job row has: 400 appended rows over statuses 1..=4,
+    // status s getting s each time.
+    let appender = {
+        let db = connect().await;
+        tokio::spawn(async move {
+            for i in 0..400i64 {
+                let status = (i % 4 + 1) as i16;
+                db.execute(
+                    "INSERT INTO job_counts (status, n) VALUES ($1, $2)",
+                    &[&status, &i64::from(status)],
+                )
+                .await
+                .unwrap();
+            }
+        })
+    };
+    let mut folders = Vec::new();
+    for _ in 0..4 {
+        let db = connect().await;
+        folders.push(tokio::spawn(async move {
+            for _ in 0..100 {
+                db.execute(FOLD_JOB_COUNTS, &[]).await.unwrap();
+            }
+        }));
+    }
+    appender.await.unwrap();
+    for f in folders {
+        f.await.unwrap();
+    }
+    assert_eq!(
+        read(db.query(sums, &[]).await.unwrap()),
+        [(1, 100), (2, 200), (3, 300), (4, 400)]
+    );
+    db.execute(FOLD_JOB_COUNTS, &[]).await.unwrap();
+    let r = db
+        .query_one(
+            "SELECT count(*), count(DISTINCT status) FROM job_counts",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (4, 4));
+    assert_eq!(
+        read(db.query(sums, &[]).await.unwrap()),
+        [(1, 100), (2, 200), (3, 300), (4, 400)]
+    );
+    s.stop().await;
+}

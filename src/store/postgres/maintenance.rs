@@ -191,18 +191,7 @@ impl PgEngine {
     /// Errors: storage errors.
     pub(super) async fn fold_job_counts(&self) -> Result<()> {
         let c = self.client().await?;
-        let kept = c
-            .execute(
-                "WITH taken AS (
-                     DELETE FROM job_counts
-                     WHERE (SELECT count(*) > count(DISTINCT status) FROM job_counts)
-                     RETURNING status, n)
-                 INSERT INTO job_counts (status, n)
-                 SELECT status, sum(n)::bigint FROM taken GROUP BY status HAVING sum(n) <> 0",
-                &[],
-            )
-            .await
-            .map_err(db_err)?;
+        let kept = c.execute(FOLD_JOB_COUNTS, &[]).await.map_err(db_err)?;
         tracing::trace!(statuses = kept, "job counts folded");
         Ok(())
     }
@@ -530,3 +519,17 @@ impl PgEngine {
         Ok(())
     }
 }
+
+/// The statement that folds the appended job counts (`job_counts`, schema
+/// 2) into one row per status, in one transaction: it takes the rows its
+/// snapshot sees (`DELETE … RETURNING`) and inserts their sums, and writes
+/// nothing when the rows already are one per status. Under READ
+/// COMMITTED a second fold running at once waits for the rows the first
+/// took, finds them gone and cannot see the first's sums, so the totals
+/// stay exact. Public for the tests that run it beside the leader's.
+pub const FOLD_JOB_COUNTS: &str = "WITH taken AS (
+         DELETE FROM job_counts
+         WHERE (SELECT count(*) > count(DISTINCT status) FROM job_counts)
+         RETURNING status, n)
+     INSERT INTO job_counts (status, n)
+     SELECT status, sum(n)::bigint FROM taken GROUP BY status HAVING sum(n) <> 0";

@@ -22,6 +22,8 @@ mod schedules;
 mod schema;
 mod workers;
 
+pub use maintenance::FOLD_JOB_COUNTS;
+
 use std::{
     collections::{HashMap, HashSet},
     sync::{
