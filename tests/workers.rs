@@ -1102,92 +1102,45 @@ async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
             Err(Status::unimplemented(rpc))
         }
     }
-    #[tonic::async_trait]
-    impl WorkerService for Older {
-        async fn register_worker(
-            &self,
-            _: Request<RegisterWorkerRequest>,
-        ) -> Result<Response<RegisterWorkerResponse>, Status> {
-            self.missing("RegisterWorker")
-        }
-        type HeartbeatStream = Answers<HeartbeatResponse>;
-        async fn heartbeat(
-            &self,
-            _: Request<Streaming<HeartbeatRequest>>,
-        ) -> Result<Response<Self::HeartbeatStream>, Status> {
-            self.missing("Heartbeat")
-        }
-        type LeaseJobsStream = Answers<JobLease>;
-        async fn lease_jobs(
-            &self,
-            _: Request<LeaseJobsRequest>,
-        ) -> Result<Response<Self::LeaseJobsStream>, Status> {
-            self.missing("LeaseJobs")
-        }
-        async fn update_job(
-            &self,
-            _: Request<UpdateJobRequest>,
-        ) -> Result<Response<UpdateJobResponse>, Status> {
-            self.0.lock().unwrap().push("UpdateJob");
-            Ok(Response::new(UpdateJobResponse {
-                status: JobStatus::Completed as i32,
-            }))
-        }
-        async fn batch_update_jobs(
-            &self,
-            _: Request<BatchUpdateJobsRequest>,
-        ) -> Result<Response<BatchUpdateJobsResponse>, Status> {
-            self.missing("BatchUpdateJobs")
-        }
-        type ReportJobsStream = Answers<ReportJobsResponse>;
-        async fn report_jobs(
-            &self,
-            _: Request<Streaming<ReportJobsRequest>>,
-        ) -> Result<Response<Self::ReportJobsStream>, Status> {
-            self.missing("ReportJobs")
-        }
-        async fn unregister_worker(
-            &self,
-            _: Request<UnregisterWorkerRequest>,
-        ) -> Result<Response<UnregisterWorkerResponse>, Status> {
-            self.missing("UnregisterWorker")
-        }
-        async fn list_workers(
-            &self,
-            _: Request<ListWorkersRequest>,
-        ) -> Result<Response<ListWorkersResponse>, Status> {
-            self.missing("ListWorkers")
-        }
-        async fn get_worker(
-            &self,
-            _: Request<GetWorkerRequest>,
-        ) -> Result<Response<GetWorkerResponse>, Status> {
-            self.missing("GetWorker")
-        }
-        async fn drain_worker(
-            &self,
-            _: Request<DrainWorkerRequest>,
-        ) -> Result<Response<DrainWorkerResponse>, Status> {
-            self.missing("DrainWorker")
-        }
-        async fn forget_worker(
-            &self,
-            _: Request<ForgetWorkerRequest>,
-        ) -> Result<Response<ForgetWorkerResponse>, Status> {
-            self.missing("ForgetWorker")
-        }
-        async fn release_worker(
-            &self,
-            _: Request<ReleaseWorkerRequest>,
-        ) -> Result<Response<ReleaseWorkerResponse>, Status> {
-            self.missing("ReleaseWorker")
-        }
-        async fn verify_worker(
-            &self,
-            _: Request<VerifyWorkerRequest>,
-        ) -> Result<Response<VerifyWorkerResponse>, Status> {
-            self.missing("VerifyWorker")
-        }
+    /// The WorkerService of `Older`: UpdateJob, and every other RPC
+    /// recorded and refused with UNIMPLEMENTED.
+    macro_rules! older {
+        ($(fn $name:ident($req:ty) -> $resp:ty = $rpc:literal;)*) => {
+            #[tonic::async_trait]
+            impl WorkerService for Older {
+                type HeartbeatStream = Answers<HeartbeatResponse>;
+                type LeaseJobsStream = Answers<JobLease>;
+                type ReportJobsStream = Answers<ReportJobsResponse>;
+                async fn update_job(
+                    &self,
+                    _: Request<UpdateJobRequest>,
+                ) -> Result<Response<UpdateJobResponse>, Status> {
+                    self.0.lock().unwrap().push("UpdateJob");
+                    Ok(Response::new(UpdateJobResponse {
+                        status: JobStatus::Completed as i32,
+                    }))
+                }
+                $(
+                    async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
+                        self.missing($rpc)
+                    }
+                )*
+            }
+        };
+    }
+    older! {
+        fn register_worker(RegisterWorkerRequest) -> RegisterWorkerResponse = "RegisterWorker";
+        fn heartbeat(Streaming<HeartbeatRequest>) -> Answers<HeartbeatResponse> = "Heartbeat";
+        fn lease_jobs(LeaseJobsRequest) -> Answers<JobLease> = "LeaseJobs";
+        fn batch_update_jobs(BatchUpdateJobsRequest) -> BatchUpdateJobsResponse = "BatchUpdateJobs";
+        fn report_jobs(Streaming<ReportJobsRequest>) -> Answers<ReportJobsResponse> = "ReportJobs";
+        fn unregister_worker(UnregisterWorkerRequest) -> UnregisterWorkerResponse = "UnregisterWorker";
+        fn list_workers(ListWorkersRequest) -> ListWorkersResponse = "ListWorkers";
+        fn get_worker(GetWorkerRequest) -> GetWorkerResponse = "GetWorker";
+        fn drain_worker(DrainWorkerRequest) -> DrainWorkerResponse = "DrainWorker";
+        fn forget_worker(ForgetWorkerRequest) -> ForgetWorkerResponse = "ForgetWorker";
+        fn release_worker(ReleaseWorkerRequest) -> ReleaseWorkerResponse = "ReleaseWorker";
+        fn verify_worker(VerifyWorkerRequest) -> VerifyWorkerResponse = "VerifyWorker";
     }
 
     let seen = Arc::new(Mutex::new(Vec::new()));

@@ -342,26 +342,10 @@ impl Harness {
         r: pb::BatchUpdateJobsRequest,
     ) -> Result<pb::BatchUpdateJobsResponse, Status> {
         let reports: Vec<JobReport> = r.requests.into_iter().map(Into::into).collect();
-        let results = self
-            .call(self.engine.batch_update_jobs(r.worker_id, reports))?
-            .into_iter()
-            .map(|r| match r {
-                Ok(status) => pb::UpdateJobResult {
-                    code: 0,
-                    message: String::new(),
-                    status: pb::JobStatus::from(status) as i32,
-                },
-                Err(e) => {
-                    let st = Status::from(e);
-                    pb::UpdateJobResult {
-                        code: st.code() as i32,
-                        message: st.message().to_string(),
-                        status: 0,
-                    }
-                }
-            })
-            .collect();
-        Ok(pb::BatchUpdateJobsResponse { results })
+        let outcomes = self.call(self.engine.batch_update_jobs(r.worker_id, reports))?;
+        Ok(pb::BatchUpdateJobsResponse {
+            results: agq::service::convert::report_results(outcomes),
+        })
     }
 
     /// WorkerService/UnregisterWorker.

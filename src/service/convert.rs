@@ -621,6 +621,30 @@ pub fn schedule_request(s: pb::Schedule) -> Result<Schedule> {
     })
 }
 
+/// Each report's outcome as an UpdateJobResult (the code and message
+/// UpdateJob would have returned, or the job's new status), as
+/// BatchUpdateJobs and ReportJobs answer.
+pub fn report_results(outcomes: Vec<Result<JobStatus, Error>>) -> Vec<pb::UpdateJobResult> {
+    outcomes
+        .into_iter()
+        .map(|r| match r {
+            Ok(status) => pb::UpdateJobResult {
+                code: 0,
+                message: String::new(),
+                status: pb::JobStatus::from(status) as i32,
+            },
+            Err(e) => {
+                let st = tonic::Status::from(e);
+                pb::UpdateJobResult {
+                    code: st.code() as i32,
+                    message: st.message().to_string(),
+                    status: 0,
+                }
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

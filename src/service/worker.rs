@@ -16,12 +16,15 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{convert::state_filter, rpc, rpc_traced};
+use super::{
+    convert::{report_results, state_filter},
+    rpc, rpc_traced,
+};
 use crate::{
     auth::{identity, require_admin, require_client, require_worker, Identity},
     core::{
         engine::{HeartbeatEvent, StreamKind},
-        model::{JobLease, JobReport, JobStatus},
+        model::{JobLease, JobReport},
         validate, SharedEngine,
     },
     error::Error,
@@ -86,29 +89,6 @@ fn check_reports(
     let reports = m.requests.into_iter().map(Into::into).collect();
     let reports = validate::batch(&m.worker_id, reports).map_err(Status::from)?;
     Ok((m.worker_id, reports))
-}
-
-/// Each report's outcome as an UpdateJobResult (the code and message
-/// UpdateJob would have returned, or the job's new status).
-fn report_results(outcomes: Vec<Result<JobStatus, Error>>) -> Vec<pb::UpdateJobResult> {
-    outcomes
-        .into_iter()
-        .map(|r| match r {
-            Ok(status) => pb::UpdateJobResult {
-                code: 0,
-                message: String::new(),
-                status: pb::JobStatus::from(status) as i32,
-            },
-            Err(e) => {
-                let st = Status::from(e);
-                pb::UpdateJobResult {
-                    code: st.code() as i32,
-                    message: st.message().to_string(),
-                    status: 0,
-                }
-            }
-        })
-        .collect()
 }
 
 /// The WorkerService implementation.

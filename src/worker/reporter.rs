@@ -40,8 +40,8 @@ pub const MAX_BATCH_REPORTS: usize = 256;
 pub const MAX_BATCH_BYTES: usize = 3584 * 1024;
 
 /// Most `ReportJobs` requests sent and not yet answered; more reports wait
-/// (and go together) until the oldest is answered. The server reads 64
-/// ahead ([`crate::service::worker::MAX_UNANSWERED_REPORTS`]).
+/// (and go together) until the oldest is answered. The server reads as
+/// many ahead.
 pub const MAX_UNANSWERED: usize = 64;
 
 /// A report and where its outcome goes.
