@@ -71,6 +71,7 @@ check "the LeaseJobs stream pushes the lease" 'grep -q "\"leaseId\"" <<<"$lease"
 lease_id=$(json 'd["leaseId"]' <<<"$lease")
 check "a wrong lease id is rejected (fencing)" 'has FailedPrecondition g -d "{\"job_id\":\"$job\",\"worker_id\":\"hand-1\",\"lease_id\":\"not-the-lease\",\"status\":\"JOB_STATUS_COMPLETED\"}" "$addr" agq.v1.WorkerService/UpdateJob'
 check "report the job completed" 'has JOB_STATUS_COMPLETED g -d "{\"job_id\":\"$job\",\"worker_id\":\"hand-1\",\"lease_id\":\"$lease_id\",\"status\":\"JOB_STATUS_COMPLETED\"}" "$addr" agq.v1.WorkerService/UpdateJob'
+check "ReportJobs answers each report (another lease id: FAILED_PRECONDITION)" 'has "\"code\": 9" g -d "{\"worker_id\":\"hand-1\",\"requests\":[{\"job_id\":\"$job\",\"lease_id\":\"not-the-lease\",\"status\":\"JOB_STATUS_COMPLETED\"}]}" "$addr" agq.v1.WorkerService/ReportJobs'
 check "queue stats count both workers" 'has "\"workersTotal\": 2" g "$addr" agq.v1.QueueService/GetQueueStats'
 check "metrics" 'has agq_jobs_total g "$addr" agq.v1.QueueService/GetMetrics'
 check "delete the plan" 'has "\"deleted\": true" g -d "{\"plan_id\":\"wordcount\"}" "$addr" agq.v1.PlanService/DeletePlan'
