@@ -92,8 +92,8 @@ class WorkerServiceStub:
     one; requests sent after a refused one are not applied. When the server
     shuts down it stops reading, answers what it read and ends the stream
     without an error: a report sent and not answered must be sent again
-    (a report already applied is then refused with FAILED_PRECONDITION,
-    its lease being over). Errors that end the stream: INVALID_ARGUMENT
+    (a report already applied is then acknowledged again, changing
+    nothing, as UpdateJob does). Errors that end the stream: INVALID_ARGUMENT
     (a request's worker_id is invalid or differs from the stream's first,
     it has no reports or more than 1024, a report names another worker),
     PERMISSION_DENIED for a token that may not act for worker_id.
@@ -207,8 +207,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     one; requests sent after a refused one are not applied. When the server
     shuts down it stops reading, answers what it read and ends the stream
     without an error: a report sent and not answered must be sent again
-    (a report already applied is then refused with FAILED_PRECONDITION,
-    its lease being over). Errors that end the stream: INVALID_ARGUMENT
+    (a report already applied is then acknowledged again, changing
+    nothing, as UpdateJob does). Errors that end the stream: INVALID_ARGUMENT
     (a request's worker_id is invalid or differs from the stream's first,
     it has no reports or more than 1024, a report names another worker),
     PERMISSION_DENIED for a token that may not act for worker_id.
@@ -355,8 +355,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         one; requests sent after a refused one are not applied. When the server
         shuts down it stops reading, answers what it read and ends the stream
         without an error: a report sent and not answered must be sent again
-        (a report already applied is then refused with FAILED_PRECONDITION,
-        its lease being over). Errors that end the stream: INVALID_ARGUMENT
+        (a report already applied is then acknowledged again, changing
+        nothing, as UpdateJob does). Errors that end the stream: INVALID_ARGUMENT
         (a request's worker_id is invalid or differs from the stream's first,
         it has no reports or more than 1024, a report names another worker),
         PERMISSION_DENIED for a token that may not act for worker_id.
