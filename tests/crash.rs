@@ -11,7 +11,7 @@
 mod process;
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -20,7 +20,10 @@ use agq::pb::{self, *};
 use process::{AgqServe, Serve};
 use rand::Rng;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::{wrappers::ReceiverStream, StreamExt};
+use tokio_stream::{
+    wrappers::{ReceiverStream, UnboundedReceiverStream},
+    StreamExt,
+};
 use tonic::{transport::Endpoint, Code};
 
 /// Starts `agq serve` on `db` at `listen` (killed when dropped).
@@ -51,6 +54,8 @@ struct Ledger {
     leases: HashMap<String, u32>,
     /// Accepted completions per job (lease ids).
     completions: HashMap<String, Vec<String>>,
+    /// Completions accepted on a ReportJobs stream.
+    streamed: usize,
 }
 
 async fn channel(url: &str) -> Option<tonic::transport::Channel> {
@@ -105,7 +110,16 @@ async fn submitter(
     n
 }
 
-async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch::Receiver<bool>) {
+/// A simulated worker: registers, heartbeats, completes every lease at
+/// once; with `streamed` it reports on ReportJobs (as agw does), without
+/// it one UpdateJob per lease.
+async fn worker(
+    url: String,
+    id: String,
+    streamed: bool,
+    ledger: Arc<Mutex<Ledger>>,
+    stop: watch::Receiver<bool>,
+) {
     while !*stop.borrow() {
         let Some(ch) = channel(&url).await else {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -166,9 +180,38 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
         {
             let mut stream = stream.into_inner();
             let mut stop = stop.clone();
+            // A streamed worker reports as agw does: requests on one
+            // ReportJobs stream, sent without waiting, answered later; a
+            // report counts as accepted only once its answer came.
+            let (report_tx, report_rx) = mpsc::unbounded_channel::<ReportJobsRequest>();
+            let mut answers = if streamed {
+                match c.report_jobs(UnboundedReceiverStream::new(report_rx)).await {
+                    Ok(a) => Some(a.into_inner()),
+                    Err(_) => continue,
+                }
+            } else {
+                None
+            };
+            // Jobs and leases of the requests not yet answered, oldest first.
+            let mut unanswered: VecDeque<(String, String)> = VecDeque::new();
             loop {
+                let answer = async {
+                    match answers.as_mut() {
+                        Some(a) => a.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 let next = tokio::select! {
                     n = stream.next() => n,
+                    a = answer => {
+                        let Some(Ok(a)) = a else { break };
+                        let Some((job_id, lease_id)) = unanswered.pop_front() else { break };
+                        if a.results.first().is_some_and(|r| r.code == 0) {
+                            accepted(&ledger, job_id, lease_id);
+                            ledger.lock().unwrap().streamed += 1;
+                        }
+                        continue;
+                    }
                     _ = stop.changed() => None,
                 };
                 let Some(Ok(lease)) = next else { break };
@@ -190,18 +233,32 @@ async fn worker(url: String, id: String, ledger: Arc<Mutex<Ledger>>, stop: watch
                     status: JobStatus::Completed as i32,
                     ..Default::default()
                 };
-                if c.update_job(upd).await.is_ok() {
-                    ledger
-                        .lock()
-                        .unwrap()
-                        .completions
-                        .entry(job_id)
-                        .or_default()
-                        .push(lease.lease_id);
+                if streamed {
+                    let request = ReportJobsRequest {
+                        worker_id: id.clone(),
+                        requests: vec![upd],
+                    };
+                    if report_tx.send(request).is_err() {
+                        break;
+                    }
+                    unanswered.push_back((job_id, lease.lease_id));
+                } else if c.update_job(upd).await.is_ok() {
+                    accepted(&ledger, job_id, lease.lease_id);
                 }
             }
         }
     }
+}
+
+/// Records a completion the server acknowledged.
+fn accepted(ledger: &Mutex<Ledger>, job_id: String, lease_id: String) {
+    ledger
+        .lock()
+        .unwrap()
+        .completions
+        .entry(job_id)
+        .or_default()
+        .push(lease_id);
 }
 
 /// Aborts its task when dropped.
@@ -265,6 +322,7 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
             tokio::spawn(worker(
                 url.clone(),
                 format!("crash-w{i}"),
+                i % 2 == 1,
                 ledger.clone(),
                 stop_rx.clone(),
             ))
@@ -307,6 +365,7 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
             tokio::spawn(worker(
                 url.clone(),
                 format!("finish-w{i}"),
+                i % 2 == 1,
                 ledger.clone(),
                 stop2_rx.clone(),
             ))
@@ -377,10 +436,15 @@ async fn kill_dash_nine_under_load_loses_and_strands_nothing() {
         .filter(|(j, _)| acked_set.contains(j))
         .map(|(_, n)| n.saturating_sub(1))
         .sum();
+    assert!(
+        l.streamed > 0,
+        "no completion was accepted on a ReportJobs stream"
+    );
     println!(
-        "crash test: {kills} kills survived, {} actions / {} jobs acknowledged and checked, {re_executions} re-executions (at-least-once)",
+        "crash test: {kills} kills survived, {} actions / {} jobs acknowledged and checked, {} completions accepted on ReportJobs, {re_executions} re-executions (at-least-once)",
         submitted,
-        l.acked.len()
+        l.acked.len(),
+        l.streamed
     );
     drop(l);
     server.kill();
