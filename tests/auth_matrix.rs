@@ -1,6 +1,7 @@
 //! The auth matrix for every RPC: no token, wrong token, client, admin, a
 //! worker token for its own and for another worker_id, and a worker-pool
-//! token for ids inside and outside its pool.
+//! token for ids inside and outside its pool; and a worker token that
+//! tries to report another worker's lease, checked by the job's state.
 
 mod common;
 
@@ -501,5 +502,164 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
     assert!(bad(None, None));
     assert!(bad(None, Some("agw pods")));
     assert!(bad(None, Some("")));
+    s.stop().await;
+}
+
+/// A worker token cannot report another worker's lease by any of the
+/// three report RPCs: refused, and the job stays running under its
+/// holder's lease; the holder's own token then completes it on
+/// ReportJobs.
+#[tokio::test]
+async fn another_workers_token_cannot_report_its_lease() {
+    let e = |token: &str, role, worker_id: Option<&str>| TokenEntry {
+        token: token.into(),
+        role,
+        worker_id: worker_id.map(Into::into),
+        worker_id_prefix: None,
+    };
+    let (client, w1, w2) = (
+        "client-token-0123456789",
+        "worker-w1-token-0123456789",
+        "worker-w2-token-0123456789",
+    );
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![
+                e(client, Role::Client, None),
+                e(w1, Role::Worker, Some("w1")),
+                e(w2, Role::Worker, Some("w2")),
+            ],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
+    let ch = s.channel().await;
+    let with = |t: &str| InterceptedService::new(ch.clone(), Bearer(Some(t.into())));
+    let workers = |t: &str| worker_service_client::WorkerServiceClient::new(with(t));
+    let register = |id: &str| RegisterWorkerRequest {
+        worker_id: id.into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    // w1 registers, opens its streams and is leased the job.
+    let mut holder = workers(w1);
+    holder.register_worker(register("w1")).await.unwrap();
+    let (beat_tx, beats) = tokio::sync::mpsc::channel(4);
+    beat_tx
+        .send(HeartbeatRequest {
+            worker_id: "w1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let _heartbeats = holder
+        .heartbeat(tokio_stream::wrappers::ReceiverStream::new(beats))
+        .await
+        .unwrap();
+    let mut leases = holder
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "w1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    plan_service_client::PlanServiceClient::new(with(client))
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["cat"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    action_service_client::ActionServiceClient::new(with(client))
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![ActionInput::default()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let lease = leases.message().await.unwrap().expect("a lease for w1");
+    let job_id = lease.job.as_ref().unwrap().job_id.clone();
+    let report = |worker_id: &str| UpdateJobRequest {
+        job_id: job_id.clone(),
+        worker_id: worker_id.into(),
+        lease_id: lease.lease_id.clone(),
+        status: JobStatus::Completed as i32,
+        ..Default::default()
+    };
+    let reports = |worker_id: &str, r: UpdateJobRequest| ReportJobsRequest {
+        worker_id: worker_id.into(),
+        requests: vec![r],
+    };
+    let first_answer = |mut w: worker_service_client::WorkerServiceClient<Ch>, r| async move {
+        let mut answers = w
+            .report_jobs(tokio_stream::iter(vec![r]))
+            .await
+            .unwrap()
+            .into_inner();
+        answers.message().await
+    };
+
+    // w2's token, naming w1: refused by every report RPC.
+    let mut thief = workers(w2);
+    let st = thief.update_job(report("w1")).await.unwrap_err();
+    assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
+    let st = thief
+        .batch_update_jobs(BatchUpdateJobsRequest {
+            worker_id: "w1".into(),
+            requests: vec![report("")],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
+    let st = first_answer(workers(w2), reports("w1", report("")))
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
+    // w2's token for w2, with w1's lease: the report is refused (the
+    // lease is another worker's).
+    thief.register_worker(register("w2")).await.unwrap();
+    let a = first_answer(workers(w2), reports("w2", report("")))
+        .await
+        .unwrap()
+        .expect("an answer");
+    assert_eq!(
+        Code::from(a.results[0].code),
+        Code::PermissionDenied,
+        "{a:?}"
+    );
+
+    let jobs = job_service_client::JobServiceClient::new(with(client));
+    let job = || {
+        let mut jobs = jobs.clone();
+        let id = job_id.clone();
+        async move {
+            jobs.get_job(GetJobRequest { job_id: id })
+                .await
+                .unwrap()
+                .into_inner()
+                .job
+                .unwrap()
+        }
+    };
+    let j = job().await;
+    assert_eq!(
+        (j.status, j.worker_id.as_str(), j.attempt),
+        (JobStatus::Running as i32, "w1", 1)
+    );
+    // The holder's own token completes it.
+    let a = first_answer(workers(w1), reports("w1", report("")))
+        .await
+        .unwrap()
+        .expect("an answer");
+    assert_eq!(a.results[0].code, 0, "{a:?}");
+    assert_eq!(job().await.status, JobStatus::Completed as i32);
     s.stop().await;
 }
