@@ -133,7 +133,7 @@ async fn send_loop(
             },
         };
         let batch = gather(first, &mut rx, &mut carry);
-        if way == Way::Single || (batch.len() == 1 && batch[0].traceparent.is_some()) {
+        if way == Way::Single || goes_alone(&batch) {
             send_each(&mut client, batch, call_timeout).await;
             continue;
         }
@@ -211,6 +211,12 @@ fn gather(
         batch.push(p);
     }
     batch
+}
+
+/// True for a lone report of a traced job: it goes as a plain `UpdateJob`
+/// carrying the job's `traceparent`, so the server's span joins its trace.
+fn goes_alone(batch: &[Pending]) -> bool {
+    matches!(batch, [p] if p.traceparent.is_some())
 }
 
 /// Gives each report of a call or request its own result; a count that
@@ -328,7 +334,7 @@ async fn stream_session(
             }, if room => match next {
                 Some(p) => {
                     let batch = gather(p, rx, carry);
-                    if batch.len() == 1 && batch[0].traceparent.is_some() {
+                    if goes_alone(&batch) {
                         let mut c = client.clone();
                         tokio::spawn(async move { send_each(&mut c, batch, call_timeout).await });
                     } else if let Some(tx) = &tx {
