@@ -1085,37 +1085,55 @@ async fn task_results_are_replaced_by_the_next_report(store: TestStore) {
     s.stop().await;
 }
 
-/// agw's reporter against a server without ReportJobs and BatchUpdateJobs
-/// (an older server): the report that found them missing is answered
-/// UNAVAILABLE (its caller sends it again), then the reporter falls back
-/// to BatchUpdateJobs and then to one UpdateJob per report.
-#[tokio::test]
-async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
-    use agq::{
-        pb::worker_service_server::{WorkerService, WorkerServiceServer},
-        worker::{client::worker_client, reporter::Reporter},
-    };
+/// A WorkerService standing in for a server agw's reporter talks to: it
+/// records the RPCs it gets and has UpdateJob only (answered COMPLETED);
+/// ReportJobs is either missing too (an older server) or opens and never
+/// answers (a server that stopped answering).
+mod fake {
     use std::{
         pin::Pin,
         sync::{Arc, Mutex},
+        time::Duration,
+    };
+
+    use agq::{
+        pb::{
+            worker_service_server::{WorkerService, WorkerServiceServer},
+            *,
+        },
+        worker::{client::worker_client, reporter::Reporter},
     };
     use tonic::{Request, Response, Status, Streaming};
 
     type Answers<T> = Pin<Box<dyn futures_util::Stream<Item = Result<T, Status>> + Send>>;
-    /// A WorkerService that has UpdateJob only, and records what it got.
-    struct Older(Arc<Mutex<Vec<&'static str>>>);
-    impl Older {
+
+    /// What the fake does with a ReportJobs stream.
+    #[derive(Clone, Copy)]
+    pub enum ReportJobs {
+        /// UNIMPLEMENTED.
+        Missing,
+        /// Opens it and never answers.
+        Silent,
+    }
+
+    struct Fake {
+        seen: Arc<Mutex<Vec<&'static str>>>,
+        report_jobs: ReportJobs,
+    }
+
+    impl Fake {
         fn missing<T>(&self, rpc: &'static str) -> Result<T, Status> {
-            self.0.lock().unwrap().push(rpc);
+            self.seen.lock().unwrap().push(rpc);
             Err(Status::unimplemented(rpc))
         }
     }
-    /// The WorkerService of `Older`: UpdateJob, and every other RPC
-    /// recorded and refused with UNIMPLEMENTED.
-    macro_rules! older {
+
+    /// The fake's WorkerService: UpdateJob and ReportJobs as above, every
+    /// other RPC recorded and refused with UNIMPLEMENTED.
+    macro_rules! fake {
         ($(fn $name:ident($req:ty) -> $resp:ty = $rpc:literal;)*) => {
             #[tonic::async_trait]
-            impl WorkerService for Older {
+            impl WorkerService for Fake {
                 type HeartbeatStream = Answers<HeartbeatResponse>;
                 type LeaseJobsStream = Answers<JobLease>;
                 type ReportJobsStream = Answers<ReportJobsResponse>;
@@ -1123,10 +1141,22 @@ async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
                     &self,
                     _: Request<UpdateJobRequest>,
                 ) -> Result<Response<UpdateJobResponse>, Status> {
-                    self.0.lock().unwrap().push("UpdateJob");
+                    self.seen.lock().unwrap().push("UpdateJob");
                     Ok(Response::new(UpdateJobResponse {
                         status: JobStatus::Completed as i32,
                     }))
+                }
+                async fn report_jobs(
+                    &self,
+                    _: Request<Streaming<ReportJobsRequest>>,
+                ) -> Result<Response<Self::ReportJobsStream>, Status> {
+                    match self.report_jobs {
+                        ReportJobs::Missing => self.missing("ReportJobs"),
+                        ReportJobs::Silent => {
+                            self.seen.lock().unwrap().push("ReportJobs");
+                            Ok(Response::new(Box::pin(futures_util::stream::pending())))
+                        }
+                    }
                 }
                 $(
                     async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
@@ -1136,12 +1166,11 @@ async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
             }
         };
     }
-    older! {
+    fake! {
         fn register_worker(RegisterWorkerRequest) -> RegisterWorkerResponse = "RegisterWorker";
         fn heartbeat(Streaming<HeartbeatRequest>) -> Answers<HeartbeatResponse> = "Heartbeat";
         fn lease_jobs(LeaseJobsRequest) -> Answers<JobLease> = "LeaseJobs";
         fn batch_update_jobs(BatchUpdateJobsRequest) -> BatchUpdateJobsResponse = "BatchUpdateJobs";
-        fn report_jobs(Streaming<ReportJobsRequest>) -> Answers<ReportJobsResponse> = "ReportJobs";
         fn unregister_worker(UnregisterWorkerRequest) -> UnregisterWorkerResponse = "UnregisterWorker";
         fn list_workers(ListWorkersRequest) -> ListWorkersResponse = "ListWorkers";
         fn get_worker(GetWorkerRequest) -> GetWorkerResponse = "GetWorker";
@@ -1151,47 +1180,103 @@ async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
         fn verify_worker(VerifyWorkerRequest) -> VerifyWorkerResponse = "VerifyWorker";
     }
 
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(WorkerServiceServer::new(Older(seen.clone())))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let reporter = Reporter::start(
-        worker_client(channel, None).unwrap(),
-        "w1".into(),
-        Duration::from_secs(5),
-    );
-    let report = |n: u32| UpdateJobRequest {
-        job_id: format!("job-{n}"),
-        worker_id: "w1".into(),
-        lease_id: format!("lease-{n}"),
-        status: JobStatus::Completed as i32,
-        ..Default::default()
-    };
-    let codes = |outcomes: Vec<Result<(), Status>>| -> Vec<Code> {
+    /// Serves a fake on 127.0.0.1:0 and starts agw's reporter for "w1" on
+    /// it with `call_timeout`; returns the RPCs seen, the reporter and the
+    /// server's task.
+    pub async fn reporter(
+        report_jobs: ReportJobs,
+        call_timeout: Duration,
+    ) -> (
+        Arc<Mutex<Vec<&'static str>>>,
+        Reporter,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = Fake {
+            seen: seen.clone(),
+            report_jobs,
+        };
+        let server = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(WorkerServiceServer::new(fake))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await;
+        });
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let reporter = Reporter::start(
+            worker_client(channel, None).unwrap(),
+            "w1".into(),
+            call_timeout,
+        );
+        (seen, reporter, server)
+    }
+
+    /// A completion report of job `n` of worker w1.
+    pub fn report(n: u32) -> UpdateJobRequest {
+        UpdateJobRequest {
+            job_id: format!("job-{n}"),
+            worker_id: "w1".into(),
+            lease_id: format!("lease-{n}"),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        }
+    }
+
+    /// Each outcome's code (OK for success).
+    pub fn codes(outcomes: Vec<Result<(), Status>>) -> Vec<tonic::Code> {
         outcomes
             .iter()
-            .map(|r| r.as_ref().err().map_or(Code::Ok, |e| e.code()))
+            .map(|r| r.as_ref().err().map_or(tonic::Code::Ok, |e| e.code()))
             .collect()
-    };
-    let alone = reporter.send(report(1), None).await;
-    assert_eq!(codes(vec![alone]), [Code::Unavailable]);
+    }
+}
+
+/// agw's reporter against a server without ReportJobs and BatchUpdateJobs
+/// (an older server): the report that found them missing is answered
+/// UNAVAILABLE (its caller sends it again), then the reporter falls back
+/// to BatchUpdateJobs and then to one UpdateJob per report.
+#[tokio::test]
+async fn agw_reporter_falls_back_on_a_server_without_the_stream() {
+    let (seen, reporter, server) =
+        fake::reporter(fake::ReportJobs::Missing, Duration::from_secs(5)).await;
+    let alone = reporter.send(fake::report(1), None).await;
+    assert_eq!(fake::codes(vec![alone]), [Code::Unavailable]);
     // One thread: both sends are queued before the sender task runs, so
     // they go together (a batch), then, the batch refused, one by one.
-    let two = || futures_util::future::join_all([1, 2].map(|n| reporter.send(report(n), None)));
-    assert_eq!(codes(two().await), [Code::Unavailable, Code::Unavailable]);
-    assert_eq!(codes(two().await), [Code::Ok, Code::Ok]);
+    let two =
+        || futures_util::future::join_all([1, 2].map(|n| reporter.send(fake::report(n), None)));
+    assert_eq!(
+        fake::codes(two().await),
+        [Code::Unavailable, Code::Unavailable]
+    );
+    assert_eq!(fake::codes(two().await), [Code::Ok, Code::Ok]);
     assert_eq!(
         *seen.lock().unwrap(),
         ["ReportJobs", "BatchUpdateJobs", "UpdateJob", "UpdateJob"]
     );
+    server.abort();
+}
+
+/// agw's reporter on a stream the server stopped answering: a report
+/// unanswered for the call timeout gets DEADLINE_EXCEEDED (its caller
+/// sends it again, as after a timed-out call), and the next report opens
+/// a new stream instead of waiting behind the silent one.
+#[tokio::test]
+async fn agw_reporter_gives_up_on_a_silent_stream_and_opens_another() {
+    let (seen, reporter, server) =
+        fake::reporter(fake::ReportJobs::Silent, Duration::from_millis(300)).await;
+    let started = tokio::time::Instant::now();
+    for n in [1, 2] {
+        let r = reporter.send(fake::report(n), None).await;
+        assert_eq!(fake::codes(vec![r]), [Code::DeadlineExceeded]);
+    }
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    assert_eq!(*seen.lock().unwrap(), ["ReportJobs", "ReportJobs"]);
     server.abort();
 }
