@@ -1273,7 +1273,12 @@ async fn agw_reporter_gives_up_on_a_silent_stream_and_opens_another() {
         fake::reporter(fake::ReportJobs::Silent, Duration::from_millis(300)).await;
     let started = tokio::time::Instant::now();
     for n in [1, 2] {
-        let r = reporter.send(fake::report(n), None).await;
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            reporter.send(fake::report(n), None),
+        )
+        .await
+        .expect("the report's wait is bounded by the call timeout");
         assert_eq!(fake::codes(vec![r]), [Code::DeadlineExceeded]);
     }
     assert!(started.elapsed() >= Duration::from_millis(600));
