@@ -314,6 +314,14 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
     let (_server, url) = start_server(&f.db);
     let data = f.data.to_str().expect("utf-8").to_owned();
     let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    // A descriptor agw inherits (as from a service manager or a wrapper
+    // script): the secret, which no task may read through it.
+    let inherited = std::fs::File::open(f.secret.join("secret.txt")).expect("open the secret");
+    nix::fcntl::fcntl(
+        &inherited,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    )
+    .expect("let children inherit it");
     let agw = start_agw(
         &url,
         "sandboxed-1",
@@ -352,6 +360,12 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
     let udp = UdpSocket::bind("127.0.0.1:0").expect("udp socket");
     udp.set_nonblocking(true).expect("nonblocking");
     let udp_port = udp.local_addr().expect("addr").port().to_string();
+    // A named UNIX socket everyone may connect to (as a system bus is).
+    let unix_path = f.target.join("unix.sock");
+    let unix = std::os::unix::net::UnixListener::bind(&unix_path).expect("unix listener");
+    unix.set_nonblocking(true).expect("nonblocking");
+    mode(&unix_path, 0o666);
+    let unix_path = unix_path.to_str().expect("utf-8").to_owned();
 
     let t = |name: &str| f.target.join(name);
     let t_str = |name: &str| t(name).to_str().expect("utf-8").to_owned();
@@ -617,6 +631,63 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
             ),
             vec![Expect::Fails, Expect::NotInOutput("listening".into())],
         ),
+        attempt(
+            "perl connects to a named UNIX socket",
+            one(
+                "perl",
+                &[
+                    "-MIO::Socket::UNIX",
+                    "-e",
+                    &format!(
+                        "IO::Socket::UNIX->new(Peer => '{unix_path}') or die $!; print 'connected'"
+                    ),
+                ],
+            ),
+            vec![Expect::Fails, Expect::NotInOutput("connected".into())],
+        ),
+        attempt(
+            "perl opens a socket through the x32 system call numbers",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "my $r = syscall(0x40000000 + 41, 2, 2, 0); \
+                     print $r >= 0 ? 'x32-socket-open' : \"refused: $!\"",
+                ],
+            ),
+            vec![Expect::NotInOutput("x32-socket-open".into())],
+        ),
+        // --- descriptors: only standard input, output and error -----------
+        attempt(
+            "perl reads a descriptor agw inherited",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "for my $fd (3..255) { open(my $f, '<&=', $fd) or next; local $/; \
+                     my $c = <$f>; print \"fd $fd: $c\\n\" if defined $c }",
+                ],
+            ),
+            vec![Expect::NotInOutput(SECRET.into())],
+        ),
+        attempt(
+            "perl writes its standard input, which a later task reads",
+            vec![
+                task(1, "echo", &["original-input"], None),
+                task(
+                    2,
+                    "perl",
+                    &[
+                        "-e",
+                        "open(my $o, '>&=', 0) or die \"dup: $!\"; \
+                         defined syswrite($o, 'TAMPERED') or die \"write: $!\"",
+                    ],
+                    Some(1),
+                ),
+                task(3, "cat", &[], Some(1)),
+            ],
+            vec![Expect::NotInOutput("TAMPERED".into())],
+        ),
         // --- signals and resources ----------------------------------------
         attempt(
             "perl kills agw",
@@ -713,6 +784,10 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
     if udp.recv_from(&mut buf).is_ok() {
         failures.push("a task sent a datagram to the loopback UDP socket".into());
     }
+    if unix.accept().is_ok() {
+        failures.push("a task connected to the named UNIX socket".into());
+    }
+    drop(inherited);
     assert!(
         failures.is_empty(),
         "{} of {} escape attempts got through:\n{}",

@@ -41,7 +41,7 @@ use tokio::{
 };
 
 use super::{
-    sandbox::{Confinement, Sandbox},
+    sandbox::{self, Confinement, Sandbox},
     template,
     tools::ToolSet,
 };
@@ -600,7 +600,7 @@ impl Executor {
         // reads it.
         let files = (|| -> io::Result<_> {
             let stdin = match &stdin {
-                Some(f) => Stdio::from(f.reopen()?),
+                Some(f) => Stdio::from(read_only(f)?),
                 None => Stdio::null(),
             };
             let spill = match (keep_full, &self.spill_dir) {
@@ -656,9 +656,9 @@ impl Executor {
             }
         }
         // SAFETY: the closure runs in the child between fork and exec. It
-        // only issues system calls (prctl, setrlimit, landlock, seccomp) on
-        // data built before the fork; it allocates nothing and touches no
-        // lock. PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when
+        // only issues system calls (prctl, close_range, setrlimit, landlock,
+        // seccomp) on data built before the fork; it allocates nothing and
+        // touches no lock. Descriptors agw inherited stay out of the task. PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when
         // the thread that spawned it (an agw runtime thread) goes away, so a
         // `kill -9` of agw does not leave task leaders running; it is set
         // after the identity switch, which would clear it.
@@ -667,6 +667,7 @@ impl Executor {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
                     return Err(io::Error::last_os_error());
                 }
+                sandbox::close_inherited_descriptors()?;
                 if let Some(c) = confinement.as_mut() {
                     c.apply()?;
                 }
@@ -767,6 +768,18 @@ impl Executor {
 
 /// Waits until `abort` carries a reason; never resolves when its sender is
 /// gone without one.
+/// A read-only descriptor of the file behind `f` (through
+/// `/proc/self/fd`, so it is that file whatever its path now names): a
+/// task's standard input, which it must not be able to write.
+///
+/// # Errors
+///
+/// The OS error of the open.
+fn read_only(f: &tempfile::NamedTempFile) -> io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    std::fs::File::open(format!("/proc/self/fd/{}", f.as_file().as_raw_fd()))
+}
+
 async fn aborted(abort: &mut AbortReceiver) -> AbortReason {
     let reason = match abort.wait_for(Option::is_some).await {
         Ok(r) => r.clone(),

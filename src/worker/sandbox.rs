@@ -20,9 +20,12 @@
 //!      what the tools themselves need) and the scratch directory;
 //!    - no TCP bind or connect (ABI ≥ 4), no abstract UNIX socket or signal
 //!      outside the sandbox (ABI ≥ 6);
-//! 4. **seccomp**: `socket(2)` of any family but `AF_UNIX` and `io_uring`
-//!    fail with `EACCES`, so UDP, raw sockets and io_uring's own socket
-//!    path are closed too (unless `--allow-network`).
+//! 4. **seccomp**: `socket(2)` of any family, UNIX included, and
+//!    `io_uring` fail with `EACCES`, so UDP, raw sockets, named UNIX
+//!    sockets (a system bus, a container engine's socket) and io_uring's
+//!    own socket path are closed too (unless `--allow-network`);
+//! 5. **descriptors**: every descriptor but standard input, output and
+//!    error is closed at `exec` ([`close_inherited_descriptors`]).
 //!
 //! The whole set is applied by async-signal-safe calls only (no allocation
 //! after `fork`): everything is built in the parent per job, the child only
@@ -42,10 +45,7 @@ use landlock::{
     Access, AccessFs, AccessNet, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset,
     RulesetAttr, RulesetCreated, RulesetCreatedAttr, Scope, ABI,
 };
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule,
-};
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule};
 
 use super::tools::ToolSet;
 
@@ -246,7 +246,8 @@ impl Sandbox {
             }
         }
         let (kept, dropped, exec_paths) = executables(tools);
-        create_scratch_root(&config)?;
+        let mut config = config;
+        config.scratch_root = create_scratch_root(&config)?;
         let seccomp = if config.enabled && !config.allow_network {
             Some(Arc::new(network_filter()?))
         } else {
@@ -282,12 +283,19 @@ impl Sandbox {
     ///
     /// The file system error.
     pub fn scratch(&self) -> io::Result<tempfile::TempDir> {
+        use std::os::unix::fs::OpenOptionsExt;
         let dir = tempfile::Builder::new()
             .prefix("job-")
             .tempdir_in(&self.config.scratch_root)?;
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+        // Through a descriptor of the directory just made, not its path:
+        // nothing on the way can send the change elsewhere.
+        let fd = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(dir.path())?;
+        fd.set_permissions(std::fs::Permissions::from_mode(0o700))?;
         if let Some(r) = self.config.run_as {
-            std::os::unix::fs::chown(dir.path(), Some(r.uid), Some(r.gid))?;
+            std::os::unix::fs::fchown(&fd, Some(r.uid), Some(r.gid))?;
         }
         Ok(dir)
     }
@@ -464,8 +472,13 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
     Ok(())
 }
 
-/// The seccomp filter that closes the network: `socket(2)` with any family
-/// but `AF_UNIX`, and `io_uring_setup(2)`, fail with `EACCES`.
+/// The seccomp filter that closes the network: `socket(2)` of every
+/// family (UNIX sockets included: a named socket anywhere on the host, the
+/// system bus or a container engine's, would be reachable, since Landlock
+/// does not govern `connect` to a path) and `io_uring_setup(2)` fail with
+/// `EACCES`; `socketpair(2)` stays. On x86-64 the same calls through the
+/// x32 numbering (bit 30 set), which a kernel built with x32 support
+/// accepts, fail too.
 fn network_filter() -> Result<BpfProgram, SandboxError> {
     fn err(e: impl std::fmt::Display) -> SandboxError {
         SandboxError::Config(format!("seccomp filter: {e}"))
@@ -473,18 +486,12 @@ fn network_filter() -> Result<BpfProgram, SandboxError> {
     let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)
         .map_err(|e| SandboxError::Unsupported(format!("seccomp on this architecture: {e}")))?;
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    rules.insert(
-        libc::SYS_socket,
-        vec![SeccompRule::new(vec![SeccompCondition::new(
-            0,
-            SeccompCmpArgLen::Dword,
-            SeccompCmpOp::Ne,
-            libc::AF_UNIX as u64,
-        )
-        .map_err(err)?])
-        .map_err(err)?],
-    );
-    rules.insert(libc::SYS_io_uring_setup, vec![]);
+    for nr in [libc::SYS_socket, libc::SYS_io_uring_setup] {
+        rules.insert(nr, vec![]);
+        if cfg!(target_arch = "x86_64") {
+            rules.insert(nr | X32_SYSCALL_BIT, vec![]);
+        }
+    }
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -495,11 +502,72 @@ fn network_filter() -> Result<BpfProgram, SandboxError> {
     filter.try_into().map_err(err)
 }
 
+/// The bit that marks a system call number of the x32 ABI on x86-64.
+const X32_SYSCALL_BIT: i64 = 0x4000_0000;
+
+/// Marks every descriptor from 3 up close-on-exec, so a task inherits
+/// only its standard input, output and error, never a descriptor `agw`
+/// itself inherited (from a service manager, a wrapper script, a
+/// `--token-file /dev/fd/N`). Meant for the child between `fork` and
+/// `exec`: system calls only, nothing allocated.
+///
+/// # Errors
+///
+/// The OS error of the call that failed (the task must then not start).
+pub fn close_inherited_descriptors() -> io::Result<()> {
+    // SAFETY: close_range(2) with integer arguments; it only sets flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    // Kernels before 5.11: one descriptor at a time, up to the limit.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    let top = i32::try_from(lim.rlim_cur.min(1 << 20)).unwrap_or(1 << 20);
+    for fd in 3..top {
+        // SAFETY: fcntl on a descriptor number; EBADF for a closed one.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags >= 0
+            && flags & libc::FD_CLOEXEC == 0
+            // SAFETY: as above.
+            && unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) } == -1
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Creates the scratch root (mode 0711 so the task identity can reach its
 /// own directory in it, but cannot list the others), and checks that the
 /// task identity can reach it through every directory above.
-fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
-    use std::os::unix::fs::MetadataExt;
+///
+/// The root must be agw's own: a directory (not a link) owned by agw's
+/// user, under directories owned by root or that user (the owner of a
+/// directory can rename anything in it). A root that someone else made
+/// (say, another user's `/tmp/agw-scratch-<id>` created before agw
+/// started) is refused: its owner could swap a job's directory for a link
+/// to a file agw would then hand to the task identity. Each job's
+/// directory is set up through a descriptor opened without following
+/// links ([`Sandbox::scratch`]), so a directory above that others may
+/// write (a container's `/tmp` volume, mode 0777) cannot redirect that
+/// either. Returns the root with the directories above resolved, the
+/// path every later use takes.
+fn create_scratch_root(config: &SandboxConfig) -> Result<PathBuf, SandboxError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let root = &config.scratch_root;
     if !root.is_absolute() {
         return Err(SandboxError::Config(format!(
@@ -507,18 +575,64 @@ fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
             root.display()
         )));
     }
-    std::fs::create_dir_all(root).map_err(|source| SandboxError::Io {
-        what: format!("cannot create the scratch root {}", root.display()),
-        source,
+    let io_err = |what: String| move |source| SandboxError::Io { what, source };
+    let parent = root.parent().ok_or_else(|| {
+        SandboxError::Config(format!("--scratch-dir {} has no parent", root.display()))
     })?;
-    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(|source| {
-        SandboxError::Io {
-            what: format!("cannot set the mode of {}", root.display()),
-            source,
+    std::fs::create_dir_all(parent)
+        .map_err(io_err(format!("cannot create {}", parent.display())))?;
+    // The directories above, as the kernel resolves them (links followed).
+    let parent = std::fs::canonicalize(parent)
+        .map_err(io_err(format!("cannot resolve {}", parent.display())))?;
+    let root = parent.join(root.file_name().ok_or_else(|| {
+        SandboxError::Config(format!("--scratch-dir {} has no name", root.display()))
+    })?);
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    for dir in parent.ancestors() {
+        let meta = std::fs::symlink_metadata(dir)
+            .map_err(io_err(format!("cannot inspect {}", dir.display())))?;
+        if meta.uid() != 0 && meta.uid() != me {
+            return Err(SandboxError::Config(format!(
+                "--scratch-dir {}: {} belongs to uid {}, who could replace what is in it; \
+                 choose a directory under ones owned by root or agw's user (uid {me})",
+                root.display(),
+                dir.display(),
+                meta.uid()
+            )));
         }
-    })?;
+    }
+    match std::fs::DirBuilder::new().mode(0o711).create(&root) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => {
+            return Err(io_err(format!(
+                "cannot create the scratch root {}",
+                root.display()
+            ))(e))
+        }
+    }
+    let meta = std::fs::symlink_metadata(&root)
+        .map_err(io_err(format!("cannot inspect {}", root.display())))?;
+    if !meta.file_type().is_dir() || meta.uid() != me {
+        return Err(SandboxError::Config(format!(
+            "--scratch-dir {} is not a directory of agw's user (uid {me}): it is {} owned by \
+             uid {}; remove it or choose another",
+            root.display(),
+            if meta.file_type().is_symlink() {
+                "a symbolic link"
+            } else if meta.file_type().is_dir() {
+                "a directory"
+            } else {
+                "a file"
+            },
+            meta.uid()
+        )));
+    }
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))
+        .map_err(io_err(format!("cannot set the mode of {}", root.display())))?;
     let Some(who) = config.run_as else {
-        return Ok(());
+        return Ok(root);
     };
     for dir in root.ancestors().skip(1) {
         let meta = std::fs::metadata(dir).map_err(|source| SandboxError::Io {
@@ -539,7 +653,7 @@ fn create_scratch_root(config: &SandboxConfig) -> Result<(), SandboxError> {
             )));
         }
     }
-    Ok(())
+    Ok(root)
 }
 
 /// Splits `tools` into those the sandbox can start (with the executables to
@@ -685,6 +799,64 @@ mod tests {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         assert!(Sandbox::new(config(dir.path().join("scratch")), &tools).is_ok());
         assert!(Sandbox::new(config(PathBuf::from("relative/scratch")), &tools).is_err());
+    }
+
+    #[test]
+    fn a_scratch_root_someone_else_controls_is_refused() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let root_user = nix::unistd::Uid::effective().is_root();
+        let config = |root: PathBuf| SandboxConfig {
+            enabled: false,
+            read_paths: Vec::new(),
+            allow_network: false,
+            limits: ResourceLimits::default(),
+            run_as: root_user.then_some(RunAs {
+                uid: 65534,
+                gid: 65534,
+            }),
+            scratch_root: root,
+        };
+        let tools = ToolSet::from_env(["cat"]);
+        // A link in the root's place, even to a directory of agw's own.
+        let own = dir.path().join("own");
+        std::fs::create_dir(&own).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&own, &link).unwrap();
+        let err = Sandbox::new(config(link), &tools).unwrap_err();
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        // A root agw made, left open to everyone: taken back (mode 0711).
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let (sandbox, _, _) = Sandbox::new(config(open.clone()), &tools).unwrap();
+        assert_eq!(std::fs::metadata(&open).unwrap().mode() & 0o7777, 0o711);
+        // A job's directory: 0700, the task identity's.
+        let job = sandbox.scratch().unwrap();
+        let meta = std::fs::symlink_metadata(job.path()).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o7777, 0o700);
+        if root_user {
+            assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+            // A root another user made (the attack: another user's
+            // /tmp/agw-scratch-<id> made before agw started).
+            let theirs = dir.path().join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+            let err = Sandbox::new(config(theirs), &tools).unwrap_err();
+            assert!(
+                err.to_string().contains("not a directory of agw's user"),
+                "{err}"
+            );
+            // Under a directory another user owns.
+            let above = dir.path().join("above");
+            std::fs::create_dir(&above).unwrap();
+            std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::os::unix::fs::chown(&above, Some(65534), Some(65534)).unwrap();
+            let err = Sandbox::new(config(above.join("scratch")), &tools).unwrap_err();
+            assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
+        }
     }
 
     #[test]
