@@ -12,9 +12,22 @@
 //!   really holds, so the fuzzer drives real running/completed/failed
 //!   transitions with arbitrary task results, progress and errors; the
 //!   status each accepted report returns is the job's status read back.
+//! - ReportJobs (a selector byte of 0xC0 or more): the next byte picks
+//!   the caller's identity, the rest is up to 8 length-delimited
+//!   ReportJobsRequests, sent in order on the service's own stream
+//!   (`agq::service::report_stream`). The stream answers each request up
+//!   to the first it refuses (a token that may not act for the stream's
+//!   worker, another worker than the first request's, a refused batch:
+//!   the answer is that status, with the code a model of the checks
+//!   predicts) and ends there; an accepted request gets one result per
+//!   report, each checked as BatchUpdateJobs' are; a job reported only at
+//!   or after the refused request is left as it was.
 #![no_main]
 
+use std::collections::HashMap;
+
 use agq::{
+    auth::Identity,
     core::{model::Registration, validate},
     pb,
     pb::JobStatus,
@@ -134,6 +147,151 @@ fn check_outcome(
     }
 }
 
+/// True when BatchUpdateJobs (and a ReportJobs request) refuses the
+/// whole batch: a bad worker id, no reports or too many, a report naming
+/// another worker.
+fn batch_refused(worker_id: &str, requests: &[pb::UpdateJobRequest]) -> bool {
+    validate::worker_id(worker_id).is_err()
+        || requests.is_empty()
+        || requests.len() > validate::MAX_BATCH_REPORTS
+        || requests
+            .iter()
+            .any(|r| !r.worker_id.is_empty() && r.worker_id != worker_id)
+}
+
+/// Checks each report of an accepted batch of `worker_id` against its
+/// result, as a client reads it.
+fn check_batch(
+    h: &Harness,
+    worker_id: &str,
+    requests: &mut [pb::UpdateJobRequest],
+    real: &[Option<String>],
+    results: &[pb::UpdateJobResult],
+) {
+    assert_eq!(results.len(), requests.len(), "one result per report");
+    for ((r, job), res) in requests.iter_mut().zip(real).zip(results) {
+        let res = &batch_result(res);
+        if r.worker_id.is_empty() {
+            r.worker_id = worker_id.to_string();
+        }
+        if r.worker_id == WORKER_ID || job.is_none() {
+            check_outcome(h, r, job.as_ref(), res);
+        }
+    }
+}
+
+/// The identity a ReportJobs stream is opened with.
+fn stream_identity(b: u8) -> Identity {
+    match b % 5 {
+        0 => Identity::Anonymous,
+        1 => Identity::Worker(WORKER_ID.into()),
+        2 => Identity::Worker("fuzz-other".into()),
+        3 => Identity::WorkerPool("fuzz-".into()),
+        _ => Identity::Client,
+    }
+}
+
+/// The model of the role check: may `who` act for `worker_id`?
+fn may_act(who: &Identity, worker_id: &str) -> bool {
+    match who {
+        Identity::Anonymous | Identity::Admin => true,
+        Identity::Worker(w) => w == worker_id,
+        Identity::WorkerPool(p) => worker_id.starts_with(p.as_str()),
+        Identity::Client => false,
+    }
+}
+
+/// The first request a ReportJobs stream must refuse, with its code.
+fn first_refusal(who: &Identity, reqs: &[pb::ReportJobsRequest]) -> Option<(usize, Code)> {
+    let mut bound: Option<&str> = None;
+    for (i, m) in reqs.iter().enumerate() {
+        match bound {
+            Some(w) if w != m.worker_id => return Some((i, Code::InvalidArgument)),
+            Some(_) => {}
+            None => {
+                if !may_act(who, &m.worker_id) {
+                    return Some((i, Code::PermissionDenied));
+                }
+                bound = Some(&m.worker_id);
+            }
+        }
+        if batch_refused(&m.worker_id, &m.requests) {
+            return Some((i, Code::InvalidArgument));
+        }
+    }
+    None
+}
+
+/// Most requests one ReportJobs input sends.
+const MAX_STREAM_REQUESTS: usize = 8;
+
+fn report_stream(h: &Harness, data: &[u8]) {
+    let Some((&who, mut rest)) = data.split_first() else {
+        return;
+    };
+    let who = stream_identity(who);
+    let mut reqs = Vec::new();
+    while !rest.is_empty() && reqs.len() < MAX_STREAM_REQUESTS {
+        match pb::ReportJobsRequest::decode_length_delimited(&mut rest) {
+            Ok(m) => reqs.push(m),
+            Err(_) => break,
+        }
+    }
+    if reqs.is_empty() {
+        return;
+    }
+    let real: Vec<Vec<Option<String>>> = reqs
+        .iter_mut()
+        .map(|m| m.requests.iter_mut().map(|r| substitute(h, r)).collect())
+        .collect();
+    let refusal = first_refusal(&who, &reqs);
+    let applied = refusal.map_or(reqs.len(), |(i, _)| i);
+    // The running jobs reported only at or after the refusal, as they
+    // were (a job that is not running may move on its own: a retry's
+    // backoff ends, the dispatcher leases it again).
+    let mut untouched: HashMap<String, pb::Job> = HashMap::new();
+    for job_id in real[applied..].iter().flatten().flatten() {
+        if !real[..applied]
+            .iter()
+            .flatten()
+            .flatten()
+            .any(|j| j == job_id)
+        {
+            let job = get_job(h, job_id);
+            if job.status == JobStatus::Running as i32 {
+                untouched.insert(job_id.clone(), job);
+            }
+        }
+    }
+    let answers = h.report_jobs(who, reqs.clone());
+    let expected = refusal.map_or(reqs.len(), |(i, _)| i + 1);
+    assert_eq!(
+        answers.len(),
+        expected,
+        "{} requests, refusal {refusal:?}: {answers:?}",
+        reqs.len()
+    );
+    for (i, answer) in answers.iter().enumerate() {
+        match (refusal, answer) {
+            (Some((k, want)), Err(s)) if k == i => {
+                assert_eq!(s.code(), want, "request {i} refused with {s:?}")
+            }
+            (_, Ok(a)) if i < applied => {
+                let m = &mut reqs[i];
+                check_batch(h, &m.worker_id, &mut m.requests, &real[i], &a.results);
+            }
+            _ => panic!("request {i} (refusal {refusal:?}) answered {answer:?}"),
+        }
+    }
+    for (job_id, before) in untouched {
+        assert_eq!(
+            get_job(h, &job_id),
+            before,
+            "a report read after the stream's refusal changed {job_id}"
+        );
+    }
+}
+
 fn get_job(h: &Harness, job_id: &str) -> pb::Job {
     h.get_job(pb::GetJobRequest {
         job_id: job_id.to_string(),
@@ -156,6 +314,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let h = harness();
+    if which >= 0xC0 {
+        report_stream(h, bytes);
+        return;
+    }
     match which % 3 {
         0 => {
             if let Ok(req) = pb::RegisterWorkerRequest::decode(bytes) {
@@ -180,28 +342,14 @@ fuzz_target!(|data: &[u8]| {
                 return;
             };
             let real: Vec<_> = b.requests.iter_mut().map(|r| substitute(h, r)).collect();
-            let refused = validate::worker_id(&b.worker_id).is_err()
-                || b.requests.is_empty()
-                || b.requests.len() > validate::MAX_BATCH_REPORTS
-                || b.requests
-                    .iter()
-                    .any(|r| !r.worker_id.is_empty() && r.worker_id != b.worker_id);
+            let refused = batch_refused(&b.worker_id, &b.requests);
             let res = h.batch_update_jobs(b.clone());
             if refused {
                 assert!(is_invalid(&res), "a refused batch got {res:?}");
                 return;
             }
             let results = res.expect("a well-formed batch").results;
-            assert_eq!(results.len(), b.requests.len(), "one result per report");
-            for ((r, job), res) in b.requests.iter_mut().zip(&real).zip(&results) {
-                let res = &batch_result(res);
-                if r.worker_id.is_empty() {
-                    r.worker_id = b.worker_id.clone();
-                }
-                if r.worker_id == WORKER_ID || job.is_none() {
-                    check_outcome(h, r, job.as_ref(), res);
-                }
-            }
+            check_batch(h, &b.worker_id, &mut b.requests, &real, &results);
         }
     }
 });

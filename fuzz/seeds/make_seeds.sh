@@ -172,6 +172,37 @@ seed queries get-bad-id GetJobRequest 4 <<'T'
 job_id: "../etc/passwd"
 T
 
+# A protobuf varint (a length prefix).
+varint() {
+  local n=$1
+  while [ "$n" -ge 128 ]; do
+    printf "\\x$(printf %02x $(((n & 127) | 128)))"
+    n=$((n >> 7))
+  done
+  printf "\\x$(printf %02x "$n")"
+}
+
+# stream_seed NAME IDENTITY_BYTE < ReportJobsRequests in text format, one
+# after another, separated by lines of "---": the worker_reports target's
+# ReportJobs input (selector 0xC0, the identity byte, then each request
+# length-delimited).
+stream_seed() {
+  local name=$1 who=$2 tmp f
+  tmp=$(mktemp -d)
+  awk -v d="$tmp" 'BEGIN { n = 0 } /^---$/ { n++; next } { print > (d "/" n) }'
+  {
+    printf '\xc0'
+    printf "\\x$(printf %02x "$who")"
+    for f in $(ls "$tmp" | sort -n); do
+      "$PROTOC" -Iproto -I"$INCLUDE" --encode=agq.v1.ReportJobsRequest proto/agq/v1/*.proto \
+        < "$tmp/$f" > "$tmp/$f.bin"
+      varint "$(stat -c %s "$tmp/$f.bin")"
+      cat "$tmp/$f.bin"
+    done
+  } > "fuzz/corpus/worker_reports/seed-$name"
+  rm -rf "$tmp"
+}
+
 # ---- worker_reports: selector byte, then the request ----
 seed worker_reports register RegisterWorkerRequest 0 <<'T'
 worker_id: "w-1" hostname: "host" platform: "linux-x86_64" agw_version: "0.1.0"
@@ -221,6 +252,34 @@ worker_id: "fuzz-w" requests { job_id: "JOB" worker_id: "other" lease_id: "LEASE
 T
 seed worker_reports batch-empty BatchUpdateJobsRequest 2 <<'T'
 worker_id: "fuzz-w"
+T
+# ReportJobs; identity byte: 0 none (auth off), 1 fuzz-w's token,
+# 2 another worker's, 3 the pool "fuzz-", 4 a client's.
+stream_seed stream-progress-then-complete 1 <<'T'
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_RUNNING progress_percent: 40 }
+---
+worker_id: "fuzz-w"
+requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_COMPLETED task_results { task_number: 1 command: "cat" stdout: "a" } }
+T
+stream_seed stream-worker-changes 0 <<'T'
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_RUNNING current_task: 1 }
+---
+worker_id: "other" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_COMPLETED }
+---
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_FAILED error: "not applied" }
+T
+stream_seed stream-other-workers-token 2 <<'T'
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_COMPLETED }
+T
+stream_seed stream-pool-empty-request 3 <<'T'
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_RUNNING progress_percent: 5 }
+---
+worker_id: "fuzz-w"
+---
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_COMPLETED }
+T
+stream_seed stream-client-token 4 <<'T'
+worker_id: "fuzz-w" requests { job_id: "JOB" lease_id: "LEASE" status: JOB_STATUS_COMPLETED }
 T
 
 echo "seeds: $(find fuzz/corpus -name 'seed-*' | wc -l) files, $(du -sh fuzz/corpus | cut -f1)"

@@ -21,6 +21,7 @@ use std::{
 };
 
 use agq::{
+    auth::Identity,
     config::{EngineConfig, SyncMode},
     core::{
         engine::{HeartbeatEvent, PlanQuery, QueueName},
@@ -34,6 +35,7 @@ use agq::{
     store::sqlite::SqliteEngine,
     worker::template,
 };
+use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tonic::{Code, Status};
 
@@ -346,6 +348,19 @@ impl Harness {
         Ok(pb::BatchUpdateJobsResponse {
             results: agq::service::convert::report_results(outcomes),
         })
+    }
+
+    /// WorkerService/ReportJobs: the answers of the service's own stream
+    /// ([`agq::service::report_stream`], its role check included) to
+    /// `requests` sent by `who`, read until the stream ends.
+    pub fn report_jobs(
+        &self,
+        who: Identity,
+        requests: Vec<pb::ReportJobsRequest>,
+    ) -> Vec<Result<pb::ReportJobsResponse, Status>> {
+        let requests = futures_util::stream::iter(requests.into_iter().map(Ok));
+        let answers = agq::service::report_stream(self.engine.clone(), who, requests);
+        self.rt.block_on(answers.collect())
     }
 
     /// WorkerService/UnregisterWorker.

@@ -19,6 +19,7 @@ use std::future::Future;
 use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
+pub use self::worker::{report_stream, BoxStream, MAX_UNANSWERED_REPORTS};
 pub(crate) use self::{
     action::ActionApi, job::JobApi, plan::PlanApi, queue::QueueApi, schedule::ScheduleApi,
     worker::WorkerApi,

@@ -91,6 +91,47 @@ fn check_reports(
     Ok((m.worker_id, reports))
 }
 
+/// The answers of one ReportJobs stream (WorkerService/ReportJobs) to
+/// `requests`, read as `who`: each request is checked as it is read
+/// ([`check_reports`]), its reports are applied as by BatchUpdateJobs
+/// while up to [`MAX_UNANSWERED_REPORTS`] earlier requests are still being
+/// committed, and it is answered, in request order, once committed, with
+/// one result per report. The first refused request (or a transport error
+/// of `requests`) is the last answer, as an error: nothing read after it
+/// is applied. The stream ends when `requests` ends and every answer is
+/// out.
+///
+/// Errors (as the stream's last item): `PERMISSION_DENIED`,
+/// `INVALID_ARGUMENT` (see [`check_reports`]); `UNAVAILABLE` when the
+/// store cannot commit; the status of a broken `requests`.
+pub fn report_stream(
+    engine: SharedEngine,
+    who: Identity,
+    requests: impl Stream<Item = Result<pb::ReportJobsRequest, Status>> + Send + 'static,
+) -> BoxStream<pb::ReportJobsResponse> {
+    let answers = requests
+        .scan((None::<String>, false), move |(bound, refused), m| {
+            if *refused {
+                return std::future::ready(None);
+            }
+            let checked = m.and_then(|m| check_reports(&who, bound, m));
+            *refused = checked.is_err();
+            std::future::ready(Some(checked))
+        })
+        .map(move |checked| {
+            let engine = engine.clone();
+            async move {
+                let (worker_id, reports) = checked?;
+                let outcomes = engine.batch_update_jobs(worker_id, reports).await?;
+                Ok(pb::ReportJobsResponse {
+                    results: report_results(outcomes),
+                })
+            }
+        })
+        .buffered(MAX_UNANSWERED_REPORTS);
+    Box::pin(answers)
+}
+
 /// The WorkerService implementation.
 pub struct WorkerApi {
     /// The engine.
@@ -99,7 +140,8 @@ pub struct WorkerApi {
     pub shutdown: watch::Receiver<bool>,
 }
 
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+/// A boxed stream of messages or a status, as the streaming RPCs return.
+pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// A server stream that tells the engine when it is dropped (the client went
 /// away or the server ended it).
@@ -308,31 +350,10 @@ impl WorkerService for WorkerApi {
     ) -> Result<Response<Self::ReportJobsStream>, Status> {
         rpc(&self.engine, "WorkerService/ReportJobs", async {
             let who = identity(&req);
-            let engine = self.engine.clone();
             // At shutdown the stream stops reading; what it read is still
             // answered (the buffered answers drain), then it ends.
             let requests = until_shutdown(req.into_inner(), self.shutdown.clone());
-            let answers = requests
-                .scan((None::<String>, false), move |(bound, refused), m| {
-                    if *refused {
-                        return std::future::ready(None);
-                    }
-                    let checked = m.and_then(|m| check_reports(&who, bound, m));
-                    *refused = checked.is_err();
-                    std::future::ready(Some(checked))
-                })
-                .map(move |checked| {
-                    let engine = engine.clone();
-                    async move {
-                        let (worker_id, reports) = checked?;
-                        let outcomes = engine.batch_update_jobs(worker_id, reports).await?;
-                        Ok(pb::ReportJobsResponse {
-                            results: report_results(outcomes),
-                        })
-                    }
-                })
-                .buffered(MAX_UNANSWERED_REPORTS);
-            Ok(Box::pin(answers) as BoxStream<pb::ReportJobsResponse>)
+            Ok(report_stream(self.engine.clone(), who, requests))
         })
         .await
     }
