@@ -1423,7 +1423,7 @@ async fn job_counts_follow_every_transition_and_a_restart(store: TestStore) {
         s.stop().await;
         db.batch_execute(
             "DROP TABLE job_counts; DROP FUNCTION agq_count_jobs() CASCADE;
-             DELETE FROM agq_schema WHERE version = 2;",
+             DELETE FROM agq_schema WHERE version >= 2;",
         )
         .await
         .unwrap();

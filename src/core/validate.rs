@@ -143,7 +143,15 @@ pub fn action_query(q: &ActionQuery) -> Result<()> {
     if let Some(p) = &q.plan_id {
         object_id("plan_id", p)?;
     }
-    if let (Some(a), Some(b)) = (q.created_after_ms, q.created_before_ms) {
+    created_range(q.created_after_ms, q.created_before_ms)
+}
+
+/// Checks a creation-time filter (ListActions, SearchJobs): `after`
+/// (inclusive) must be before `before` (exclusive) when both are set; ms.
+///
+/// Errors: `InvalidArgument` for an empty range.
+pub fn created_range(after_ms: Option<i64>, before_ms: Option<i64>) -> Result<()> {
+    if let (Some(a), Some(b)) = (after_ms, before_ms) {
         if a >= b {
             return Err(Error::invalid(
                 "created_after must be before created_before (the range is empty)",

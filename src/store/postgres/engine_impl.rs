@@ -150,6 +150,7 @@ impl Engine for PgEngine {
         if let Some(p) = &query.plan_id {
             validate::object_id("plan_id", p)?;
         }
+        validate::created_range(query.created_after_ms, query.created_before_ms)?;
         let r = self.pg_search_jobs(query).await;
         self.observe(r)
     }

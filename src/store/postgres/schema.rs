@@ -11,6 +11,7 @@ use super::db_err;
 const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0001_init.sql"),
     include_str!("migrations/0002_job_counts.sql"),
+    include_str!("migrations/0003_id_collation.sql"),
 ];
 
 /// Key of the advisory lock the migrations run under ("agq schema").

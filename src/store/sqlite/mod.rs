@@ -375,6 +375,7 @@ impl Engine for SqliteEngine {
         if let Some(p) = &q.plan_id {
             validate::object_id("plan_id", p)?;
         }
+        validate::created_range(q.created_after_ms, q.created_before_ms)?;
         let rows = self
             .read(move |c| {
                 if let Some(a) = &q.action_id {
