@@ -277,6 +277,18 @@ enum Expect {
     /// The job's error must contain this text: what stopped it (a limit's
     /// signal, say), so that it did not fail for another reason.
     ErrorHolds(String),
+    /// Within a few seconds of the job's end no process runs whose command
+    /// line starts with this.
+    NoProcess(&'static str),
+}
+
+/// True while some process's command line starts with `name`.
+fn process_named(name: &str) -> bool {
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .any(|c| c.starts_with(name.as_bytes()))
 }
 
 /// One escape attempt: a plan, an input, and what must hold afterwards.
@@ -688,6 +700,20 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
             ],
             vec![Expect::NotInOutput("TAMPERED".into())],
         ),
+        // --- processes: none outlives its job -----------------------------
+        attempt(
+            "perl forks a daemon in a session of its own",
+            one(
+                "perl",
+                &[
+                    "-MPOSIX",
+                    "-e",
+                    "my $p = fork // die $!; if ($p == 0) { POSIX::setsid(); \
+                     $0 = 'agq-escaped-daemon'; sleep 300; exit 0 } print \"forked\\n\"",
+                ],
+            ),
+            vec![Expect::NoProcess("agq-escaped-daemon")],
+        ),
         // --- signals and resources ----------------------------------------
         attempt(
             "perl kills agw",
@@ -770,6 +796,13 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
                 .then(|| "victim.txt changed".to_owned()),
                 Expect::ErrorHolds(s) => (!job.error.contains(s.as_str()))
                     .then(|| format!("its error does not name {s:?}")),
+                Expect::NoProcess(name) => {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while process_named(name) && Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    process_named(name).then(|| format!("{name} still runs"))
+                }
             };
             if let Some(why) = broken {
                 failures.push(format!("{}: {why}\n{out}", a.name));

@@ -18,6 +18,12 @@ fn main() -> ExitCode {
         eprintln!("agw: cannot mark the process non-dumpable: {e}");
         return ExitCode::FAILURE;
     }
+    // A task's descendant that leaves its process group and outlives its
+    // parent comes back to agw, which kills it, instead of running on.
+    if let Err(e) = worker::executor::adopt_orphans() {
+        eprintln!("agw: cannot become the subreaper of its tasks: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = AgwArgs::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -932,6 +932,15 @@ async fn unregister(shared: &Shared) {
     }
 }
 
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Runs the worker until it drains or is stopped.
 ///
 /// Each message on `signals` is one SIGTERM/SIGINT: the first starts a
@@ -957,6 +966,23 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
         max_concurrent_jobs = shared.cfg.max_concurrent_jobs,
         "agw starting"
     );
+    // Processes that escaped their task's group and outlived their parent
+    // come to agw (the subreaper) and are killed here.
+    let reaper = {
+        let groups = groups.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(super::executor::REAP_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let killed = groups.reap_escaped();
+                if killed > 0 {
+                    warn!(killed, "killed processes that outlived their task");
+                }
+            }
+        })
+    };
+    let _reaper = AbortOnDrop(reaper);
     let mut sessions = tokio::spawn(session_loop(Arc::clone(&shared)));
     let mut drain_rx = shared.drain.subscribe();
     let mut count_rx = shared.job_count.subscribe();

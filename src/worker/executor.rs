@@ -30,12 +30,15 @@ use std::{
 };
 
 use nix::{
-    sys::signal::{killpg, Signal},
+    sys::{
+        signal::{kill, killpg, Signal},
+        wait::{waitpid, WaitPidFlag},
+    },
     unistd::Pid,
 };
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWriteExt},
-    process::Command,
+    process::{Child, Command},
     sync::watch,
     task::JoinHandle,
 };
@@ -174,10 +177,131 @@ impl ProcessGroups {
         self.lock().is_empty()
     }
 
+    /// Kills and reaps every process `agw` adopted that belongs to no
+    /// running task: a task's descendant that left its process group
+    /// (`setsid`, `setpgid`) and outlived its parent is re-parented to
+    /// `agw`, the subreaper ([`adopt_orphans`]), instead of to init, and
+    /// ends here instead of running on after its job. Returns how many
+    /// processes it killed. `agw` calls it after every task and every
+    /// [`REAP_EVERY`]. It does nothing in a process that is not a
+    /// subreaper (a program running the executor in-process, whose other
+    /// children are its own business).
+    pub fn reap_escaped(&self) -> usize {
+        let mut subreaper: libc::c_int = 0;
+        // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
+        let asked = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
+        if asked == -1 || subreaper == 0 {
+            return 0;
+        }
+        // Held throughout, so no task is spawned between the listing and
+        // the kills (a new leader is registered under the same lock).
+        let running = self.lock();
+        let me = std::process::id() as i32;
+        let mut killed = 0;
+        for pid in own_children() {
+            let Some((ppid, pgrp)) = parent_and_group(pid) else {
+                continue;
+            };
+            // Not a child any more, or (a descendant of) a running task.
+            if ppid != me || running.contains(&pid) || running.contains(&pgrp) {
+                continue;
+            }
+            // A child not yet reaped keeps its pid: this is the process
+            // listed (a zombie ignores the signal and is reaped).
+            if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+                killed += 1;
+            }
+            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        }
+        killed
+    }
+
+    /// Spawns `cmd` (whose child makes itself a process group leader) and
+    /// registers its group, so that no [`Self::reap_escaped`] runs between
+    /// the two.
+    fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, GroupGuard)> {
+        let mut running = self.lock();
+        let child = cmd.spawn()?;
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .unwrap_or(0);
+        running.insert(pgid);
+        drop(running);
+        Ok((
+            child,
+            GroupGuard {
+                pgid,
+                groups: self.clone(),
+            },
+        ))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
         // A panic while holding this lock leaves a consistent set; keep going.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// How often `agw` looks for processes that escaped a task
+/// ([`ProcessGroups::reap_escaped`]) besides after each task.
+pub const REAP_EVERY: Duration = Duration::from_secs(2);
+
+/// Makes this process the subreaper of its descendants
+/// (`PR_SET_CHILD_SUBREAPER`): an orphan among them is re-parented to it,
+/// not to init, where [`ProcessGroups::reap_escaped`] finds it.
+///
+/// # Errors
+///
+/// The OS error of `prctl`.
+pub fn adopt_orphans() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The pids of this process's children: from each thread's
+/// `/proc/self/task/<tid>/children`, or, on a kernel without those files,
+/// every process whose parent is this one.
+fn own_children() -> Vec<i32> {
+    let mut pids = Vec::new();
+    let mut listed = false;
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for t in tasks.flatten() {
+            if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
+                listed = true;
+                pids.extend(
+                    list.split_whitespace()
+                        .filter_map(|p| p.parse::<i32>().ok()),
+                );
+            }
+        }
+    }
+    if !listed {
+        let me = std::process::id() as i32;
+        if let Ok(all) = std::fs::read_dir("/proc") {
+            pids.extend(
+                all.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                    .filter(|&pid| parent_and_group(pid).is_some_and(|(ppid, _)| ppid == me)),
+            );
+        }
+    }
+    pids
+}
+
+/// The parent pid and process group of `pid`, from `/proc/<pid>/stat`
+/// (`pid (comm) state ppid pgrp ...`; `comm` may hold spaces and
+/// parentheses, so the fields are read after its last `)`).
+fn parent_and_group(pid: i32) -> Option<(i32, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
+    let _state = fields.next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    let pgrp = fields.next()?.parse().ok()?;
+    Some((ppid, pgrp))
 }
 
 /// Kills one task's process group when dropped (and on demand), and keeps it
@@ -188,11 +312,6 @@ struct GroupGuard {
 }
 
 impl GroupGuard {
-    fn new(pgid: i32, groups: ProcessGroups) -> Self {
-        groups.lock().insert(pgid);
-        GroupGuard { pgid, groups }
-    }
-
     fn kill(&self) {
         kill_group(self.pgid);
     }
@@ -658,8 +777,9 @@ impl Executor {
         // SAFETY: the closure runs in the child between fork and exec. It
         // only issues system calls (prctl, close_range, setrlimit, landlock,
         // seccomp) on data built before the fork; it allocates nothing and
-        // touches no lock. Descriptors agw inherited stay out of the task. PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when
-        // the thread that spawned it (an agw runtime thread) goes away, so a
+        // touches no lock. Descriptors agw inherited stay out of the task.
+        // PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when the
+        // thread that spawned it (an agw runtime thread) goes away, so a
         // `kill -9` of agw does not leave task leaders running; it is set
         // after the identity switch, which would clear it.
         unsafe {
@@ -675,7 +795,7 @@ impl Executor {
             });
         }
         let started = Instant::now();
-        let mut child = match cmd.spawn() {
+        let (mut child, group) = match self.groups.spawn(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
                 return TaskRun {
@@ -685,11 +805,6 @@ impl Executor {
                 };
             }
         };
-        let pgid = child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .unwrap_or(0);
-        let group = GroupGuard::new(pgid, self.groups.clone());
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let cap = self.output_cap;
@@ -738,6 +853,8 @@ impl Executor {
             }
         }
         drop(group);
+        // What left the group and lost its parent with it is agw's now.
+        self.groups.reap_escaped();
         result.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         // Anything but a normal exit (signal, timeout, abort) reports -1.
         result.exit_code = match end {
