@@ -33,6 +33,7 @@ store_tests! {
     agw_reporter_streams_reports,
     a_lease_carries_the_job_as_stored,
     task_results_are_replaced_by_the_next_report,
+    a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -549,6 +550,116 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
         .unwrap()
         .into_inner();
     assert_eq!(all.workers.len(), 1);
+    s.stop().await;
+}
+
+/// What a worker that misbehaves on its heartbeat stream can cost the
+/// server is bounded: one that sends heartbeats without reading the
+/// replies is not read either (the replies it would queue are bounded)
+/// until it reads; one that opens the stream and sends nothing is ended
+/// after three heartbeat intervals.
+async fn a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either(store: TestStore) {
+    const SENT: u64 = 2_000;
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    // An HTTP/2 window of 1 KiB: a few dozen replies fill it.
+    let small = tonic::transport::Channel::from_shared(s.url())
+        .unwrap()
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024)
+        .connect()
+        .await
+        .unwrap();
+    let mut c = worker_service_client::WorkerServiceClient::new(small);
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "w".into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 1..=SENT {
+        tx.send(HeartbeatRequest {
+            worker_id: "w".into(),
+            stats: Some(WorkerStats {
+                uptime_secs: i,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let mut replies = c
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // The last heartbeat the server applied, as GetWorker shows it.
+    let applied = || async {
+        s.workers()
+            .await
+            .get_worker(GetWorkerRequest {
+                worker_id: "w".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .worker
+            .unwrap()
+            .stats
+            .map_or(0, |st| st.uptime_secs)
+    };
+    // Unread replies: the server stops reading (it stays put for 500 ms).
+    let mut last = applied().await;
+    let mut still_since = std::time::Instant::now();
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = applied().await;
+        if now != last {
+            (last, still_since) = (now, std::time::Instant::now());
+        } else if still_since.elapsed() >= Duration::from_millis(500) {
+            break;
+        }
+    }
+    assert!(
+        last < SENT / 2,
+        "the server read {last} of {SENT} heartbeats with no reply read"
+    );
+    // Reading the replies lets it go on to the last heartbeat.
+    let mut read = 0;
+    while read < SENT {
+        let r = tokio::time::timeout(Duration::from_secs(30), replies.message())
+            .await
+            .expect("a reply within 30 s")
+            .unwrap();
+        assert!(r.is_some(), "the stream ended after {read} replies");
+        read += 1;
+    }
+    let mut tries = 0;
+    while applied().await != SENT {
+        tries += 1;
+        assert!(tries < 100, "the last heartbeat was not applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A stream whose first heartbeat never comes ends after three
+    // heartbeat intervals (200 ms here), holding nothing.
+    let (_silent, rx) = tokio::sync::mpsc::unbounded_channel::<HeartbeatRequest>();
+    let opened = std::time::Instant::now();
+    let e = tokio::time::timeout(
+        Duration::from_secs(10),
+        c.heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
+    )
+    .await
+    .expect("the server ends a stream with no first heartbeat")
+    .unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(
+        opened.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        opened.elapsed()
+    );
     s.stop().await;
 }
 

@@ -8,11 +8,12 @@
 
 use std::{
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
 };
 
 use futures_util::{Stream, StreamExt};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -55,6 +56,18 @@ fn traced_lease(l: JobLease) -> pb::JobLease {
     }
     lease
 }
+
+/// Most replies of one Heartbeat stream the worker has not read: the
+/// stream reads no further heartbeat until it reads one (HTTP/2 flow
+/// control then holds the worker's sends), so a worker that sends without
+/// reading cannot make the server queue replies without bound.
+pub const MAX_UNREAD_HEARTBEAT_REPLIES: usize = 8;
+
+/// How many heartbeat intervals a Heartbeat stream waits for its first
+/// message (the worker sends it as it opens the stream) before it ends
+/// with `DEADLINE_EXCEEDED`: as long as a worker may stay silent and
+/// still count as alive.
+pub const FIRST_HEARTBEAT_INTERVALS: u32 = 3;
 
 /// Most requests of one ReportJobs stream read and not yet answered: the
 /// stream reads no further until the oldest is answered.
@@ -207,9 +220,18 @@ impl WorkerService for WorkerApi {
         rpc(&self.engine, "WorkerService/Heartbeat", async {
             let who = identity(&req);
             let mut inbound = req.into_inner();
-            let first = inbound.message().await?.ok_or_else(|| {
-                Status::invalid_argument("the heartbeat stream ended before its first message")
-            })?;
+            let wait = self.engine.config().heartbeat_interval * FIRST_HEARTBEAT_INTERVALS;
+            let first = tokio::time::timeout(wait, inbound.message())
+                .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!(
+                        "no first heartbeat within {} ms of opening the stream",
+                        wait.as_millis()
+                    ))
+                })??
+                .ok_or_else(|| {
+                    Status::invalid_argument("the heartbeat stream ended before its first message")
+                })?;
             require_worker(&who, &first.worker_id)?;
             let worker_id = first.worker_id.clone();
             let (tx, rx) = mpsc::unbounded_channel();
@@ -236,8 +258,19 @@ impl WorkerService for WorkerApi {
                 }
             }
             let mut shutdown = self.shutdown.clone();
+            // One permit per reply the worker has not read yet (the first
+            // one's is taken): at MAX_UNREAD_HEARTBEAT_REPLIES the stream
+            // reads no further heartbeat until the worker reads a reply.
+            let unread = Arc::new(Semaphore::new(MAX_UNREAD_HEARTBEAT_REPLIES - 1));
+            let read = unread.clone();
             tokio::spawn(async move {
                 loop {
+                    let permit = tokio::select! {
+                        p = unread.clone().acquire_owned() => p,
+                        _ = shutdown.wait_for(|s| *s) => break,
+                    };
+                    let Ok(permit) = permit else { break };
+                    permit.forget();
                     let msg = tokio::select! {
                         m = inbound.message() => m,
                         _ = shutdown.wait_for(|s| *s) => break,
@@ -278,8 +311,16 @@ impl WorkerService for WorkerApi {
                 }
                 engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
             });
-            let events = UnboundedReceiverStream::new(rx).map(|event| match event {
-                HeartbeatEvent::Reply(reply) => Ok(pb::HeartbeatResponse::from(reply)),
+            let events = UnboundedReceiverStream::new(rx).map(move |event| match event {
+                HeartbeatEvent::Reply(reply) => {
+                    // Read (or about to be): one more heartbeat may be
+                    // read. The engine's own messages (commands) give
+                    // back a permit too; the count stays within the limit.
+                    if read.available_permits() < MAX_UNREAD_HEARTBEAT_REPLIES {
+                        read.add_permits(1);
+                    }
+                    Ok(pb::HeartbeatResponse::from(reply))
+                }
                 HeartbeatEvent::End(e) => Err(Status::from(e)),
             });
             Ok(until_shutdown(events, self.shutdown.clone()))

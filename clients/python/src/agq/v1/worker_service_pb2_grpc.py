@@ -132,7 +132,11 @@ class WorkerServiceServicer:
         answered with the next deadline. The server also pushes commands on it:
         drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
         FAILED_PRECONDITION for a DEAD or UNREGISTERED one (register again),
-        INVALID_ARGUMENT when worker_id changes within one stream.
+        INVALID_ARGUMENT when worker_id changes within one stream,
+        DEADLINE_EXCEEDED when no first request comes within three heartbeat
+        intervals of opening the stream. The server reads no further request
+        while 8 of its answers are unread (HTTP/2 flow control then holds the
+        worker's sends): read the answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

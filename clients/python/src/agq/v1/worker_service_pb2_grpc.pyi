@@ -52,7 +52,11 @@ class WorkerServiceStub:
     answered with the next deadline. The server also pushes commands on it:
     drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
     FAILED_PRECONDITION for a DEAD or UNREGISTERED one (register again),
-    INVALID_ARGUMENT when worker_id changes within one stream.
+    INVALID_ARGUMENT when worker_id changes within one stream,
+    DEADLINE_EXCEEDED when no first request comes within three heartbeat
+    intervals of opening the stream. The server reads no further request
+    while 8 of its answers are unread (HTTP/2 flow control then holds the
+    worker's sends): read the answers.
     """
     LeaseJobs: _grpc.UnaryStreamMultiCallable[_worker_service_pb2.LeaseJobsRequest, _worker_service_pb2.JobLease]
     """Server stream of job leases. While it is open the server pushes a lease
@@ -167,7 +171,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     answered with the next deadline. The server also pushes commands on it:
     drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
     FAILED_PRECONDITION for a DEAD or UNREGISTERED one (register again),
-    INVALID_ARGUMENT when worker_id changes within one stream.
+    INVALID_ARGUMENT when worker_id changes within one stream,
+    DEADLINE_EXCEEDED when no first request comes within three heartbeat
+    intervals of opening the stream. The server reads no further request
+    while 8 of its answers are unread (HTTP/2 flow control then holds the
+    worker's sends): read the answers.
     """
     LeaseJobs: _aio.UnaryStreamMultiCallable[_worker_service_pb2.LeaseJobsRequest, _worker_service_pb2.JobLease]  # type: ignore[assignment]
     """Server stream of job leases. While it is open the server pushes a lease
@@ -291,7 +299,11 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         answered with the next deadline. The server also pushes commands on it:
         drain, or cancel a job. Errors: NOT_FOUND for an unknown worker,
         FAILED_PRECONDITION for a DEAD or UNREGISTERED one (register again),
-        INVALID_ARGUMENT when worker_id changes within one stream.
+        INVALID_ARGUMENT when worker_id changes within one stream,
+        DEADLINE_EXCEEDED when no first request comes within three heartbeat
+        intervals of opening the stream. The server reads no further request
+        while 8 of its answers are unread (HTTP/2 flow control then holds the
+        worker's sends): read the answers.
         """
 
     @_abc_1.abstractmethod
