@@ -34,6 +34,7 @@ store_tests! {
     a_lease_carries_the_job_as_stored,
     task_results_are_replaced_by_the_next_report,
     a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
+    progress_reports_are_bounded,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -1144,6 +1145,39 @@ async fn a_lease_carries_the_job_as_stored(store: TestStore) {
     w.complete(&fourth).await;
     assert_eq!(job(&s, &more[0]).await.status, JobStatus::Completed as i32);
     assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+/// A progress report's task number and percentage are bounded (a Plan has
+/// at most 100 tasks), the same on both stores; one out of bounds changes
+/// nothing.
+async fn progress_reports_are_bounded(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 1).await;
+    let lease = w.lease().await;
+    let progress = |task: u32, percent: u32| UpdateJobRequest {
+        job_id: ids[0].clone(),
+        worker_id: "w1".into(),
+        lease_id: lease.lease_id.clone(),
+        status: JobStatus::Running as i32,
+        current_task: task,
+        progress_percent: percent,
+        ..Default::default()
+    };
+    let mut c = w.client();
+    c.update_job(progress(1, 40)).await.unwrap();
+    for (task, percent) in [(101, 50), (u32::MAX, 50), (1, 101)] {
+        let e = c.update_job(progress(task, percent)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{task} {percent}: {e:?}");
+    }
+    let stored = job(&s, &ids[0]).await;
+    assert_eq!((stored.current_task, stored.progress_percent), (1, 40));
+    c.update_job(progress(100, 100)).await.unwrap();
+    let stored = job(&s, &ids[0]).await;
+    assert_eq!((stored.current_task, stored.progress_percent), (100, 100));
+    w.complete(&lease).await;
     s.stop().await;
 }
 

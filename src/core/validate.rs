@@ -161,6 +161,22 @@ pub fn created_range(after_ms: Option<i64>, before_ms: Option<i64>) -> Result<()
     Ok(())
 }
 
+/// Checks a progress report's numbers: `current_task` (1-based; 0 before
+/// the first task) at most [`MAX_TASKS`], `progress_percent` at most 100.
+///
+/// Errors: `InvalidArgument` naming the field.
+pub fn progress(current_task: u32, progress_percent: u32) -> Result<()> {
+    if current_task as usize > MAX_TASKS {
+        return Err(Error::invalid(format!(
+            "current_task must be in 0..={MAX_TASKS}"
+        )));
+    }
+    if progress_percent > 100 {
+        return Err(Error::invalid("progress_percent must be in 0..=100"));
+    }
+    Ok(())
+}
+
 /// Checks the status filter of a RetryAction: failed, dead or none (both).
 ///
 /// Errors: `InvalidArgument` for any other status.

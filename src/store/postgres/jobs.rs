@@ -16,7 +16,7 @@ use crate::{
             WorkerCommand,
         },
         page,
-        validate::ValidAction,
+        validate::{self, ValidAction},
     },
     error::{Error, Result},
     store::sqlite::sql::jobs::encode_task_results,
@@ -926,7 +926,8 @@ impl PgEngine {
         // its own (one round trip, no explicit transaction); any other
         // case, a rejection included, takes the path below, which says
         // precisely why.
-        let common = req.progress_percent <= 100 && !req.permanent;
+        let common =
+            validate::progress(req.current_task, req.progress_percent).is_ok() && !req.permanent;
         if common
             && req.status == Some(JobStatus::Completed)
             && self
@@ -1024,9 +1025,7 @@ impl PgEngine {
                 Error::PermissionDenied(msg)
             });
         }
-        if req.progress_percent > 100 {
-            return Err(Error::invalid("progress_percent must be in 0..=100"));
-        }
+        validate::progress(req.current_task, req.progress_percent)?;
         if req.permanent && req.status != Some(JobStatus::Failed) {
             return Err(Error::invalid(
                 "permanent is for JOB_STATUS_FAILED reports only",

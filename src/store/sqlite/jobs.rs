@@ -12,7 +12,10 @@ use super::{
     writer::BatchConn,
 };
 use crate::{
-    core::model::{JobReport, JobStatus, Plan, Scheduling, SubmittedPlan, WorkerCommand},
+    core::{
+        model::{JobReport, JobStatus, Plan, Scheduling, SubmittedPlan, WorkerCommand},
+        validate,
+    },
     error::{Error, Result},
     time::now_ms,
 };
@@ -372,9 +375,7 @@ impl State {
             )));
         }
         let status = req.status;
-        if req.progress_percent > 100 {
-            return Err(Error::invalid("progress_percent must be in 0..=100"));
-        }
+        validate::progress(req.current_task, req.progress_percent)?;
         if req.permanent && status != Some(JobStatus::Failed) {
             return Err(Error::invalid(
                 "permanent is for JOB_STATUS_FAILED reports only",

@@ -449,7 +449,9 @@ class UpdateJobRequest(_message.Message):
     status: _common_pb2.JobStatus.ValueType
     """JOB_STATUS_RUNNING (progress), JOB_STATUS_COMPLETED or JOB_STATUS_FAILED."""
     current_task: _builtins.int
-    """Task running now (1-based), for progress reports."""
+    """Task running now (1-based; 0 before the first), for progress reports;
+    at most 100 (a Plan's most tasks), else INVALID_ARGUMENT.
+    """
     progress_percent: _builtins.int
     """Progress of the attempt, 0..=100."""
     error: _builtins.str
