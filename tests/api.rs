@@ -564,6 +564,149 @@ async fn list_jobs_pages_through_an_action(store: TestStore) {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
+
+    // A page token belongs to its query: with other filters (where it
+    // would silently skip rows) it is refused, and changes nothing.
+    let other = submit_p(&s, 2).await;
+    let first = |action_id: &str, status: JobStatus| ListJobsRequest {
+        action_id: action_id.into(),
+        status: status as i32,
+        page_size: 1,
+        ..Default::default()
+    };
+    let token = jobs
+        .list_jobs(first(&r.action_id, JobStatus::Unspecified))
+        .await
+        .unwrap()
+        .into_inner()
+        .next_page_token;
+    assert!(!token.is_empty());
+    for (case, req) in [
+        (
+            "another action",
+            first(&other.action_id, JobStatus::Unspecified),
+        ),
+        ("another status", first(&r.action_id, JobStatus::Pending)),
+    ] {
+        let e = jobs
+            .list_jobs(ListJobsRequest {
+                page_token: token.clone(),
+                ..req
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{case}: {e:?}");
+    }
+    let e = jobs
+        .search_jobs(SearchJobsRequest {
+            page_token: token.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::InvalidArgument,
+        "ListJobs' token in SearchJobs"
+    );
+    let search = jobs
+        .search_jobs(SearchJobsRequest {
+            plan_id: "p".into(),
+            page_size: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .next_page_token;
+    let e = jobs
+        .search_jobs(SearchJobsRequest {
+            status: JobStatus::Pending as i32,
+            page_size: 1,
+            page_token: search.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::InvalidArgument,
+        "SearchJobs with another status"
+    );
+    let next = jobs
+        .search_jobs(SearchJobsRequest {
+            plan_id: "p".into(),
+            page_size: 1,
+            page_token: search,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next.job_ids, r.job_ids[1..2], "the same query goes on");
+    let mut actions = s.actions().await;
+    let token = actions
+        .list_actions(ListActionsRequest {
+            page_size: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .next_page_token;
+    assert!(!token.is_empty());
+    let e = actions
+        .list_actions(ListActionsRequest {
+            plan_id: "p".into(),
+            page_size: 1,
+            page_token: token,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::InvalidArgument,
+        "ListActions with a plan filter"
+    );
+    let mut plans = s.plans().await;
+    for id in ["q1", "q2"] {
+        plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(Plan {
+                    plan_id: id.into(),
+                    tasks: vec![task(1, "cat")],
+                    ..Default::default()
+                }),
+                replace: false,
+            })
+            .await
+            .unwrap();
+    }
+    let token = plans
+        .list_plans(ListPlansRequest {
+            pattern: "q*".into(),
+            page_size: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .next_page_token;
+    assert!(!token.is_empty());
+    let e = plans
+        .list_plans(ListPlansRequest {
+            pattern: "p*".into(),
+            page_size: 1,
+            page_token: token,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::InvalidArgument,
+        "ListPlans with another pattern"
+    );
     s.stop().await;
 }
 

@@ -114,6 +114,14 @@ pub struct PlanQuery {
     pub page_token: String,
 }
 
+impl PlanQuery {
+    /// The kind of this listing's page tokens ([`crate::core::page`]): it
+    /// names the pattern, so a token is refused by a listing with another.
+    pub fn page_kind(&self) -> String {
+        format!("plan/{}", self.pattern)
+    }
+}
+
 /// A listing of one plan's versions (ListPlanVersions, an AGQ addition),
 /// newest first.
 #[derive(Debug, Clone, Default)]
@@ -146,6 +154,27 @@ pub struct JobQuery {
     pub page_token: String,
 }
 
+/// `v` as text, empty for `None`: one field of a page kind.
+fn field<T: std::fmt::Display>(v: &Option<T>) -> String {
+    v.as_ref().map(ToString::to_string).unwrap_or_default()
+}
+
+impl JobQuery {
+    /// The kind of this listing's page tokens ([`crate::core::page`]): it
+    /// names every filter, so a token is refused by a listing with other
+    /// filters (it would skip rows there without a word).
+    pub fn page_kind(&self) -> String {
+        format!(
+            "job/{}/{}/{}/{}/{}",
+            field(&self.action_id),
+            field(&self.status.map(|s| s as i32)),
+            field(&self.plan_id),
+            field(&self.created_after_ms),
+            field(&self.created_before_ms)
+        )
+    }
+}
+
 /// Which actions an [`ActionQuery`] returns, by their jobs' statuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActionState {
@@ -173,6 +202,21 @@ pub struct ActionQuery {
     pub page_size: u32,
     /// Token from the previous page; empty for the first.
     pub page_token: String,
+}
+
+impl ActionQuery {
+    /// The kind of this listing's page tokens ([`crate::core::page`]): it
+    /// names every filter, so a token is refused by a listing with other
+    /// filters.
+    pub fn page_kind(&self) -> String {
+        format!(
+            "action/{}/{}/{}/{}",
+            field(&self.plan_id),
+            field(&self.state.map(|s| s as i32)),
+            field(&self.created_after_ms),
+            field(&self.created_before_ms)
+        )
+    }
 }
 
 /// Which queue [`Engine::peek_queue`] reads.

@@ -101,7 +101,7 @@ impl Engine for PgEngine {
     async fn list_actions(&self, query: ActionQuery) -> Result<Page<ActionStatus>> {
         page::page_size(query.page_size)?;
         validate::action_query(&query)?;
-        let after = match page::decode_token("action", &query.page_token)? {
+        let after = match page::decode_token(&query.page_kind(), &query.page_token)? {
             None => None,
             Some(v) => {
                 let bad = || Error::invalid("page_token is not a token this server issued");
@@ -143,7 +143,7 @@ impl Engine for PgEngine {
 
     async fn search_jobs(&self, query: JobQuery) -> Result<Page<String>> {
         page::page_size(query.page_size)?;
-        page::decode_number("job", &query.page_token)?;
+        page::decode_number(&query.page_kind(), &query.page_token)?;
         if let Some(a) = &query.action_id {
             validate::object_id("action_id", a)?;
         }

@@ -293,7 +293,8 @@ impl PgEngine {
     pub(super) async fn pg_list_plans(&self, q: PlanQuery) -> Result<Page<PlanSummary>> {
         let limit = page::page_size(q.page_size)?;
         let pattern = crate::core::validate::plan_pattern(&q.pattern)?;
-        let after = page::decode_token("plan", &q.page_token)?.unwrap_or_default();
+        let kind = q.page_kind();
+        let after = page::decode_token(&kind, &q.page_token)?.unwrap_or_default();
         let prefix: String = pattern
             .as_ref()
             .map(|p| {
@@ -340,7 +341,7 @@ impl PgEngine {
                 }
             }
         }
-        let (items, next_page_token) = page::split_page(out, limit, "plan", |p| p.plan_id.clone());
+        let (items, next_page_token) = page::split_page(out, limit, &kind, |p| p.plan_id.clone());
         Ok(Page {
             items,
             next_page_token,
@@ -610,7 +611,7 @@ impl PgEngine {
             .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
         let (found, next_page_token) =
-            page::split_page(found, limit, "action", |(t, s, _)| format!("{t}:{s}"));
+            page::split_page(found, limit, &q.page_kind(), |(t, s, _)| format!("{t}:{s}"));
         let mut items = Vec::with_capacity(found.len());
         for (_, _, id) in found {
             // An action deleted by retention meanwhile is left out.
@@ -787,7 +788,8 @@ impl PgEngine {
 
     pub(super) async fn pg_search_jobs(&self, q: JobQuery) -> Result<Page<String>> {
         let limit = page::page_size(q.page_size)?;
-        let after = page::decode_number("job", &q.page_token)?;
+        let kind = q.page_kind();
+        let after = page::decode_number(&kind, &q.page_token)?;
         let c = self.client().await?;
         if let Some(a) = &q.action_id {
             let found = c
@@ -823,7 +825,7 @@ impl PgEngine {
             .map(|r| (r.get(0), r.get(1)))
             .collect();
         let (found, next_page_token) =
-            page::split_page(found, limit, "job", |(r, _)| r.to_string());
+            page::split_page(found, limit, &kind, |(r, _)| r.to_string());
         Ok(Page {
             items: found.into_iter().map(|(_, id)| id).collect(),
             next_page_token,

@@ -211,12 +211,12 @@ impl Engine for SqliteEngine {
     async fn list_plans(&self, q: PlanQuery) -> Result<Page<PlanSummary>> {
         let limit = page::page_size(q.page_size)?;
         let pattern = validate::plan_pattern(&q.pattern)?;
-        let after = page::decode_token("plan", &q.page_token)?.unwrap_or_default();
+        let kind = q.page_kind();
+        let after = page::decode_token(&kind, &q.page_token)?.unwrap_or_default();
         let plans = self
             .read(move |c| pstore::list(c, pattern.as_ref(), &after, limit + 1))
             .await?;
-        let (items, next_page_token) =
-            page::split_page(plans, limit, "plan", |p| p.plan_id.clone());
+        let (items, next_page_token) = page::split_page(plans, limit, &kind, |p| p.plan_id.clone());
         Ok(Page {
             items,
             next_page_token,
@@ -295,14 +295,15 @@ impl Engine for SqliteEngine {
     async fn list_actions(&self, q: ActionQuery) -> Result<Page<ActionStatus>> {
         let limit = page::page_size(q.page_size)?;
         validate::action_query(&q)?;
-        let after = match page::decode_token("action", &q.page_token)? {
+        let kind = q.page_kind();
+        let after = match page::decode_token(&kind, &q.page_token)? {
             None => None,
             Some(v) => Some(action_cursor(&v)?),
         };
         let items = self
             .read(move |c| {
                 let found = jstore::list_actions(c, &q, after, limit + 1)?;
-                let (found, next) = page::split_page(found, limit, "action", |(k, _)| {
+                let (found, next) = page::split_page(found, limit, &kind, |(k, _)| {
                     format!("{}:{}", k.created_at_ms, k.rowid)
                 });
                 // An action deleted by retention between the two reads is
@@ -368,7 +369,8 @@ impl Engine for SqliteEngine {
 
     async fn search_jobs(&self, q: JobQuery) -> Result<Page<String>> {
         let limit = page::page_size(q.page_size)?;
-        let after = page::decode_number("job", &q.page_token)?;
+        let kind = q.page_kind();
+        let after = page::decode_number(&kind, &q.page_token)?;
         if let Some(a) = &q.action_id {
             validate::object_id("action_id", a)?;
         }
@@ -386,7 +388,7 @@ impl Engine for SqliteEngine {
                 jstore::search(c, &q, after, limit + 1)
             })
             .await?;
-        let (rows, next_page_token) = page::split_page(rows, limit, "job", |(r, _)| r.to_string());
+        let (rows, next_page_token) = page::split_page(rows, limit, &kind, |(r, _)| r.to_string());
         Ok(Page {
             items: rows.into_iter().map(|(_, id)| id).collect(),
             next_page_token,

@@ -268,7 +268,8 @@ class ListActionsRequest(_message.Message):
     """Maximum Actions per page; 0 means 100, at most 1000."""
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first page. The
-    other fields must be the same as for the first page.
+    other fields must be the same as for the first page (a token of
+    another query is INVALID_ARGUMENT).
     """
     @_builtins.property
     def created_after(self) -> _timestamp_pb2.Timestamp:

@@ -62,7 +62,8 @@ class ActionServiceStub:
     """Actions by plan, state and creation time, newest first, paginated (an
     AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
     plan id, unknown state, page_size over 1000, a page_token this server
-    did not issue, created_after not before created_before).
+    did not issue for these filters, created_after not before
+    created_before).
     """
     CancelAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]
     """Cancels every open job (pending, running or failed and waiting) of an
@@ -114,7 +115,8 @@ class ActionServiceAsyncStub(ActionServiceStub):
     """Actions by plan, state and creation time, newest first, paginated (an
     AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
     plan id, unknown state, page_size over 1000, a page_token this server
-    did not issue, created_after not before created_before).
+    did not issue for these filters, created_after not before
+    created_before).
     """
     CancelAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]  # type: ignore[assignment]
     """Cancels every open job (pending, running or failed and waiting) of an
@@ -187,7 +189,8 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Actions by plan, state and creation time, newest first, paginated (an
         AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
         plan id, unknown state, page_size over 1000, a page_token this server
-        did not issue, created_after not before created_before).
+        did not issue for these filters, created_after not before
+        created_before).
         """
 
     @_abc_1.abstractmethod

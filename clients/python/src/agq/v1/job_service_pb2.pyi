@@ -83,7 +83,10 @@ class ListJobsRequest(_message.Message):
     page_size: _builtins.int
     """Maximum ids to return, 1..=1000; 0 means 100."""
     page_token: _builtins.str
-    """next_page_token of the previous page; empty for the first page."""
+    """next_page_token of the previous page; empty for the first page. The
+    other fields must be the same as for the first page (a token of
+    another query is INVALID_ARGUMENT).
+    """
     def __init__(
         self,
         *,
@@ -147,7 +150,10 @@ class SearchJobsRequest(_message.Message):
     page_size: _builtins.int
     """Maximum ids to return, 1..=1000; 0 means 100."""
     page_token: _builtins.str
-    """next_page_token of the previous page; empty for the first page."""
+    """next_page_token of the previous page; empty for the first page. The
+    other fields must be the same as for the first page (a token of
+    another query is INVALID_ARGUMENT).
+    """
     @_builtins.property
     def created_after(self) -> _timestamp_pb2.Timestamp:
         """Only jobs created at or after this time."""

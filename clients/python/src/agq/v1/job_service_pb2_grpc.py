@@ -89,7 +89,8 @@ class JobServiceServicer:
         """Job ids across Actions by status, plan and creation time, in creation
         order (implements the specification's JOBS.SEARCH command). Errors:
         INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-        server did not issue, created_after not before created_before).
+        server did not issue for these filters, created_after not before
+        created_before).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

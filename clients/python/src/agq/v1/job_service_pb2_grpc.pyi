@@ -48,7 +48,8 @@ class JobServiceStub:
     """Job ids across Actions by status, plan and creation time, in creation
     order (implements the specification's JOBS.SEARCH command). Errors:
     INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-    server did not issue, created_after not before created_before).
+    server did not issue for these filters, created_after not before
+    created_before).
     """
     RetryJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]
     """Puts a failed or dead job back to pending with a fresh attempt budget
@@ -82,7 +83,8 @@ class JobServiceAsyncStub(JobServiceStub):
     """Job ids across Actions by status, plan and creation time, in creation
     order (implements the specification's JOBS.SEARCH command). Errors:
     INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-    server did not issue, created_after not before created_before).
+    server did not issue for these filters, created_after not before
+    created_before).
     """
     RetryJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]  # type: ignore[assignment]
     """Puts a failed or dead job back to pending with a fresh attempt budget
@@ -131,7 +133,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         """Job ids across Actions by status, plan and creation time, in creation
         order (implements the specification's JOBS.SEARCH command). Errors:
         INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-        server did not issue, created_after not before created_before).
+        server did not issue for these filters, created_after not before
+        created_before).
         """
 
     @_abc_1.abstractmethod

@@ -161,7 +161,10 @@ class ListPlansRequest(_message.Message):
     page_size: _builtins.int
     """Maximum ids to return, 1..=1000; 0 means 100."""
     page_token: _builtins.str
-    """next_page_token of the previous page; empty for the first page."""
+    """next_page_token of the previous page; empty for the first page. The
+    pattern must be the same as for the first page (a token of another
+    pattern is INVALID_ARGUMENT).
+    """
     def __init__(
         self,
         *,
