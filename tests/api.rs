@@ -1682,3 +1682,67 @@ async fn concurrent_folds_keep_the_postgres_job_counts_exact() {
     );
     s.stop().await;
 }
+
+/// PostgreSQL: RetryAction waits for a job row another transaction holds;
+/// when that transaction moved the job on (cancelled it here), the retry
+/// leaves it as it is and retries only the jobs still failed or dead.
+#[tokio::test]
+async fn a_retry_leaves_a_job_that_moved_while_it_waited_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server_with_plan_p(TestStore::Postgres, &dir).await;
+    let agq::config::Store::Postgres(url) = s.backing.store.clone() else {
+        unreachable!("a PostgreSQL test server")
+    };
+    let (mut db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let r = submit_p(&s, 2).await;
+    // Both jobs dead (no worker ever takes them).
+    db.execute(
+        "UPDATE jobs SET status = 5, attempt = 1 WHERE action_id = $1",
+        &[&r.action_id],
+    )
+    .await
+    .unwrap();
+    let tx = db.transaction().await.unwrap();
+    tx.query_one(
+        "SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE",
+        &[&r.job_ids[0]],
+    )
+    .await
+    .unwrap();
+    let retry = {
+        let mut actions = s.actions().await;
+        let action_id = r.action_id.clone();
+        tokio::spawn(async move {
+            actions
+                .retry_action(RetryActionRequest {
+                    action_id,
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    // The retry is waiting for the row; the holder cancels the job.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(!retry.is_finished(), "the retry did not wait for the row");
+    tx.execute(
+        "UPDATE jobs SET status = 6 WHERE job_id = $1",
+        &[&r.job_ids[0]],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let done = retry.await.unwrap().unwrap().into_inner();
+    assert_eq!(done.retried, 1, "only the job still dead is retried");
+    assert_eq!(
+        job(&s, &r.job_ids[0]).await.status,
+        JobStatus::Cancelled as i32
+    );
+    assert_eq!(
+        job(&s, &r.job_ids[1]).await.status,
+        JobStatus::Pending as i32
+    );
+    s.stop().await;
+}

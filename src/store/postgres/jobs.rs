@@ -674,18 +674,21 @@ impl PgEngine {
         Ok(n)
     }
 
-    /// Puts the failed or dead jobs `ids` of `action_id` back to pending
-    /// with a fresh attempt budget, at `priority` when given.
+    /// Puts the jobs `ids` of `action_id` that are still failed or dead
+    /// back to pending with a fresh attempt budget, at `priority` when
+    /// given; returns how many. A job another transaction moved meanwhile
+    /// (cancelled, promoted and leased) is left as it is.
     async fn retry_rows(
         &self,
         tx: &Transaction<'_>,
         action_id: &str,
         ids: &[i64],
         priority: Option<i32>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let rows = tx
             .query(
-                "WITH old AS (SELECT id, status FROM jobs WHERE id = ANY($1) FOR UPDATE)
+                "WITH old AS (SELECT id, status FROM jobs
+                              WHERE id = ANY($1) AND status IN (4, 5) FOR UPDATE)
                  UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(),
                         completed_at_ms = NULL, lease_id = NULL, error = '', current_task = 0,
                         progress_percent = 0, priority = coalesce($2, j.priority)
@@ -703,7 +706,8 @@ impl PgEngine {
         for _ in &rows {
             self.metrics.transition(JobStatus::Pending);
         }
-        notify_names(tx, READY_CHANNEL, &[String::new()]).await
+        notify_names(tx, READY_CHANNEL, &[String::new()]).await?;
+        Ok(rows.len())
     }
 
     /// Fails with `FailedPrecondition` when the plan version the action's
@@ -714,10 +718,21 @@ impl PgEngine {
         plan_id: &str,
         version: i32,
     ) -> Result<()> {
-        if self
-            .plan_version(tx, plan_id, version as u32)
-            .await?
-            .is_none()
+        // Held to the commit: a DeletePlan (which locks the plan row for
+        // update before it looks for open jobs) waits for this retry and
+        // then sees its jobs, or has deleted the plan already.
+        let plan = tx
+            .query_opt(
+                "SELECT 1 FROM plans WHERE plan_id = $1 FOR SHARE",
+                &[&plan_id],
+            )
+            .await
+            .map_err(db_err)?;
+        if plan.is_none()
+            || self
+                .plan_version(tx, plan_id, version as u32)
+                .await?
+                .is_none()
         {
             return Err(Error::precondition(format!(
                 "plan {plan_id} (version {version}) no longer exists"
@@ -733,23 +748,35 @@ impl PgEngine {
     ) -> Result<u32> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
-        let Some(a) = tx
+        let not_found = || Error::not_found(format!("action {action_id} not found"));
+        let a = tx
             .query_opt(
-                "SELECT plan_id, plan_version FROM actions WHERE action_id = $1 FOR UPDATE",
+                "SELECT plan_id, plan_version FROM actions WHERE action_id = $1",
                 &[&action_id],
             )
             .await
             .map_err(db_err)?
-        else {
-            return Err(Error::not_found(format!("action {action_id} not found")));
-        };
+            .ok_or_else(not_found)?;
+        // Locks in DeletePlan's order (plan, action, jobs), so the two
+        // never wait on each other in a circle.
+        self.check_retry_plan(&tx, a.get(0), a.get(1)).await?;
+        tx.query_opt(
+            "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
+            &[&action_id],
+        )
+        .await
+        .map_err(db_err)?
+        .ok_or_else(not_found)?;
         let statuses: Vec<i16> = match status {
             Some(s) => vec![s as i16],
             None => vec![FAILED, DEAD],
         };
+        // Locked as read (a row that moved meanwhile is read again and
+        // left out), so nothing changes them before the retry below.
         let ids: Vec<i64> = tx
             .query(
-                "SELECT id FROM jobs WHERE action_id = $1 AND status = ANY($2) ORDER BY id",
+                "SELECT id FROM jobs WHERE action_id = $1 AND status = ANY($2) ORDER BY id
+                 FOR UPDATE",
                 &[&action_id, &statuses],
             )
             .await
@@ -760,11 +787,10 @@ impl PgEngine {
         if ids.is_empty() {
             return Ok(0);
         }
-        self.check_retry_plan(&tx, a.get(0), a.get(1)).await?;
-        self.retry_rows(&tx, action_id, &ids, None).await?;
+        let retried = self.retry_rows(&tx, action_id, &ids, None).await?;
         tx.commit().await.map_err(db_err)?;
         self.touch([action_id]);
-        Ok(ids.len() as u32)
+        Ok(retried as u32)
     }
 
     /// The job with public id `job_id`, with why it waits.
@@ -835,14 +861,25 @@ impl PgEngine {
     pub(super) async fn pg_retry_job(&self, job_id: &str, priority: Option<i32>) -> Result<()> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
-        let r = tx
+        let not_found = || Error::not_found(format!("job {job_id} not found"));
+        let plan = tx
             .query_opt(
-                "SELECT id, status, action_id, plan_id, plan_version FROM jobs WHERE job_id = $1 FOR UPDATE",
+                "SELECT plan_id, plan_version FROM jobs WHERE job_id = $1",
                 &[&job_id],
             )
             .await
             .map_err(db_err)?
-            .ok_or_else(|| Error::not_found(format!("job {job_id} not found")))?;
+            .ok_or_else(not_found)?;
+        // The plan first, in DeletePlan's lock order (plan, then jobs).
+        self.check_retry_plan(&tx, plan.get(0), plan.get(1)).await?;
+        let r = tx
+            .query_opt(
+                "SELECT id, status, action_id FROM jobs WHERE job_id = $1 FOR UPDATE",
+                &[&job_id],
+            )
+            .await
+            .map_err(db_err)?
+            .ok_or_else(not_found)?;
         let status = rows::status(r.get(1))?;
         if !matches!(status, JobStatus::Failed | JobStatus::Dead) {
             return Err(Error::precondition(format!(
@@ -851,7 +888,6 @@ impl PgEngine {
             )));
         }
         let action_id: String = r.get(2);
-        self.check_retry_plan(&tx, r.get(3), r.get(4)).await?;
         self.retry_rows(&tx, &action_id, &[r.get(0)], priority)
             .await?;
         tx.commit().await.map_err(db_err)?;
