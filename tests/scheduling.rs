@@ -28,6 +28,7 @@ store_tests! {
     malformed_scheduling_settings_are_refused_and_store_nothing,
     a_high_priority_action_overtakes_a_10000_job_backlog,
     a_concurrency_key_of_2_never_has_3_running,
+    a_saturated_concurrency_key_does_not_hold_up_other_jobs,
     retry_job_may_change_a_jobs_priority,
     scheduling_settings_and_running_counts_survive_a_restart,
     queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart,
@@ -401,6 +402,39 @@ async fn actions_of_equal_priority_take_turns_on_one_slot() {
 
 /// Two actions share the key `db` with max_running 2; three workers with
 /// three slots each count, on their side, the leases they are running.
+/// A long backlog of a concurrency key at its limit, ahead of other jobs
+/// of the same priority, keeps none of them from a free slot.
+async fn a_saturated_concurrency_key_does_not_hold_up_other_jobs(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, plan("p", &["true"])).await;
+    submit(
+        &s,
+        SubmitActionRequest {
+            concurrency_key: "k".into(),
+            max_running: 1,
+            ..action("p", "keyed", 100)
+        },
+    )
+    .await;
+    submit(&s, action("p", "free", 3)).await;
+    let mut w = SimWorker::start(&s, "w", &["true"], 4).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        match w.lease_within(5_000).await {
+            Some(l) => held.push(job_of(&l).action_id.clone()),
+            None => break,
+        }
+    }
+    held.sort();
+    assert_eq!(
+        held,
+        ["free", "free", "free", "keyed"],
+        "the leases of 4 free slots"
+    );
+    s.stop().await;
+}
+
 async fn a_concurrency_key_of_2_never_has_3_running(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;

@@ -194,7 +194,11 @@ impl PgEngine {
             return Ok(false);
         }
         // Ready jobs each class can run, in lease order; a job already
-        // picked for an earlier class is not picked again.
+        // picked for an earlier class is not picked again. Jobs of a
+        // concurrency key already at its limit are passed over (counted
+        // here without the key's lock: the locked count below decides),
+        // so a saturated key's backlog never keeps other jobs from free
+        // slots.
         let mut picked: Vec<i64> = Vec::new();
         let mut by_class: Vec<(Vec<usize>, Vec<Picked>)> = Vec::new();
         for ((tools, sandboxed, verified, matching), members) in classes {
@@ -209,6 +213,10 @@ impl PgEngine {
                        AND pv.tools <@ $1 AND (NOT pv.require_sandbox OR $2)
                        AND (NOT pv.require_verified OR pv.tools <@ $3)
                        AND j.worker_selector = ANY($4) AND NOT (j.id = ANY($6))
+                       AND (j.concurrency_key = ''
+                            OR (SELECT count(*) FROM jobs r
+                                WHERE r.status = 2 AND r.concurrency_key = j.concurrency_key)
+                               < j.max_running)
                      ORDER BY j.priority DESC, j.id
                      LIMIT $5 FOR UPDATE OF j SKIP LOCKED",
                     )
