@@ -95,6 +95,7 @@ fn refused_by_request_checks(r: &pb::UpdateJobRequest) -> bool {
         || validate::worker_id(&r.worker_id).is_err()
         || r.lease_id.is_empty()
         || r.lease_id.len() > 64
+        || r.lease_id.chars().any(char::is_control)
         || r.task_results.len() > validate::MAX_TASKS
 }
 

@@ -46,6 +46,13 @@ pub fn decode_token(kind: &str, token: &str) -> Result<Option<String>> {
         .strip_prefix(kind)
         .and_then(|r| r.strip_prefix(':'))
         .ok_or_else(bad_token)?;
+    // Every value this codec is given (an id, numbers) is free of NUL and
+    // control characters, which no store could compare alike (PostgreSQL
+    // `text` cannot hold a NUL). The kind may hold any (a ListPlans
+    // pattern): it is compared here, never stored.
+    if value.chars().any(char::is_control) {
+        return Err(bad_token());
+    }
     Ok(Some(value.to_string()))
 }
 
@@ -88,7 +95,16 @@ mod tests {
         let t = encode_token("plan", "a:b");
         assert_eq!(decode_token("plan", &t).unwrap().as_deref(), Some("a:b"));
         assert_eq!(decode_token("plan", "").unwrap(), None);
-        for bad in [encode_token("job", "1"), "zz".into(), hex::encode("plan")] {
+        // a kind with a control character (a ListPlans pattern) is fine
+        let t = encode_token("plan/a\t*", "a");
+        assert_eq!(decode_token("plan/a\t*", &t).unwrap().as_deref(), Some("a"));
+        for bad in [
+            encode_token("job", "1"),
+            "zz".into(),
+            hex::encode("plan"),
+            encode_token("plan", "a\0b"),
+            encode_token("plan", "a\n"),
+        ] {
             let e = decode_token("plan", &bad).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e:?}");
         }

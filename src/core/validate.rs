@@ -8,7 +8,10 @@ use std::collections::HashMap;
 
 use super::{
     engine::{ActionQuery, ActionRequest},
-    model::{AgenticUnit, JobReport, JobStatus, Plan, Registration, Schedule, Scheduling},
+    model::{
+        AgenticUnit, JobReport, JobStatus, Plan, Registration, Schedule, Scheduling,
+        VerificationAnswer,
+    },
     page::MAX_PAGE,
     selector::Selector,
 };
@@ -132,6 +135,43 @@ pub fn scheduling(s: Scheduling) -> Result<Scheduling> {
 fn id_chars(s: &str, extra: &[char]) -> bool {
     s.chars()
         .all(|c| c.is_ascii_alphanumeric() || extra.contains(&c))
+}
+
+/// Refuses client-written text with a NUL byte, which neither store can
+/// keep alike (PostgreSQL `text` and `jsonb` cannot hold one). `what`
+/// names the field in the message.
+///
+/// Errors: `InvalidArgument`.
+fn no_nul(what: &str, s: &str) -> Result<()> {
+    if s.contains('\0') {
+        return Err(Error::invalid(format!(
+            "{what} must not contain a NUL byte"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses an opaque identifier (a lease or challenge id) with a NUL or
+/// another control character; `what` names the field in the message.
+///
+/// Errors: `InvalidArgument`.
+fn no_control(what: &str, s: &str) -> Result<()> {
+    if s.chars().any(char::is_control) {
+        return Err(Error::invalid(format!(
+            "{what} must not contain a NUL byte or control characters, got {:?}",
+            truncate(s, 64)
+        )));
+    }
+    Ok(())
+}
+
+/// Reported free text as stored: each NUL byte (which PostgreSQL `text`
+/// and `jsonb` cannot hold) replaced by U+FFFD, on every store alike.
+/// Reports are never refused for their text: a worker's outcome must land.
+pub fn reported_text(s: &mut String) {
+    if s.contains('\0') {
+        *s = s.replace('\0', "\u{FFFD}");
+    }
 }
 
 /// Checks the filters of an action listing: the plan id when given, and
@@ -285,6 +325,7 @@ pub fn plan(plan: &Plan) -> Result<()> {
             plan.plan_description.len()
         )));
     }
+    no_nul("plan_description", &plan.plan_description)?;
     Selector::parse(&plan.worker_selector)?;
     if plan.tasks.is_empty() {
         return Err(Error::invalid("a plan needs at least one task"));
@@ -484,6 +525,10 @@ pub fn registration(mut req: Registration) -> Result<Registration> {
                 unit.name
             )));
         }
+        no_nul(
+            &format!("agentic unit {}: description", unit.name),
+            &unit.description,
+        )?;
         if unit.inputs.len() > 64 {
             return Err(Error::invalid(format!(
                 "agentic unit {}: at most 64 inputs",
@@ -498,6 +543,10 @@ pub fn registration(mut req: Registration) -> Result<Registration> {
                     unit.name
                 )));
             }
+            no_nul(
+                &format!("agentic unit {}: input description", unit.name),
+                &input.description,
+            )?;
         }
         if caps.tools.contains(&unit.name) {
             return Err(Error::invalid(format!(
@@ -637,21 +686,47 @@ pub fn traceparent(value: &str) -> bool {
 }
 
 /// Validates a worker's report (the JOB.UPDATE command) before the lease
-/// is checked: ids, a lease id of 1..=64 bytes, at most [`MAX_TASKS`] task
-/// results, and the size cap ([`report_size`]). The status and progress
-/// are checked after fencing, by the engine.
+/// is checked and normalises its text: ids, a lease id of 1..=64 bytes
+/// without control characters, at most [`MAX_TASKS`] task results, and
+/// the size cap ([`report_size`], on the text as sent). Then each NUL of
+/// what the worker reports about the tasks (their command, stdout and
+/// stderr, and the error text) becomes U+FFFD ([`reported_text`]): never
+/// refused, so a task that prints NUL bytes still ends. The status and
+/// progress are checked after fencing, by the engine.
 ///
 /// Errors: `InvalidArgument`, `ResourceExhausted` (over `max_bytes`).
-pub fn report(req: &JobReport, max_bytes: usize) -> Result<()> {
+pub fn report(req: &mut JobReport, max_bytes: usize) -> Result<()> {
     object_id("job_id", &req.job_id)?;
     worker_id(&req.worker_id)?;
     if req.lease_id.is_empty() || req.lease_id.len() > 64 {
         return Err(Error::invalid("lease_id is required (at most 64 bytes)"));
     }
+    no_control("lease_id", &req.lease_id)?;
     if req.task_results.len() > MAX_TASKS {
         return Err(Error::invalid(format!("at most {MAX_TASKS} task results")));
     }
-    report_size(req, max_bytes)
+    report_size(req, max_bytes)?;
+    for r in &mut req.task_results {
+        reported_text(&mut r.command);
+        reported_text(&mut r.stdout);
+        reported_text(&mut r.stderr);
+    }
+    reported_text(&mut req.error);
+    Ok(())
+}
+
+/// Validates a worker's answer to a verification challenge and
+/// normalises its text: a challenge id without control characters (an
+/// answer to no pending challenge is then ignored by the engine), and
+/// each NUL of its output and error replaced by U+FFFD
+/// ([`reported_text`]), as in [`report`].
+///
+/// Errors: `InvalidArgument` naming `verification.challenge_id`.
+pub fn verification_answer(mut a: VerificationAnswer) -> Result<VerificationAnswer> {
+    no_control("verification.challenge_id", &a.challenge_id)?;
+    reported_text(&mut a.output);
+    reported_text(&mut a.error);
+    Ok(a)
 }
 
 /// Validates a batch of reports of worker `worker_id` (BatchUpdateJobs):
@@ -706,6 +781,12 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
         )));
     }
     object_id("schedule_id", &s.schedule_id)?;
+    if s.time_zone.chars().any(|c| !c.is_ascii_graphic()) {
+        return Err(Error::invalid(format!(
+            "time_zone must be an IANA name of printable ASCII (e.g. Europe/Paris), got {:?}",
+            truncate(&s.time_zone, 64)
+        )));
+    }
     super::cron::CronSchedule::parse(&s.cron, &s.time_zone)?;
     let v = action(
         ActionRequest {
@@ -853,6 +934,77 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn reported_text_keeps_no_nul_and_is_never_refused() {
+        let mut r = JobReport {
+            job_id: "j".into(),
+            worker_id: "w".into(),
+            lease_id: "l".into(),
+            error: "a\0b".into(),
+            task_results: vec![crate::core::model::TaskResult {
+                command: "find\0".into(),
+                stdout: "./a\0./b\0".into(),
+                stderr: "\0".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        report(&mut r, 1 << 20).unwrap();
+        assert_eq!(r.error, "a\u{FFFD}b");
+        let t = &r.task_results[0];
+        assert_eq!(t.command, "find\u{FFFD}");
+        assert_eq!(t.stdout, "./a\u{FFFD}./b\u{FFFD}");
+        assert_eq!(t.stderr, "\u{FFFD}");
+        // the size cap counts the text as sent
+        let mut r = JobReport {
+            error: "\0".repeat(100),
+            ..r
+        };
+        r.task_results.clear();
+        report(&mut r, 100).unwrap();
+        assert_eq!(r.error.len(), 300);
+
+        let a = verification_answer(VerificationAnswer {
+            challenge_id: "c".into(),
+            output: "o\0".into(),
+            error: "\0e".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(
+            (a.output.as_str(), a.error.as_str()),
+            ("o\u{FFFD}", "\u{FFFD}e")
+        );
+    }
+
+    #[test]
+    fn identifiers_and_client_text_with_nul_are_refused() {
+        for lease in ["x\0", "x\n", "\u{7f}"] {
+            let mut r = JobReport {
+                job_id: "j".into(),
+                worker_id: "w".into(),
+                lease_id: lease.into(),
+                ..Default::default()
+            };
+            let e = report(&mut r, 1 << 20).unwrap_err();
+            assert!(e.to_string().contains("lease_id"), "{e}");
+        }
+        let e = verification_answer(VerificationAnswer {
+            challenge_id: "c\0".into(),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("challenge_id"), "{e}");
+        let p = Plan {
+            plan_id: "p".into(),
+            plan_description: "a\0b".into(),
+            tasks: vec![task(1, "cat")],
+            ..Default::default()
+        };
+        let e = plan(&p).unwrap_err();
+        assert!(e.to_string().contains("plan_description"), "{e}");
     }
 
     #[test]

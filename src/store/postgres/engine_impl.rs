@@ -214,8 +214,8 @@ impl Engine for PgEngine {
         self.observe(r)
     }
 
-    async fn update_job(&self, report: JobReport) -> Result<JobStatus> {
-        validate::report(&report, self.cfg.max_report_bytes)?;
+    async fn update_job(&self, mut report: JobReport) -> Result<JobStatus> {
+        validate::report(&mut report, self.cfg.max_report_bytes)?;
         let r = self.pg_update_job(report).await;
         self.observe(r)
     }
@@ -225,13 +225,13 @@ impl Engine for PgEngine {
         worker_id: String,
         reports: Vec<JobReport>,
     ) -> Result<Vec<Result<JobStatus>>> {
-        let reports = validate::batch(&worker_id, reports)?;
+        let mut reports = validate::batch(&worker_id, reports)?;
         // Valid completions of the worker's current leases in one
         // statement; the rest (and any completion it did not apply: a
         // rejection, a repeat) each as by update_job.
         let mut out: Vec<Option<Result<JobStatus>>> = Vec::with_capacity(reports.len());
         let mut completions = Vec::new();
-        for (i, r) in reports.iter().enumerate() {
+        for (i, r) in reports.iter_mut().enumerate() {
             let valid = validate::report(r, self.cfg.max_report_bytes);
             let batched = valid.is_ok()
                 && r.status == Some(JobStatus::Completed)
@@ -260,9 +260,15 @@ impl Engine for PgEngine {
             .filter(|(_, o)| o.is_none())
             .map(|(i, _)| i)
             .collect::<Vec<_>>();
-        let results = futures_util::future::join_all(
-            rest.iter().map(|i| self.update_job(reports[*i].clone())),
-        )
+        // Validated (and normalised) above: applied as by update_job, not
+        // validated twice.
+        let results = futures_util::future::join_all(rest.iter().map(|i| {
+            let report = reports[*i].clone();
+            async move {
+                let r = self.pg_update_job(report).await;
+                self.observe(r)
+            }
+        }))
         .await;
         for (i, r) in rest.into_iter().zip(results) {
             out[i] = Some(r);
@@ -330,6 +336,7 @@ impl Engine for PgEngine {
         answer: VerificationAnswer,
     ) -> Result<()> {
         validate::worker_id(&worker_id)?;
+        let answer = validate::verification_answer(answer)?;
         let r = self.pg_answer(&worker_id, answer).await;
         self.observe(r)
     }

@@ -463,8 +463,8 @@ impl Engine for SqliteEngine {
             .await
     }
 
-    async fn update_job(&self, report: JobReport) -> Result<JobStatus> {
-        validate::report(&report, self.cfg.max_report_bytes)?;
+    async fn update_job(&self, mut report: JobReport) -> Result<JobStatus> {
+        validate::report(&mut report, self.cfg.max_report_bytes)?;
         // Encoded here, off the writer thread.
         let results = jstore::encode_task_results(&report.task_results);
         // update_job checks the lease, fencing and request before it
@@ -600,6 +600,7 @@ impl Engine for SqliteEngine {
         answer: VerificationAnswer,
     ) -> Result<()> {
         validate::worker_id(&worker_id)?;
+        let answer = validate::verification_answer(answer)?;
         self.writer
             .write_direct(move |s, c| s.answer_verification(c, &worker_id, answer))
             .await

@@ -196,7 +196,9 @@ class Plan(_message.Message):
     plan_id: _builtins.str
     """Unique id, [A-Za-z0-9._-]{1,128}."""
     plan_description: _builtins.str
-    """Free text shown to people; at most 4096 bytes."""
+    """Free text shown to people; at most 4096 bytes, without NUL bytes
+    (INVALID_ARGUMENT).
+    """
     require_sandbox: _builtins.bool
     """Only workers that run tasks in the kernel sandbox (Worker.sandboxed)
     get this plan's jobs; others are skipped, and a job with no such
@@ -402,13 +404,18 @@ class TaskResult(_message.Message):
     task_number: _builtins.int
     """The task's task_number."""
     command: _builtins.str
-    """The command that ran."""
+    """The command that ran. A NUL byte is stored as U+FFFD, as in stdout."""
     exit_code: _builtins.int
     """Process exit code; -1 when killed by a signal or never started."""
     stdout: _builtins.str
-    """Captured stdout (UTF-8, lossily converted), up to the worker's capture cap."""
+    """Captured stdout (UTF-8, lossily converted), up to the worker's capture
+    cap. Never refused for its content: each NUL byte (`find -print0`) is
+    stored, and read back, as U+FFFD.
+    """
     stderr: _builtins.str
-    """Captured stderr (UTF-8, lossily converted), up to the worker's capture cap."""
+    """Captured stderr (UTF-8, lossily converted), up to the worker's capture
+    cap. Each NUL byte is stored, and read back, as U+FFFD.
+    """
     duration_ms: _builtins.int
     """Wall-clock run time of the task in milliseconds."""
     stdout_truncated: _builtins.bool
@@ -495,7 +502,9 @@ class Job(_message.Message):
     worker_id: _builtins.str
     """The worker holding, or that last held, the job's lease."""
     error: _builtins.str
-    """Why the last attempt failed; empty when it did not."""
+    """Why the last attempt failed; empty when it did not. A NUL byte the
+    worker reported is stored as U+FFFD.
+    """
     waiting_reason: _builtins.str
     """Why a pending job is not running yet, for people; empty otherwise."""
     current_task: _builtins.int
@@ -627,7 +636,7 @@ class AgenticUnit(_message.Message):
     version: _builtins.str
     """The unit's version, free text, at most 64 bytes."""
     description: _builtins.str
-    """What the unit does, for people; at most 4096 bytes."""
+    """What the unit does, for people; at most 4096 bytes, without NUL bytes."""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgenticUnitInput]:
         """The inputs the unit reads, at most 64."""
@@ -659,7 +668,7 @@ class AgenticUnitInput(_message.Message):
     name: _builtins.str
     """Name of the input (a job input key the Plan passes to the unit)."""
     description: _builtins.str
-    """What the input is, for people; at most 1024 bytes."""
+    """What the input is, for people; at most 1024 bytes, without NUL bytes."""
     def __init__(
         self,
         *,
@@ -704,10 +713,10 @@ class Verification(_message.Message):
     exit_code: _builtins.int
     """Exit code of the command; -1 when it did not run or was killed."""
     output: _builtins.str
-    """The first 4096 bytes of its stdout."""
+    """The first 4096 bytes of its stdout, each NUL byte stored as U+FFFD."""
     error: _builtins.str
     """Why it did not pass, when it did not (stderr excerpt, timeout, not
-    advertised); empty when it passed.
+    advertised); empty when it passed. Each NUL byte is stored as U+FFFD.
     """
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

@@ -227,13 +227,20 @@ class VerificationAnswer(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     challenge_id: _builtins.str
-    """The challenge_id of the VerifyCommand."""
+    """The challenge_id of the VerifyCommand. One with a NUL byte or another
+    control character ends the stream with INVALID_ARGUMENT; any other id
+    that names no pending challenge is ignored.
+    """
     exit_code: _builtins.int
     """Exit code of the command; -1 when it could not run or was killed."""
     output: _builtins.str
-    """The first 4096 bytes of its stdout."""
+    """The first 4096 bytes of its stdout. Never refused for its content:
+    each NUL byte is stored as U+FFFD.
+    """
     error: _builtins.str
-    """Why it did not run or failed (stderr excerpt, timeout); empty on exit 0."""
+    """Why it did not run or failed (stderr excerpt, timeout); empty on exit 0.
+    Each NUL byte is stored as U+FFFD.
+    """
     def __init__(
         self,
         *,
@@ -445,7 +452,9 @@ class UpdateJobRequest(_message.Message):
     worker_id: _builtins.str
     """The worker holding the lease."""
     lease_id: _builtins.str
-    """The lease's fencing token."""
+    """The lease's fencing token: 1..=64 bytes; one with a NUL byte or
+    another control character is refused with INVALID_ARGUMENT.
+    """
     status: _common_pb2.JobStatus.ValueType
     """JOB_STATUS_RUNNING (progress), JOB_STATUS_COMPLETED or JOB_STATUS_FAILED."""
     current_task: _builtins.int
@@ -455,7 +464,10 @@ class UpdateJobRequest(_message.Message):
     progress_percent: _builtins.int
     """Progress of the attempt, 0..=100."""
     error: _builtins.str
-    """Why the attempt failed, with JOB_STATUS_FAILED."""
+    """Why the attempt failed, with JOB_STATUS_FAILED. Never refused for its
+    content: each NUL byte is stored as U+FFFD (as in task results'
+    stdout and stderr), so a failure report always lands.
+    """
     permanent: _builtins.bool
     """With JOB_STATUS_FAILED: the failure is permanent (a task exited with
     one of its permanent_exit_codes, or the worker knows that retrying
