@@ -1,7 +1,9 @@
 //! Pagination shared by every engine: page sizes and the opaque page
 //! tokens of the list RPCs. A token is the hex of `kind:value`, where the
-//! value is the last key of the page (a plan id, a job's row); a token of
-//! another kind, or not made by this codec, is refused.
+//! kind names the listing and its filters (`JobQuery::page_kind` and the
+//! like) and the value is the last key of the page (a plan id, a job's
+//! row); a token of another kind (another listing, or the same one with
+//! other filters), or not made by this codec, is refused.
 
 use crate::error::{Error, Result};
 
