@@ -35,6 +35,7 @@ store_tests! {
     task_results_are_replaced_by_the_next_report,
     a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
     progress_reports_are_bounded,
+    a_reconnecting_worker_is_told_which_held_leases_were_revoked,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -1145,6 +1146,77 @@ async fn a_lease_carries_the_job_as_stored(store: TestStore) {
     w.complete(&fourth).await;
     assert_eq!(job(&s, &more[0]).await.status, JobStatus::Completed as i32);
     assert_nothing_stranded(&s).await;
+    s.stop().await;
+}
+
+/// A worker that reconnects naming a lease the server took back while it
+/// was away (its job was cancelled) is told so in the answer to that
+/// heartbeat, to stop running it; a lease still its own is not listed.
+async fn a_reconnecting_worker_is_told_which_held_leases_were_revoked(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 2).await;
+    let (a, b) = (w.lease().await, w.lease().await);
+    w.disconnect();
+    let cancelled = a.job.as_ref().unwrap().job_id.clone();
+    s.jobs()
+        .await
+        .cancel_job(CancelJobRequest {
+            job_id: cancelled.clone(),
+        })
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(HeartbeatRequest {
+        worker_id: "w1".into(),
+        held_leases: Some(HeldLeases {
+            lease_ids: vec![
+                a.lease_id.clone(),
+                b.lease_id.clone(),
+                "never-granted".into(),
+            ],
+        }),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut replies = w
+        .client()
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // The answer to the heartbeat (commands queued for the worker may
+    // come first).
+    let mut answer = None;
+    for _ in 0..10 {
+        let r = tokio::time::timeout(Duration::from_secs(5), replies.message())
+            .await
+            .expect("an answer within 5 s")
+            .unwrap()
+            .expect("the stream stays open");
+        if r.command.is_none() {
+            answer = Some(r);
+            break;
+        }
+    }
+    let mut revoked = answer.expect("the heartbeat's answer").revoked_lease_ids;
+    revoked.sort();
+    let mut expected = vec![a.lease_id.clone(), "never-granted".to_string()];
+    expected.sort();
+    assert_eq!(revoked, expected);
+    assert_eq!(
+        job(&s, &cancelled).await.status,
+        JobStatus::Cancelled as i32
+    );
+    let kept = b.job.as_ref().unwrap().job_id.clone();
+    assert!(ids.contains(&kept));
+    let kept = job(&s, &kept).await;
+    assert_eq!(
+        (kept.status, kept.worker_id.as_str()),
+        (JobStatus::Running as i32, "w1")
+    );
+    drop(tx);
     s.stop().await;
 }
 

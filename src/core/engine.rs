@@ -372,7 +372,9 @@ pub trait Engine: Send + Sync {
 
     /// Records one heartbeat (the WORKER.HEARTBEAT command): freshness and
     /// stats; with `held` (the lease ids the worker runs), re-queues every
-    /// lease of the worker it no longer runs.
+    /// lease of the worker it no longer runs, and answers with those of
+    /// `held` that are no longer the worker's
+    /// ([`HeartbeatReply::revoked_leases`]), for it to stop.
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED).
     async fn heartbeat(

@@ -595,6 +595,9 @@ pub struct HeartbeatReply {
     pub next_deadline_ms: i64,
     /// A command, if the server has one.
     pub command: Option<WorkerCommand>,
+    /// Of the leases a reconnecting worker named as held, those that are
+    /// no longer its own (HeartbeatResponse.revoked_lease_ids).
+    pub revoked_leases: Vec<String>,
 }
 
 /// Queue depths and worker counts (the QUEUE.STATS command of the

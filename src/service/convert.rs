@@ -437,6 +437,7 @@ impl From<HeartbeatReply> for pb::HeartbeatResponse {
                     args,
                 }),
             }),
+            revoked_lease_ids: r.revoked_leases,
         }
     }
 }

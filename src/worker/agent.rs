@@ -328,6 +328,23 @@ impl Shared {
 
     /// Acts on a server message of the heartbeat stream.
     fn on_heartbeat_response(self: &Arc<Self>, r: HeartbeatResponse) {
+        // Leases named on reconnecting that the server took back meanwhile
+        // (the job was cancelled, or went to another worker).
+        for lease_id in &r.revoked_lease_ids {
+            let job_id = self
+                .jobs()
+                .iter()
+                .find(|(_, j)| j.lease_id == *lease_id)
+                .map(|(id, _)| id.clone());
+            let reason =
+                AbortReason::LeaseLost("the server revoked it while this worker was away".into());
+            match job_id {
+                Some(job_id) if self.abort_job(&job_id, Some(lease_id), reason) => {
+                    warn!(%job_id, %lease_id, "lease revoked while disconnected: killing the job");
+                }
+                _ => debug!(%lease_id, "revoked lease not running here"),
+            }
+        }
         match r.command {
             Some(Command::Drain(d)) => {
                 if self.draining() {

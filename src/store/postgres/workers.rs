@@ -427,6 +427,7 @@ impl PgEngine {
             }
             return Err(e);
         }
+        let mut revoked = Vec::new();
         if let Some(held) = held {
             let held: HashSet<String> = held.into_iter().collect();
             // Leases pushed within the staleness window may still be on
@@ -443,8 +444,15 @@ impl PgEngine {
                         .collect()
                 })
                 .unwrap_or_default();
-            let lost: Vec<(i64, String)> = super::jobs::running_on(&tx, &id)
-                .await?
+            let running = super::jobs::running_on(&tx, &id).await?;
+            let current: HashSet<&str> = running.iter().map(|(_, l)| l.as_str()).collect();
+            revoked = held
+                .iter()
+                .filter(|l| !current.contains(l.as_str()))
+                .cloned()
+                .collect();
+            revoked.sort();
+            let lost: Vec<(i64, String)> = running
                 .into_iter()
                 .filter(|(_, l)| !held.contains(l) && !in_flight.contains(l))
                 .collect();
@@ -478,6 +486,7 @@ impl PgEngine {
             next_deadline_ms: crate::time::now_ms()
                 + self.cfg.heartbeat_interval.as_millis() as i64,
             command: None,
+            revoked_leases: revoked,
         })
     }
 
@@ -939,6 +948,7 @@ impl PgEngine {
                     let _ = hb.tx.send(HeartbeatEvent::Reply(HeartbeatReply {
                         next_deadline_ms,
                         command: Some(command),
+                        revoked_leases: Vec::new(),
                     }));
                 }
                 Some(Queued::End(reason, epoch)) => {

@@ -1013,6 +1013,7 @@ impl State {
             let msg = HeartbeatEvent::Reply(HeartbeatReply {
                 next_deadline_ms,
                 command: Some(cmd),
+                revoked_leases: Vec::new(),
             });
             self.outbox.push(Effect::Heartbeat(slot.tx.clone(), msg));
         }

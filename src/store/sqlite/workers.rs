@@ -248,7 +248,8 @@ impl State {
 
     /// Records a heartbeat: refreshes freshness and stats, clears suspicion,
     /// and, when `held` is given, re-queues every lease of the worker that
-    /// it no longer runs.
+    /// it no longer runs and answers with the held leases that are no
+    /// longer its own (revoked while it was away).
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED), storage errors.
     pub(super) fn heartbeat(
@@ -261,8 +262,26 @@ impl State {
         self.live_worker(id)?;
         let now = Instant::now();
         let was_fresh = self.workers.get(id).is_some_and(|w| self.is_fresh(w, now));
+        let mut revoked = Vec::new();
         if let Some(held) = held {
             let held: HashSet<String> = held.into_iter().collect();
+            let current: HashSet<&str> = self
+                .workers
+                .get(id)
+                .map(|w| {
+                    w.leases
+                        .iter()
+                        .filter_map(|row| self.leases.get(row))
+                        .map(|l| l.lease_id.as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            revoked = held
+                .iter()
+                .filter(|l| !current.contains(l.as_str()))
+                .cloned()
+                .collect();
+            revoked.sort();
             // Leases sent on the current lease stream may still be in
             // flight; only those of earlier streams can be known lost.
             let lost: Vec<i64> = self
@@ -307,6 +326,7 @@ impl State {
         Ok(HeartbeatReply {
             next_deadline_ms: self.next_deadline_ms(),
             command: None,
+            revoked_leases: revoked,
         })
     }
 

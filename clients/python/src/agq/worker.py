@@ -694,6 +694,15 @@ class Worker:
         return "closed by the server"
 
     def _on_heartbeat(self, r: worker_service_pb2.HeartbeatResponse) -> None:
+        # Leases named on reconnecting that the server took back meanwhile
+        # (the job was cancelled, or went to another worker): stop them.
+        if r.revoked_lease_ids:
+            revoked = set(r.revoked_lease_ids)
+            with self._lock:
+                stale = [(j, run) for j, run in self._jobs.items() if run.lease_id in revoked]
+            for job_id, held in stale:
+                log.warning("job %s: lease revoked while disconnected: stopping it", job_id)
+                held.stop("lease revoked")
         which = r.WhichOneof("command")
         if which == "drain":
             with self._lock:

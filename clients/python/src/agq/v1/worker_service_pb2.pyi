@@ -324,6 +324,7 @@ class HeartbeatResponse(_message.Message):
     DRAIN_FIELD_NUMBER: _builtins.int
     CANCEL_JOB_ID_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
+    REVOKED_LEASE_IDS_FIELD_NUMBER: _builtins.int
     cancel_job_id: _builtins.str
     """Kill the job with this id and report it; its lease is already revoked."""
     @_builtins.property
@@ -340,6 +341,14 @@ class HeartbeatResponse(_message.Message):
     def verify(self) -> Global___VerifyCommand:
         """Run a command and answer with the result (capability verification)."""
 
+    @_builtins.property
+    def revoked_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """On the answer to a request that named held_leases: those of them that
+        are no longer this worker's (the job was cancelled, or its lease
+        expired and the job went elsewhere, while the worker was away). Stop
+        running them; a report under them is refused.
+        """
+
     def __init__(
         self,
         *,
@@ -347,10 +356,11 @@ class HeartbeatResponse(_message.Message):
         drain: Global___DrainCommand | None = ...,
         cancel_job_id: _builtins.str = ...,
         verify: Global___VerifyCommand | None = ...,
+        revoked_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "revoked_lease_ids", b"revoked_lease_ids", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["drain", "cancel_job_id", "verify"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
