@@ -250,6 +250,7 @@ impl PgEngine {
         }
         let secs = self.cfg.job_timeout.as_secs();
         let mut actions = Vec::new();
+        let mut timed_out = Vec::new();
         for (id, lease, worker) in expired {
             let Some(e) = self
                 .lose_lease(
@@ -264,10 +265,23 @@ impl PgEngine {
                 continue;
             };
             actions.push(e.action_id);
-            self.count_timeout(&tx, &worker).await?;
+            timed_out.push(worker);
         }
         tx.commit().await.map_err(db_err)?;
         self.touch(actions.iter().map(String::as_str));
+        // The timeouts count in a transaction of their own: this one locked
+        // job rows, and registrations and heartbeats lock a worker before
+        // its jobs, so locking workers here could wait on them in a circle
+        // (PostgreSQL would abort one side). A crash right here loses the
+        // count of these timeouts, not their expiry.
+        timed_out.sort();
+        if !timed_out.is_empty() {
+            let tx = client.transaction().await.map_err(db_err)?;
+            for worker in &timed_out {
+                self.count_timeout(&tx, worker).await?;
+            }
+            tx.commit().await.map_err(db_err)?;
+        }
         Ok(())
     }
 
