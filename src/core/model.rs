@@ -600,6 +600,24 @@ pub struct HeartbeatReply {
     pub revoked_leases: Vec<String>,
 }
 
+/// The leases of `held` (named by a reconnecting worker) that are not
+/// among `current` (its leases as the store has them), sorted: those the
+/// server took back while the worker was away
+/// ([`HeartbeatReply::revoked_leases`]).
+pub fn revoked_leases<'a>(
+    held: &std::collections::HashSet<String>,
+    current: impl IntoIterator<Item = &'a str>,
+) -> Vec<String> {
+    let current: std::collections::HashSet<&str> = current.into_iter().collect();
+    let mut revoked: Vec<String> = held
+        .iter()
+        .filter(|l| !current.contains(l.as_str()))
+        .cloned()
+        .collect();
+    revoked.sort();
+    revoked
+}
+
 /// Queue depths and worker counts (the QUEUE.STATS command of the
 /// specification).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -21,9 +21,9 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, QueueName, StreamKind},
         model::{
-            Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats, Registration,
-            Verification, VerificationAnswer, Worker, WorkerCommand, WorkerState, WorkerStats,
-            MAX_VERIFY_OUTPUT,
+            revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats,
+            Registration, Verification, VerificationAnswer, Worker, WorkerCommand, WorkerState,
+            WorkerStats, MAX_VERIFY_OUTPUT,
         },
         selector::Selector,
     },
@@ -445,13 +445,7 @@ impl PgEngine {
                 })
                 .unwrap_or_default();
             let running = super::jobs::running_on(&tx, &id).await?;
-            let current: HashSet<&str> = running.iter().map(|(_, l)| l.as_str()).collect();
-            revoked = held
-                .iter()
-                .filter(|l| !current.contains(l.as_str()))
-                .cloned()
-                .collect();
-            revoked.sort();
+            revoked = revoked_leases(&held, running.iter().map(|(_, l)| l.as_str()));
             let lost: Vec<(i64, String)> = running
                 .into_iter()
                 .filter(|(_, l)| !held.contains(l) && !in_flight.contains(l))

@@ -18,8 +18,8 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, StreamKind},
         model::{
-            Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats, Registration,
-            Verification, Worker, WorkerCommand, WorkerState, WorkerStats,
+            revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats,
+            Registration, Verification, Worker, WorkerCommand, WorkerState, WorkerStats,
         },
         selector::Selector,
     },
@@ -265,23 +265,13 @@ impl State {
         let mut revoked = Vec::new();
         if let Some(held) = held {
             let held: HashSet<String> = held.into_iter().collect();
-            let current: HashSet<&str> = self
-                .workers
-                .get(id)
-                .map(|w| {
-                    w.leases
-                        .iter()
-                        .filter_map(|row| self.leases.get(row))
-                        .map(|l| l.lease_id.as_str())
-                        .collect()
-                })
-                .unwrap_or_default();
-            revoked = held
-                .iter()
-                .filter(|l| !current.contains(l.as_str()))
-                .cloned()
-                .collect();
-            revoked.sort();
+            let current = self.workers.get(id).into_iter().flat_map(|w| {
+                w.leases
+                    .iter()
+                    .filter_map(|row| self.leases.get(row))
+                    .map(|l| l.lease_id.as_str())
+            });
+            revoked = revoked_leases(&held, current);
             // Leases sent on the current lease stream may still be in
             // flight; only those of earlier streams can be known lost.
             let lost: Vec<i64> = self
