@@ -36,6 +36,7 @@ store_tests! {
     a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
     progress_reports_are_bounded,
     a_reconnecting_worker_is_told_which_held_leases_were_revoked,
+    a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -728,7 +729,8 @@ async fn a_worker_that_registers_and_never_heartbeats_strands_nothing(store: Tes
     })
     .await
     .unwrap();
-    // it opens a lease stream, takes the job, and is never heard of again
+    // It opens a lease stream but never a heartbeat stream: no lease
+    // comes (it could not be told to stop one), and it turns DEAD.
     let mut leases = c
         .lease_jobs(LeaseJobsRequest {
             worker_id: "mute".into(),
@@ -736,16 +738,20 @@ async fn a_worker_that_registers_and_never_heartbeats_strands_nothing(store: Tes
         .await
         .unwrap()
         .into_inner();
-    let l = leases.message().await.unwrap().unwrap();
-    assert_eq!(l.job.unwrap().job_id, ids[0]);
+    let got = tokio::time::timeout(Duration::from_millis(300), leases.message()).await;
+    assert!(
+        got.is_err(),
+        "a worker without a heartbeat stream got {got:?}"
+    );
     eventually(5, "mute is DEAD", || async {
         worker(&s, "mute").await.state == WorkerState::Dead as i32
     })
     .await;
     let mut ok = SimWorker::start(&s, "talker", &["cat"], 1).await;
-    let again = ok.lease().await;
-    assert_eq!(again.attempt, 2);
-    ok.complete(&again).await;
+    let first = ok.lease().await;
+    assert_eq!(first.job.as_ref().unwrap().job_id, ids[0]);
+    assert_eq!(first.attempt, 1);
+    ok.complete(&first).await;
     assert_nothing_stranded(&s).await;
     s.stop().await;
 }
@@ -1216,6 +1222,86 @@ async fn a_reconnecting_worker_is_told_which_held_leases_were_revoked(store: Tes
         (kept.status, kept.worker_id.as_str()),
         (JobStatus::Running as i32, "w1")
     );
+    drop(tx);
+    s.stop().await;
+}
+
+/// A worker whose heartbeat stream dropped while its lease stream stays
+/// open is suspect: it gets no lease (what it leased would be taken back
+/// after the grace, each time costing the job an attempt) until its
+/// heartbeat stream is back.
+async fn a_worker_whose_heartbeat_stream_dropped_gets_no_lease(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    // Stale only after 6 s: the worker stays ACTIVE and fresh throughout,
+    // so only its missing heartbeat stream keeps leases away.
+    let cfg = agq::config::EngineConfig {
+        heartbeat_interval: Duration::from_secs(2),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    let mut c = s.workers().await;
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "half".into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        max_concurrent_jobs: 4,
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let beat = || HeartbeatRequest {
+        worker_id: "half".into(),
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(beat()).unwrap();
+    let replies = c
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut leases = c
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "half".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // The heartbeat stream ends; the lease stream stays open.
+    drop((tx, replies));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 3, 3).await;
+    let got = tokio::time::timeout(Duration::from_millis(500), leases.message()).await;
+    assert!(
+        got.is_err(),
+        "a lease went to a worker without a heartbeat stream: {got:?}"
+    );
+    for id in &ids {
+        let j = job(&s, id).await;
+        assert_eq!(
+            (j.status, j.attempt),
+            (JobStatus::Pending as i32, 0),
+            "{id}"
+        );
+    }
+    // Its heartbeat stream back, it leases again.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(beat()).unwrap();
+    let _replies = c
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = tokio::time::timeout(Duration::from_secs(5), leases.message())
+        .await
+        .expect("a lease once the heartbeat stream is back")
+        .unwrap()
+        .expect("the lease stream is open");
+    assert!(ids.contains(&lease.job.unwrap().job_id));
     drop(tx);
     s.stop().await;
 }

@@ -73,8 +73,13 @@ impl PgEngine {
             let mut v: Vec<Candidate> = local
                 .workers
                 .iter()
+                // Both streams open here: a worker whose heartbeat stream
+                // dropped is suspect, and what it leased now would be taken
+                // back after the grace, each time costing the job an attempt.
                 .filter(|(_, w)| {
-                    w.epoch >= 0 && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
+                    w.epoch >= 0
+                        && w.heartbeat.is_some()
+                        && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
                 })
                 .map(|(id, w)| Candidate {
                     id: id.clone(),

@@ -188,6 +188,7 @@ impl State {
         if let Some(w) = self.workers.get_mut(id) {
             w.heartbeat = Some(StreamSlot { id: sid, tx });
         }
+        self.refresh_available(id);
         self.challenge_missing(id);
         Ok(sid)
     }
@@ -234,9 +235,11 @@ impl State {
                 }
                 w.heartbeat = None;
                 if !w.state.is_live() {
+                    self.refresh_available(id);
                     return Ok(());
                 }
                 w.suspect_since = Some(Instant::now());
+                self.refresh_available(id);
                 tracing::info!(worker_id = %id, "heartbeat stream dropped; worker is suspect");
                 if self.cfg.lease_grace.is_zero() {
                     self.lose_all(conn, id, "worker's heartbeat stream dropped", "stream_lost")?;
