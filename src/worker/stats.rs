@@ -4,13 +4,13 @@
 use std::{
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant},
 };
 
-use sysinfo::{CpuRefreshKind, Disks, MemoryRefreshKind, RefreshKind, System};
+use sysinfo::{CpuRefreshKind, MemoryRefreshKind, RefreshKind, System};
 
 use crate::pb::WorkerStats;
 
@@ -65,7 +65,16 @@ pub struct StatsCollector {
     counters: Arc<JobCounters>,
     system: Arc<Mutex<System>>,
     disk_path: PathBuf,
+    /// The last host figures read: (CPU %, memory MB, free disk GB).
+    last: Arc<Mutex<(f64, u64, u64)>>,
+    /// True while a reading runs on a blocking thread.
+    reading: Arc<AtomicBool>,
 }
+
+/// How long a heartbeat waits for the host figures before it goes with
+/// the last ones: a file system that stops answering (a hung network
+/// mount) must never hold up the heartbeat.
+pub const HOST_READ_WAIT: Duration = Duration::from_secs(2);
 
 impl StatsCollector {
     /// A collector for a worker started now, whose free disk space is
@@ -82,6 +91,8 @@ impl StatsCollector {
             counters,
             system: Arc::new(Mutex::new(system)),
             disk_path,
+            last: Arc::new(Mutex::new((0.0, 0, 0))),
+            reading: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -91,21 +102,39 @@ impl StatsCollector {
     }
 
     /// Reads the current figures; `active_jobs` is the number of jobs running
-    /// now. The host is read on a blocking thread. CPU usage is the average
-    /// since the previous call (0 on the first).
+    /// now. The host is read on a blocking thread, one reading at a time; a
+    /// reading that takes over [`HOST_READ_WAIT`] (or one still running
+    /// from before) gives the last figures instead. CPU usage is the
+    /// average since the previous reading (0 on the first).
     pub async fn collect(&self, active_jobs: u32) -> WorkerStats {
-        let system = Arc::clone(&self.system);
-        let disk_path = self.disk_path.clone();
-        let host = tokio::task::spawn_blocking(move || {
-            let mut sys = system.lock().unwrap_or_else(|e| e.into_inner());
-            sys.refresh_cpu_usage();
-            sys.refresh_memory();
-            let cpu = f64::from(sys.global_cpu_usage());
-            let memory_mb = sys.used_memory() / (1024 * 1024);
-            (cpu, memory_mb, disk_available_gb(&disk_path))
-        })
-        .await
-        .unwrap_or((0.0, 0, 0));
+        let cached = || *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let host = if self.reading.swap(true, Ordering::SeqCst) {
+            cached()
+        } else {
+            let system = Arc::clone(&self.system);
+            let disk_path = self.disk_path.clone();
+            let last = Arc::clone(&self.last);
+            let reading = Arc::clone(&self.reading);
+            let read = tokio::task::spawn_blocking(move || {
+                let mut sys = system.lock().unwrap_or_else(|e| e.into_inner());
+                sys.refresh_cpu_usage();
+                sys.refresh_memory();
+                let cpu = f64::from(sys.global_cpu_usage());
+                let memory_mb = sys.used_memory() / (1024 * 1024);
+                let figures = (cpu, memory_mb, disk_available_gb(&disk_path));
+                *last.lock().unwrap_or_else(|e| e.into_inner()) = figures;
+                reading.store(false, Ordering::SeqCst);
+                figures
+            });
+            match tokio::time::timeout(HOST_READ_WAIT, read).await {
+                Ok(Ok(figures)) => figures,
+                Ok(Err(_)) => {
+                    self.reading.store(false, Ordering::SeqCst);
+                    cached()
+                }
+                Err(_) => cached(),
+            }
+        };
         WorkerStats {
             active_jobs,
             completed_jobs_total: self.counters.completed(),
@@ -119,18 +148,13 @@ impl StatsCollector {
     }
 }
 
-/// Free space in GiB of the mounted filesystem that holds `path` (the mount
-/// point that is its longest prefix); 0 when none matches.
+/// Free space in GiB, for unprivileged users, of the file system that
+/// holds `path` (`statvfs` of that path alone: no other mount is asked);
+/// 0 when it cannot be read.
 fn disk_available_gb(path: &Path) -> u64 {
-    let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let disks = Disks::new_with_refreshed_list();
-    disks
-        .list()
-        .iter()
-        .filter(|d| path.starts_with(d.mount_point()))
-        .max_by_key(|d| d.mount_point().as_os_str().len())
-        .map(|d| d.available_space() / (1024 * 1024 * 1024))
-        .unwrap_or(0)
+    nix::sys::statvfs::statvfs(path).map_or(0, |v| {
+        v.blocks_available().saturating_mul(v.fragment_size()) / (1024 * 1024 * 1024)
+    })
 }
 
 #[cfg(test)]
@@ -149,6 +173,10 @@ mod tests {
         assert_eq!(s.failed_jobs_total, 1);
         assert_eq!(s.avg_job_duration_ms, 200);
         assert!(s.memory_mb > 0);
+        assert!(
+            s.disk_available_gb > 0,
+            "the temporary directory's file system"
+        );
         assert!((0.0..=100.0).contains(&s.cpu_usage_percent));
     }
 }
