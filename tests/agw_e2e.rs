@@ -942,6 +942,47 @@ async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_keeps_a_finished_jobs_result_until_the_server_takes_it() {
+    // The job ends while the server is down; agw, draining, keeps its
+    // result past the drain timeout and its kill grace (1 s + 10 s), and
+    // exits only once the returning server has it.
+    let dir = test_dir();
+    let mut server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 60_000);
+    let mut c = Clients::new(&server).await;
+    c.plan(
+        "brief",
+        vec![
+            task(1, "sleep", &["1"], 60, None),
+            task(2, "echo", &["kept"], 60, None),
+        ],
+    )
+    .await;
+    let mut agw = Agw::start(&server, "w-keeps", &["--drain-timeout-secs", "1"]).await;
+    let job_id = c.submit("brief", &[], 1).await;
+    c.wait_job(&job_id, "running", |j| {
+        j.status == JobStatus::Running as i32
+    })
+    .await;
+    server.kill();
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    // Past the drain timeout and the grace for killed jobs' reports.
+    let deadline = Instant::now() + Duration::from_secs(14);
+    while Instant::now() < deadline {
+        assert!(
+            agw.proc.try_wait().is_none(),
+            "agw exited with the job's result unreported"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    server.restart();
+    assert_eq!(agw.wait_exit().await, Some(0));
+    let mut c = Clients::new(&server).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.attempt, 1, "the job was re-run: {job:#?}");
+    assert_eq!(job.task_results[1].stdout, "kept\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once_with_130_and_kills_the_tasks() {
     let dir = test_dir();
     let server = Server::start(dir.path());

@@ -23,7 +23,7 @@
 //!   process group and exit at once.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
@@ -234,9 +234,11 @@ impl Shared {
         }
     }
 
-    /// Stops every running job.
-    fn abort_all(&self, reason: &AbortReason) {
-        for j in self.jobs().values() {
+    /// Stops the jobs still running, not those whose final report is on
+    /// its way (their result stands); returns the ids of those stopped.
+    fn abort_running(&self, reason: &AbortReason) -> HashSet<String> {
+        let mut stopped = HashSet::new();
+        for (id, j) in self.jobs().iter().filter(|(_, j)| !j.reporting) {
             j.abort.send_if_modified(|r| {
                 if r.is_none() {
                     *r = Some(reason.clone());
@@ -245,7 +247,15 @@ impl Shared {
                     false
                 }
             });
+            stopped.insert(id.clone());
         }
+        stopped
+    }
+
+    /// True while a job not in `stopped` still waits for its final report
+    /// to be acknowledged: a result that must not be thrown away.
+    fn results_pending_besides(&self, stopped: &HashSet<String>) -> bool {
+        self.jobs().keys().any(|id| !stopped.contains(id))
     }
 
     /// Enters DRAINING for `cause` (a signal takes over a server drain).
@@ -1007,6 +1017,8 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
     let mut signal_count = 0u32;
     let mut drain_deadline: Option<Instant> = None;
     let mut report_deadline: Option<Instant> = None;
+    // Jobs the drain timeout stopped (their reports get KILLED_REPORT_GRACE).
+    let mut stopped: HashSet<String> = HashSet::new();
     let forced = |sessions: &tokio::task::JoinHandle<WorkerError>| {
         warn!("second signal: killing running jobs and exiting now");
         groups.kill_all();
@@ -1041,12 +1053,19 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
             _ = count_rx.changed() => {}
             () = tokio::time::sleep_until(drain_deadline.unwrap_or(far)), if drain_deadline.is_some() && report_deadline.is_none() => {
                 warn!(running_jobs = shared.active_jobs(), "drain timeout: killing the jobs still running");
-                shared.abort_all(&AbortReason::DrainTimeout(shared.cfg.drain_timeout));
+                stopped = shared.abort_running(&AbortReason::DrainTimeout(shared.cfg.drain_timeout));
                 report_deadline = Some(Instant::now() + KILLED_REPORT_GRACE);
             }
             () = tokio::time::sleep_until(report_deadline.unwrap_or(far)), if report_deadline.is_some() => {
-                warn!("killed jobs did not report in time; unregistering anyway");
-                break;
+                if shared.results_pending_besides(&stopped) {
+                    // A finished job's result is never given up: it is
+                    // sent until the server takes it (or a second signal).
+                    warn!("results of finished jobs still wait for the server; waiting for it (send another signal to exit at once)");
+                    report_deadline = Some(far);
+                } else {
+                    warn!("killed jobs did not report in time; unregistering anyway");
+                    break;
+                }
             }
         }
     }
