@@ -207,6 +207,7 @@ fn snapshot(state: &State, conn: &Connection) -> Model {
             let m = WorkerM {
                 eligible: w.state == WorkerState::Active
                     && state.is_fresh(w, now)
+                    && w.heartbeat.is_some()
                     && w.lease_stream.is_some(),
                 tools: w.tools.iter().cloned().collect(),
                 tags: w.info.tags.clone(),
@@ -396,9 +397,11 @@ fn run_case(
     let mut streams = Vec::new();
     for (i, spec) in fleet.iter().enumerate() {
         if spec.stream {
+            let (hb_tx, hb_rx) = mpsc::unbounded_channel();
+            state.open_heartbeat(&format!("w{i}"), hb_tx).unwrap();
             let (tx, rx) = mpsc::unbounded_channel();
             state.open_lease_stream(&format!("w{i}"), tx).unwrap();
-            streams.push(rx);
+            streams.push((hb_rx, rx));
         }
     }
     let mut since_guard = 0;
