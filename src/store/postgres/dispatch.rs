@@ -73,13 +73,8 @@ impl PgEngine {
             let mut v: Vec<Candidate> = local
                 .workers
                 .iter()
-                // Both streams open here: a worker whose heartbeat stream
-                // dropped is suspect, and what it leased now would be taken
-                // back after the grace, each time costing the job an attempt.
                 .filter(|(_, w)| {
-                    w.epoch >= 0
-                        && w.heartbeat.is_some()
-                        && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
+                    w.epoch >= 0 && w.lease.as_ref().is_some_and(|l| !l.tx.is_closed())
                 })
                 .map(|(id, w)| Candidate {
                     id: id.clone(),
@@ -138,7 +133,7 @@ impl PgEngine {
                         (SELECT count(*) FROM jobs r WHERE r.status = 2 AND r.worker_id = w.worker_id),
                         ARRAY(SELECT v.tool FROM worker_verifications v
                               WHERE v.worker_id = w.worker_id AND v.passed ORDER BY v.tool),
-                        w.last_heartbeat_at_ms > agq_now_ms() - $2
+                        w.last_heartbeat_at_ms > agq_now_ms() - $2 AND w.suspect_since_ms IS NULL
                  FROM workers w WHERE w.worker_id = ANY($1) ORDER BY w.worker_id FOR UPDATE").await?,
                 &[&ids, &self.stale_ms()],
             )
@@ -163,8 +158,10 @@ impl PgEngine {
                 moved.push(i);
                 continue;
             }
-            // Only ACTIVE and fresh (a heartbeat, or the registration,
-            // within 3 x the interval, by the database's clock).
+            // Only ACTIVE, fresh (a heartbeat, or the registration, within
+            // 3 x the interval, by the database's clock) and not suspect
+            // (its heartbeat stream dropped: what it leased now would be
+            // taken back after the grace, each time costing an attempt).
             if state != WorkerState::Active as i16 || !r.get::<_, bool>(6) {
                 continue;
             }

@@ -207,7 +207,7 @@ fn snapshot(state: &State, conn: &Connection) -> Model {
             let m = WorkerM {
                 eligible: w.state == WorkerState::Active
                     && state.is_fresh(w, now)
-                    && w.heartbeat.is_some()
+                    && w.suspect_since.is_none()
                     && w.lease_stream.is_some(),
                 tools: w.tools.iter().cloned().collect(),
                 tags: w.info.tags.clone(),

@@ -982,11 +982,11 @@ impl State {
         if let Some(key) = w.avail_key.take() {
             self.available.remove(&key);
         }
-        // Both streams open: a worker whose heartbeat stream dropped is
-        // suspect, and what it leased now would be taken back after the
-        // grace, each time costing the job an attempt.
+        // Not while suspect (its heartbeat stream dropped): what it leased
+        // now would be taken back after the grace, each time costing the
+        // job an attempt.
         let connected = w.state == WorkerState::Active
-            && w.heartbeat.is_some()
+            && w.suspect_since.is_none()
             && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed());
         let slots = if connected { w.max } else { 0 };
         self.fleet_slots =

@@ -303,6 +303,7 @@ impl State {
                 )?;
             }
         }
+        let mut cleared = false;
         if let Some(w) = self.workers.get_mut(id) {
             w.last_heartbeat = now;
             w.last_heartbeat_ms = now_ms();
@@ -310,8 +311,12 @@ impl State {
                 w.stats = stats;
             }
             if w.heartbeat.is_some() {
-                w.suspect_since = None;
+                cleared = w.suspect_since.take().is_some();
             }
+        }
+        if cleared {
+            // No longer suspect: it may lease again.
+            self.refresh_available(id);
         }
         if !was_fresh {
             self.wants_dispatch = true;
