@@ -105,6 +105,21 @@ struct RunningJob {
     reporting: bool,
 }
 
+impl RunningJob {
+    /// Asks the job to stop for `reason`, unless it was asked already (the
+    /// first reason stands).
+    fn stop(&self, reason: AbortReason) {
+        self.abort.send_if_modified(|r| {
+            if r.is_none() {
+                *r = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
 /// State shared by the supervisor, the session loop and the job tasks.
 struct Shared {
     cfg: WorkerConfig,
@@ -220,14 +235,7 @@ impl Shared {
     fn abort_job(&self, job_id: &str, lease_id: Option<&str>, reason: AbortReason) -> bool {
         match self.jobs().get(job_id) {
             Some(j) if lease_id.is_none_or(|l| l == j.lease_id) => {
-                j.abort.send_if_modified(|r| {
-                    if r.is_none() {
-                        *r = Some(reason);
-                        true
-                    } else {
-                        false
-                    }
-                });
+                j.stop(reason);
                 true
             }
             _ => false,
@@ -239,14 +247,7 @@ impl Shared {
     fn abort_running(&self, reason: &AbortReason) -> HashSet<String> {
         let mut stopped = HashSet::new();
         for (id, j) in self.jobs().iter().filter(|(_, j)| !j.reporting) {
-            j.abort.send_if_modified(|r| {
-                if r.is_none() {
-                    *r = Some(reason.clone());
-                    true
-                } else {
-                    false
-                }
-            });
+            j.stop(reason.clone());
             stopped.insert(id.clone());
         }
         stopped

@@ -758,8 +758,13 @@ impl PgEngine {
             .map_err(db_err)?
             .ok_or_else(not_found)?;
         // Locks in DeletePlan's order (plan, action, jobs), so the two
-        // never wait on each other in a circle.
-        self.check_retry_plan(&tx, a.get(0), a.get(1)).await?;
+        // never wait on each other in a circle. A missing plan version
+        // matters only when there is something to retry (as on SQLite).
+        let plan = match self.check_retry_plan(&tx, a.get(0), a.get(1)).await {
+            Err(e @ Error::FailedPrecondition(_)) => Err(e),
+            Err(e) => return Err(e),
+            Ok(()) => Ok(()),
+        };
         tx.query_opt(
             "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
             &[&action_id],
@@ -787,6 +792,7 @@ impl PgEngine {
         if ids.is_empty() {
             return Ok(0);
         }
+        plan?;
         let retried = self.retry_rows(&tx, action_id, &ids, None).await?;
         tx.commit().await.map_err(db_err)?;
         self.touch([action_id]);
