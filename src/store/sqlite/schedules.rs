@@ -5,7 +5,10 @@
 
 use super::{
     jobs::{NewAction, NewJob},
-    sql::schedules::{self as store, Fired},
+    sql::{
+        self,
+        schedules::{self as store, Fired},
+    },
     state::State,
 };
 use crate::{
@@ -149,13 +152,32 @@ impl State {
             }
             let mut last: Option<(i64, String)> = None;
             let mut runs = 0;
+            // Checked once, before any tick changes the state: a refusal
+            // after a submitted tick would leave the state changed by an
+            // operation that failed.
+            let jobs = match s
+                .inputs
+                .iter()
+                .map(|i| NewJob::new(i.clone()))
+                .collect::<Result<Vec<_>>>()
+            {
+                Ok(jobs) => jobs,
+                Err(e) => {
+                    errors.push(format!("its inputs cannot be submitted: {e}"));
+                    ticks.clear();
+                    Vec::new()
+                }
+            };
             for tick in ticks {
                 let action_id = format!("{}-{}", s.schedule_id, tick.div_euclid(1000));
-                let jobs = s
-                    .inputs
+                // Each tick's jobs get keys of their own.
+                let jobs = jobs
                     .iter()
-                    .map(|i| NewJob::new(i.clone()))
-                    .collect::<Result<Vec<_>>>()?;
+                    .map(|j| NewJob {
+                        key: sql::jobs::new_job_key(),
+                        ..j.clone()
+                    })
+                    .collect();
                 let a = NewAction {
                     action_id: action_id.clone(),
                     plan_id: s.plan_id.clone(),

@@ -1144,13 +1144,11 @@ impl BatchState for State {
         watchers.notify(&mut self.changed_actions);
     }
 
-    fn after_rollback(&mut self, conn: &Connection) {
+    fn after_rollback(&mut self, conn: &Connection) -> Result<()> {
         self.outbox.clear();
         self.expired_in_batch = 0;
         self.changed_actions.clear();
-        if let Err(e) = self.load(conn) {
-            tracing::error!(error = %e, "reloading the state after a rollback failed");
-        }
+        self.load(conn)
     }
 
     fn on_shutdown(&mut self, conn: &Connection) {

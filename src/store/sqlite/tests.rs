@@ -1398,3 +1398,131 @@ async fn assert_found_across_actions(
     assert!(later.items.is_empty());
     all
 }
+
+/// A CancelAction that storage fails under part-way (a trigger refuses
+/// the update of its second job, after the first was cancelled in
+/// memory) changes nothing, in memory as on disk: the cancel is refused,
+/// and every job of the action is still pending and leased once a worker
+/// comes, the first one included.
+#[tokio::test]
+async fn an_operation_storage_fails_under_part_way_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["cat"]), false).await.unwrap();
+    let ids = submit_as(&e, "a", "p", 3, 1).await;
+    let trigger = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    trigger
+        .execute_batch(&format!(
+            "CREATE TRIGGER refuse_update BEFORE UPDATE ON job_rows WHEN OLD.id = {}
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;",
+            row_of(&ids[1])
+        ))
+        .unwrap();
+    let cancelled = e.cancel_action("a".into()).await;
+    assert!(
+        matches!(cancelled, Err(Error::Storage { .. })),
+        "{cancelled:?}"
+    );
+    trigger.execute_batch("DROP TRIGGER refuse_update").unwrap();
+    assert_eq!(with_status_shared(&e, JobStatus::Pending).await.len(), 3);
+    let mut w = Worker::start(&e, "w", &["cat"], 3).await;
+    let mut leased = Vec::new();
+    while let Some(l) = w.lease_within(1000).await {
+        leased.push(l.job.job_id);
+        if leased.len() == ids.len() {
+            break;
+        }
+    }
+    leased.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(leased, want);
+}
+
+/// The ids of the jobs in `status` through the engine interface.
+async fn with_status_shared(e: &SharedEngine, status: JobStatus) -> Vec<String> {
+    e.search_jobs(JobQuery {
+        status: Some(status),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .items
+}
+
+/// When the state cannot be read back after such a rollback (here the
+/// verifications table is gone while it is read), every operation is
+/// refused with `StoreUnavailable`, reads of the state included, until a
+/// later read-back succeeds; then the engine serves again, the jobs the
+/// failed operation touched still pending and leased.
+#[tokio::test]
+async fn a_state_that_cannot_be_read_back_refuses_everything_until_it_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["cat"]), false).await.unwrap();
+    let ids = submit_as(&e, "a", "p", 2, 1).await;
+    let db = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
+    db.execute_batch(&format!(
+        "CREATE TRIGGER refuse_update BEFORE UPDATE ON job_rows WHEN OLD.id = {}
+         BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;
+         ALTER TABLE worker_verifications RENAME TO hidden_verifications;",
+        row_of(&ids[1])
+    ))
+    .unwrap();
+    let cancelled = e.cancel_action("a".into()).await;
+    assert!(
+        matches!(cancelled, Err(Error::Storage { .. })),
+        "{cancelled:?}"
+    );
+    for _ in 0..3 {
+        let read = e.list_workers(None).await;
+        assert!(matches!(read, Err(Error::StoreUnavailable(_))), "{read:?}");
+        let write = e.cancel_job(ids[0].clone()).await;
+        assert!(
+            matches!(write, Err(Error::StoreUnavailable(_))),
+            "{write:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    db.execute_batch(
+        "DROP TRIGGER refuse_update;
+         ALTER TABLE hidden_verifications RENAME TO worker_verifications;",
+    )
+    .unwrap();
+    let mut served = false;
+    for _ in 0..300 {
+        if e.list_workers(None).await.is_ok() && e.queue_stats().await.is_ok() {
+            match e
+                .register_worker(Registration {
+                    worker_id: "probe".into(),
+                    hostname: "h".into(),
+                    agw_version: "t".into(),
+                    max_concurrent_jobs: 1,
+                    ..Default::default()
+                })
+                .await
+            {
+                Ok(_) => {
+                    served = true;
+                    break;
+                }
+                Err(Error::StoreUnavailable(_)) => {}
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(served, "the engine never served again");
+    let mut w = Worker::start(&e, "w", &["cat"], 2).await;
+    let mut leased = Vec::new();
+    while let Some(l) = w.lease_within(1000).await {
+        leased.push(l.job.job_id);
+        if leased.len() == ids.len() {
+            break;
+        }
+    }
+    leased.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(leased, want);
+}

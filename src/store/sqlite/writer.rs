@@ -1,7 +1,11 @@
 //! The single writer: one thread owns the write connection and the engine's
 //! in-memory state, and runs every state change as an operation. Operations
-//! that arrive together share one transaction and one commit (group commit);
-//! each runs inside its own savepoint so a failing one changes nothing.
+//! that arrive together share one transaction and one commit (group commit).
+//! An operation that refuses changes nothing: it refuses before it touches
+//! the in-memory state, and its SQL writes, if any, are undone to its
+//! savepoint. One that storage fails under (which may have changed the
+//! state) rolls back its whole batch; the state is then rebuilt from the
+//! database and the operations queued behind it run in the next batch.
 //! Replies and side effects (lease pushes, stream commands) are released
 //! only after the commit succeeded.
 
@@ -63,7 +67,11 @@ pub trait BatchState: Send + 'static {
     fn after_commit(&mut self, commit: Option<Commit>);
     /// Runs when the batch was rolled back: drops buffered side effects and
     /// rebuilds the in-memory state from the database.
-    fn after_rollback(&mut self, conn: &Connection);
+    ///
+    /// Errors: a storage error of the rebuild. The state is then not to be
+    /// trusted: the writer refuses every operation, reads included, and
+    /// tries the rebuild again until it succeeds.
+    fn after_rollback(&mut self, conn: &Connection) -> Result<()>;
     /// Runs when the writer stops, after the last batch.
     fn on_shutdown(&mut self, conn: &Connection);
 }
@@ -205,7 +213,10 @@ impl Default for StoreHealth {
 }
 
 enum Op<S> {
-    /// A state change: runs in a savepoint, rolled back when it fails.
+    /// A state change: runs in a savepoint. It must refuse before it
+    /// changes the in-memory state; its SQL writes before a refusal are
+    /// rolled back to the savepoint. A storage error rolls back the whole
+    /// batch, as for [`Op::Direct`].
     Write(TxFn<S>),
     /// A state change that checks everything before its first SQL write,
     /// so once it writes only a storage error can stop it: no savepoint
@@ -267,6 +278,10 @@ impl<S: BatchState> Writer<S> {
     }
 
     /// Runs `f` as a state change and returns its result once committed.
+    /// `f` may write SQL before it refuses (those writes are rolled back),
+    /// but must refuse before it changes the in-memory state: after that
+    /// only a storage error may stop it, which rolls back the whole batch
+    /// and rebuilds the state from the database.
     ///
     /// Errors: whatever `f` returns (its writes are rolled back);
     /// [`Error::StoreUnavailable`] when the store cannot commit (disk full,
@@ -399,6 +414,10 @@ enum Kind {
     Read,
 }
 
+/// The cause the writer refuses operations with while its in-memory state
+/// could not be rebuilt from the database after a rollback.
+const STALE_STATE: &str = "the server's state could not be read back from the database";
+
 /// First wait before probing a store that could not commit.
 const PROBE_FIRST: Duration = Duration::from_millis(25);
 /// Longest wait between two probes of a store that cannot commit.
@@ -520,6 +539,9 @@ fn run<S: BatchState>(
     let mut last_fault: Option<(Instant, Duration)> = None;
     // Consecutive batches that failed for a cause that is not the store's.
     let mut internal_failures = 0u32;
+    // Set while the in-memory state could not be rebuilt after a rollback:
+    // every operation is refused (reads too) until a rebuild succeeds.
+    let mut stale = false;
     // Operations of more than one row waiting for a batch, oldest first
     // (small operations queued after them may go first).
     let mut waiting: VecDeque<Op<S>> = VecDeque::new();
@@ -566,6 +588,20 @@ fn run<S: BatchState>(
                         f.backoff = (f.backoff * 2).min(PROBE_MAX);
                         f.next_probe = Instant::now() + f.backoff;
                     }
+                    Ok(true) if stale => match state.after_rollback(&conn) {
+                        Ok(()) => {
+                            tracing::info!("the in-memory state was rebuilt from the database");
+                            stale = false;
+                            // Cleared at the next probe, which also sees
+                            // whether the store commits.
+                            f.next_probe = Instant::now();
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "rebuilding the in-memory state failed again");
+                            f.backoff = (f.backoff * 2).min(PROBE_MAX);
+                            f.next_probe = Instant::now() + f.backoff;
+                        }
+                    },
                     Ok(true) => {
                         tracing::info!(
                             down_secs = f.since.elapsed().as_secs_f64(),
@@ -596,6 +632,7 @@ fn run<S: BatchState>(
                         f.refused += 1;
                         replies.push(g(Ctx::Refuse(f.cause)).1);
                     }
+                    Op::Read(g) if stale => replies.push(g(Ctx::Refuse(f.cause)).1),
                     Op::Read(g) => replies.push(g(Ctx::Run(&mut state, &BatchConn::new(&conn))).1),
                     Op::Stop => {}
                 }
@@ -619,11 +656,8 @@ fn run<S: BatchState>(
         let changes_before = conn.total_changes();
         let result = run_batch(&conn, &mut state, &mut batch, &mut replies, &mut carried);
         match result {
-            Ok((op_faults, commit)) => {
+            Ok(commit) => {
                 internal_failures = 0;
-                for _ in 0..op_faults {
-                    health.errors.inc();
-                }
                 let restart = if conn.total_changes() != changes_before {
                     checkpoint.committed()
                 } else {
@@ -643,7 +677,13 @@ fn run<S: BatchState>(
             }
             Err(e) => {
                 let _ = conn.execute_batch("ROLLBACK");
-                state.after_rollback(&conn);
+                if let Err(re) = state.after_rollback(&conn) {
+                    tracing::error!(
+                        error = %re,
+                        "rebuilding the in-memory state after a rollback failed; every operation is refused with UNAVAILABLE until it succeeds"
+                    );
+                    stale = true;
+                }
                 let cause = e.store_fault();
                 match cause {
                     Some(cause) => {
@@ -671,6 +711,10 @@ fn run<S: BatchState>(
                     None => {
                         tracing::error!(error = %e, "batch rolled back");
                         internal_failures += 1;
+                        if stale {
+                            health.failed();
+                            fault = Some(Fault::new(STALE_STATE, PROBE_FIRST));
+                        }
                     }
                 }
                 for reply in replies.drain(..) {
@@ -697,45 +741,61 @@ fn run<S: BatchState>(
     }
 }
 
-/// Runs one batch in one transaction. Returns how many of its operations
-/// storage broke for a cause outside AGQ (each rolled back to its
-/// savepoint while the rest committed), and how long the `COMMIT` took.
+/// The error that ends a batch in which storage failed under an
+/// operation: [`Error::StoreUnavailable`] with `cause` when the
+/// environment is to blame, else [`Error::Internal`].
+fn broken(cause: Option<&'static str>) -> Error {
+    match cause {
+        Some(cause) => Error::StoreUnavailable(cause),
+        None => Error::Internal("storage failed in the middle of an operation".into()),
+    }
+}
+
+/// Runs one batch in one transaction. Returns how long the `COMMIT` took.
+///
+/// Errors: storage errors of the transaction; the error of [`broken`] when
+/// storage failed under an operation (a write or a direct one, which may
+/// have changed the in-memory state before it failed): the caller rolls
+/// the batch back and rebuilds the state, and the operations after the
+/// broken one are in `carried`, not run.
 fn run_batch<S: BatchState>(
     conn: &Connection,
     state: &mut S,
     batch: &mut Vec<Op<S>>,
     replies: &mut Vec<Reply>,
     carried: &mut Vec<Op<S>>,
-) -> Result<(u32, Duration)> {
+) -> Result<Duration> {
     exec(conn, "BEGIN")?;
     let batch_conn = BatchConn::new(conn);
-    let mut op_faults = 0;
     let mut ops = batch.drain(..);
     while let Some(op) = ops.next() {
         match op {
             Op::Write(f) => {
                 batch_conn.kept("SAVEPOINT op")?.execute([])?;
                 let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
-                if outcome != Outcome::Done {
-                    batch_conn.kept("ROLLBACK TO op")?.execute([])?;
-                }
-                if let Outcome::Broken(Some(_)) = outcome {
-                    op_faults += 1;
+                replies.push(reply);
+                match outcome {
+                    Outcome::Done => {}
+                    // It refused before it changed the state: only its SQL
+                    // writes, if any, are undone.
+                    Outcome::Refused => {
+                        batch_conn.kept("ROLLBACK TO op")?.execute([])?;
+                    }
+                    // It may have changed the state before storage failed
+                    // under it: the whole batch goes, as for a direct one.
+                    Outcome::Broken(cause) => {
+                        carried.extend(ops);
+                        return Err(broken(cause));
+                    }
                 }
                 batch_conn.kept("RELEASE op")?.execute([])?;
-                replies.push(reply);
             }
             Op::Direct(f, _) => {
                 let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
                 replies.push(reply);
                 if let Outcome::Broken(cause) = outcome {
                     carried.extend(ops);
-                    return Err(match cause {
-                        Some(cause) => Error::StoreUnavailable(cause),
-                        None => {
-                            Error::Internal("storage failed in the middle of an operation".into())
-                        }
-                    });
+                    return Err(broken(cause));
                 }
             }
             Op::Read(f) => {
@@ -749,7 +809,7 @@ fn run_batch<S: BatchState>(
     state.before_commit(conn)?;
     let commit = Instant::now();
     exec(conn, "COMMIT")?;
-    Ok((op_faults, commit.elapsed()))
+    Ok(commit.elapsed())
 }
 
 /// Runs a transaction-control statement through the statement cache
@@ -780,8 +840,9 @@ mod tests {
         fn after_commit(&mut self, commit: Option<Commit>) {
             self.commits.push(commit.map_or(0, |c| c.ops));
         }
-        fn after_rollback(&mut self, _: &Connection) {
+        fn after_rollback(&mut self, _: &Connection) -> Result<()> {
             self.rollbacks += 1;
+            Ok(())
         }
         fn on_shutdown(&mut self, _: &Connection) {}
     }
@@ -888,6 +949,55 @@ mod tests {
         held.unwrap();
         assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
         assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+        after.unwrap();
+        let rows: Vec<String> = w
+            .run(|s, c| {
+                assert_eq!(s.rollbacks, 1);
+                values(c, "v")
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, vec!["kept".to_string()]);
+        w.stop();
+        drop(w);
+        thread.join().unwrap();
+    }
+
+    /// A write operation that storage fails under (it may have changed
+    /// the in-memory state first) rolls back its whole batch and has the
+    /// state rebuilt, as a direct one does; the operation queued behind it
+    /// is carried over and committed; the one before it in the batch is
+    /// answered with the failure, not committed.
+    #[tokio::test]
+    async fn broken_write_operation_rolls_back_its_batch_and_rebuilds_the_state() {
+        let (w, thread) = start(StoreHealth::default());
+        let hold = w.write(|_, _| {
+            std::thread::sleep(Duration::from_millis(200));
+            Ok(())
+        });
+        let (held, before, broken, after) = tokio::join!(
+            hold,
+            async {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                w.write(|_, c| insert(c, "before")).await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                w.write(|_, c| {
+                    insert(c, "lost")?;
+                    c.execute("INSERT INTO missing VALUES (1)", [])?;
+                    Ok(())
+                })
+                .await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(70)).await;
+                w.write(|_, c| insert(c, "kept")).await
+            },
+        );
+        held.unwrap();
+        assert!(matches!(before, Err(Error::Internal(_))), "{before:?}");
+        assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
         after.unwrap();
         let rows: Vec<String> = w
             .run(|s, c| {
