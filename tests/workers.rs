@@ -455,6 +455,8 @@ async fn cancel_of_a_running_job_reaches_the_worker(store: TestStore) {
         Some(heartbeat_response::Command::CancelJobId(id)) => assert_eq!(id, ids[0]),
         other => panic!("expected cancel_job_id, got {other:?}"),
     }
+    // The cancel names the attempt (a newer lease of the job runs on).
+    assert_eq!(w.cancel_leases.recv().await.as_deref(), Some(&*l.lease_id));
     let e = w.report(&l, JobStatus::Completed).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
     assert_eq!(

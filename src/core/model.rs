@@ -575,8 +575,15 @@ pub enum WorkerCommand {
         /// Why, for the worker's log.
         reason: String,
     },
-    /// Stop running this job (cancelled, or its lease was lost).
-    CancelJob(String),
+    /// Stop running this job (cancelled, or its lease was lost), if it
+    /// still runs under this lease.
+    CancelJob {
+        /// The job's public id.
+        job_id: String,
+        /// The lease of the attempt to stop (a newer attempt of the same
+        /// job on the same worker keeps running).
+        lease_id: String,
+    },
     /// Run `command` with `args` and answer (a capability verification).
     Verify {
         /// Id to answer with.

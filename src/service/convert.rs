@@ -420,13 +420,17 @@ impl From<JobLease> for pb::JobLease {
 
 impl From<HeartbeatReply> for pb::HeartbeatResponse {
     fn from(r: HeartbeatReply) -> Self {
+        let mut cancel_lease_id = String::new();
         pb::HeartbeatResponse {
             next_deadline: Some(ts(r.next_deadline_ms)),
             command: r.command.map(|c| match c {
                 WorkerCommand::Drain { reason } => {
                     pb::heartbeat_response::Command::Drain(pb::DrainCommand { reason })
                 }
-                WorkerCommand::CancelJob(id) => pb::heartbeat_response::Command::CancelJobId(id),
+                WorkerCommand::CancelJob { job_id, lease_id } => {
+                    cancel_lease_id = lease_id;
+                    pb::heartbeat_response::Command::CancelJobId(job_id)
+                }
                 WorkerCommand::Verify {
                     challenge_id,
                     command,
@@ -438,6 +442,7 @@ impl From<HeartbeatReply> for pb::HeartbeatResponse {
                 }),
             }),
             revoked_lease_ids: r.revoked_leases,
+            cancel_lease_id,
         }
     }
 }

@@ -366,7 +366,10 @@ impl Shared {
                 self.request_drain(Drain::Server(d.reason));
             }
             Some(Command::CancelJobId(job_id)) => {
-                if self.abort_job(&job_id, None, AbortReason::Cancelled) {
+                // Only the attempt named: a newer lease of the same job,
+                // which may have arrived first on the lease stream, runs on.
+                let lease = Some(r.cancel_lease_id.as_str()).filter(|l| !l.is_empty());
+                if self.abort_job(&job_id, lease, AbortReason::Cancelled) {
                     info!(%job_id, "job cancelled by the server: killing it");
                 } else {
                     debug!(%job_id, "cancel for a job that is not running here");
@@ -1083,4 +1086,69 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
     sessions.abort();
     groups.kill_all();
     Ok(Exit::Drained)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::worker::{config::AgwArgs, executor::AbortReceiver};
+
+    /// The shared state of a worker whose server is never reached.
+    async fn shared() -> Arc<Shared> {
+        let cfg = AgwArgs::try_parse_from([
+            "agw",
+            "--server",
+            "http://127.0.0.1:9",
+            "--worker-id",
+            "w",
+            "--tools",
+            "sort",
+            "--insecure-no-sandbox",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        Shared::new(cfg).await.unwrap()
+    }
+
+    /// Puts job `job_id` in the running table under `lease_id`.
+    fn running(s: &Shared, job_id: &str, lease_id: &str) -> AbortReceiver {
+        let (abort, rx) = abort_channel();
+        s.jobs().insert(
+            job_id.into(),
+            RunningJob {
+                lease_id: lease_id.into(),
+                abort,
+                reporting: false,
+            },
+        );
+        rx
+    }
+
+    fn cancel(job_id: &str, lease_id: &str) -> HeartbeatResponse {
+        HeartbeatResponse {
+            command: Some(Command::CancelJobId(job_id.into())),
+            cancel_lease_id: lease_id.into(),
+            ..Default::default()
+        }
+    }
+
+    /// A cancel of an attempt the worker no longer runs (the job was
+    /// leased to it again, and the new lease came first) leaves the new
+    /// attempt running; a cancel naming the running lease, or naming no
+    /// lease (an older server), stops it.
+    #[tokio::test]
+    async fn a_cancel_stops_only_the_attempt_it_names() {
+        let s = shared().await;
+        let rx = running(&s, "j", "lease-2");
+        s.on_heartbeat_response(cancel("j", "lease-1"));
+        assert_eq!(*rx.borrow(), None);
+        s.on_heartbeat_response(cancel("j", "lease-2"));
+        assert_eq!(*rx.borrow(), Some(AbortReason::Cancelled));
+        let rx = running(&s, "k", "lease-3");
+        s.on_heartbeat_response(cancel("k", ""));
+        assert_eq!(*rx.borrow(), Some(AbortReason::Cancelled));
+    }
 }

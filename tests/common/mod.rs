@@ -436,6 +436,9 @@ pub struct SimWorker {
     hb_task: Option<JoinHandle<()>>,
     pub commands: mpsc::UnboundedReceiver<heartbeat_response::Command>,
     cmd_tx: mpsc::UnboundedSender<heartbeat_response::Command>,
+    /// The `cancel_lease_id` of each cancel command, in order.
+    pub cancel_leases: mpsc::UnboundedReceiver<String>,
+    cancel_tx: mpsc::UnboundedSender<String>,
     leases: Option<tonic::Streaming<JobLease>>,
     pub interval: Duration,
 }
@@ -477,6 +480,7 @@ impl SimWorker {
             .expect("register")
             .into_inner();
         let (cmd_tx, commands) = mpsc::unbounded_channel();
+        let (cancel_tx, cancel_leases) = mpsc::unbounded_channel();
         let mut w = SimWorker {
             id: id.into(),
             client,
@@ -484,6 +488,8 @@ impl SimWorker {
             hb_task: None,
             commands,
             cmd_tx,
+            cancel_leases,
+            cancel_tx,
             leases: None,
             interval: Duration::from_millis(r.heartbeat_interval_ms as u64),
         };
@@ -514,6 +520,7 @@ impl SimWorker {
         let interval = self.interval;
         let beat = tx.clone();
         let cmd_tx = self.cmd_tx.clone();
+        let cancel_tx = self.cancel_tx.clone();
         self.hb_task = Some(tokio::spawn(async move {
             let mut ticker = tokio::time::interval(interval / 2);
             loop {
@@ -523,7 +530,12 @@ impl SimWorker {
                         if beat.send(req).await.is_err() { return; }
                     }
                     msg = inbound.next() => match msg {
-                        Some(Ok(resp)) => if let Some(c) = resp.command { let _ = cmd_tx.send(c); },
+                        Some(Ok(resp)) => if let Some(c) = resp.command {
+                            if matches!(c, heartbeat_response::Command::CancelJobId(_)) {
+                                let _ = cancel_tx.send(resp.cancel_lease_id);
+                            }
+                            let _ = cmd_tx.send(c);
+                        },
                         _ => return,
                     }
                 }

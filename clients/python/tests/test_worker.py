@@ -178,3 +178,28 @@ def test_jobs_run_concurrently_up_to_max_concurrent_jobs(
     assert client.get_action(sub.action_id).pending == 1
     (tmp_path / "release").write_text("go")
     assert client.wait_action(sub.action_id, timeout=WAIT).completed == 3
+
+
+def test_a_cancel_stops_only_the_attempt_it_names() -> None:
+    """A cancel of an attempt the worker no longer runs (the job was leased
+    to it again and the new lease came first) leaves the new attempt
+    running; one naming the running lease, or no lease (an older server),
+    stops it."""
+    from agq.v1 import worker_service_pb2
+    from agq.worker import _Running
+
+    def cancel(job_id: str, lease_id: str) -> worker_service_pb2.HeartbeatResponse:
+        return worker_service_pb2.HeartbeatResponse(cancel_job_id=job_id,
+                                                    cancel_lease_id=lease_id)
+
+    w = agq.Worker("127.0.0.1:9", "py-cancel")
+    newer = _Running("lease-2")
+    w._jobs["j"] = newer
+    w._on_heartbeat(cancel("j", "lease-1"))
+    assert not newer.cancel.is_set()
+    w._on_heartbeat(cancel("j", "lease-2"))
+    assert newer.cancel.is_set() and newer.reason == "cancelled"
+    unnamed = _Running("lease-3")
+    w._jobs["k"] = unnamed
+    w._on_heartbeat(cancel("k", ""))
+    assert unnamed.cancel.is_set()

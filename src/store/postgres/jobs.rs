@@ -109,7 +109,7 @@ impl PgEngine {
         let (lease, worker) = fence.unzip();
         let Some(r) = tx
             .query_opt(
-                "SELECT attempt, max_attempts, action_id, worker_id, started_at_ms, job_id FROM jobs
+                "SELECT attempt, max_attempts, action_id, worker_id, started_at_ms, job_id, lease_id FROM jobs
                  WHERE id = $1 AND status = 2
                    AND ($2::text IS NULL OR lease_id = $2) AND ($3::text IS NULL OR worker_id = $3)
                  FOR UPDATE",
@@ -125,6 +125,7 @@ impl PgEngine {
         let action_id: String = r.get(2);
         let worker_id: String = r.get::<_, Option<String>>(3).unwrap_or_default();
         let job_id: String = r.get(5);
+        let lease_id: String = r.get::<_, Option<String>>(6).unwrap_or_default();
         let dead = permanent || attempt >= max_attempts;
         let backoff = if dead { 0 } else { self.backoff_ms(attempt) };
         let status = if dead {
@@ -149,7 +150,12 @@ impl PgEngine {
         .await
         .map_err(db_err)?;
         if !reported && !worker_id.is_empty() {
-            queue_command(tx, &worker_id, &WorkerCommand::CancelJob(job_id)).await?;
+            queue_command(
+                tx,
+                &worker_id,
+                &WorkerCommand::CancelJob { job_id, lease_id },
+            )
+            .await?;
         }
         if status == JobStatus::Pending {
             notify_names(tx, READY_CHANNEL, &[String::new()]).await?;
@@ -635,13 +641,13 @@ impl PgEngine {
         let rows = tx
             .query(
                 "WITH old AS (
-                     SELECT id, status, worker_id FROM jobs
+                     SELECT id, status, worker_id, lease_id FROM jobs
                      WHERE action_id = $1 AND status IN (1, 2, 4) AND ($2::bigint IS NULL OR id = $2)
                      ORDER BY id FOR UPDATE)
                  UPDATE jobs j SET status = 6, completed_at_ms = agq_now_ms(), lease_id = NULL,
                         lease_expires_at_ms = NULL, error = 'cancelled'
                  FROM old WHERE j.id = old.id
-                 RETURNING old.status, old.worker_id, j.job_id",
+                 RETURNING old.status, old.worker_id, j.job_id, old.lease_id",
                 &[&action_id, &job],
             )
             .await
@@ -650,7 +656,11 @@ impl PgEngine {
             self.metrics.transition(JobStatus::Cancelled);
             if r.get::<_, i16>(0) == RUNNING {
                 if let Some(w) = r.get::<_, Option<String>>(1) {
-                    queue_command(tx, &w, &WorkerCommand::CancelJob(r.get(2))).await?;
+                    let cancel = WorkerCommand::CancelJob {
+                        job_id: r.get(2),
+                        lease_id: r.get::<_, Option<String>>(3).unwrap_or_default(),
+                    };
+                    queue_command(tx, &w, &cancel).await?;
                 }
             }
         }

@@ -50,7 +50,9 @@ pub(super) enum Queued {
 pub(super) fn encode_command(c: &WorkerCommand) -> String {
     match c {
         WorkerCommand::Drain { reason } => json!({"drain": reason}),
-        WorkerCommand::CancelJob(id) => json!({"cancel": id}),
+        WorkerCommand::CancelJob { job_id, lease_id } => {
+            json!({"cancel": job_id, "lease": lease_id})
+        }
         WorkerCommand::Verify {
             challenge_id,
             command,
@@ -69,7 +71,12 @@ fn decode_command(text: &str) -> Option<Queued> {
         return Some(Queued::Command(WorkerCommand::Drain { reason: s(r)? }));
     }
     if let Some(id) = v.get("cancel") {
-        return Some(Queued::Command(WorkerCommand::CancelJob(s(id)?)));
+        return Some(Queued::Command(WorkerCommand::CancelJob {
+            job_id: s(id)?,
+            // Commands queued by an older replica name no lease: any
+            // attempt of the job.
+            lease_id: v.get("lease").and_then(s).unwrap_or_default(),
+        }));
     }
     if let Some(e) = v.get("end") {
         return Some(Queued::End(s(e)?, v.get("epoch").and_then(|e| e.as_i64())));

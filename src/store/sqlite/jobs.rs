@@ -480,7 +480,10 @@ impl State {
         if let Some(lease) = self.leases.get(&row).cloned() {
             self.command(
                 &lease.worker_id,
-                WorkerCommand::CancelJob(job_id.to_string()),
+                WorkerCommand::CancelJob {
+                    job_id: job_id.to_string(),
+                    lease_id: lease.lease_id.clone(),
+                },
             );
             self.release(row, &lease.worker_id);
         }

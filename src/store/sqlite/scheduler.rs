@@ -399,7 +399,10 @@ impl State {
         if label != "job_failed" {
             self.command(
                 &lease.worker_id,
-                WorkerCommand::CancelJob(lease.job_id.clone()),
+                WorkerCommand::CancelJob {
+                    job_id: lease.job_id.clone(),
+                    lease_id: lease.lease_id.clone(),
+                },
             );
         }
         tracing::info!(job_id = %lease.job_id, worker_id = %lease.worker_id, reason, "lease lost");

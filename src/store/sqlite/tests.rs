@@ -303,7 +303,13 @@ async fn the_state_machine_fences_reports_and_follows_its_transitions() {
     .await
     .ok()
     .flatten();
-    assert_eq!(told, Some(WorkerCommand::CancelJob(ids[0].clone())));
+    assert_eq!(
+        told,
+        Some(WorkerCommand::CancelJob {
+            job_id: ids[0].clone(),
+            lease_id: third.lease_id.clone(),
+        })
+    );
     let err = e
         .update_job(w.report(&third, JobStatus::Completed))
         .await

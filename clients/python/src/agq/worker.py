@@ -714,6 +714,11 @@ class Worker:
         elif which == "cancel_job_id":
             with self._lock:
                 running = self._jobs.get(r.cancel_job_id)
+            # Only the attempt named: a newer lease of the same job, which
+            # may have arrived first on the lease stream, runs on.
+            if running is not None and r.cancel_lease_id not in ("", running.lease_id):
+                log.debug("cancel of an earlier attempt of job %s: ignored", r.cancel_job_id)
+                running = None
             if running is not None:
                 log.info("job %s cancelled by the server: stopping it", r.cancel_job_id)
                 running.stop("cancelled")

@@ -325,8 +325,17 @@ class HeartbeatResponse(_message.Message):
     CANCEL_JOB_ID_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     REVOKED_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    CANCEL_LEASE_ID_FIELD_NUMBER: _builtins.int
     cancel_job_id: _builtins.str
-    """Kill the job with this id and report it; its lease is already revoked."""
+    """Kill the job with this id and report it; its lease is already
+    revoked. With cancel_lease_id, only the attempt under that lease.
+    """
+    cancel_lease_id: _builtins.str
+    """With cancel_job_id: the lease of the attempt to kill. A worker that
+    runs the job under another lease (a newer attempt, leased to it after
+    this one was revoked) keeps running it. Empty: whatever attempt of the
+    job runs.
+    """
     @_builtins.property
     def next_deadline(self) -> _timestamp_pb2.Timestamp:
         """Send the next heartbeat before this time or be considered stale at
@@ -357,10 +366,11 @@ class HeartbeatResponse(_message.Message):
         cancel_job_id: _builtins.str = ...,
         verify: Global___VerifyCommand | None = ...,
         revoked_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        cancel_lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "revoked_lease_ids", b"revoked_lease_ids", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_job_id", b"cancel_job_id", "cancel_lease_id", b"cancel_lease_id", "command", b"command", "drain", b"drain", "next_deadline", b"next_deadline", "revoked_lease_ids", b"revoked_lease_ids", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["drain", "cancel_job_id", "verify"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
