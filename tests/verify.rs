@@ -23,6 +23,7 @@ store_tests! {
     an_agentic_unit_is_advertised_described_and_runs,
     a_plan_requiring_verified_tools_runs_only_on_workers_that_answered,
     bad_challenges_are_refused_with_precise_statuses,
+    a_challenge_lost_with_its_stream_is_sent_again_on_the_next,
 }
 
 /// A directory the sandboxed tasks (run as `nobody` under a root agw) can
@@ -284,4 +285,35 @@ async fn bad_challenges_are_refused_with_precise_statuses(store: TestStore) {
         worker(&s, "w1").await.verifications.is_empty(),
         "refused challenges record nothing"
     );
+}
+
+/// The next Verify command `w` gets within 5 s.
+async fn next_challenge(w: &mut SimWorker) -> Option<pb::VerifyCommand> {
+    loop {
+        match w.command_within(5_000).await {
+            Some(Command::Verify(v)) => return Some(v),
+            Some(_) => continue,
+            None => return None,
+        }
+    }
+}
+
+/// A challenge whose heartbeat stream ended before the worker answered
+/// (lost in flight, say) is sent again, with the same id, on the worker's
+/// next heartbeat stream; without it the worker would never be verified
+/// until it registered again.
+async fn a_challenge_lost_with_its_stream_is_sent_again_on_the_next(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let mut w = SimWorker::start(&s, "w", &["sort"], 1).await;
+    put_plan(&s, plan("checked-sort", "sort", &[], true)).await;
+    let first = next_challenge(&mut w)
+        .await
+        .expect("the server did not challenge the unverified worker");
+    // The stream ends unanswered; the worker comes back on a new one.
+    w.connect(None).await;
+    let again = next_challenge(&mut w)
+        .await
+        .expect("the unanswered challenge was not sent again on the new stream");
+    assert_eq!(again, first);
 }

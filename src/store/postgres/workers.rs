@@ -349,6 +349,7 @@ impl PgEngine {
         };
         self.commands_wake.notify_one();
         self.dispatch_wake.notify_one();
+        resend_pending(&c, &id).await?;
         self.challenge_missing(&c, &id).await?;
         Ok(sid)
     }
@@ -1259,6 +1260,36 @@ pub(super) async fn queue_end(c: &impl GenericClient, id: &str, reason: &str) ->
     .await
     .map_err(db_err)?;
     super::notify_names(c, super::COMMAND_CHANNEL, &[id.to_string()]).await
+}
+
+/// Queues again, for worker `id`'s new heartbeat stream, the challenges it
+/// has not answered: one sent on an earlier stream may have been lost with
+/// it. Same challenge ids: an answer to either copy settles the challenge,
+/// a second answer is ignored.
+///
+/// Errors: storage errors; `Internal` for stored arguments that are not a
+/// JSON array of strings.
+async fn resend_pending(c: &impl GenericClient, id: &str) -> Result<()> {
+    let pending = c
+        .query(
+            "SELECT challenge_id, tool, args FROM worker_challenges WHERE worker_id = $1
+             ORDER BY requested_at_ms, challenge_id",
+            &[&id],
+        )
+        .await
+        .map_err(db_err)?;
+    for r in pending {
+        let args: String = r.get(2);
+        let args: Vec<String> =
+            serde_json::from_str(&args).map_err(|e| Error::Internal(e.to_string()))?;
+        let cmd = WorkerCommand::Verify {
+            challenge_id: r.get(0),
+            command: r.get(1),
+            args,
+        };
+        queue_command(c, id, &cmd).await?;
+    }
+    Ok(())
 }
 
 /// Records a challenge of worker `id` to run `command` with `args` and

@@ -28,6 +28,28 @@ fn cut(mut s: String, max: usize) -> String {
 }
 
 impl State {
+    /// Sends worker `worker_id` again, on its heartbeat stream, the
+    /// challenges it has not answered: one sent on an earlier stream may
+    /// have been lost with it. Same challenge ids: an answer to either copy
+    /// settles the challenge, a second answer is ignored.
+    pub(super) fn resend_pending(&mut self, worker_id: &str) {
+        let Some(w) = self.workers.get(worker_id) else {
+            return;
+        };
+        let again: Vec<WorkerCommand> = w
+            .pending
+            .values()
+            .map(|v| WorkerCommand::Verify {
+                challenge_id: v.challenge_id.clone(),
+                command: v.tool.clone(),
+                args: v.args.clone(),
+            })
+            .collect();
+        for cmd in again {
+            self.command(worker_id, cmd);
+        }
+    }
+
     /// The arguments of a challenge that names none: `--describe` for an
     /// agentic unit of worker `worker_id`, `--version` for a tool.
     fn default_challenge_args(&self, worker_id: &str, command: &str) -> Vec<String> {

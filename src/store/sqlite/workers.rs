@@ -189,6 +189,7 @@ impl State {
             w.heartbeat = Some(StreamSlot { id: sid, tx });
         }
         self.refresh_available(id);
+        self.resend_pending(id);
         self.challenge_missing(id);
         Ok(sid)
     }
