@@ -69,6 +69,20 @@ impl NewJob {
     }
 }
 
+/// Refuses to reopen an action that retention is deleting (some of its
+/// jobs are gone already).
+///
+/// Errors: `FailedPrecondition` for such an action, storage errors.
+fn refuse_if_expiring(conn: &Connection, action_id: &str) -> Result<()> {
+    if retention::partly_deleted(conn, action_id)? {
+        return Err(Error::precondition(format!(
+            "action {action_id} is being deleted by retention (it finished longer ago than \
+             --job-retention-secs); it cannot be retried"
+        )));
+    }
+    Ok(())
+}
+
 impl State {
     /// Stores a validated plan (the PLAN.SUBMIT command): a new id as
     /// version 1; with `replace`, an existing id as its next version, or
@@ -520,7 +534,8 @@ impl State {
     /// how many.
     ///
     /// Errors: `NotFound` (action), `FailedPrecondition` (a job matches but
-    /// the plan is gone; nothing changes), storage errors.
+    /// the plan is gone, or retention is deleting the action; nothing
+    /// changes), storage errors.
     pub(super) fn retry_action(
         &mut self,
         conn: &Connection,
@@ -537,6 +552,7 @@ impl State {
         if matching.is_empty() {
             return Ok(0);
         }
+        refuse_if_expiring(conn, action_id)?;
         let plan = self.retry_plan(conn, &plan_id, version)?;
         let sched = self.action_sched(conn, action_id)?;
         let now_ms = now_ms();
@@ -622,7 +638,8 @@ impl State {
     /// budget (the JOB.RETRY command), on the plan version it was created
     /// with, at `priority` when given (else its own). Returns the job's row.
     ///
-    /// Errors: `NotFound`, `FailedPrecondition` from any other status, storage errors.
+    /// Errors: `NotFound`, `FailedPrecondition` from any other status or
+    /// while retention deletes its action, storage errors.
     pub(super) fn retry_job(
         &mut self,
         conn: &Connection,
@@ -637,6 +654,7 @@ impl State {
                 key.status.name()
             )));
         }
+        refuse_if_expiring(conn, &key.action_id)?;
         let plan = self.retry_plan(conn, &key.plan_id, key.plan_version)?;
         let sched = self.action_sched(conn, &key.action_id)?;
         let priority = priority.unwrap_or(key.priority);

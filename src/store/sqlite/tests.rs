@@ -1532,3 +1532,47 @@ async fn a_state_that_cannot_be_read_back_refuses_everything_until_it_can() {
     want.sort();
     assert_eq!(leased, want);
 }
+
+/// An action retention has partly deleted (a large action goes over
+/// several batches) cannot be reopened: RetryJob and RetryAction on a job
+/// it has not deleted yet are `FailedPrecondition` and change nothing,
+/// and the next batch deletes the rest.
+#[tokio::test]
+async fn an_action_retention_is_deleting_cannot_be_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    let se = shared(&e);
+    se.submit_plan(plan("p", &["cat"]), false).await.unwrap();
+    let ids = submit_as(&se, "a", "p", 5, 1).await;
+    let mut w = Worker::start(&se, "w", &["cat"], 5).await;
+    for _ in 0..ids.len() {
+        let l = w.lease_within(2000).await.expect("lease");
+        let status = se
+            .update_job(w.report(&l, JobStatus::Failed))
+            .await
+            .unwrap();
+        assert_eq!(status, JobStatus::Dead);
+    }
+    let removed = e
+        .writer
+        .write(|s, c| s.expire_finished(c, i64::MAX, 2))
+        .await
+        .unwrap();
+    assert_eq!(removed, 2);
+    let job = se.retry_job(ids[4].clone(), None).await;
+    assert!(matches!(job, Err(Error::FailedPrecondition(_))), "{job:?}");
+    let action = se.retry_action("a".into(), None).await;
+    assert!(
+        matches!(action, Err(Error::FailedPrecondition(_))),
+        "{action:?}"
+    );
+    assert_eq!(with_status(&e, JobStatus::Dead).await.len(), 3);
+    assert!(w.lease_within(300).await.is_none());
+    let removed = e
+        .writer
+        .write(|s, c| s.expire_finished(c, i64::MAX, 100))
+        .await
+        .unwrap();
+    assert_eq!(removed, 4, "three jobs and the action row");
+    wait_all_deleted(&dir).await;
+}

@@ -65,6 +65,23 @@ pub fn oldest_expired(conn: &Connection, cutoff_ms: i64) -> Result<Option<String
         .optional()?)
 }
 
+/// True when retention has deleted some of the jobs of `action_id` and
+/// not yet the rest ([`delete_some`] goes through a large action over
+/// several batches): such an action must not be reopened.
+///
+/// Errors: [`crate::error::Error::Storage`].
+pub fn partly_deleted(conn: &Connection, action_id: &str) -> Result<bool> {
+    Ok(conn
+        .prepare_cached(concat!(
+            "SELECT total_jobs > (SELECT count(*) FROM jobs WHERE ",
+            of_action!(),
+            ") FROM actions WHERE action_id = ?1"
+        ))?
+        .query_row(params![action_id], |r| r.get(0))
+        .optional()?
+        .unwrap_or(false))
+}
+
 /// What one [`delete_some`] call removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Deleted {
