@@ -103,8 +103,12 @@ pub fn discover(
     Ok(units)
 }
 
-/// Runs `path --describe` and reads its description.
+/// Runs `path --describe` and reads its description, within
+/// [`DESCRIBE_TIMEOUT`] in all: the unit runs in a process group of its
+/// own, killed once the unit exits or the time is up, so a child it left
+/// behind holding its stdout neither outlives it nor holds agw's start-up.
 fn describe(path: &Path) -> Result<AgenticUnit, String> {
+    use std::os::unix::process::CommandExt;
     let mut child = Command::new(path)
         .arg("--describe")
         .env_clear()
@@ -113,13 +117,30 @@ fn describe(path: &Path) -> Result<AgenticUnit, String> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
+        .process_group(0)
         .spawn()
         .map_err(|e| format!("cannot run --describe: {e}"))?;
+    let group = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    let kill_group = || {
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    };
+    // Read on a thread of its own: a unit may print more than the pipe
+    // holds before it exits, and a process it left behind may keep the
+    // pipe open after it exited.
+    let (read_tx, read_rx) = std::sync::mpsc::channel();
+    if let Some(stdout) = child.stdout.take() {
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let r = stdout.take(DESCRIBE_MAX_BYTES).read_to_end(&mut out);
+            let _ = read_tx.send(r.map(|_| out));
+        });
+    }
     let started = Instant::now();
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) if started.elapsed() > DESCRIBE_TIMEOUT => {
+                kill_group();
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(format!(
@@ -131,13 +152,20 @@ fn describe(path: &Path) -> Result<AgenticUnit, String> {
             Err(e) => return Err(format!("waiting for --describe: {e}")),
         }
     };
-    let mut out = Vec::new();
-    if let Some(stdout) = child.stdout.take() {
-        stdout
-            .take(DESCRIBE_MAX_BYTES)
-            .read_to_end(&mut out)
-            .map_err(|e| format!("reading --describe: {e}"))?;
-    }
+    // What it left behind in its group goes with it.
+    kill_group();
+    let left = DESCRIBE_TIMEOUT.saturating_sub(started.elapsed());
+    let out = match read_rx.recv_timeout(left) {
+        Ok(r) => r.map_err(|e| format!("reading --describe: {e}"))?,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(format!(
+                "--describe exited, but a process it started outside its group kept its \
+                 output open for {} s",
+                DESCRIBE_TIMEOUT.as_secs()
+            ))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Vec::new(),
+    };
     if !status.success() {
         return Err(format!("--describe exited with {status}"));
     }
@@ -193,6 +221,42 @@ mod tests {
         let u = &units[0].0;
         assert_eq!((u.name.as_str(), u.version.as_str()), ("summarize", "1.0"));
         assert_eq!(u.inputs[1].description, "ISO code");
+        // A unit that leaves a child holding its stdout: read as soon as
+        // the unit exits, and the child is killed with it.
+        let held = tempfile::tempdir().unwrap();
+        let pid_file = held.path().join("child.pid");
+        let p = script(
+            held.path(),
+            "u",
+            &format!(
+                r#"sleep 30 &
+echo $! > {f}
+echo '{{"name":"lingers"}}'"#,
+                f = pid_file.display()
+            ),
+        );
+        let started = Instant::now();
+        let units = discover(&[p], None).unwrap();
+        assert_eq!(units[0].0.name, "lingers");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let child: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let gone = (0..200).any(|_| {
+            let alive = std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .is_ok_and(|st| !st.contains(") Z "));
+            if alive {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            !alive
+        });
+        assert!(gone, "the unit's child {child} outlived it");
         for body in [
             "echo not json",
             "exit 3",
