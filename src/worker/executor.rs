@@ -402,6 +402,9 @@ struct Captured {
     total: u64,
     /// Writing the full output to its spill file failed.
     spill_error: Option<io::Error>,
+    /// Reading stopped while the stream was still open (a process that
+    /// left the task's group held it past the grace): more may have come.
+    cut: bool,
 }
 
 /// One finished task.
@@ -865,6 +868,9 @@ impl Executor {
         let err = err.unwrap_or_default();
         let (stdout, stdout_truncated) = capped_text(&out, cap);
         let (stderr, stderr_truncated) = capped_text(&err, cap);
+        // Output cut at the grace may be incomplete: flagged as cut.
+        let (stdout_truncated, stderr_truncated) =
+            (stdout_truncated || out.cut, stderr_truncated || err.cut);
         result.stdout = stdout;
         result.stdout_truncated = stdout_truncated;
         result.stderr = stderr;
@@ -956,7 +962,10 @@ async fn read_capped<R: AsyncRead + Unpin>(
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             },
-            _ = stop.wait_for(|s| *s) => break,
+            _ = stop.wait_for(|s| *s) => {
+                c.cut = true;
+                break;
+            }
         };
         c.total += n as u64;
         let keep = n.min(cap.saturating_sub(c.data.len()));

@@ -16,7 +16,7 @@ fn executor(cap: usize) -> Executor {
     let tools = DEFAULT_TOOLS
         .iter()
         .copied()
-        .chain(["sh", "yes", "tee", "awk", "sed", "xargs"]);
+        .chain(["sh", "yes", "tee", "awk", "sed", "xargs", "perl"]);
     Executor::new(Arc::new(ToolSet::from_env(tools)), cap)
 }
 
@@ -192,6 +192,40 @@ async fn background_children_die_with_their_task() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(is_dead(child), "background sleep {child} outlived its task");
+}
+
+#[tokio::test]
+async fn output_held_open_past_the_grace_is_flagged_cut() {
+    // A process that left the task's group keeps its stdout open: reading
+    // stops after the grace and the output says it may be incomplete; a
+    // task whose output closed with it is not flagged.
+    let p = plan(vec![
+        task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                "if (fork == 0) { POSIX::setsid(); sleep 8; exit 0 } print \"started\\n\"",
+            ],
+            20,
+            None,
+        ),
+        task(2, "sh", &["-c", "echo done"], 20, None),
+    ]);
+    let start = Instant::now();
+    let out = run(&executor(DEFAULT_OUTPUT_CAP_BYTES), &p, &input(&[])).await;
+    assert!(out.success, "{}", out.error);
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        start.elapsed()
+    );
+    let first = &out.task_results[0];
+    assert_eq!(first.stdout, "started\n");
+    assert!(first.stdout_truncated, "cut at the grace, not flagged");
+    assert!(first.stderr_truncated, "stderr was held open too");
+    assert!(!out.task_results[1].stdout_truncated);
 }
 
 #[tokio::test]

@@ -419,9 +419,13 @@ class TaskResult(_message.Message):
     duration_ms: _builtins.int
     """Wall-clock run time of the task in milliseconds."""
     stdout_truncated: _builtins.bool
-    """True when stdout was longer than the cap and the rest was dropped."""
+    """True when stdout was longer than the cap and the rest was dropped, or
+    when agw stopped reading it 2 s after the task ended because a process
+    that left the task's process group still held it open (more may have
+    come).
+    """
     stderr_truncated: _builtins.bool
-    """True when stderr was longer than the cap and the rest was dropped."""
+    """As stdout_truncated, for stderr."""
     def __init__(
         self,
         *,
