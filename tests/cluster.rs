@@ -1690,3 +1690,112 @@ async fn a_late_finish_stamp_leaves_a_reopened_action_open() {
     assert_eq!(stamp, None, "a reopened action was stamped finished");
     cluster.assert_no_panic();
 }
+
+/// A plan deleted and stored again under the same id (version 1 again)
+/// through one replica is what another replica's leases carry: its cache
+/// of the old version 1 is not used for the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plan_stored_again_under_its_id_reaches_workers_of_every_replica() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let plans =
+        || async { plan_service_client::PlanServiceClient::new(channel(&urls[1]).await.unwrap()) };
+    let put = |command: &'static str| async move {
+        plans()
+            .await
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(plan("p", &[command])),
+                replace: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    assert_eq!(put("cat").await.version, 1);
+    // W on replica 0, by hand, with both tools.
+    let mut w = worker_service_client::WorkerServiceClient::new(channel(&urls[0]).await.unwrap());
+    w.register_worker(RegisterWorkerRequest {
+        worker_id: "w".into(),
+        hostname: "cluster-test".into(),
+        agw_version: "sim".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into(), "sort".into()],
+            ..Default::default()
+        }),
+        max_concurrent_jobs: 1,
+        instance_id: "instance-w".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (hb_tx, hb_rx) = mpsc::channel(16);
+    hb_tx
+        .send(HeartbeatRequest {
+            worker_id: "w".into(),
+            stats: Some(WorkerStats::default()),
+            held_leases: None,
+            verification: None,
+        })
+        .await
+        .unwrap();
+    let mut hb = w
+        .heartbeat(ReceiverStream::new(hb_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    timeout(CALL, hb.next())
+        .await
+        .expect("W's first heartbeat is answered")
+        .unwrap()
+        .unwrap();
+    let mut leases = w
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "w".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    submit_one(&urls[1]).await;
+    lease_and_complete(&mut w, &mut leases, "cat").await;
+    // Deleted and stored again through replica 1: version 1 again.
+    plans()
+        .await
+        .delete_plan(DeletePlanRequest {
+            plan_id: "p".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(put("sort").await.version, 1);
+    submit_one(&urls[1]).await;
+    lease_and_complete(&mut w, &mut leases, "sort").await;
+    drop(hb_tx);
+}
+
+/// Takes the next lease of `leases`, completes it as worker `w`, and
+/// asserts its plan's first command is `expected`.
+async fn lease_and_complete(
+    w: &mut worker_service_client::WorkerServiceClient<Channel>,
+    leases: &mut tonic::Streaming<JobLease>,
+    expected: &str,
+) {
+    let l = timeout(Duration::from_secs(5), leases.next())
+        .await
+        .expect("W gets a lease")
+        .unwrap()
+        .unwrap();
+    let command = l.plan.as_ref().unwrap().tasks[0].command.clone();
+    w.update_job(UpdateJobRequest {
+        job_id: l.job.as_ref().unwrap().job_id.clone(),
+        worker_id: "w".into(),
+        lease_id: l.lease_id.clone(),
+        status: JobStatus::Completed as i32,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        command, expected,
+        "the lease carries the plan's current body"
+    );
+}

@@ -337,8 +337,11 @@ impl PgEngine {
                      FROM unnest($1::bigint[], $2::text[], $3::text[]) AS g(id, worker, lease),
                           actions a
                      WHERE j.id = g.id AND a.action_id = j.action_id
-                     RETURNING {}, a.traceparent, j.lease_id, j.lease_expires_at_ms, j.ready_at_ms",
-            rows::JOB_COLS
+                     RETURNING {}, a.traceparent, j.lease_id, j.lease_expires_at_ms, j.ready_at_ms,
+                               (SELECT {} FROM plan_versions pv
+                                WHERE pv.plan_id = j.plan_id AND pv.version = j.plan_version)",
+            rows::JOB_COLS,
+            rows::PLAN_STAMP
         );
         let granted = tx
             .query(
@@ -350,8 +353,9 @@ impl PgEngine {
         let mut out = Vec::with_capacity(granted.len());
         for r in &granted {
             let job = rows::job(r)?;
+            let stamp: Option<String> = r.get(24);
             let plan = self
-                .plan_version(&tx, &job.plan_id, job.plan_version)
+                .plan_version(&tx, &job.plan_id, job.plan_version, stamp.as_deref())
                 .await?
                 .ok_or_else(|| Error::Internal(format!("plan {} vanished", job.plan_id)))?;
             let traceparent: Option<String> = r.get(20);

@@ -740,7 +740,7 @@ impl PgEngine {
             .map_err(db_err)?;
         if plan.is_none()
             || self
-                .plan_version(tx, plan_id, version as u32)
+                .plan_version(tx, plan_id, version as u32, None)
                 .await?
                 .is_none()
         {

@@ -120,8 +120,9 @@ pub struct PgEngine {
     /// This replica's id (`hostname-uuid`), in `workers.replica_id`.
     replica_id: String,
     local: Mutex<Local>,
-    /// Plan versions by (id, version): immutable rows, cached for leases.
-    plans: Mutex<HashMap<(String, u32), Arc<Plan>>>,
+    /// Plan versions by (id, version), each with its stamp
+    /// ([`rows::PLAN_STAMP`]): immutable rows, cached for leases.
+    plans: Mutex<HashMap<(String, u32), (String, Arc<Plan>)>>,
     /// Wakes the dispatcher (jobs ready, a slot freed, a stream opened).
     dispatch_wake: Notify,
     /// Wakes the command pump (commands for local workers).
@@ -341,7 +342,10 @@ impl PgEngine {
     }
 
     /// The plan version `(plan_id, version)`, from the cache or the
-    /// database; `None` when it was deleted.
+    /// database; `None` when it was deleted. `stamp`, when given, is the
+    /// stored row's [`rows::PLAN_STAMP`] as the caller read it: a cached
+    /// copy of another stamp is of a plan deleted since (maybe on another
+    /// replica) whose id and version were used again, and is read anew.
     ///
     /// Errors: storage errors.
     async fn plan_version(
@@ -349,11 +353,14 @@ impl PgEngine {
         c: &impl deadpool_postgres::GenericClient,
         plan_id: &str,
         version: u32,
+        stamp: Option<&str>,
     ) -> Result<Option<Arc<Plan>>> {
-        if let Some(p) = lock(&self.plans).get(&(plan_id.to_string(), version)) {
-            return Ok(Some(p.clone()));
+        if let Some((cached, p)) = lock(&self.plans).get(&(plan_id.to_string(), version)) {
+            if stamp.is_none_or(|s| s == cached) {
+                return Ok(Some(p.clone()));
+            }
         }
-        let Some(plan) = rows::get_plan_version(c, plan_id, version).await? else {
+        let Some((plan, stamp)) = rows::get_plan_version_stamped(c, plan_id, version).await? else {
             return Ok(None);
         };
         let plan = Arc::new(plan);
@@ -361,7 +368,7 @@ impl PgEngine {
         if cache.len() > 10_000 {
             cache.clear();
         }
-        cache.insert((plan_id.to_string(), version), plan.clone());
+        cache.insert((plan_id.to_string(), version), (stamp, plan.clone()));
         Ok(Some(plan))
     }
 

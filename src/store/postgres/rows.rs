@@ -133,6 +133,34 @@ pub async fn get_plan_version(
         .transpose()
 }
 
+/// SQL of a stored plan version's stamp, for a row `pv` of
+/// `plan_versions`: the id of the transaction that inserted it. Rows are
+/// never updated, so a different stamp means the version was deleted and
+/// stored again (a plan id used again after DeletePlan starts at version 1).
+pub const PLAN_STAMP: &str = "pv.xmin::text";
+
+/// [`get_plan_version`] with the row's [`PLAN_STAMP`].
+///
+/// Errors: storage errors, `Internal` for an undecodable body.
+pub async fn get_plan_version_stamped(
+    c: &impl GenericClient,
+    plan_id: &str,
+    version: u32,
+) -> Result<Option<(Plan, String)>> {
+    let row = c
+        .query_opt(
+            &format!(
+                "SELECT pv.body, {PLAN_STAMP} FROM plan_versions pv
+                 WHERE pv.plan_id = $1 AND pv.version = $2"
+            ),
+            &[&plan_id, &(version as i32)],
+        )
+        .await
+        .map_err(db_err)?;
+    row.map(|r| Ok((decode_plan(r.get(0), version as i32)?, r.get(1))))
+        .transpose()
+}
+
 /// The latest version of plan `plan_id`, if it exists.
 ///
 /// Errors: storage errors, `Internal` for an undecodable body.
