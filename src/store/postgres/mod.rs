@@ -105,6 +105,9 @@ struct Local {
     touched: HashSet<String>,
 }
 
+/// A cached plan version with its stamp ([`rows::PLAN_STAMP`]).
+type StampedPlan = (String, Arc<Plan>);
+
 /// The PostgreSQL engine of one replica. Cheap to share behind an `Arc`.
 pub struct PgEngine {
     /// TLS for connections whose `sslmode` asks for it.
@@ -122,7 +125,7 @@ pub struct PgEngine {
     local: Mutex<Local>,
     /// Plan versions by (id, version), each with its stamp
     /// ([`rows::PLAN_STAMP`]): immutable rows, cached for leases.
-    plans: Mutex<HashMap<(String, u32), (String, Arc<Plan>)>>,
+    plans: Mutex<HashMap<(String, u32), StampedPlan>>,
     /// Wakes the dispatcher (jobs ready, a slot freed, a stream opened).
     dispatch_wake: Notify,
     /// Wakes the command pump (commands for local workers).
