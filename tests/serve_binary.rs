@@ -73,3 +73,29 @@ fn sigterm_closes_the_database_and_exits_zero() {
         "the WAL was checkpointed at close"
     );
 }
+
+#[test]
+fn a_second_server_on_the_same_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agq.db");
+    let mut first = Serve::new(&db)
+        .spawn()
+        .unwrap_or_else(|e| panic!("agq serve did not start: {e:?}"));
+    let exited = Serve::new(&db)
+        .spawn()
+        .err()
+        .expect("a second agq serve started on the same database");
+    assert!(exited.status.is_some_and(|st| !st.success()), "{exited:?}");
+    let err = exited.log;
+    assert!(
+        err.contains("is in use by process ") && err.contains("only one agq serve"),
+        "{err}"
+    );
+    // Once the first has stopped, the database is free again.
+    first.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(first.wait_exit(WAIT).success());
+    let again = Serve::new(&db)
+        .spawn()
+        .unwrap_or_else(|e| panic!("agq serve did not start after the first stopped: {e:?}"));
+    drop(again);
+}

@@ -67,6 +67,9 @@ pub struct SqliteEngine {
     /// Woken when a schedule is created or resumed, so the schedule loop
     /// recomputes its next wake-up.
     schedules_changed: Arc<tokio::sync::Notify>,
+    /// The right to write the database, given back once the writer
+    /// stopped ([`Engine::close`]) or with the engine.
+    db_lock: std::sync::Mutex<Option<sql::DbLock>>,
 }
 
 impl SqliteEngine {
@@ -75,14 +78,17 @@ impl SqliteEngine {
     /// not come back return to pending after the grace), starts the
     /// writer thread, the checkpointer and the background loops.
     ///
-    /// Errors: `Internal` (directory cannot be created, schema newer than
-    /// this binary), storage errors opening or recovering the database.
+    /// Errors: `FailedPrecondition` while another process writes the
+    /// database ([`sql::lock`]), `Internal` (directory cannot be created,
+    /// schema newer than this binary), storage errors opening or
+    /// recovering the database.
     pub async fn open(
         db: &Path,
         synchronous: SyncMode,
         cfg: EngineConfig,
         metrics: SharedMetrics,
     ) -> Result<Arc<SqliteEngine>> {
+        let db_lock = sql::lock(db)?;
         let (conn, pool) = sql::open(db, synchronous)?;
         let checkpointer = sql::Checkpointer::start(db, synchronous)?;
         let watchers = Arc::new(Watchers::new(
@@ -107,6 +113,7 @@ impl SqliteEngine {
             stop_loops,
             health,
             schedules_changed: Arc::new(tokio::sync::Notify::new()),
+            db_lock: std::sync::Mutex::new(Some(db_lock)),
         });
         loops::start(
             &engine.writer,
@@ -579,6 +586,13 @@ impl Engine for SqliteEngine {
         if let Some(t) = thread {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
+        // The writer has stopped: another process may write now.
+        drop(
+            self.db_lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 
     async fn verify_worker(

@@ -206,7 +206,10 @@ async fn output_held_open_past_the_grace_is_flagged_cut() {
             &[
                 "-MPOSIX",
                 "-e",
-                "if (fork == 0) { POSIX::setsid(); sleep 8; exit 0 } print \"started\\n\"",
+                // The parent waits until the child left the group (else the
+                // group's kill at the parent's exit could still reach it).
+                "pipe(R, W) or die; if (fork == 0) { close R; POSIX::setsid(); close W; \
+                 sleep 8; exit 0 } close W; my $x = <R>; print \"started\\n\"",
             ],
             20,
             None,

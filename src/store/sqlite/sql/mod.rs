@@ -117,6 +117,73 @@ fn migrate(conn: &mut Connection) -> Result<()> {
     Ok(())
 }
 
+/// The exclusive right to write one database: an advisory lock (`flock`)
+/// on the file `<database>-lock` beside it, held by the one `agq serve`
+/// process that writes the database and released when it is dropped or
+/// the process ends. A second server on the same database would keep an
+/// in-memory state of its own and lease the same jobs again.
+pub struct DbLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// Takes the [`DbLock`] of the database at `path` (creating missing
+/// directories and the lock file), writing this process's id into the
+/// lock file.
+///
+/// Errors: [`Error::FailedPrecondition`] while another process holds it
+/// (naming the process id it wrote); [`Error::Internal`] when the
+/// directory or the lock file cannot be created.
+pub fn lock(path: &Path) -> Result<DbLock> {
+    use std::io::{Read, Seek, Write};
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::Internal(format!("cannot create directory {}: {e}", dir.display()))
+            })?;
+        }
+    }
+    let mut name = path.as_os_str().to_owned();
+    name.push("-lock");
+    let lock_path = std::path::PathBuf::from(name);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)
+        .map_err(|e| Error::Internal(format!("cannot open {}: {e}", lock_path.display())))?;
+    let mut lock = match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+    {
+        Ok(lock) => lock,
+        Err((mut file, _)) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() || holder.len() > 20 {
+                "another process".to_string()
+            } else {
+                format!("process {holder}")
+            };
+            return Err(Error::precondition(format!(
+                "database {} is in use by {holder} (it holds {}): only one agq serve may \
+                 run on a SQLite database; stop the other one, or use the clustered mode \
+                 (--store postgres://...) to run several replicas",
+                path.display(),
+                lock_path.display()
+            )));
+        }
+    };
+    let pid = std::process::id().to_string();
+    let written = lock
+        .set_len(0)
+        .and_then(|()| lock.rewind())
+        .and_then(|()| lock.write_all(pid.as_bytes()));
+    if let Err(e) = written {
+        tracing::warn!(error = %e, path = %lock_path.display(), "cannot write the process id into the lock file");
+    }
+    Ok(DbLock { _lock: lock })
+}
+
 /// Opens (creating if needed) the database at `path`: creates missing
 /// directories, applies pragmas and migrations, and returns the writer
 /// connection and a pool of read connections.
