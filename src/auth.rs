@@ -77,12 +77,13 @@ pub enum AuthError {
         source: std::io::Error,
     },
     /// The file is not valid TOML of the expected shape.
-    #[error("auth file {path} is invalid: {source}")]
+    #[error("auth file {path} is invalid: {why}")]
     Parse {
         /// The file.
         path: String,
-        /// Why.
-        source: toml::de::Error,
+        /// Why, with the line and column: never the text of the line,
+        /// which may hold a token.
+        why: String,
     },
     /// An entry breaks a rule (token length, worker binding).
     #[error("auth file {path}: token #{index}: {why}")]
@@ -94,6 +95,21 @@ pub enum AuthError {
         /// The rule broken.
         why: String,
     },
+}
+
+/// A TOML error of `text` as its message and position (`line L, column
+/// C`), without the quoted source line `toml` adds to its `Display`.
+fn parse_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim_end();
+    match e.span() {
+        Some(span) => {
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|b| **b == b'\n').count() + 1;
+            let column = before.iter().rev().take_while(|b| **b != b'\n').count() + 1;
+            format!("{message} (line {line}, column {column})")
+        }
+        None => message.to_string(),
+    }
 }
 
 /// The token table the interceptor checks against.
@@ -112,9 +128,9 @@ impl Authenticator {
             path: p.clone(),
             source,
         })?;
-        let file: AuthFile = toml::from_str(&text).map_err(|source| AuthError::Parse {
+        let file: AuthFile = toml::from_str(&text).map_err(|e| AuthError::Parse {
             path: p.clone(),
-            source,
+            why: parse_error(&text, &e),
         })?;
         Self::from_file(&p, file)
     }

@@ -45,6 +45,29 @@ fn rejects_a_bad_auth_file_without_echoing_tokens() {
         !err.contains("tiny-secret"),
         "the token leaked into the message: {err}"
     );
+    // A file that is not valid TOML: the error names the place, never the
+    // line's text.
+    for line in [
+        "token = s3cr3t-admin-token-ABCDEFGH",
+        "token = \"s3cr3t-admin-token-ABCD\\qEFGH\"",
+    ] {
+        std::fs::write(&auth, format!("[[tokens]]\n{line}\nrole = \"admin\"\n")).unwrap();
+        let exited = Serve::new(dir.path().join("agq.db"))
+            .args(["--auth-file".as_ref(), auth.as_os_str()])
+            .spawn()
+            .err()
+            .expect("agq serve started with an auth file that is not TOML");
+        assert!(exited.status.is_some_and(|st| !st.success()), "{exited:?}");
+        let err = exited.log;
+        assert!(
+            err.contains("is invalid") && err.contains("line 2"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("s3cr3t"),
+            "the token leaked into the message: {err}"
+        );
+    }
 }
 
 #[test]
