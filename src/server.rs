@@ -34,6 +34,14 @@ pub const LIVENESS_SERVICE: &str = "liveness";
 /// Largest gRPC message the server accepts, in bytes (16 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
+/// Most streams (calls) one HTTP/2 connection may have open at once, as
+/// the server announces in its SETTINGS: 256. A worker process needs 3
+/// (heartbeat, leases, reports) and a client a few; without a bound one
+/// connection could open any number of calls, each buffering a message of
+/// up to [`MAX_MESSAGE_BYTES`]. A client that opens more waits for one
+/// to finish (HTTP/2 flow control), or gets `REFUSED_STREAM`.
+pub const MAX_CONCURRENT_STREAMS: u32 = 256;
+
 /// PEM files of the server's TLS setup.
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
@@ -200,6 +208,7 @@ pub async fn run(
     };
 
     let mut builder = Server::builder()
+        .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)));
     if let Some(tls) = &opts.tls {

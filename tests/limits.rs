@@ -427,3 +427,40 @@ async fn run_at_is_bounded_to_a_horizon() {
         Duration::from_secs(366 * 86_400)
     );
 }
+
+/// One HTTP/2 connection holds at most `MAX_CONCURRENT_STREAMS` calls
+/// open: with that many ReportJobs streams open, a further call on the
+/// same connection waits, and goes through once one of them ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_holds_a_bounded_number_of_calls() {
+    use agq::{pb::worker_service_client::WorkerServiceClient, server::MAX_CONCURRENT_STREAMS};
+    use tokio_stream::wrappers::ReceiverStream;
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let channel = s.channel().await;
+    let mut open = Vec::new();
+    for _ in 0..MAX_CONCURRENT_STREAMS {
+        let (tx, rx) = tokio::sync::mpsc::channel::<agq::pb::ReportJobsRequest>(1);
+        let stream = tokio::time::timeout(
+            Duration::from_secs(10),
+            WorkerServiceClient::new(channel.clone()).report_jobs(ReceiverStream::new(rx)),
+        )
+        .await
+        .expect("a call within the bound opens")
+        .expect("ReportJobs");
+        open.push((tx, stream));
+    }
+    let mut queue = agq::pb::queue_service_client::QueueServiceClient::new(channel.clone());
+    let waiting = tokio::spawn(async move { queue.get_queue_stats(GetQueueStatsRequest {}).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a call past the bound was not held back"
+    );
+    drop(open.pop());
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the held call goes through once a stream ends")
+        .unwrap()
+        .expect("GetQueueStats");
+}
