@@ -303,14 +303,24 @@ pub async fn run(
             Ok(())
         }
     };
-    if let Some(t) = metrics_task {
-        let _ = t.await;
+    // The HTTP listeners began their graceful shutdown with the gRPC
+    // server's; a connection that never finishes its request (a client
+    // that sent half a header) must not keep the database open either.
+    if let Some(mut t) = metrics_task {
+        if tokio::time::timeout(grace, &mut t).await.is_err() {
+            tracing::warn!("metrics connections still open after the shutdown grace; cutting them");
+            t.abort();
+        }
     }
-    if let Some(t) = console_task {
-        match t.await {
-            Ok(Err(e)) => tracing::warn!(error = %e, "console listener ended with an error"),
-            Err(e) => tracing::warn!(error = %e, "console task failed"),
-            Ok(Ok(())) => {}
+    if let Some(mut t) = console_task {
+        match tokio::time::timeout(grace, &mut t).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "console listener ended with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "console task failed"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => {
+                tracing::warn!("console connections still open after the shutdown grace; cutting them");
+                t.abort();
+            }
         }
     }
     engine.close().await;

@@ -122,3 +122,38 @@ fn a_second_server_on_the_same_database_is_refused() {
         .unwrap_or_else(|e| panic!("agq serve did not start after the first stopped: {e:?}"));
     drop(again);
 }
+
+#[test]
+fn a_half_sent_console_request_does_not_hold_the_shutdown() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Serve::new(dir.path().join("agq.db"))
+        .args(["--shutdown-grace-secs", "1"])
+        .env("RUST_LOG", "info")
+        .spawn()
+        .unwrap_or_else(|e| panic!("agq serve did not start: {e:?}"));
+    // Printed on stdout after the gRPC address (the metrics address first).
+    let console = (0..5)
+        .filter_map(|_| server.proc.next_line(WAIT))
+        .find_map(|l| {
+            l.strip_prefix("console on http://")
+                .map(|a| a.trim_end_matches('/').trim().to_string())
+        })
+        .expect("the console address on stdout");
+    // Half a request, never finished.
+    let mut conn = std::net::TcpStream::connect(&console).unwrap();
+    conn.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let asked = std::time::Instant::now();
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = server.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(8),
+        "exited after {:?}",
+        asked.elapsed()
+    );
+    assert!(server.log().contains("database closed"), "{}", server.log());
+    drop(conn);
+}

@@ -79,6 +79,14 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     if auth.is_disabled() {
         tracing::warn!("no --auth-file: every caller is trusted");
     }
+    if args.tls_cert.is_some() && !args.no_console && !args.console_listen.ip().is_loopback() {
+        tracing::warn!(
+            console = %args.console_listen,
+            "the console speaks plain HTTP, not the gRPC port's TLS: its tokens travel in \
+             clear text unless something in front of it terminates TLS (an ingress), or use \
+             a loopback --console-listen and port-forward"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
