@@ -835,6 +835,159 @@ fn token_is_sent_as_bearer_metadata() {
     assert_eq!(env.json()["ready_length"], 0);
 }
 
+/// `--token-file` / `AGQ_TOKEN_FILE` read the token as agw does (trimmed;
+/// an unreadable or empty file is an error naming the file, exit 1);
+/// `--token` on the command line works with a warning, `AGQ_TOKEN`
+/// silently; `--token` with `--token-file` is a usage error (exit 2). The
+/// token never appears in what agq prints.
+#[test]
+fn token_file_env_token_and_the_command_line_warning() {
+    const TOKEN: &str = "client-token-FILECHECK-0123456789";
+    const WARNING: &str = "--token on the command line is visible to other local users";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let auth = write_file(
+        d,
+        "auth.toml",
+        &format!("[[tokens]]\ntoken = \"{TOKEN}\"\nrole = \"client\"\n"),
+    );
+    let s = Server::start_with(&["--auth-file", &auth]);
+    let url = s.url();
+    let file = write_file(d, "token", &format!("\n  {TOKEN}  \n\n"));
+    let empty = write_file(d, "empty", " \n\t\n");
+    let missing = d.join("missing").to_str().unwrap().to_owned();
+    let not_text = d.join("not-text");
+    std::fs::write(&not_text, [TOKEN.as_bytes(), b"\xff\n"].concat()).unwrap();
+    let not_text = not_text.to_str().unwrap().to_owned();
+    let no_token = |r: &cli_support::Run| {
+        assert!(
+            !r.stdout.contains(TOKEN) && !r.stderr.contains(TOKEN),
+            "the token was printed: {r:?}"
+        );
+    };
+    let no_warning = |r: &cli_support::Run| {
+        assert!(!r.stderr.contains("warning"), "unexpected warning: {r:?}");
+    };
+
+    // --token-file: trimmed, accepted by the server, no warning.
+    let ok = s.agq(&["--token-file", &file, "-o", "json", "plan", "list"]);
+    ok.assert_ok();
+    assert_eq!(ok.json()["plans"], serde_json::json!([]));
+    assert_eq!(ok.stderr, "", "{ok:?}");
+    // After the subcommand too (a global flag).
+    let after = s.agq(&["queue", "stats", "--token-file", &file]);
+    after.assert_ok();
+    no_warning(&after);
+    // AGQ_TOKEN_FILE.
+    let env_file = run_agq(
+        &["-o", "json", "plan", "list"],
+        None,
+        &[("AGQ_SERVER", &url), ("AGQ_TOKEN_FILE", &file)],
+    );
+    env_file.assert_ok();
+    assert_eq!(env_file.stderr, "", "{env_file:?}");
+
+    // Unreadable and empty files: exit 1, the file named, nothing of the token.
+    let r = s.agq(&["--token-file", &missing, "plan", "list"]);
+    r.assert_err(1, &format!("agq: cannot read --token-file {missing}: "));
+    let r = s.agq(&["--token-file", &empty, "plan", "list"]);
+    r.assert_err(1, &format!("agq: --token-file {empty} is empty"));
+    let r = s.agq(&["--token-file", &not_text, "plan", "list"]);
+    r.assert_err(1, &format!("agq: cannot read --token-file {not_text}: "));
+    no_token(&r);
+    let r = run_agq(
+        &["plan", "list"],
+        None,
+        &[("AGQ_SERVER", &url), ("AGQ_TOKEN_FILE", &missing)],
+    );
+    r.assert_err(1, &format!("agq: cannot read AGQ_TOKEN_FILE {missing}: "));
+    let r = s.agq(&["--token-file", d.to_str().unwrap(), "plan", "list"]);
+    r.assert_err(1, "agq: cannot read --token-file ");
+
+    // --token on the command line: works, with one warning line on stderr.
+    let cl = s.agq(&["--token", TOKEN, "-o", "json", "plan", "list"]);
+    cl.assert_ok();
+    assert_eq!(cl.json()["plans"], serde_json::json!([]));
+    let warnings: Vec<&str> = cl.stderr.lines().collect();
+    assert_eq!(warnings.len(), 1, "{cl:?}");
+    assert!(warnings[0].starts_with("agq: warning: "), "{cl:?}");
+    assert!(warnings[0].contains(WARNING), "{cl:?}");
+    assert!(warnings[0].contains("--token-file"), "{cl:?}");
+    assert!(warnings[0].contains("AGQ_TOKEN"), "{cl:?}");
+    no_token(&cl);
+    // The warning also comes with a failed call.
+    let wrong = s.agq(&["--token", "wrong-token-0123456789", "plan", "list"]);
+    wrong.assert_err(1, "agq: UNAUTHENTICATED: ");
+    assert!(wrong.stderr.contains(WARNING), "{wrong:?}");
+
+    // AGQ_TOKEN: works, silently.
+    let env = run_agq(
+        &["-o", "json", "plan", "list"],
+        None,
+        &[("AGQ_SERVER", &url), ("AGQ_TOKEN", TOKEN)],
+    );
+    env.assert_ok();
+    assert_eq!(env.stderr, "", "{env:?}");
+
+    // --token with --token-file: a usage error, whatever their order.
+    for args in [
+        &["--token", TOKEN, "--token-file", &file, "plan", "list"][..],
+        &["--token-file", &file, "plan", "list", "--token", TOKEN][..],
+    ] {
+        let r = s.agq(args);
+        r.assert_err(
+            2,
+            "'--token <TOKEN>' cannot be used with '--token-file <PATH>'",
+        );
+        no_token(&r);
+        assert_eq!(r.stdout, "", "{r:?}");
+    }
+    // A flag overrides the other source's environment variable.
+    let flag_file = run_agq(
+        &["--token-file", &file, "plan", "list"],
+        None,
+        &[
+            ("AGQ_SERVER", &url),
+            ("AGQ_TOKEN", "wrong-token-0123456789"),
+        ],
+    );
+    flag_file.assert_ok();
+    no_warning(&flag_file);
+    let flag_token = run_agq(
+        &["--token", TOKEN, "plan", "list"],
+        None,
+        &[("AGQ_SERVER", &url), ("AGQ_TOKEN_FILE", &missing)],
+    );
+    flag_token.assert_ok();
+    assert!(flag_token.stderr.contains(WARNING), "{flag_token:?}");
+    // Both environment variables and no flag: which one was meant is unknown.
+    let both_env = run_agq(
+        &["plan", "list"],
+        None,
+        &[
+            ("AGQ_SERVER", &url),
+            ("AGQ_TOKEN", TOKEN),
+            ("AGQ_TOKEN_FILE", &file),
+        ],
+    );
+    both_env.assert_err(1, "agq: AGQ_TOKEN and AGQ_TOKEN_FILE are both set");
+    no_token(&both_env);
+    // An empty variable counts as unset.
+    let empty_env = run_agq(
+        &["plan", "list"],
+        None,
+        &[
+            ("AGQ_SERVER", &url),
+            ("AGQ_TOKEN", TOKEN),
+            ("AGQ_TOKEN_FILE", ""),
+        ],
+    );
+    empty_env.assert_ok();
+    no_warning(&empty_env);
+    // `agq serve` and `agq demo` ignore the client flags: no file is read.
+    run_agq(&["serve", "--help"], None, &[("AGQ_TOKEN_FILE", &missing)]).assert_ok();
+}
+
 #[test]
 fn connection_errors_are_clear() {
     run_agq(

@@ -95,15 +95,19 @@ macro_rules! client {
 
 impl Clients {
     /// Connects to `opts.server` (TLS when the URL is https:// or --tls-ca is
-    /// set) and builds the service clients. The connection is made now, so
-    /// an unreachable server is reported once, clearly.
+    /// set) and builds the service clients, sending the token `opts`
+    /// selects (`token::resolve`, which warns on stderr about
+    /// `--token` on the command line). The connection is made now, so an
+    /// unreachable server is reported once, clearly.
     ///
     /// # Errors
     ///
     /// [`CliError::Connect`] when the URL is invalid, a TLS file cannot be
-    /// read or the server cannot be reached; [`CliError::Input`] for a bad token.
+    /// read or the server cannot be reached; [`CliError::Input`] for a bad
+    /// token, an unreadable or empty token file, or two token sources.
     pub async fn connect(opts: &ClientOptions) -> Result<Self, CliError> {
-        let auth = BearerAuth::new(opts.token.as_deref())?;
+        let token = super::token::resolve(opts)?;
+        let auth = BearerAuth::new(token.as_deref())?;
         let channel = endpoint(opts)?
             .connect()
             .await

@@ -3,9 +3,11 @@
 //! `agq demo`, which runs the whole system locally.
 //!
 //! - [`ClientOptions`]: the flags every client subcommand shares (`--server`,
-//!   `--token`, `--output`, TLS), parsed once at the top of `agq`.
+//!   `--token-file`, `--token`, `--output`, TLS), parsed once at the top of `agq`.
 //! - [`ClientCommand`]: the subcommand tree; [`run`] executes one.
 //! - [`client`]: the connection (TLS, bearer-token interceptor).
+//! - `token`: where the bearer token comes from (`--token-file`,
+//!   `AGQ_TOKEN_FILE`, `AGQ_TOKEN`, `--token` with a warning).
 //! - [`view`]: the serde structs `--output json` prints, and their tables.
 //! - One module per command group: [`plan`], [`action`], [`job`],
 //!   [`worker`], [`queue`]; [`demo`] for `agq demo`.
@@ -22,6 +24,7 @@ pub(crate) mod queue;
 pub(crate) mod schedule;
 pub(crate) mod table;
 pub(crate) mod time;
+pub(crate) mod token;
 pub(crate) mod view;
 pub(crate) mod watch;
 pub(crate) mod worker;
@@ -42,9 +45,66 @@ pub enum OutputFormat {
 /// Flags shared by every client subcommand. They are global: they may stand
 /// before or after the subcommand (`agq -o json plan list` or
 /// `agq plan list -o json`). `agq serve` and `agq demo` ignore them.
-#[derive(Debug, Clone, clap::Args)]
-#[command(next_help_heading = "Client options (plan, action, job, worker, queue, metrics)")]
+///
+/// Parsed through `ClientFlags` (clap's derive), which this type wraps to
+/// keep where the token came from: `--token` on the command line warns,
+/// `AGQ_TOKEN` does not (`token::select` picks the token).
+#[derive(Clone)]
 pub struct ClientOptions {
+    /// AGQ server URL.
+    pub server: String,
+    /// Bearer token of `--token` or `AGQ_TOKEN` (see
+    /// [`Self::token_on_command_line`]).
+    pub token: Option<String>,
+    /// True when [`Self::token`] came from `--token` on the command line
+    /// (readable by every local user), false for `AGQ_TOKEN`.
+    pub token_on_command_line: bool,
+    /// File holding the bearer token, from `--token-file` or `AGQ_TOKEN_FILE`.
+    pub token_file: Option<PathBuf>,
+    /// True when [`Self::token_file`] came from `--token-file` on the
+    /// command line, false for `AGQ_TOKEN_FILE`.
+    pub token_file_on_command_line: bool,
+    /// Output format.
+    pub output: OutputFormat,
+    /// CA of the server's certificate; enables TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate for mutual TLS.
+    pub tls_client_cert: Option<PathBuf>,
+    /// Private key of [`Self::tls_client_cert`].
+    pub tls_client_key: Option<PathBuf>,
+    /// Server name to verify the certificate against.
+    pub tls_domain: Option<String>,
+    /// Deadline of each call.
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the token.
+        f.debug_struct("ClientOptions")
+            .field("server", &self.server)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token_on_command_line", &self.token_on_command_line)
+            .field("token_file", &self.token_file)
+            .field(
+                "token_file_on_command_line",
+                &self.token_file_on_command_line,
+            )
+            .field("output", &self.output)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_client_cert", &self.tls_client_cert)
+            .field("tls_client_key", &self.tls_client_key)
+            .field("tls_domain", &self.tls_domain)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// The clap definition of the client flags; [`ClientOptions`] is built
+/// from what it parses, with the source of the token flags added.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Client options (plan, action, job, worker, queue, metrics)")]
+struct ClientFlags {
     /// AGQ server URL (http://, or https:// with --tls-ca).
     #[arg(
         long,
@@ -52,40 +112,166 @@ pub struct ClientOptions {
         env = "AGQ_SERVER",
         default_value = "http://127.0.0.1:6380"
     )]
-    pub server: String,
+    server: String,
     /// Bearer token sent as `authorization: Bearer <token>` on every call.
-    #[arg(long, global = true, env = "AGQ_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
+    /// On the command line it is visible to every local user (and warned
+    /// about): prefer --token-file or AGQ_TOKEN.
+    #[arg(
+        long,
+        global = true,
+        env = "AGQ_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    token: Option<String>,
+    /// File holding the bearer token (surrounding whitespace ignored).
+    /// Overrides AGQ_TOKEN; not with --token.
+    // Any value, empty included: an empty AGQ_TOKEN_FILE counts as unset.
+    #[arg(long, global = true, env = "AGQ_TOKEN_FILE", value_name = "PATH",
+          value_parser = clap::builder::TypedValueParser::map(
+              clap::builder::OsStringValueParser::new(), PathBuf::from))]
+    token_file: Option<PathBuf>,
     /// Output format.
     #[arg(long, short = 'o', global = true, env = "AGQ_OUTPUT", value_enum,
           default_value_t = OutputFormat::Table)]
-    pub output: OutputFormat,
+    output: OutputFormat,
     /// PEM file of the CA that signed the server's certificate; enables TLS.
     #[arg(long, global = true, env = "AGQ_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
     /// PEM client certificate for mutual TLS (with --tls-client-key).
     #[arg(long, global = true, env = "AGQ_TLS_CLIENT_CERT")]
-    pub tls_client_cert: Option<PathBuf>,
+    tls_client_cert: Option<PathBuf>,
     /// PEM private key of --tls-client-cert.
     #[arg(long, global = true, env = "AGQ_TLS_CLIENT_KEY")]
-    pub tls_client_key: Option<PathBuf>,
+    tls_client_key: Option<PathBuf>,
     /// Server name to verify the certificate against, when it differs from
     /// the URL's host.
     #[arg(long, global = true, env = "AGQ_TLS_DOMAIN")]
-    pub tls_domain: Option<String>,
+    tls_domain: Option<String>,
     /// Deadline of each call (not of `--watch` streams), e.g. 30s, 2m.
     #[arg(long, global = true, env = "AGQ_TIMEOUT", default_value = "30s",
           value_parser = humantime::parse_duration)]
-    pub timeout: Duration,
+    timeout: Duration,
+}
+
+impl clap::Args for ClientOptions {
+    fn group_id() -> Option<clap::Id> {
+        ClientFlags::group_id()
+    }
+
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        ClientFlags::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        ClientFlags::augment_args_for_update(cmd)
+    }
+}
+
+impl clap::FromArgMatches for ClientOptions {
+    /// The flags, with whether `--token` and `--token-file` were on the
+    /// command line (not from their environment variables).
+    ///
+    /// # Errors
+    ///
+    /// clap's errors, and a usage error (exit 2) for `--token` together
+    /// with `--token-file` on the command line.
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let opts = ClientOptions::from_flags(
+            ClientFlags::from_arg_matches(matches)?,
+            on_command_line(matches, "token"),
+            on_command_line(matches, "token_file"),
+        );
+        opts.check_token_flags()?;
+        Ok(opts)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        let mut flags = self.to_flags();
+        flags.update_from_arg_matches(matches)?;
+        let mut opts = ClientOptions::from_flags(
+            flags,
+            self.token_on_command_line,
+            self.token_file_on_command_line,
+        );
+        if matches.contains_id("token") {
+            opts.token_on_command_line = on_command_line(matches, "token");
+        }
+        if matches.contains_id("token_file") {
+            opts.token_file_on_command_line = on_command_line(matches, "token_file");
+        }
+        opts.check_token_flags()?;
+        *self = opts;
+        Ok(())
+    }
+}
+
+/// True when the value of argument `id` was given on the command line
+/// (not taken from its environment variable or its default).
+fn on_command_line(matches: &clap::ArgMatches, id: &str) -> bool {
+    matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
 }
 
 impl ClientOptions {
+    /// Options from parsed flags and the sources of the token flags.
+    fn from_flags(
+        f: ClientFlags,
+        token_on_command_line: bool,
+        token_file_on_command_line: bool,
+    ) -> Self {
+        ClientOptions {
+            server: f.server,
+            token: f.token,
+            token_on_command_line,
+            token_file: f.token_file,
+            token_file_on_command_line,
+            output: f.output,
+            tls_ca: f.tls_ca,
+            tls_client_cert: f.tls_client_cert,
+            tls_client_key: f.tls_client_key,
+            tls_domain: f.tls_domain,
+            timeout: f.timeout,
+        }
+    }
+
+    /// The flags these options hold (for clap's update).
+    fn to_flags(&self) -> ClientFlags {
+        let o = self.clone();
+        ClientFlags {
+            server: o.server,
+            token: o.token,
+            token_file: o.token_file,
+            output: o.output,
+            tls_ca: o.tls_ca,
+            tls_client_cert: o.tls_client_cert,
+            tls_client_key: o.tls_client_key,
+            tls_domain: o.tls_domain,
+            timeout: o.timeout,
+        }
+    }
+
+    /// A usage error when `--token` and `--token-file` are both on the
+    /// command line (a flag and the other's environment variable are not:
+    /// the flag wins, see [`token`]).
+    fn check_token_flags(&self) -> Result<(), clap::Error> {
+        if self.token_on_command_line && self.token_file_on_command_line {
+            return Err(clap::Error::raw(
+                clap::error::ErrorKind::ArgumentConflict,
+                token::CONFLICT,
+            ));
+        }
+        Ok(())
+    }
+
     /// Options for a plain-text connection to `server` with defaults
     /// elsewhere (what `agq demo` uses).
     pub fn plain(server: impl Into<String>) -> Self {
         ClientOptions {
             server: server.into(),
             token: None,
+            token_on_command_line: false,
+            token_file: None,
+            token_file_on_command_line: false,
             output: OutputFormat::Table,
             tls_ca: None,
             tls_client_cert: None,
@@ -224,5 +410,72 @@ where
 pub fn more_hint(next_page_token: &str) {
     if !next_page_token.is_empty() {
         eprintln!("more results: pass --page-token {next_page_token} (or --all)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    /// The shape of `agq`'s parser: client flags and a subcommand.
+    #[derive(Debug, Parser)]
+    struct TestCli {
+        #[command(flatten)]
+        client: ClientOptions,
+        #[command(subcommand)]
+        command: TestCommand,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum TestCommand {
+        List,
+    }
+
+    fn parse(args: &[&str]) -> Result<ClientOptions, clap::Error> {
+        let mut all = vec!["agq"];
+        all.extend_from_slice(args);
+        TestCli::try_parse_from(all).map(|c| c.client)
+    }
+
+    #[test]
+    fn token_flags_on_the_command_line_are_marked_so() {
+        for args in [&["--token", "t", "list"][..], &["list", "--token=t"][..]] {
+            let o = parse(args).unwrap();
+            assert_eq!(o.token.as_deref(), Some("t"));
+            assert!(o.token_on_command_line, "{args:?}");
+            assert!(!o.token_file_on_command_line, "{args:?}");
+        }
+        for args in [
+            &["--token-file", "f", "list"][..],
+            &["list", "--token-file", "f"][..],
+        ] {
+            let o = parse(args).unwrap();
+            assert_eq!(o.token_file, Some(PathBuf::from("f")));
+            assert!(o.token_file_on_command_line, "{args:?}");
+            assert!(!o.token_on_command_line, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn token_and_token_file_together_are_a_usage_error() {
+        for args in [
+            &["--token", "t", "--token-file", "f", "list"][..],
+            &["--token-file", "f", "list", "--token", "t"][..],
+            &["list", "--token", "t", "--token-file", "f"][..],
+        ] {
+            let e = parse(args).expect_err("a conflict");
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+            assert_eq!(e.exit_code(), 2);
+        }
+    }
+
+    #[test]
+    fn debug_output_hides_the_token() {
+        let o = parse(&["--token", "secret-0123456789", "list"]).unwrap();
+        let text = format!("{o:?}");
+        assert!(!text.contains("secret"), "{text}");
+        assert!(text.contains("<redacted>"), "{text}");
     }
 }
