@@ -1799,3 +1799,391 @@ async fn lease_and_complete(
         "the lease carries the plan's current body"
     );
 }
+
+/// A worker driven by hand on one replica: registered, its heartbeat
+/// stream open (one heartbeat every 100 ms, so it stays fresh), the
+/// commands it gets on it collected in `commands`, its lease stream open.
+struct HandWorker {
+    id: String,
+    /// The heartbeat stream's sender; `None` once closed.
+    hb_tx: Option<mpsc::Sender<HeartbeatRequest>>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    leases: tonic::Streaming<JobLease>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl HandWorker {
+    /// Registers worker `id` (instance `instance`, advertising `tools`)
+    /// on `url` and opens its streams there.
+    async fn start(url: &str, id: &str, instance: &str, tools: &[&str]) -> HandWorker {
+        let mut client =
+            worker_service_client::WorkerServiceClient::new(channel(url).await.unwrap());
+        client
+            .register_worker(RegisterWorkerRequest {
+                worker_id: id.into(),
+                hostname: "cluster-test".into(),
+                agw_version: "sim".into(),
+                capabilities: Some(WorkerCapabilities {
+                    tools: tools.iter().map(|t| t.to_string()).collect(),
+                    ..Default::default()
+                }),
+                max_concurrent_jobs: 1,
+                instance_id: instance.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let (hb_tx, hb_rx) = mpsc::channel(16);
+        let beat = HeartbeatRequest {
+            worker_id: id.into(),
+            stats: Some(WorkerStats::default()),
+            held_leases: None,
+            verification: None,
+        };
+        hb_tx.send(beat.clone()).await.unwrap();
+        let mut hb = client
+            .heartbeat(ReceiverStream::new(hb_rx))
+            .await
+            .unwrap()
+            .into_inner();
+        timeout(CALL, hb.next())
+            .await
+            .expect("the first heartbeat is answered")
+            .unwrap()
+            .unwrap();
+        let (cmd_tx, commands) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(m)) = hb.next().await {
+                if let Some(c) = m.command {
+                    let _ = cmd_tx.send(c);
+                }
+            }
+        });
+        let pump_tx = hb_tx.clone();
+        let pump = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if pump_tx.send(beat.clone()).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let leases = client
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        HandWorker {
+            id: id.into(),
+            hb_tx: Some(hb_tx),
+            commands,
+            leases,
+            tasks: vec![reader, pump],
+        }
+    }
+
+    /// Closes the heartbeat stream (the lease stream stays open).
+    fn close_heartbeat(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.hb_tx = None;
+    }
+
+    /// The next Verify command within `within`.
+    async fn next_verify(&mut self, within: Duration) -> Option<VerifyCommand> {
+        timeout(within, async {
+            loop {
+                match self.commands.recv().await {
+                    Some(Command::Verify(v)) => return Some(v),
+                    Some(_) => {}
+                    None => return None,
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Answers challenge `v` (passed) on the heartbeat stream.
+    async fn answer(&self, v: &VerifyCommand) {
+        self.hb_tx
+            .as_ref()
+            .expect("heartbeat stream open")
+            .send(HeartbeatRequest {
+                worker_id: self.id.clone(),
+                stats: Some(WorkerStats::default()),
+                held_leases: None,
+                verification: Some(VerificationAnswer {
+                    challenge_id: v.challenge_id.clone(),
+                    exit_code: 0,
+                    output: format!("{} (GNU coreutils) 9.1", v.command),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+impl Drop for HandWorker {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Submits one action of `plan_id` (one input) through `url`; returns
+/// its action id and job id.
+async fn submit_action_of(
+    url: &str,
+    plan_id: &str,
+    max_attempts: u32,
+    run_at: Option<prost_types::Timestamp>,
+) -> (String, String) {
+    let ch = channel(url).await.expect("connect");
+    let r = action_service_client::ActionServiceClient::new(ch)
+        .submit_action(SubmitActionRequest {
+            plan_id: plan_id.into(),
+            inputs: vec![ActionInput {
+                values: [("n".to_string(), "1".to_string())].into(),
+            }],
+            max_attempts,
+            run_at,
+            ..Default::default()
+        })
+        .await
+        .expect("submit")
+        .into_inner();
+    (r.action_id, r.job_ids[0].clone())
+}
+
+/// A plan with `require_verified_tools` stored through replica 1 gets a
+/// worker streaming to replica 0 challenged (a Verify command on its
+/// heartbeat stream) at once, not at its next reconnect; once it answered,
+/// it leases the plan's jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plan_requiring_verified_tools_challenges_workers_of_every_replica() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let mut w = HandWorker::start(&urls[0], "w", "instance-w", &["cat"]).await;
+    let mut p = plan("v", &["cat"]);
+    p.require_verified_tools = true;
+    plan_service_client::PlanServiceClient::new(channel(&urls[1]).await.unwrap())
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(p),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    let v = w
+        .next_verify(Duration::from_secs(5))
+        .await
+        .expect("the worker on replica 0 is challenged within 5 s of the plan stored on replica 1");
+    assert_eq!(v.command, "cat");
+    w.answer(&v).await;
+    let (_, job) = submit_action_of(&urls[1], "v", 1, None).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("the verified worker leases the plan's job")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.unwrap().job_id, job);
+    cluster.assert_no_panic();
+}
+
+/// A WatchAction stream learns of jobs lost in a transaction (here a
+/// takeover of a worker id by a new instance) once that transaction
+/// committed: its change notification is sent after the commit, not
+/// before (when a watcher re-reading would see the old state and get no
+/// second notification). The test holds the takeover between losing the
+/// job and committing (a table lock on `worker_verifications`, which it
+/// writes last) for half a second, and the maintenance leader's row, so
+/// that no maintenance pass re-queues the job meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_watch_sees_jobs_lost_by_a_transaction_after_its_commit() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    put_plan(&urls[0]).await;
+    let probe = pg::connect(&cluster.url).await;
+    eventually(10, "a maintenance leader", || async {
+        probe
+            .query_one("SELECT count(*) FROM leader", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    let mut leader = pg::connect(&cluster.url).await;
+    let hold = leader.transaction().await.unwrap();
+    hold.query("SELECT 1 FROM leader FOR UPDATE", &[])
+        .await
+        .unwrap();
+    let mut w = HandWorker::start(&urls[0], "w", "instance-1", &["cat"]).await;
+    let (action, job) = submit_action_of(&urls[1], "p", 1, None).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("W leases the job")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.unwrap().job_id, job);
+    let mut watch =
+        action_service_client::ActionServiceClient::new(channel(&urls[1]).await.unwrap())
+            .watch_action(WatchActionRequest {
+                action_id: action.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    let first = timeout(CALL, watch.next())
+        .await
+        .expect("the watch's first message")
+        .unwrap()
+        .unwrap()
+        .action
+        .unwrap();
+    assert_eq!(first.running, 1, "{first:?}");
+    // W's process is gone (its heartbeat stream closed): a new instance
+    // may take the id over.
+    w.close_heartbeat();
+    eventually(10, "W's heartbeat stream is closed", || async {
+        !probe
+            .query_one(
+                "SELECT heartbeat_open FROM workers WHERE worker_id = 'w'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    })
+    .await;
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE worker_verifications IN SHARE MODE")
+        .await
+        .unwrap();
+    let url0 = urls[0].clone();
+    let takeover = tokio::spawn(async move {
+        worker_service_client::WorkerServiceClient::new(channel(&url0).await.unwrap())
+            .register_worker(RegisterWorkerRequest {
+                worker_id: "w".into(),
+                hostname: "cluster-test".into(),
+                agw_version: "sim".into(),
+                capabilities: Some(WorkerCapabilities {
+                    tools: vec!["cat".into()],
+                    ..Default::default()
+                }),
+                max_concurrent_jobs: 1,
+                instance_id: "instance-2".into(),
+                ..Default::default()
+            })
+            .await
+    });
+    eventually(10, "the takeover waits, its job lost", || async {
+        lock_waiters(&probe, "%DELETE FROM worker_verifications%").await == 1
+    })
+    .await;
+    // A notification sent before the commit reaches the watch meanwhile.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    lock.rollback().await.unwrap();
+    timeout(CALL, takeover)
+        .await
+        .expect("the takeover ends")
+        .unwrap()
+        .expect("the takeover is accepted");
+    let dead = timeout(Duration::from_secs(5), async {
+        while let Some(Ok(m)) = watch.next().await {
+            let a = m.action.unwrap();
+            if a.dead == 1 {
+                return Some(a);
+            }
+        }
+        None
+    })
+    .await;
+    hold.rollback().await.unwrap();
+    let j = job_of(&urls[1], &job).await;
+    assert!(
+        matches!(dead, Ok(Some(_))),
+        "the watch on replica 1 did not report the job lost by the takeover ({dead:?}); the job \
+         is {j:?}"
+    );
+    cluster.assert_no_panic();
+}
+
+/// Retention goes past open actions: with more open actions (scheduled a
+/// day ahead) than the leader's finish-stamp pass examines at once, an
+/// action submitted after them that finished (its job cancelled) is still
+/// stamped finished and, past the retention (1 s here), deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retention_reaches_finished_actions_behind_many_open_ones() {
+    let _shared = PG_SERVER.read().await;
+    let mut cluster = Cluster::start(0).await;
+    let r = cluster
+        .serve("127.0.0.1:0")
+        .args(["--job-retention-secs", "1"])
+        .spawn()
+        .unwrap_or_else(|e| panic!("replica did not start: {e:?}"));
+    cluster.addrs.push(r.addr.clone());
+    cluster.replicas.push(r);
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let day_ahead = prost_types::Timestamp {
+        seconds: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+            + 86_400,
+        nanos: 0,
+    };
+    // More open actions than one pass examines (1000).
+    const OPEN: usize = 1100;
+    let mut submitters = Vec::new();
+    for k in 0..10 {
+        let url = url.clone();
+        submitters.push(tokio::spawn(async move {
+            for _ in (k..OPEN).step_by(10) {
+                submit_action_of(&url, "p", 1, Some(day_ahead)).await;
+            }
+        }));
+    }
+    for s in submitters {
+        s.await.unwrap();
+    }
+    let (action, job) = submit_action_of(&url, "p", 1, None).await;
+    job_service_client::JobServiceClient::new(channel(&url).await.unwrap())
+        .cancel_job(CancelJobRequest { job_id: job })
+        .await
+        .unwrap();
+    let probe = pg::connect(&cluster.url).await;
+    eventually(
+        20,
+        "the finished action is deleted by retention",
+        || async {
+            probe
+                .query_one(
+                    "SELECT count(*) FROM actions WHERE action_id = $1",
+                    &[&action],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 0
+        },
+    )
+    .await;
+    let open: i64 = probe
+        .query_one("SELECT count(*) FROM actions", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(open, OPEN as i64, "retention deleted an open action");
+    cluster.assert_no_panic();
+}

@@ -263,9 +263,15 @@ impl PgEngine {
             .await
             .map_err(db_err)?;
         }
+        if plan.require_verified_tools {
+            // Sent at the commit: every replica, this one included,
+            // challenges its connected workers for the plan's tools.
+            notify_names(&tx, super::VERIFY_CHANNEL, &[plan.plan_id.clone()]).await?;
+        }
         tx.commit().await.map_err(db_err)?;
         if plan.require_verified_tools {
-            self.challenge_all_missing().await;
+            // At once here, even while this replica's listener is down.
+            self.verify_wake.notify_one();
         }
         Ok(SubmittedPlan {
             plan_id: plan.plan_id,

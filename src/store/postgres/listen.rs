@@ -1,6 +1,7 @@
 //! LISTEN/NOTIFY: one connection per replica, outside the pool, listens on
-//! [`READY_CHANNEL`], [`COMMAND_CHANNEL`] and [`WATCH_CHANNEL`] and wakes
-//! the dispatcher, the command pump and the WatchAction subscribers. A
+//! [`READY_CHANNEL`], [`COMMAND_CHANNEL`], [`WATCH_CHANNEL`] and
+//! [`VERIFY_CHANNEL`] and wakes the dispatcher, the command pump, the
+//! WatchAction subscribers and the challenge loop. A
 //! lost connection is re-opened with backoff; after each (re)connect
 //! everything is woken once (a full fetch), since notifications sent
 //! meanwhile are lost. The watch notifier sends the actions this replica
@@ -11,7 +12,10 @@ use std::{collections::HashSet, sync::Arc, time::Duration};
 use futures_util::StreamExt;
 use tokio_postgres::AsyncMessage;
 
-use super::{lock, notify_names, wait, PgEngine, COMMAND_CHANNEL, READY_CHANNEL, WATCH_CHANNEL};
+use super::{
+    lock, notify_names, wait, PgEngine, COMMAND_CHANNEL, READY_CHANNEL, VERIFY_CHANNEL,
+    WATCH_CHANNEL,
+};
 
 /// The listener loop.
 pub(super) async fn run(engine: Arc<PgEngine>) {
@@ -44,7 +48,8 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                 });
                 let listened = client
                     .batch_execute(&format!(
-                        "LISTEN {READY_CHANNEL}; LISTEN {COMMAND_CHANNEL}; LISTEN {WATCH_CHANNEL}"
+                        "LISTEN {READY_CHANNEL}; LISTEN {COMMAND_CHANNEL}; LISTEN {WATCH_CHANNEL}; \
+                         LISTEN {VERIFY_CHANNEL}"
                     ))
                     .await;
                 if let Err(e) = listened {
@@ -56,6 +61,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                     engine.dispatch_wake.notify_one();
                     engine.commands_wake.notify_one();
                     engine.watchers.notify_all();
+                    engine.verify_wake.notify_one();
                     loop {
                         tokio::select! {
                             n = rx.recv() => match n {
@@ -105,6 +111,7 @@ impl PgEngine {
                     self.watchers.notify(&mut ids);
                 }
             }
+            VERIFY_CHANNEL => self.verify_wake.notify_one(),
             _ => {}
         }
     }
@@ -112,7 +119,10 @@ impl PgEngine {
 
 /// Sends the actions this replica changed on [`WATCH_CHANNEL`], at most
 /// every 10 ms: watchers on every replica (this one included) are woken
-/// by it.
+/// by it. Actions whose notification could not be sent (no connection,
+/// the database unreachable) are kept and sent again at the next wake or
+/// within a second, until it goes out: watchers on other replicas learn
+/// of the change only through it.
 pub(super) async fn watch_notifier(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     while wait(&engine.watch_wake, Duration::from_secs(1), &mut stop).await {
@@ -131,9 +141,12 @@ pub(super) async fn watch_notifier(engine: Arc<PgEngine>) {
         }
         .await;
         if let Err(e) = sent {
-            tracing::debug!(error = %e, "watch notification not sent");
-            // Local subscribers still learn of it.
+            tracing::debug!(error = %e, "watch notification not sent; retrying");
+            // Local subscribers learn of it now; those of other replicas
+            // when it is sent again (a payload sent before the failure is
+            // sent twice, which only wakes its watchers once more).
             engine.watchers.notify_all();
+            lock(&engine.local).touched.extend(touched);
         }
     }
 }

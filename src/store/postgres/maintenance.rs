@@ -43,6 +43,11 @@ const COMMAND_RETENTION_MS: i64 = 3600 * 1000;
 /// ([`PgEngine::fold_job_counts`]).
 const FOLD_EVERY: Duration = Duration::from_secs(2);
 
+/// Open actions (no finish time) the finish-stamp pass examines at most
+/// ([`PgEngine::mark_finished`]): a window of this many, by `seq`, after
+/// the previous pass's window, wrapping around at the end.
+const FINISH_SCAN: i64 = 1000;
+
 /// The maintenance tick: half the heartbeat interval, between 50 ms and
 /// 1 s.
 fn tick(engine: &PgEngine) -> Duration {
@@ -55,6 +60,9 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     let period = tick(&engine);
     let mut last_fold: Option<std::time::Instant> = None;
+    // Where the next finish-stamp pass starts (`actions.seq`), in memory:
+    // a replica that takes the leadership over starts from the beginning.
+    let mut finish_cursor = 0;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(period) => {}
@@ -62,7 +70,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
         }
         match engine.lead().await {
             Ok(true) => {
-                let mut r = engine.maintain().await;
+                let mut r = engine.maintain(&mut finish_cursor).await;
                 if r.is_ok() && last_fold.is_none_or(|t| t.elapsed() >= FOLD_EVERY) {
                     r = engine.fold_job_counts().await;
                     last_fold = Some(std::time::Instant::now());
@@ -146,15 +154,16 @@ impl PgEngine {
         Ok(held.is_some())
     }
 
-    /// One maintenance pass.
+    /// One maintenance pass; `finish_cursor` is where its finish-stamp
+    /// pass starts ([`PgEngine::mark_finished`]), moved on by it.
     ///
     /// Errors: storage errors.
-    async fn maintain(&self) -> Result<()> {
+    async fn maintain(&self, finish_cursor: &mut i64) -> Result<()> {
         self.promote_due().await?;
         self.expire_leases().await?;
         self.declare_stale().await?;
         self.lose_suspects().await?;
-        self.mark_finished().await?;
+        *finish_cursor = self.mark_finished(*finish_cursor).await?;
         self.expire_finished().await?;
         self.fire_schedules().await?;
         let c = self.client().await?;
@@ -360,20 +369,21 @@ impl PgEngine {
             }
             let secs = self.cfg.stale_after().as_secs_f64();
             tracing::warn!(worker_id = %id, "no heartbeat for {secs:.1} s; worker is DEAD");
-            self.lose_all_of(
-                &tx,
-                &id,
-                &format!("the worker sent no heartbeat for {secs:.1} s"),
-                "stale_heartbeat",
-            )
-            .await?;
+            let lost = self
+                .lose_all_of(
+                    &tx,
+                    &id,
+                    &format!("the worker sent no heartbeat for {secs:.1} s"),
+                    "stale_heartbeat",
+                )
+                .await?;
             queue_end(
                 &tx,
                 &id,
                 "no heartbeat for 3 x the interval: worker declared DEAD; register again",
             )
             .await?;
-            tx.commit().await.map_err(db_err)?;
+            self.commit_and_touch(tx, &lost).await?;
         }
         Ok(())
     }
@@ -411,26 +421,31 @@ impl PgEngine {
             if still.is_none() {
                 continue;
             }
-            self.lose_all_of(
-                &tx,
-                &id,
-                "the worker's heartbeat stream dropped and it did not come back",
-                "stream_lost",
-            )
-            .await?;
-            tx.commit().await.map_err(db_err)?;
+            let lost = self
+                .lose_all_of(
+                    &tx,
+                    &id,
+                    "the worker's heartbeat stream dropped and it did not come back",
+                    "stream_lost",
+                )
+                .await?;
+            self.commit_and_touch(tx, &lost).await?;
         }
         Ok(())
     }
 
-    /// Loses every running lease of worker `id`.
+    /// Loses every running lease of worker `id` in `tx`; returns the
+    /// actions of the jobs it changed, for the caller to touch once `tx`
+    /// committed ([`PgEngine::commit_and_touch`]), never before.
+    ///
+    /// Errors: storage errors.
     async fn lose_all_of(
         &self,
         tx: &deadpool_postgres::Transaction<'_>,
         id: &str,
         reason: &str,
         label: &str,
-    ) -> Result<()> {
+    ) -> Result<Vec<String>> {
         let mut actions = Vec::new();
         for (row, lease) in super::jobs::running_on(tx, id).await? {
             if let Some(e) = self
@@ -440,22 +455,29 @@ impl PgEngine {
                 actions.push(e.action_id);
             }
         }
-        self.touch(actions.iter().map(String::as_str));
-        Ok(())
+        Ok(actions)
     }
 
     /// Stamps the finish time (its last job's end) of actions with no
-    /// pending, running or failed job left, for retention and listings
-    /// (1000 of the oldest open actions per pass). It runs at REPEATABLE
-    /// READ: at READ COMMITTED an action reopened (RetryJob, RetryAction)
-    /// while the statement waited for its row would be re-checked against
-    /// the jobs as they were before the retry and stamped finished with
-    /// its old finish time, and retention would then delete an action that
-    /// runs. Such a conflict fails the pass with a serialization failure;
-    /// the next pass stamps what is still finished.
+    /// pending, running or failed job left, for retention and listings.
+    /// A pass examines the [`FINISH_SCAN`] open actions (no finish time
+    /// yet) that follow `after` in `seq` order and returns where the next
+    /// pass starts: after the last one examined, or 0 (the beginning) when
+    /// fewer were left. Open actions that stay open (scheduled far ahead,
+    /// waiting for a tool no worker has) are passed over, so every
+    /// finished action is stamped within a round over the open ones, with
+    /// bounded work per pass.
+    ///
+    /// It runs at REPEATABLE READ: at READ COMMITTED an action reopened
+    /// (RetryJob, RetryAction) while the statement waited for its row
+    /// would be re-checked against the jobs as they were before the retry
+    /// and stamped finished with its old finish time, and retention would
+    /// then delete an action that runs. Such a conflict fails the pass
+    /// with a serialization failure; the next pass starts where this one
+    /// did and stamps what is still finished.
     ///
     /// Errors: storage errors other than that conflict.
-    async fn mark_finished(&self) -> Result<()> {
+    async fn mark_finished(&self, after: i64) -> Result<i64> {
         let mut c = self.client().await?;
         let tx = c
             .build_transaction()
@@ -463,29 +485,44 @@ impl PgEngine {
             .start()
             .await
             .map_err(db_err)?;
-        let marked = tx
-            .execute(
-                "UPDATE actions a SET finished_at_ms = coalesce(
-                     (SELECT max(j.completed_at_ms) FROM jobs j WHERE j.action_id = a.action_id),
-                     agq_now_ms())
-                 WHERE a.action_id IN (SELECT action_id FROM actions WHERE finished_at_ms IS NULL
-                                       ORDER BY seq LIMIT 1000)
-                   AND NOT EXISTS (SELECT 1 FROM jobs j
-                                   WHERE j.action_id = a.action_id AND j.status IN (1, 2, 4))",
-                &[],
+        let scanned = tx
+            .query_one(
+                "WITH scan AS (
+                     SELECT action_id, seq FROM actions WHERE finished_at_ms IS NULL AND seq > $1
+                     ORDER BY seq LIMIT $2),
+                 marked AS (
+                     UPDATE actions a SET finished_at_ms = coalesce(
+                         (SELECT max(j.completed_at_ms) FROM jobs j WHERE j.action_id = a.action_id),
+                         agq_now_ms())
+                     WHERE a.action_id IN (SELECT action_id FROM scan)
+                       AND NOT EXISTS (SELECT 1 FROM jobs j
+                                       WHERE j.action_id = a.action_id AND j.status IN (1, 2, 4))
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM scan), (SELECT max(seq) FROM scan),
+                        (SELECT count(*) FROM marked)",
+                &[&after, &FINISH_SCAN],
             )
             .await
             .map_err(db_err);
-        let r = match marked {
-            Ok(_) => tx.commit().await.map_err(db_err),
+        let r = match scanned {
+            Ok(row) => tx.commit().await.map_err(db_err).map(|()| row),
             Err(e) => Err(e),
         };
         match r {
+            Ok(row) => {
+                let (n, last, marked): (i64, Option<i64>, i64) =
+                    (row.get(0), row.get(1), row.get(2));
+                tracing::trace!(after, examined = n, marked, "finish stamps");
+                Ok(match last {
+                    Some(last) if n >= FINISH_SCAN => last,
+                    _ => 0,
+                })
+            }
             Err(crate::error::Error::StoreBusy(e)) => {
                 tracing::debug!(error = %e, "finish stamps deferred to the next pass");
-                Ok(())
+                Ok(after)
             }
-            r => r,
+            Err(e) => Err(e),
         }
     }
 

@@ -57,6 +57,14 @@ const COMMAND_CHANNEL: &str = "agq_commands";
 /// Channel of `NOTIFY` naming actions whose jobs changed (comma-separated,
 /// or `*` for all).
 const WATCH_CHANNEL: &str = "agq_watch";
+/// Channel of `NOTIFY` sent when a plan with `require_verified_tools` is
+/// stored (payload: its id): every replica challenges the workers
+/// connected to it for the tools they have not passed yet.
+const VERIFY_CHANNEL: &str = "agq_verify";
+/// How often a replica challenges its connected workers without having
+/// been woken, at most: a challenge that could not be sent when a plan
+/// asked for it (the database unreachable) is sent by then.
+const CHALLENGE_SWEEP: Duration = Duration::from_secs(10);
 /// Largest `NOTIFY` payload AGQ sends, in bytes (PostgreSQL's limit is
 /// 8000).
 const MAX_PAYLOAD: usize = 7000;
@@ -134,6 +142,9 @@ pub struct PgEngine {
     watch_wake: Notify,
     /// Wakes the schedule firing loop.
     schedules_wake: Notify,
+    /// Wakes the challenge loop (a plan with `require_verified_tools` was
+    /// stored, on any replica).
+    verify_wake: Notify,
     health: watch::Sender<bool>,
     stop: watch::Sender<bool>,
     closed: AtomicBool,
@@ -263,6 +274,7 @@ impl PgEngine {
             commands_wake: Notify::new(),
             watch_wake: Notify::new(),
             schedules_wake: Notify::new(),
+            verify_wake: Notify::new(),
             health: watch::channel(true).0,
             stop: watch::channel(false).0,
             closed: AtomicBool::new(false),
@@ -285,6 +297,7 @@ impl PgEngine {
             tokio::spawn(dispatch::run(engine.clone())),
             tokio::spawn(listen::run(engine.clone())),
             tokio::spawn(workers::command_pump(engine.clone())),
+            tokio::spawn(workers::challenge_loop(engine.clone())),
             tokio::spawn(listen::watch_notifier(engine.clone())),
             tokio::spawn(maintenance::run(engine.clone())),
             tokio::spawn(maintenance::replica_heartbeat(engine.clone())),
@@ -331,6 +344,25 @@ impl PgEngine {
             drop(local);
             self.watch_wake.notify_one();
         }
+    }
+
+    /// Commits `tx`, then touches `actions` ([`PgEngine::touch`]): the
+    /// watch notification for a change goes out after the change is
+    /// visible, so a watcher it wakes re-reads the new state. The actions
+    /// are touched also when the commit fails: its outcome may be unknown
+    /// (a connection lost during the commit), and a watcher woken for
+    /// nothing only re-reads the same state.
+    ///
+    /// Errors: storage errors of the commit (`StoreUnavailable` for a lost
+    /// connection, `StoreBusy` for a conflict with another transaction).
+    async fn commit_and_touch(
+        &self,
+        tx: deadpool_postgres::Transaction<'_>,
+        actions: &[String],
+    ) -> Result<()> {
+        let r = tx.commit().await.map_err(db_err);
+        self.touch(actions.iter().map(String::as_str));
+        r
     }
 
     /// Records the outcome of an operation for health: a database that

@@ -135,14 +135,20 @@ impl PgEngine {
         }
     }
 
-    /// Loses every running lease of worker `id` in `tx`; returns how many.
+    /// Loses every running lease of worker `id` in `tx`; returns how many,
+    /// and the actions of the jobs it changed. The caller touches those
+    /// actions ([`PgEngine::touch`]) once `tx` committed, never before: a
+    /// watcher woken earlier would re-read the state before the change and
+    /// get no second notification.
+    ///
+    /// Errors: storage errors.
     async fn lose_all(
         &self,
         tx: &deadpool_postgres::Transaction<'_>,
         id: &str,
         reason: &str,
         label: &str,
-    ) -> Result<u32> {
+    ) -> Result<(u32, Vec<String>)> {
         let running = super::jobs::running_on(tx, id).await?;
         let mut actions = Vec::new();
         for (row, lease) in &running {
@@ -153,8 +159,7 @@ impl PgEngine {
                 actions.push(e.action_id);
             }
         }
-        self.touch(actions.iter().map(String::as_str));
-        Ok(running.len() as u32)
+        Ok((running.len() as u32, actions))
     }
 
     pub(super) async fn pg_register(&self, req: Registration) -> Result<bool> {
@@ -170,6 +175,8 @@ impl PgEngine {
             .await
             .map_err(db_err)?;
         let mut quarantine_reason = String::new();
+        // Actions of the jobs a takeover lost, touched after the commit.
+        let mut lost_actions = Vec::new();
         if let Some(r) = &old {
             let state: i16 = r.get(0);
             quarantine_reason = r.get(5);
@@ -199,7 +206,7 @@ impl PgEngine {
                         (now - last) as f64 / 1000.0
                     )));
                 }
-                let n = self
+                let (n, actions) = self
                     .lose_all(
                         &tx,
                         &req.worker_id,
@@ -207,6 +214,7 @@ impl PgEngine {
                         "takeover",
                     )
                     .await?;
+                lost_actions = actions;
                 tracing::info!(
                     worker_id = %req.worker_id, old_instance = %current,
                     new_instance = %req.instance_id, requeued = n,
@@ -283,7 +291,7 @@ impl PgEngine {
         )
         .await
         .map_err(db_err)?;
-        tx.commit().await.map_err(db_err)?;
+        self.commit_and_touch(tx, &lost_actions).await?;
         tracing::info!(worker_id = %req.worker_id, state = state.name(), "worker registered");
         Ok(false)
     }
@@ -350,7 +358,8 @@ impl PgEngine {
         self.commands_wake.notify_one();
         self.dispatch_wake.notify_one();
         resend_pending(&c, &id).await?;
-        self.challenge_missing(&c, &id).await?;
+        self.challenge_missing(&c, std::slice::from_ref(&id))
+            .await?;
         Ok(sid)
     }
 
@@ -521,6 +530,7 @@ impl PgEngine {
         };
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
+        let mut lost_actions = Vec::new();
         match kind {
             StreamKind::Lease => {
                 tx.execute(
@@ -544,13 +554,15 @@ impl PgEngine {
                 if n == 1 {
                     tracing::info!(worker_id = %id, "heartbeat stream dropped; worker is suspect");
                     if self.cfg.lease_grace.is_zero() {
-                        self.lose_all(&tx, &id, "worker's heartbeat stream dropped", "stream_lost")
-                            .await?;
+                        lost_actions = self
+                            .lose_all(&tx, &id, "worker's heartbeat stream dropped", "stream_lost")
+                            .await?
+                            .1;
                     }
                 }
             }
         }
-        tx.commit().await.map_err(db_err)
+        self.commit_and_touch(tx, &lost_actions).await
     }
 
     pub(super) async fn pg_unregister(&self, id: &str) -> Result<u32> {
@@ -566,7 +578,7 @@ impl PgEngine {
         if found.is_none() {
             return Err(Error::not_found(format!("worker {id} is not registered")));
         }
-        let n = self
+        let (n, lost_actions) = self
             .lose_all(
                 &tx,
                 id,
@@ -581,7 +593,7 @@ impl PgEngine {
         .await
         .map_err(db_err)?;
         queue_end(&tx, id, "worker unregistered").await?;
-        tx.commit().await.map_err(db_err)?;
+        self.commit_and_touch(tx, &lost_actions).await?;
         tracing::info!(worker_id = %id, requeued = n, "worker unregistered");
         Ok(n)
     }
@@ -764,48 +776,68 @@ impl PgEngine {
         Ok(v)
     }
 
-    /// Challenges worker `id` (heartbeat stream open, live) for every
-    /// command of a plan with `require_verified_tools` it advertises and
-    /// has neither passed nor been challenged for.
+    /// Challenges each worker of `ids` whose heartbeat stream this replica
+    /// holds (live, `heartbeat_open`, `replica_id` this replica's) for
+    /// every command of a plan with `require_verified_tools` it advertises
+    /// and has neither passed nor been challenged for. One query for all of
+    /// them; the challenges go out as queued commands
+    /// (`NOTIFY agq_commands`).
     ///
     /// Errors: storage errors.
-    pub(super) async fn challenge_missing(&self, c: &impl GenericClient, id: &str) -> Result<()> {
+    pub(super) async fn challenge_missing(
+        &self,
+        c: &impl GenericClient,
+        ids: &[String],
+    ) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
         let missing = c
             .query(
-                "SELECT DISTINCT t.tool, w.units FROM workers w,
+                "SELECT DISTINCT w.worker_id, t.tool, w.units FROM workers w,
                      plan_versions pv JOIN plans p ON p.plan_id = pv.plan_id AND p.version = pv.version,
                      unnest(pv.tools) AS t(tool)
-                 WHERE w.worker_id = $1 AND w.state = ANY($2) AND w.heartbeat_open
+                 WHERE w.worker_id = ANY($1) AND w.state = ANY($2) AND w.heartbeat_open
+                   AND w.replica_id = $3
                    AND pv.require_verified AND t.tool = ANY(w.tools)
                    AND NOT EXISTS (SELECT 1 FROM worker_verifications v
                                    WHERE v.worker_id = w.worker_id AND v.tool = t.tool AND v.passed)
                    AND NOT EXISTS (SELECT 1 FROM worker_challenges ch
                                    WHERE ch.worker_id = w.worker_id AND ch.tool = t.tool)
-                 ORDER BY t.tool",
-                &[&id, &LIVE.to_vec()],
+                 ORDER BY w.worker_id, t.tool",
+                &[&ids, &LIVE.to_vec(), &self.replica_id],
             )
             .await
             .map_err(db_err)?;
         for r in missing {
-            let tool: String = r.get(0);
-            let units: String = r.get(1);
+            let id: String = r.get(0);
+            let tool: String = r.get(1);
+            let units: String = r.get(2);
             let unit = serde_json::from_str::<Vec<crate::core::model::AgenticUnit>>(&units)
                 .is_ok_and(|u| u.iter().any(|u| u.name == tool));
             let args = vec![if unit { "--describe" } else { "--version" }.to_string()];
-            challenge(c, id, &tool, args).await?;
+            challenge(c, &id, &tool, args).await?;
         }
         Ok(())
     }
 
-    /// [`PgEngine::challenge_missing`] for every worker connected here.
-    pub(super) async fn challenge_all_missing(&self) {
-        let ids: Vec<String> = lock(&self.local).workers.keys().cloned().collect();
-        let Ok(c) = self.client().await else { return };
-        for id in ids {
-            if let Err(e) = self.challenge_missing(&c, &id).await {
-                tracing::warn!(worker_id = %id, error = %e, "capability challenge not sent");
-            }
+    /// [`PgEngine::challenge_missing`] for every worker whose heartbeat
+    /// stream is connected here.
+    ///
+    /// Errors: `StoreUnavailable`/`StoreBusy` when no connection can be
+    /// had, storage errors.
+    pub(super) async fn challenge_all_missing(&self) -> Result<()> {
+        let ids: Vec<String> = lock(&self.local)
+            .workers
+            .iter()
+            .filter(|(_, w)| w.heartbeat.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
         }
+        let c = self.client().await?;
+        self.challenge_missing(&c, &ids).await
     }
 
     pub(super) async fn pg_answer(&self, id: &str, a: VerificationAnswer) -> Result<()> {
@@ -1341,6 +1373,22 @@ async fn challenge(
         output: String::new(),
         error: String::new(),
     })
+}
+
+/// The challenge loop: challenges the workers connected here for the
+/// tools of plans with `require_verified_tools` they have not passed,
+/// woken by `NOTIFY agq_verify` (such a plan stored on any replica) and at
+/// every (re)connect of the listener (notifications sent meanwhile are
+/// lost), and every [`super::CHALLENGE_SWEEP`] as a fallback (a sweep that
+/// failed).
+pub(super) async fn challenge_loop(engine: Arc<PgEngine>) {
+    let mut stop = engine.stopping();
+    while wait(&engine.verify_wake, super::CHALLENGE_SWEEP, &mut stop).await {
+        let r = engine.challenge_all_missing().await;
+        if let Err(e) = engine.observe(r) {
+            tracing::warn!(error = %e, "capability challenges not sent; retrying");
+        }
+    }
 }
 
 /// The command pump: delivers queued commands to the workers connected
