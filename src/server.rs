@@ -318,7 +318,9 @@ pub async fn run(
             Ok(Err(e)) => tracing::warn!(error = %e, "console task failed"),
             Ok(Ok(Ok(()))) => {}
             Err(_) => {
-                tracing::warn!("console connections still open after the shutdown grace; cutting them");
+                tracing::warn!(
+                    "console connections still open after the shutdown grace; cutting them"
+                );
                 t.abort();
             }
         }
