@@ -566,7 +566,14 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
 async fn a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either(store: TestStore) {
     const SENT: u64 = 2_000;
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    // A 1 s interval: the worker must not go stale (3 s without an applied
+    // heartbeat) while the test waits for the server to stop reading, even
+    // on a loaded machine.
+    let cfg = agq::config::EngineConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     // An HTTP/2 window of 1 KiB: a few dozen replies fill it.
     let small = tonic::transport::Channel::from_shared(s.url())
         .unwrap()
@@ -649,7 +656,7 @@ async fn a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either(st
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A stream whose first heartbeat never comes ends after three
-    // heartbeat intervals (200 ms here), holding nothing.
+    // heartbeat intervals (3 s here), holding nothing.
     let (_silent, rx) = tokio::sync::mpsc::unbounded_channel::<HeartbeatRequest>();
     let opened = std::time::Instant::now();
     let e = tokio::time::timeout(
@@ -661,7 +668,7 @@ async fn a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either(st
     .unwrap_err();
     assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
     assert!(
-        opened.elapsed() >= Duration::from_millis(600),
+        opened.elapsed() >= Duration::from_secs(3),
         "{:?}",
         opened.elapsed()
     );

@@ -886,14 +886,24 @@ impl PgEngine {
         let not_found = || Error::not_found(format!("job {job_id} not found"));
         let plan = tx
             .query_opt(
-                "SELECT plan_id, plan_version FROM jobs WHERE job_id = $1",
+                "SELECT plan_id, plan_version, action_id FROM jobs WHERE job_id = $1",
                 &[&job_id],
             )
             .await
             .map_err(db_err)?
             .ok_or_else(not_found)?;
-        // The plan first, in DeletePlan's lock order (plan, then jobs).
+        // Locks in the order of DeletePlan, RetryAction and retention
+        // (plan, action, jobs), so none of them waits on another in a
+        // circle (PostgreSQL would abort one with a deadlock).
         self.check_retry_plan(&tx, plan.get(0), plan.get(1)).await?;
+        let action: &str = plan.get(2);
+        tx.query_opt(
+            "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
+            &[&action],
+        )
+        .await
+        .map_err(db_err)?
+        .ok_or_else(not_found)?;
         let r = tx
             .query_opt(
                 "SELECT id, status, action_id FROM jobs WHERE job_id = $1 FOR UPDATE",
