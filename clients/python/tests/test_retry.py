@@ -1,14 +1,18 @@
 """Retries on UNAVAILABLE that cannot duplicate work: a reply lost after
-the server acted is retried, and the retry's ALREADY_EXISTS is resolved."""
+the server acted is retried, and the retry's ALREADY_EXISTS (or NOT_FOUND,
+FAILED_PRECONDITION) is resolved; RetryJob is never sent twice."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
 
 import agq
+
+from conftest import WorkerThread, wait_until
 
 
 class LostReply(grpc.RpcError):
@@ -24,12 +28,24 @@ class LostReply(grpc.RpcError):
 def flaky(real: Any, calls: list[Any]) -> Any:
     """Wraps a stub method: the first call reaches the server but its reply is lost."""
 
-    def call(req: Any, timeout: float | None = None, metadata: Any = None) -> Any:
+    def call(req: Any, timeout: float | None = None, metadata: Any = None, **kw: Any) -> Any:
         calls.append(req)
-        resp = real(req, timeout=timeout, metadata=metadata)
+        resp = real(req, timeout=timeout, metadata=metadata, **kw)
         if len(calls) == 1:
             raise LostReply()
         return resp
+
+    return call
+
+
+def dropped(real: Any, calls: list[Any]) -> Any:
+    """Wraps a stub method: the first call is lost before it reaches the server."""
+
+    def call(req: Any, timeout: float | None = None, metadata: Any = None, **kw: Any) -> Any:
+        calls.append(req)
+        if len(calls) == 1:
+            raise LostReply()
+        return real(req, timeout=timeout, metadata=metadata, **kw)
 
     return call
 
@@ -77,3 +93,109 @@ def test_unavailable_is_raised_after_the_last_attempt(
         client.get_job("x")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert len(tries) == 3
+
+
+def test_cancel_job_retried_after_a_lost_reply_returns_the_cancelled_job(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-cancel-once", [agq.Task("nobody")]))
+    job_id = client.submit_action("py-cancel-once", [{}]).job_ids[0]
+    calls: list[Any] = []
+    monkeypatch.setattr(client._jobs, "CancelJob", flaky(client._jobs.CancelJob, calls))
+    job = client.cancel_job(job_id)
+    assert len(calls) == 2
+    assert job.job_id == job_id and job.status is agq.JobStatus.CANCELLED
+    # Without a lost reply, cancelling an ended job is still refused.
+    monkeypatch.undo()
+    with pytest.raises(agq.AgqError) as e:
+        client.cancel_job(job_id)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_retry_job_is_not_sent_twice_after_a_lost_reply(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    w = agq.Worker(client.address, "py-failing")
+
+    @w.task("fail")
+    def fail(ctx: agq.TaskContext) -> str:
+        raise agq.PermanentFailure("no")
+
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-retry-once", [agq.Task("fail")]))
+    job_id = client.submit_action("py-retry-once", [{}]).job_ids[0]
+    wait_until(lambda: client.get_job(job_id).status is agq.JobStatus.DEAD, "the job to die")
+    client.retry = FAST
+    calls: list[Any] = []
+    monkeypatch.setattr(client._jobs, "RetryJob", flaky(client._jobs.RetryJob, calls))
+    with pytest.raises(agq.AgqError) as e:
+        client.retry_job(job_id)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "may have reached the server" in e.value.details
+    assert len(calls) == 1, "RetryJob was sent again"
+    # The one try went through: the job runs (and dies) once more.
+    wait_until(lambda: client.get_job(job_id).attempt == 1
+               and client.get_job(job_id).status is agq.JobStatus.DEAD, "the retried job")
+    assert client.get_action(client.get_job(job_id).action_id).dead == 1
+
+
+def test_create_schedule_retried_after_a_lost_reply_returns_it(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-sched", [agq.Task("nobody")]))
+    real = client._schedules.CreateSchedule
+    calls: list[Any] = []
+    monkeypatch.setattr(client._schedules, "CreateSchedule", flaky(real, calls))
+    s = client.create_schedule("py-nightly", "py-sched", "0 0 2 * * *", [{"a": "1"}],
+                               catch_up="latest")
+    assert len(calls) == 2
+    assert s.schedule_id == "py-nightly" and s.cron == "0 0 2 * * *"
+    assert s.catch_up == "latest" and s.inputs == ({"a": "1"},)
+    # A different schedule already under the id is still ALREADY_EXISTS,
+    # even on a retry.
+    calls.clear()
+    monkeypatch.setattr(client._schedules, "CreateSchedule", dropped(real, calls))
+    with pytest.raises(agq.AgqError) as e:
+        client.create_schedule("py-nightly", "py-sched", "0 0 3 * * *", [{"a": "1"}],
+                               catch_up="latest")
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert len(calls) == 2
+
+
+def test_delete_schedule_retried_after_a_lost_reply_succeeds(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-doomed-plan", [agq.Task("nobody")]))
+    client.create_schedule("py-doomed-sched", "py-doomed-plan", "0 0 2 * * *", [{}])
+    calls: list[Any] = []
+    monkeypatch.setattr(client._schedules, "DeleteSchedule",
+                        flaky(client._schedules.DeleteSchedule, calls))
+    client.delete_schedule("py-doomed-sched")
+    assert len(calls) == 2
+    monkeypatch.undo()
+    for call in (lambda: client.get_schedule("py-doomed-sched"),
+                 lambda: client.delete_schedule("py-doomed-sched")):
+        with pytest.raises(agq.AgqError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_delete_plan_retried_after_a_lost_reply_succeeds(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-doomed-plan", [agq.Task("nobody")]))
+    calls: list[Any] = []
+    monkeypatch.setattr(client._plans, "DeletePlan", flaky(client._plans.DeletePlan, calls))
+    assert client.delete_plan("py-doomed-plan") is True
+    assert len(calls) == 2
+    monkeypatch.undo()
+    for call in (lambda: client.get_plan("py-doomed-plan"),
+                 lambda: client.delete_plan("py-doomed-plan")):
+        with pytest.raises(agq.AgqError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.NOT_FOUND

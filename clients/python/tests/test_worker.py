@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
 
 import agq
 
@@ -203,3 +209,107 @@ def test_a_cancel_stops_only_the_attempt_it_names() -> None:
     w._jobs["k"] = unnamed
     w._on_heartbeat(cancel("k", ""))
     assert unnamed.cancel.is_set()
+
+
+class _Unavailable(grpc.RpcError):
+    """What the server answers while its store cannot commit."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the store cannot commit (test); retry with backoff"
+
+
+def test_a_final_report_is_retried_past_the_lease_expiry_until_acknowledged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A result the server cannot take yet (UNAVAILABLE) is not dropped when
+    the lease's expires_at passes: the worker keeps the job held (listed in
+    held_leases) and sends the report again until it is acknowledged."""
+    from agq.v1 import common_pb2, worker_service_pb2
+    from agq.worker import _Running
+
+    w = agq.Worker("127.0.0.1:9", "py-report", call_timeout=1.0)
+    w.register(lambda ctx: "done", "ok")
+    failing = threading.Event()
+    failing.set()
+    finals: list[worker_service_pb2.UpdateJobRequest] = []
+
+    class Stub:
+        def UpdateJob(
+            self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
+            metadata: Any = None,
+        ) -> worker_service_pb2.UpdateJobResponse:
+            if req.status != common_pb2.JOB_STATUS_RUNNING:
+                finals.append(req)
+                if failing.is_set():
+                    raise _Unavailable()
+            return worker_service_pb2.UpdateJobResponse(status=req.status)
+
+    monkeypatch.setattr(w, "_stub", Stub())
+    lease = worker_service_pb2.JobLease(
+        lease_id="lease-1",
+        job=common_pb2.Job(job_id="j", action_id="a", plan_id="p"),
+        plan=common_pb2.Plan(
+            plan_id="p", tasks=[common_pb2.Task(task_number=1, command="ok", timeout_secs=10)]
+        ),
+        attempt=1,
+    )
+    expires = time.time() + 0.5
+    lease.expires_at.FromNanoseconds(int(expires * 1e9))
+    running = _Running("lease-1")
+    w._jobs["j"] = running
+    t = threading.Thread(target=w._run_job, args=(lease, running), daemon=True)
+    t.start()
+    wait_until(lambda: time.time() > expires + 1.0 and len(finals) >= 3,
+               "the report to fail past the lease's expiry")
+    assert t.is_alive(), "the result was dropped"
+    assert w._jobs.get("j") is running
+    assert list(w._heartbeat(first=True).held_leases.lease_ids) == ["lease-1"]
+    failing.clear()
+    t.join(timeout=WAIT)
+    assert not t.is_alive()
+    assert finals[-1].status == common_pb2.JOB_STATUS_COMPLETED
+    assert finals[-1].lease_id == "lease-1"
+    assert finals[-1].task_results[0].stdout == "done"
+    assert "j" not in w._jobs
+    assert list(w._heartbeat(first=True).held_leases.lease_ids) == []
+
+
+def test_task_threads_that_ignore_cancel_hold_their_slot(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """A timed-out task whose function ignores ctx.cancelled is reported at
+    once, but its thread keeps its slot: with max_concurrent_jobs=1 the
+    next job starts only once that function has returned."""
+    w = agq.Worker(server.address, "py-stubborn", max_concurrent_jobs=1)
+    lock = threading.Lock()
+    live = 0
+    most = 0
+    calls: list[str] = []
+
+    @w.task("stubborn")
+    def stubborn(ctx: agq.TaskContext) -> str:
+        nonlocal live, most
+        with lock:
+            live += 1
+            most = max(most, live)
+            calls.append(ctx.job_id)
+        try:
+            time.sleep(3.0)  # past the 1 s timeout and the 1 s grace, ignoring ctx.cancelled
+        finally:
+            with lock:
+                live -= 1
+        return "too late"
+
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-stubborn", [agq.Task("stubborn", timeout_secs=1)]))
+    sub = client.submit_action("py-stubborn", [{}, {}], max_attempts=1)
+    assert client.wait_action(sub.action_id, timeout=WAIT).dead == 2
+    wait_until(lambda: len(calls) == 2 and live == 0, "both functions to return")
+    assert most == 1, f"{most} task functions ran at once with max_concurrent_jobs=1"
+    for j in sub.job_ids:
+        assert "timed out" in client.get_job(j).error
+    wait_until(lambda: not w._leftover, "the stopped threads to release their slots")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -46,6 +47,30 @@ from agq.v1 import (
 #: Default deadline of one unary call, in seconds.
 DEFAULT_TIMEOUT = 30.0
 
+#: Attempts per job the server gives when a schedule asks for 0.
+_DEFAULT_MAX_ATTEMPTS = 3
+
+#: One try only: for calls that must not be sent twice.
+_ONCE = RetryPolicy(attempts=1)
+
+_Resp = TypeVar("_Resp")
+
+
+class _Counted(Generic[_Resp]):
+    """A stub method for :func:`call_unary` that counts its tries: a call
+    retried after UNAVAILABLE (``tries > 1``) may have been applied by an
+    earlier try whose reply was lost, which the caller then resolves.
+    ``options`` are passed to the stub (``wait_for_ready``)."""
+
+    def __init__(self, fn: Callable[..., _Resp], **options: object) -> None:
+        self._fn = fn
+        self._options = options
+        self.tries = 0
+
+    def __call__(self, request: object, timeout: float, metadata: Metadata) -> _Resp:
+        self.tries += 1
+        return self._fn(request, timeout=timeout, metadata=metadata, **self._options)
+
 
 class Client:
     """A connection to an AGQ server (``agq serve``).
@@ -58,6 +83,13 @@ class Client:
     :func:`agq.tls_credentials`). ``timeout`` is the default deadline of
     each unary call in seconds; every method takes ``timeout=`` to override
     it. Calls failing with UNAVAILABLE are retried per ``retry``.
+
+    A call that is not idempotent may have been applied by a try whose
+    reply was lost (the connection dropped): each such method says how its
+    retry resolves that. Most resolve it from the retry's answer (a retried
+    :meth:`cancel_job` that finds the job cancelled returns it, a retried
+    delete that finds nothing to delete succeeds, ...); :meth:`retry_job`,
+    whose repetition could run a job again, is never sent twice.
 
     Every method raises :class:`agq.AgqError` when the call fails; its
     ``code`` is the gRPC status. Common ones: UNAVAILABLE (server down, after
@@ -194,12 +226,19 @@ class Client:
 
     def delete_plan(self, plan_id: str, *, timeout: float | None = None) -> bool:
         """Deletes a plan and its finished jobs' history; True when deleted.
-        Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it."""
-        resp = call_unary(
-            "DeletePlan", self._plans.DeletePlan,
-            plan_service_pb2.DeletePlanRequest(plan_id=plan_id),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        Errors: NOT_FOUND; FAILED_PRECONDITION while pending or running jobs use it.
+        A retry after UNAVAILABLE that finds the plan gone (NOT_FOUND)
+        returns True: the lost try deleted it."""
+        call = _Counted(self._plans.DeletePlan)
+        try:
+            resp = call_unary(
+                "DeletePlan", call, plan_service_pb2.DeletePlanRequest(plan_id=plan_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND and call.tries > 1:
+                return True
+            raise
         return resp.deleted
 
     # -- actions ---------------------------------------------------------
@@ -414,24 +453,54 @@ class Client:
     ) -> Job:
         """Puts a failed or dead job back to pending with a fresh attempt
         budget, at ``priority`` when given (else its own).
+
+        Sent at most once: sent twice, a retry could run the job again (it
+        may have failed again in between) and a refusal of the second try
+        could not be told from one of the first. So the request waits
+        (until ``timeout``) for the connection to be ready instead of
+        failing fast while the server is down or restarting, and is not
+        retried after UNAVAILABLE once it may have reached the server: the
+        error then says so, and the job's status (:meth:`get_job`) tells
+        whether it was retried.
+
         Errors: NOT_FOUND; FAILED_PRECONDITION from any other status;
-        INVALID_ARGUMENT (priority out of -1000..=1000)."""
+        INVALID_ARGUMENT (priority out of -1000..=1000); UNAVAILABLE (the
+        connection dropped: perhaps applied, see above); DEADLINE_EXCEEDED."""
         req = job_service_pb2.RetryJobRequest(job_id=job_id)
         if priority is not None:
             req.priority = priority
-        resp = call_unary(
-            "RetryJob", self._jobs.RetryJob, req,
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        try:
+            resp = call_unary(
+                "RetryJob", _Counted(self._jobs.RetryJob, wait_for_ready=True), req,
+                timeout=self._t(timeout), metadata=self._metadata, retry=_ONCE,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                raise AgqError(
+                    "RetryJob", e.code,
+                    f"{e.details} (not retried: the request may have reached the server; "
+                    f"get_job({job_id!r}) tells whether the job was retried)",
+                ) from e
+            raise
         return Job.from_pb(resp.job)
 
     def cancel_job(self, job_id: str, *, timeout: float | None = None) -> Job:
         """Cancels a pending or running job (its worker is told to stop it).
-        Errors: NOT_FOUND; FAILED_PRECONDITION when it already ended."""
-        resp = call_unary(
-            "CancelJob", self._jobs.CancelJob, job_service_pb2.CancelJobRequest(job_id=job_id),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        Errors: NOT_FOUND; FAILED_PRECONDITION when it already ended. A retry
+        after UNAVAILABLE that is refused because the job is cancelled (the
+        lost try cancelled it) returns the cancelled job."""
+        call = _Counted(self._jobs.CancelJob)
+        try:
+            resp = call_unary(
+                "CancelJob", call, job_service_pb2.CancelJobRequest(job_id=job_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION and call.tries > 1:
+                job = self.get_job(job_id, timeout=timeout)
+                if job.status is JobStatus.CANCELLED:
+                    return job
+            raise
         return Job.from_pb(resp.job)
 
     # -- workers ---------------------------------------------------------
@@ -461,23 +530,44 @@ class Client:
     def drain_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
         """Puts a worker in DRAINING (no new leases; it finishes its jobs).
         Needs an admin token (or the worker's own) when auth is on.
-        Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD or UNREGISTERED), PERMISSION_DENIED."""
-        resp = call_unary(
-            "DrainWorker", self._workers.DrainWorker,
-            worker_service_pb2.DrainWorkerRequest(worker_id=worker_id),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        Errors: NOT_FOUND, FAILED_PRECONDITION (DEAD or UNREGISTERED), PERMISSION_DENIED.
+        Draining a DRAINING worker changes nothing, so a retry after
+        UNAVAILABLE is harmless; one refused because the worker has
+        UNREGISTERED meanwhile (the lost try drained it and it left) returns
+        the worker."""
+        call = _Counted(self._workers.DrainWorker)
+        try:
+            resp = call_unary(
+                "DrainWorker", call, worker_service_pb2.DrainWorkerRequest(worker_id=worker_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION and call.tries > 1:
+                w = self.get_worker(worker_id, timeout=timeout)
+                if w.state is WorkerState.UNREGISTERED:
+                    return w
+            raise
         return WorkerInfo.from_pb(resp.worker)
 
     def release_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
         """Ends a worker's quarantine (too many job timeouts): it is ACTIVE
         again. Needs an admin token when auth is on.
-        Errors: NOT_FOUND, FAILED_PRECONDITION (not quarantined), PERMISSION_DENIED."""
-        resp = call_unary(
-            "ReleaseWorker", self._workers.ReleaseWorker,
-            worker_service_pb2.ReleaseWorkerRequest(worker_id=worker_id),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        Errors: NOT_FOUND, FAILED_PRECONDITION (not quarantined), PERMISSION_DENIED.
+        A retry after UNAVAILABLE that is refused because the worker is not
+        quarantined (the lost try released it) returns the worker."""
+        call = _Counted(self._workers.ReleaseWorker)
+        try:
+            resp = call_unary(
+                "ReleaseWorker", call,
+                worker_service_pb2.ReleaseWorkerRequest(worker_id=worker_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION and call.tries > 1:
+                w = self.get_worker(worker_id, timeout=timeout)
+                if w.state is not WorkerState.QUARANTINED and not w.quarantine_reason:
+                    return w
+            raise
         return WorkerInfo.from_pb(resp.worker)
 
     def verify_worker(
@@ -492,7 +582,9 @@ class Client:
         units with ``args`` (default ``--describe`` for a unit, ``--version``
         for a tool) and returns the pending verification; ``get_worker``
         shows the answer (WORKER.VERIFY). Python workers do not answer
-        challenges. Needs an admin token when auth is on.
+        challenges. Needs an admin token when auth is on. A retry after
+        UNAVAILABLE may challenge the worker twice (harmless: each
+        challenge is answered; the latest is returned).
         Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (not
         advertised, not live, no heartbeat stream), PERMISSION_DENIED."""
         resp = call_unary(
@@ -527,7 +619,10 @@ class Client:
         ``<schedule_id>-<unix seconds>``, submitted exactly once.
         ``catch_up`` ("all", "latest", "skip") says what happens to ticks
         missed while the server was down.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (plan), ALREADY_EXISTS."""
+        Errors: INVALID_ARGUMENT, NOT_FOUND (plan), ALREADY_EXISTS (a retry
+        after UNAVAILABLE that finds a schedule with this id and the same
+        plan, cron, time zone, inputs and options returns it: the lost try
+        created it)."""
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {sorted(CATCH_UP)}, got {catch_up!r}")
         schedule = schedule_service_pb2.Schedule(
@@ -543,11 +638,23 @@ class Client:
             max_running=max_running,
             catch_up=CATCH_UP[catch_up],
         )
-        resp = call_unary(
-            "CreateSchedule", self._schedules.CreateSchedule,
-            schedule_service_pb2.CreateScheduleRequest(schedule=schedule),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        call = _Counted(self._schedules.CreateSchedule)
+        try:
+            resp = call_unary(
+                "CreateSchedule", call,
+                schedule_service_pb2.CreateScheduleRequest(schedule=schedule),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS and call.tries > 1:
+                stored = call_unary(
+                    "GetSchedule", self._schedules.GetSchedule,
+                    schedule_service_pb2.GetScheduleRequest(schedule_id=schedule_id),
+                    timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+                ).schedule
+                if _same_schedule(schedule, stored):
+                    return Schedule.from_pb(stored)
+            raise
         return Schedule.from_pb(resp.schedule)
 
     def get_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
@@ -572,7 +679,8 @@ class Client:
         return [Schedule.from_pb(s) for s in resp.schedules], resp.next_page_token
 
     def pause_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
-        """Pauses a schedule (its ticks are skipped, never caught up).
+        """Pauses a schedule (its ticks are skipped, never caught up); pausing
+        a paused schedule changes nothing, so retries are harmless.
         Errors: INVALID_ARGUMENT, NOT_FOUND."""
         resp = call_unary(
             "PauseSchedule", self._schedules.PauseSchedule,
@@ -582,7 +690,8 @@ class Client:
         return Schedule.from_pb(resp.schedule)
 
     def resume_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
-        """Resumes a paused schedule from its next tick.
+        """Resumes a paused schedule from its next tick; resuming a running
+        schedule changes nothing, so retries are harmless.
         Errors: INVALID_ARGUMENT, NOT_FOUND."""
         resp = call_unary(
             "ResumeSchedule", self._schedules.ResumeSchedule,
@@ -592,12 +701,19 @@ class Client:
         return Schedule.from_pb(resp.schedule)
 
     def delete_schedule(self, schedule_id: str, *, timeout: float | None = None) -> None:
-        """Deletes a schedule (its actions stay). Errors: INVALID_ARGUMENT, NOT_FOUND."""
-        call_unary(
-            "DeleteSchedule", self._schedules.DeleteSchedule,
-            schedule_service_pb2.DeleteScheduleRequest(schedule_id=schedule_id),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
+        """Deletes a schedule (its actions stay). Errors: INVALID_ARGUMENT,
+        NOT_FOUND (a retry after UNAVAILABLE that finds the schedule gone
+        succeeds: the lost try deleted it)."""
+        call = _Counted(self._schedules.DeleteSchedule)
+        try:
+            call_unary(
+                "DeleteSchedule", call,
+                schedule_service_pb2.DeleteScheduleRequest(schedule_id=schedule_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if not (e.code == grpc.StatusCode.NOT_FOUND and call.tries > 1):
+                raise
 
     # -- queue -----------------------------------------------------------
 
@@ -631,3 +747,17 @@ class Client:
             timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
         )
         return resp.body
+
+
+def _same_schedule(want: schedule_service_pb2.Schedule, got: schedule_service_pb2.Schedule) -> bool:
+    """Whether the stored schedule ``got`` is the one ``want`` asked for
+    (the fields a CreateSchedule sets; max_attempts 0 is the server's 3)."""
+
+    def key(s: schedule_service_pb2.Schedule, attempts: int) -> tuple[object, ...]:
+        return (
+            s.schedule_id, s.plan_id, s.cron, s.time_zone,
+            [dict(i.values) for i in s.inputs], attempts, s.priority,
+            s.worker_selector, s.concurrency_key, s.max_running, s.catch_up,
+        )
+
+    return key(want, want.max_attempts or _DEFAULT_MAX_ATTEMPTS) == key(got, got.max_attempts)

@@ -13,7 +13,9 @@ Protocol (as ``agw``): RegisterWorker; a Heartbeat stream whose first
 message lists the leases still running (``held_leases``) and that is fed at
 the interval the server returns; a LeaseJobs stream; UpdateJob reports fenced
 by the lease id (RUNNING as each task starts, then COMPLETED or FAILED with
-the task results); cancel and drain commands from the heartbeat stream;
+the task results; the final report is retried with backoff, past the
+lease's expiry too, until the server acknowledges or fences it); cancel and
+drain commands from the heartbeat stream;
 reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
 (or :meth:`Worker.stop`) a drain: DRAINING, no new leases, running jobs get
 ``drain_timeout`` seconds, then UnregisterWorker.
@@ -21,7 +23,16 @@ reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
 Python cannot kill a thread: a cancelled, timed-out or drain-killed task is
 told through :attr:`TaskContext.cancelled` and reported at once; a function
 that ignores it keeps running in the background until it returns, and its
-result is dropped.
+result is dropped. Its thread holds a slot of ``max_concurrent_jobs`` until
+then: a lease that arrives while such threads fill the slots waits for one
+of them to return (logged as a warning).
+
+Heartbeats come from a Python thread of this process: a task function that
+holds the GIL for long (a long C call that does not release it, such as a
+catastrophic regular expression) stops them, and after 3 heartbeat
+intervals the server takes the worker as DEAD and re-queues its jobs. Run
+such work in a child process (``concurrent.futures.ProcessPoolExecutor``
+inside the function) or on ``agw``.
 """
 
 from __future__ import annotations
@@ -70,6 +81,9 @@ KILLED_REPORT_GRACE = 10.0
 UNREGISTER_TIMEOUT = 10.0
 #: Largest total of task output sent in one final report, in bytes.
 REPORT_BUDGET_BYTES = 3 * 1024 * 1024
+#: First and largest delay in seconds between tries of a final report
+#: (doubling, jittered); it is retried until the server answers.
+REPORT_BACKOFF = (0.1, 5.0)
 
 _LEASE_GONE = (
     grpc.StatusCode.FAILED_PRECONDITION,
@@ -285,7 +299,9 @@ class Worker:
     ``address``, ``token`` and ``tls`` as for :class:`agq.Client`; with
     auth on, ``token`` must be a worker token bound to ``worker_id`` (or an
     admin token). ``worker_id`` must match ``[A-Za-z0-9_-]{1,64}``.
-    ``max_concurrent_jobs`` (1..=1024) is how many leases it holds at once;
+    ``max_concurrent_jobs`` (1..=1024) is how many leases it holds at once
+    and how many task functions run at once (the thread of a stopped task
+    whose function ignores ``ctx.cancelled`` counts until it returns);
     ``drain_timeout`` (seconds) how long running jobs may take after SIGTERM
     or :meth:`stop`; ``call_timeout`` (seconds) the deadline of each unary
     call; ``output_cap_bytes`` the most bytes of a task's output and of its
@@ -338,6 +354,12 @@ class Worker:
         self._functions: dict[str, TaskFunction] = {}
         self._jobs: dict[str, _Running] = {}
         self._lock = threading.Lock()
+        # Slots: jobs running their tasks, plus the task threads of stopped
+        # jobs whose functions ignored ctx.cancelled and still run; together
+        # at most max_concurrent_jobs (see _take_slot).
+        self._slots = threading.Condition(threading.Lock())
+        self._busy = 0
+        self._leftover: set[threading.Thread] = set()
         self._wake = threading.Event()
         self._stats = _Stats()
         self._interval: float | None = None
@@ -768,36 +790,46 @@ class Worker:
         tasks = list(lease.plan.tasks)
         if not tasks:
             error = "the lease carries no plan"
-        for task in tasks:
-            n = task.task_number
-            if running.cancel.is_set():
-                error = f"stopped before task {n}: {running.reason}"
-                break
-            fn = self._functions.get(task.command)
-            if fn is None:
-                error = f"task {n}: no Python function named {task.command!r} on this worker"
-                results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
-                break
-            try:
-                args = tuple(render(a, job.input) for a in task.args)
-            except KeyError as e:
-                error = f"task {n}: job input has no value for template variable {{{{{e.args[0]}}}}}"
-                results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
-                break
-            self._report_progress(lease, running, n, (n - 1) * 100 // len(tasks))
-            stdin = outputs.get(task.input_from_task, "") if task.HasField("input_from_task") else ""
-            ctx = TaskContext(
-                job_id=job.job_id, action_id=job.action_id, plan_id=lease.plan.plan_id,
-                attempt=lease.attempt, task_number=n, command=task.command,
-                input=dict(job.input), args=args, stdin=stdin,
-                timeout_secs=task.timeout_secs, cancelled=running.cancel,
-            )
-            result, err, permanent = self._run_task(fn, ctx, task.timeout_secs, running)
-            results.append(result)
-            outputs[n] = result.stdout
-            if err:
-                error = err
-                break
+        # Waits while earlier jobs' task threads fill every slot; False when
+        # the job was stopped meanwhile (the loop then reports it stopped
+        # before its first task).
+        slot = bool(tasks) and self._take_slot(job.job_id, running)
+        try:
+            for task in tasks:
+                n = task.task_number
+                if running.cancel.is_set():
+                    error = f"stopped before task {n}: {running.reason}"
+                    break
+                fn = self._functions.get(task.command)
+                if fn is None:
+                    error = f"task {n}: no Python function named {task.command!r} on this worker"
+                    results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
+                    break
+                try:
+                    args = tuple(render(a, job.input) for a in task.args)
+                except KeyError as e:
+                    error = (f"task {n}: job input has no value for template variable "
+                             f"{{{{{e.args[0]}}}}}")
+                    results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
+                    break
+                self._report_progress(lease, running, n, (n - 1) * 100 // len(tasks))
+                stdin = (outputs.get(task.input_from_task, "")
+                         if task.HasField("input_from_task") else "")
+                ctx = TaskContext(
+                    job_id=job.job_id, action_id=job.action_id, plan_id=lease.plan.plan_id,
+                    attempt=lease.attempt, task_number=n, command=task.command,
+                    input=dict(job.input), args=args, stdin=stdin,
+                    timeout_secs=task.timeout_secs, cancelled=running.cancel,
+                )
+                result, err, permanent = self._run_task(fn, ctx, task.timeout_secs, running)
+                results.append(result)
+                outputs[n] = result.stdout
+                if err:
+                    error = err
+                    break
+        finally:
+            if slot:
+                self._give_slot()
         success = not error
         ms = int((time.monotonic() - started) * 1000)
         self._stats.record(success, ms)
@@ -832,6 +864,38 @@ class Worker:
                     del self._jobs[job.job_id]
             self._wake.set()
 
+    def _take_slot(self, job_id: str, running: _Running) -> bool:
+        """Waits until a slot is free and takes it; False (nothing taken)
+        when the job is stopped first. A slot is taken by each job running
+        its tasks and by each task thread of a stopped job whose function
+        ignored ``ctx.cancelled`` and still runs (Python cannot kill it):
+        together at most ``max_concurrent_jobs``, so such threads cannot
+        pile up. A lease the server sends while they fill the slots waits
+        here (held, listed in ``held_leases``) until one of them returns."""
+        told = False
+        with self._slots:
+            while self._busy + len(self._leftover) >= self.max_concurrent_jobs:
+                if running.cancel.is_set():
+                    return False
+                if not told:
+                    told = True
+                    log.warning(
+                        "job %s waits for a slot: %d task thread(s) of stopped jobs still run "
+                        "(their functions ignore ctx.cancelled) and count toward "
+                        "max_concurrent_jobs=%d", job_id, len(self._leftover),
+                        self.max_concurrent_jobs,
+                    )
+                self._slots.wait(0.2)
+            self._busy += 1
+        if told:
+            log.info("job %s: a slot is free, starting it", job_id)
+        return True
+
+    def _give_slot(self) -> None:
+        with self._slots:
+            self._busy -= 1
+            self._slots.notify_all()
+
     def _run_task(
         self, fn: TaskFunction, ctx: TaskContext, timeout_secs: int, running: _Running
     ) -> tuple[TaskResult, str, bool]:
@@ -848,11 +912,23 @@ class Worker:
                 box["error"] = e
                 box["trace"] = traceback.format_exc()
             finally:
-                finished.set()
+                # Under the slots' lock: the abandonment below checks
+                # `finished` under it, so a thread is never left counted.
+                with self._slots:
+                    finished.set()
+                    if thread in self._leftover:
+                        self._leftover.discard(thread)
+                        self._slots.notify_all()
+                        log.info(
+                            "job %s: the function of stopped task %d returned after %.1f s; "
+                            "its slot is free", ctx.job_id, ctx.task_number,
+                            time.monotonic() - t0,
+                        )
 
         t0 = time.monotonic()
-        threading.Thread(target=call, name=f"agq-task-{ctx.job_id}-{ctx.task_number}",
-                         daemon=True).start()
+        thread = threading.Thread(target=call, name=f"agq-task-{ctx.job_id}-{ctx.task_number}",
+                                  daemon=True)
+        thread.start()
         limit = t0 + (timeout_secs if timeout_secs > 0 else 86_400)
         stopped = ""
         while not finished.wait(0.05):
@@ -871,6 +947,19 @@ class Worker:
         ms = int((time.monotonic() - t0) * 1000)
         cap = self.output_cap_bytes
         n, cmd = ctx.task_number, ctx.command
+        abandoned = 0
+        if stopped:
+            with self._slots:
+                if not finished.is_set():
+                    self._leftover.add(thread)
+                    abandoned = len(self._leftover)
+        if abandoned:
+            log.warning(
+                "job %s: the function of task %d (%s) ignores ctx.cancelled and still runs; "
+                "its thread holds a slot until it returns (%d such thread(s), "
+                "max_concurrent_jobs=%d)", ctx.job_id, n, cmd, abandoned,
+                self.max_concurrent_jobs,
+            )
         if stopped and not finished.is_set():
             stderr, cut = _clip(ctx.stderr() + f"stopped: {stopped}\n", cap)
             return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
@@ -922,23 +1011,45 @@ class Worker:
         *,
         aborted: bool,
     ) -> None:
+        """Sends the final report until the server acknowledges it (a report
+        already applied by a try whose reply was lost is acknowledged again)
+        or fences it (FAILED_PRECONDITION, PERMISSION_DENIED, NOT_FOUND: the
+        lease is no longer ours). While the server is unreachable or its
+        store cannot commit (UNAVAILABLE, DEADLINE_EXCEEDED, ...), it retries
+        with backoff (:data:`REPORT_BACKOFF`), past the lease's expiry too:
+        only the server can say the attempt is over, and the job stays held
+        (listed in ``held_leases`` on reconnect) meanwhile, as agw does. It
+        gives up only when the worker is killed (a second signal,
+        :meth:`Worker.kill`) or has left (the drain's report grace passed):
+        the server then re-queues the lease."""
         if self._killed:
             return  # left without reporting: the server re-queues the lease
         expires = timestamp(lease.expires_at).timestamp() if lease.HasField("expires_at") else None
-        delays = _backoff(0.5, 30.0)
+        delays = _backoff(*REPORT_BACKOFF)
         stripped = False
+        told_expired = False
+        job_id = lease.job.job_id
         while True:
             try:
                 self._stub.UpdateJob(req, timeout=self.call_timeout, metadata=self._metadata)
+                if told_expired:
+                    log.info("job %s: result acknowledged after the lease's expiry", job_id)
                 return
             except grpc.RpcError as e:
                 code, details = status_of(e)
-            job_id = lease.job.job_id
-            if code in _TRANSIENT:
-                if self._killed or (expires is not None and time.time() > expires):
-                    log.warning("job %s: result dropped (%s: %s)", job_id, code.name, details)
+            if code in _TRANSIENT or (stripped and code == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if self._killed or self._leaving.is_set():
+                    log.warning("job %s: result not reported (%s: %s): the worker is leaving",
+                                job_id, code.name, details)
                     return
-                time.sleep(next(delays))
+                if not told_expired and expires is not None and time.time() > expires:
+                    told_expired = True
+                    log.info("job %s: the lease expired before the server acknowledged the "
+                             "result; reporting until it acknowledges or fences it", job_id)
+                d = next(delays)
+                log.warning("job %s: result not acknowledged yet (%s: %s); retrying in %.2f s",
+                            job_id, code.name, details, d)
+                self._leaving.wait(d)
                 continue
             if code in _LEASE_GONE:
                 (log.debug if aborted else log.warning)(
