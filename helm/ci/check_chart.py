@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import re
@@ -404,11 +405,15 @@ def check_security(objs: list[dict]) -> None:
         pods.append((find(objs, "Deployment", f"{FULLNAME}-worker"), "agw"))
     for obj, cname in pods:
         sc = container(obj, cname)["securityContext"]
+        want_uid = SERVER_UID if cname == "agq" else WORKER_UID
         expect(sc.get("runAsNonRoot") is True, f"{cname}: runAsNonRoot")
-        expect(sc.get("runAsUser") == 10001, f"{cname}: runAsUser {sc.get('runAsUser')}")
+        expect(sc.get("runAsUser") == want_uid,
+               f"{cname}: runAsUser {sc.get('runAsUser')}, want {want_uid}")
         expect(sc.get("readOnlyRootFilesystem") is True, f"{cname}: readOnlyRootFilesystem")
         expect(sc.get("allowPrivilegeEscalation") is False, f"{cname}: allowPrivilegeEscalation")
         expect(sc.get("capabilities", {}).get("drop") == ["ALL"], f"{cname}: drop ALL")
+        expect(not sc.get("capabilities", {}).get("add"),
+               f"{cname}: capabilities added {sc['capabilities'].get('add')} in the non-root mode")
         mounts = {m["mountPath"] for m in container(obj, cname).get("volumeMounts") or []}
         expect("/tmp" in mounts, f"{cname}: no writable /tmp with a read-only root")
         spec = obj["spec"]["template"]["spec"]
@@ -445,7 +450,7 @@ def check_worker(objs: list[dict], replicas: int, tools: str | None, jobs: str) 
     expect(env.get("AGW_TOOLS", {}).get("value") == tools, f"AGW_TOOLS {env.get('AGW_TOOLS')}")
     # The task sandbox is on (agw fails closed without Landlock), tasks get
     # no network, and the worker pod is non-root, so tasks are too.
-    for var in ("AGW_INSECURE_NO_SANDBOX", "AGW_ALLOW_NETWORK"):
+    for var in ("AGW_INSECURE_NO_SANDBOX", "AGW_ALLOW_NETWORK", "AGW_RUN_AS"):
         expect(var not in env, f"{var} set by default")
     expect(not any("--insecure-no-sandbox" in str(a) or "--allow-network" in str(a)
                    for a in agw["args"]), "sandbox turned off on the command line")
@@ -687,6 +692,134 @@ def check_edge(objs: list[dict]) -> None:
            f"server PDB on SQLite {pdb['spec']}, want minAvailable 1")
 
 
+# ---------------------------------------------------------------- worker identity
+
+SERVER_UID = 10001
+# The workers' own uid: agw's --max-processes is RLIMIT_NPROC, which the
+# kernel counts per uid over the whole node (every pod without a user
+# namespace shares the host's), so the server's threads must not count
+# against the tasks' limit.
+WORKER_UID = 10002
+# What a root agw (worker.runAs) needs, each for one thing it does to its
+# tasks (src/worker/sandbox.rs, executor.rs): CHOWN to hand each job's
+# scratch directory to the task user; SETUID, SETGID to switch the task to
+# it (setgid, setgroups, setuid between fork and exec); KILL to kill the
+# task's process group at its end, timeout or cancel (another uid);
+# DAC_OVERRIDE and FOWNER to remove the scratch directory with what the
+# task left in it (its 0700 directories, sticky ones included).
+ROOT_AGW_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"]
+ROOT_AGW_VALUES = {"worker": {"runAs": "nobody"}}
+
+
+def pod_uid(obj: dict, cname: str) -> tuple[Any, Any, Any]:
+    """(effective runAsUser, effective runAsGroup, fsGroup) of a container."""
+    pod = obj["spec"]["template"]["spec"].get("securityContext") or {}
+    sc = container(obj, cname).get("securityContext") or {}
+    return (sc.get("runAsUser", pod.get("runAsUser")), sc.get("runAsGroup", pod.get("runAsGroup")),
+            pod.get("fsGroup"))
+
+
+def check_worker_uid(objs: list[dict]) -> None:
+    """The worker pods run as a uid of their own, never the server's."""
+    server = pod_uid(server_workload(objs), "agq")
+    dep = find(objs, "Deployment", f"{FULLNAME}-worker")
+    worker = pod_uid(dep, "agw")
+    expect(server == (SERVER_UID, SERVER_UID, SERVER_UID), f"server uid/gid/fsGroup {server}")
+    expect(worker == (WORKER_UID, WORKER_UID, WORKER_UID), f"worker uid/gid/fsGroup {worker}")
+    pod = dep["spec"]["template"]["spec"]["securityContext"]
+    expect(pod.get("runAsUser") == worker[0],
+           f"worker pod-level runAsUser {pod.get('runAsUser')} differs from the container's")
+    expect(worker[0] != server[0], "the workers share the server's uid: its threads count "
+           "against the tasks' RLIMIT_NPROC (--max-processes)")
+
+
+def check_worker_root_mode(objs: list[dict], run_as: str = "nobody",
+                           extra_caps: tuple[str, ...] = ()) -> None:
+    """worker.runAs: agw as root with AGW_RUN_AS and only the capabilities
+    it uses; the rest of the container's restrictions and the server stay."""
+    dep = find(objs, "Deployment", f"{FULLNAME}-worker")
+    agw = container(dep, "agw")
+    env = env_of(agw)
+    expect(env.get("AGW_RUN_AS", {}).get("value") == run_as,
+           f"AGW_RUN_AS {env.get('AGW_RUN_AS')}, want {run_as!r}")
+    sc = agw["securityContext"]
+    expect(sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False,
+           f"agw not root: runAsUser {sc.get('runAsUser')}, runAsNonRoot {sc.get('runAsNonRoot')}")
+    caps = sc.get("capabilities") or {}
+    expect(caps.get("drop") == ["ALL"], f"agw drops {caps.get('drop')}, want [ALL]")
+    want = sorted(set(ROOT_AGW_CAPS) | set(extra_caps))
+    expect(caps.get("add") == want, f"agw adds {caps.get('add')}, want {want}")
+    expect(sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True,
+           f"root agw lost its other restrictions: {sc}")
+    pod = dep["spec"]["template"]["spec"]["securityContext"]
+    expect(pod.get("runAsNonRoot") is False and pod.get("runAsUser") == 0,
+           f"worker pod securityContext {pod} contradicts the root container")
+    expect(pod.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+           "root worker pod without the RuntimeDefault seccomp profile")
+    srv = container(server_workload(objs), "agq")["securityContext"]
+    expect(srv.get("runAsNonRoot") is True and srv.get("runAsUser") == SERVER_UID
+           and srv.get("capabilities") == {"drop": ["ALL"]},
+           f"worker.runAs changed the server: {srv}")
+
+
+def check_run_as(helm: Helm) -> None:
+    """worker.runAs renders the root mode, keeps capabilities the user adds
+    (once), and refuses root as the task user."""
+    objs, _ = helm.template(ROOT_AGW_VALUES)
+    check_worker_root_mode(objs)
+    objs, _ = helm.template(deep_merge(ROOT_AGW_VALUES, {"worker": {"securityContext": {
+        "capabilities": {"add": ["KILL", "NET_BIND_SERVICE"]}}}}))
+    check_worker_root_mode(objs, extra_caps=("NET_BIND_SERVICE",))
+    msg = render_error(helm, {"worker": {"runAs": "root"}})
+    expect("worker.runAs" in msg and "root" in msg, f"unhelpful failure for runAs=root: {msg}")
+
+
+SECRET_PROBE = """apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: secret-probe
+data:
+  secret: {{ include (print $.Template.BasePath "/secret.yaml") . | toJson }}
+"""
+
+
+def check_token_once(helm: Helm) -> None:
+    """With auth.workerToken empty, a first install draws one token per
+    render: the Secret and the checksum/auth annotations of the server and
+    the workers all hold it, so the first upgrade (which finds it stored)
+    changes no pod template and restarts nothing."""
+    try:
+        set_cluster(dict(LIVE_CLUSTER))
+        with tempfile.TemporaryDirectory() as tmp:
+            chart = Path(tmp, "agq")
+            shutil.copytree(CHART, chart)
+            (chart / "templates" / "zz-secret-probe.yaml").write_text(SECRET_PROBE)
+            objs, _ = helm.template(None, chart)
+        secret = find(objs, "Secret", f"{FULLNAME}-auth")
+        text = find(objs, "ConfigMap", "secret-probe")["data"]["secret"]
+        expect(yaml.safe_load(text) == secret,
+               "secret.yaml included again renders another worker token than the Secret's")
+        pods = {"server": server_workload(objs),
+                "workers": find(objs, "Deployment", f"{FULLNAME}-worker")}
+        want = hashlib.sha256(text.encode()).hexdigest()
+        first = {}
+        for who, obj in pods.items():
+            first[who] = obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"]
+            expect(first[who] == want,
+                   f"the {who}' checksum/auth hashes another Secret than the one rendered")
+        token = worker_token_of(objs)
+        set_cluster({**LIVE_CLUSTER, **stored_secret(f"{FULLNAME}-auth", {"worker-token": token})})
+        again, _ = helm.template(None)
+        expect(worker_token_of(again) == token, "the upgrade did not keep the stored token")
+        for who, obj in (("server", server_workload(again)),
+                         ("workers", find(again, "Deployment", f"{FULLNAME}-worker"))):
+            ann = obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"]
+            expect(ann == first[who], f"the first upgrade changes the {who}' checksum/auth: "
+                   "it would restart them for an unchanged Secret")
+    finally:
+        set_cluster(dict(LIVE_CLUSTER))
+
+
 def check_schema_rejects(helm: Helm) -> None:
     for bad in ({"worker": {"replicas": "three"}},
                 {"auth": {"tokens": [{"token": "x" * 20, "role": "root"}]}},
@@ -714,7 +847,9 @@ def check_schema_rejects(helm: Helm) -> None:
                 {"store": {"postgresql": {}}},
                 {"server": {"replicas": "three"}},
                 {"server": {"replicas": -1}},
-                {"server": {"podDisruptionBudget": {"enabled": "yes"}}}):
+                {"server": {"podDisruptionBudget": {"enabled": "yes"}}},
+                {"worker": {"runAs": 65534}},
+                {"worker": {"runAs": "no body"}}):
         try:
             helm.template(bad)
         except Exception as exc:  # noqa: BLE001
@@ -1546,6 +1681,15 @@ def main() -> int:
                    o, ALL_ON_HPA["monitoring"]["selector"])))
     checks.run("worker token is stable under helm template (set, stored, or fail)",
                lambda: check_token_stability(helm))
+    checks.run("worker token drawn once per render: the Secret and both checksum/auth "
+               "annotations agree, and the first upgrade restarts nothing",
+               lambda: check_token_once(helm))
+    for label in ("default", "auth"):
+        checks.run(f"{label}: worker pods run as uid {WORKER_UID}, not the server's {SERVER_UID}",
+                   on(label, check_worker_uid))
+    checks.run("worker.runAs=nobody: agw root with AGW_RUN_AS and only "
+               f"{','.join(ROOT_AGW_CAPS)} added; runAs=root refused",
+               lambda: check_run_as(helm))
 
     # The clustered mode (store.type=postgres).
     pg_all_on_keda = deep_merge(ALL_ON_KEDA, pg_values)

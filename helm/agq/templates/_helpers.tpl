@@ -97,7 +97,23 @@ Name of the Secret holding the auth file and the workers' token.
 {{- end }}
 
 {{/*
-The workers' token, stable on every render:
+The workers' token, stable on every render and the same everywhere in one:
+secret.yaml and the checksum/auth annotations of the server and worker pods
+(which include secret.yaml again) each include this, so the value is worked
+out once per render, by agq.workerTokenOnce, and kept in the render's root
+context (the map every template of the chart shares). Drawing it on each
+include would hash a random token the Secret does not hold, and the first
+`helm upgrade` (which finds the stored one) would restart every pod.
+*/}}
+{{- define "agq.workerToken" -}}
+{{- if not (hasKey . "agqWorkerToken") }}
+{{- $_ := set . "agqWorkerToken" (include "agq.workerTokenOnce" .) }}
+{{- end }}
+{{- get . "agqWorkerToken" }}
+{{- end }}
+
+{{/*
+The workers' token, worked out (call agq.workerToken, which caches it):
 1. auth.workerToken when set;
 2. else the one already stored in the release's Secret (upgrades keep it);
 3. else, when `lookup` reaches a live cluster (the namespace's
@@ -107,7 +123,7 @@ The workers' token, stable on every render:
    --dry-run) would otherwise produce a different random token every time,
    rotating the Secret and restarting the pods on every sync.
 */}}
-{{- define "agq.workerToken" -}}
+{{- define "agq.workerTokenOnce" -}}
 {{- if .Values.auth.workerToken }}
 {{- .Values.auth.workerToken }}
 {{- else }}
@@ -120,6 +136,65 @@ The workers' token, stable on every render:
 {{- fail (printf "auth.workerToken is empty and no Secret %s holding it was found: this render has no cluster to look it up in (helm template, Argo CD, Flux, --dry-run) or the namespace %s does not exist yet (--create-namespace). A random token would change on every render, so set one: --set auth.workerToken=$(openssl rand -hex 24) (keep it, e.g. in your secret store), or point auth.existingSecret at a Secret you manage." (include "agq.secretName" .) .Release.Namespace) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Capabilities of a root agw (worker.runAs set), each for what agw does to
+its tasks as root (src/worker/sandbox.rs, src/worker/executor.rs), and no
+other: CHOWN: fchown each job's scratch directory to the task user;
+SETGID, SETUID: setgid, setgroups and setuid to that user between fork and
+exec; KILL: SIGKILL the task's process group (end, timeout, cancel, drain)
+and processes that escaped it, all of another uid; DAC_OVERRIDE: remove
+the scratch directory (mode 0700, the task user's) and what the task made
+in it; FOWNER: remove files from sticky directories a task made there.
+*/}}
+{{- define "agq.rootAgwCapabilities" -}}
+CHOWN DAC_OVERRIDE FOWNER KILL SETGID SETUID
+{{- end }}
+
+{{/*
+Fails on a worker.runAs agw would refuse at start: tasks never run as root.
+*/}}
+{{- define "agq.validateRunAs" -}}
+{{- if eq (toString .Values.worker.runAs) "root" }}
+{{- fail "worker.runAs=root: tasks never run as root (agw refuses a --run-as user with uid or gid 0). Name an unprivileged user of the image, e.g. nobody, or leave worker.runAs empty to run agw and its tasks non-root." }}
+{{- end }}
+{{- end }}
+
+{{/*
+The worker pod's securityContext: worker.podSecurityContext, with uid 0
+and runAsNonRoot false when worker.runAs runs agw as root.
+*/}}
+{{- define "agq.workerPodSecurityContext" -}}
+{{- $sc := deepCopy (.Values.worker.podSecurityContext | default dict) }}
+{{- if .Values.worker.runAs }}
+{{- $_ := set $sc "runAsNonRoot" false }}
+{{- $_ := set $sc "runAsUser" 0 }}
+{{- $_ := set $sc "runAsGroup" 0 }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}
+
+{{/*
+The agw container's securityContext: worker.securityContext; when
+worker.runAs runs agw as root, with uid 0, runAsNonRoot false, every
+capability dropped and only agq.rootAgwCapabilities (plus any the values
+add) added back.
+*/}}
+{{- define "agq.workerSecurityContext" -}}
+{{- $sc := deepCopy (.Values.worker.securityContext | default dict) }}
+{{- if .Values.worker.runAs }}
+{{- include "agq.validateRunAs" . }}
+{{- $_ := set $sc "runAsNonRoot" false }}
+{{- $_ := set $sc "runAsUser" 0 }}
+{{- $_ := set $sc "runAsGroup" 0 }}
+{{- $caps := deepCopy ($sc.capabilities | default dict) }}
+{{- $add := concat ($caps.add | default list) (splitList " " (include "agq.rootAgwCapabilities" .)) }}
+{{- $_ := set $caps "add" ($add | uniq | sortAlpha) }}
+{{- $_ := set $caps "drop" (list "ALL") }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+{{- toYaml $sc }}
 {{- end }}
 
 {{/*
