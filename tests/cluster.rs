@@ -1714,50 +1714,9 @@ async fn a_plan_stored_again_under_its_id_reaches_workers_of_every_replica() {
     };
     assert_eq!(put("cat").await.version, 1);
     // W on replica 0, by hand, with both tools.
-    let mut w = worker_service_client::WorkerServiceClient::new(channel(&urls[0]).await.unwrap());
-    w.register_worker(RegisterWorkerRequest {
-        worker_id: "w".into(),
-        hostname: "cluster-test".into(),
-        agw_version: "sim".into(),
-        capabilities: Some(WorkerCapabilities {
-            tools: vec!["cat".into(), "sort".into()],
-            ..Default::default()
-        }),
-        max_concurrent_jobs: 1,
-        instance_id: "instance-w".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (hb_tx, hb_rx) = mpsc::channel(16);
-    hb_tx
-        .send(HeartbeatRequest {
-            worker_id: "w".into(),
-            stats: Some(WorkerStats::default()),
-            held_leases: None,
-            verification: None,
-        })
-        .await
-        .unwrap();
-    let mut hb = w
-        .heartbeat(ReceiverStream::new(hb_rx))
-        .await
-        .unwrap()
-        .into_inner();
-    timeout(CALL, hb.next())
-        .await
-        .expect("W's first heartbeat is answered")
-        .unwrap()
-        .unwrap();
-    let mut leases = w
-        .lease_jobs(LeaseJobsRequest {
-            worker_id: "w".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut w = HandWorker::start(&urls[0], "w", "instance-w", &["cat", "sort"]).await;
     submit_one(&urls[1]).await;
-    lease_and_complete(&mut w, &mut leases, "cat").await;
+    lease_and_complete(&mut w, "cat").await;
     // Deleted and stored again through replica 1: version 1 again.
     plans()
         .await
@@ -1768,32 +1727,28 @@ async fn a_plan_stored_again_under_its_id_reaches_workers_of_every_replica() {
         .unwrap();
     assert_eq!(put("sort").await.version, 1);
     submit_one(&urls[1]).await;
-    lease_and_complete(&mut w, &mut leases, "sort").await;
-    drop(hb_tx);
+    lease_and_complete(&mut w, "sort").await;
 }
 
-/// Takes the next lease of `leases`, completes it as worker `w`, and
-/// asserts its plan's first command is `expected`.
-async fn lease_and_complete(
-    w: &mut worker_service_client::WorkerServiceClient<Channel>,
-    leases: &mut tonic::Streaming<JobLease>,
-    expected: &str,
-) {
-    let l = timeout(Duration::from_secs(5), leases.next())
+/// Takes `w`'s next lease, completes it, and asserts its plan's first
+/// command is `expected`.
+async fn lease_and_complete(w: &mut HandWorker, expected: &str) {
+    let l = timeout(Duration::from_secs(5), w.leases.next())
         .await
         .expect("W gets a lease")
         .unwrap()
         .unwrap();
     let command = l.plan.as_ref().unwrap().tasks[0].command.clone();
-    w.update_job(UpdateJobRequest {
-        job_id: l.job.as_ref().unwrap().job_id.clone(),
-        worker_id: "w".into(),
-        lease_id: l.lease_id.clone(),
-        status: JobStatus::Completed as i32,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    w.client
+        .update_job(UpdateJobRequest {
+            job_id: l.job.as_ref().unwrap().job_id.clone(),
+            worker_id: w.id.clone(),
+            lease_id: l.lease_id.clone(),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(
         command, expected,
         "the lease carries the plan's current body"
@@ -1805,6 +1760,7 @@ async fn lease_and_complete(
 /// commands it gets on it collected in `commands`, its lease stream open.
 struct HandWorker {
     id: String,
+    client: worker_service_client::WorkerServiceClient<Channel>,
     /// The heartbeat stream's sender; `None` once closed.
     hb_tx: Option<mpsc::Sender<HeartbeatRequest>>,
     commands: mpsc::UnboundedReceiver<Command>,
@@ -1877,6 +1833,7 @@ impl HandWorker {
             .into_inner();
         HandWorker {
             id: id.into(),
+            client,
             hb_tx: Some(hb_tx),
             commands,
             leases,

@@ -1432,6 +1432,12 @@ async fn an_operation_storage_fails_under_part_way_changes_nothing() {
     trigger.execute_batch("DROP TRIGGER refuse_update").unwrap();
     assert_eq!(with_status_shared(&e, JobStatus::Pending).await.len(), 3);
     let mut w = Worker::start(&e, "w", &["cat"], 3).await;
+    assert_leased_all(&mut w, &ids).await;
+}
+
+/// Asserts that `w` gets a lease of each of `ids` (1 s at most between
+/// two), and of nothing else.
+async fn assert_leased_all(w: &mut Worker, ids: &[String]) {
     let mut leased = Vec::new();
     while let Some(l) = w.lease_within(1000).await {
         leased.push(l.job.job_id);
@@ -1440,7 +1446,7 @@ async fn an_operation_storage_fails_under_part_way_changes_nothing() {
         }
     }
     leased.sort();
-    let mut want = ids.clone();
+    let mut want = ids.to_vec();
     want.sort();
     assert_eq!(leased, want);
 }
@@ -1520,17 +1526,7 @@ async fn a_state_that_cannot_be_read_back_refuses_everything_until_it_can() {
     }
     assert!(served, "the engine never served again");
     let mut w = Worker::start(&e, "w", &["cat"], 2).await;
-    let mut leased = Vec::new();
-    while let Some(l) = w.lease_within(1000).await {
-        leased.push(l.job.job_id);
-        if leased.len() == ids.len() {
-            break;
-        }
-    }
-    leased.sort();
-    let mut want = ids.clone();
-    want.sort();
-    assert_eq!(leased, want);
+    assert_leased_all(&mut w, &ids).await;
 }
 
 /// An action retention has partly deleted (a large action goes over
