@@ -77,5 +77,16 @@ def test_tokens_are_sent_and_checked(
         w.thread.join(WAIT)
         assert w.exit is agq.WorkerExit.DRAINED
         assert client.get_worker("py-auth").state is agq.WorkerState.UNREGISTERED
+
+        # Forgetting a worker takes the same token as draining it: a client
+        # token is refused, the worker's own is accepted.
+        with pytest.raises(agq.AgqError) as e:
+            client.forget_worker("py-auth")
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with agq.Client(auth_server.address, token=WORKER_TOKEN, timeout=10) as own:
+            own.forget_worker("py-auth")
+        with pytest.raises(agq.AgqError) as e:
+            client.get_worker("py-auth")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
     finally:
         client.close()

@@ -1,6 +1,7 @@
 """Retries on UNAVAILABLE that cannot duplicate work: a reply lost after
 the server acted is retried, and the retry's ALREADY_EXISTS (or NOT_FOUND,
-FAILED_PRECONDITION) is resolved; RetryJob is never sent twice."""
+FAILED_PRECONDITION) is resolved; RetryJob and RetryAction are never sent
+twice."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 import agq
 
-from conftest import WorkerThread, wait_until
+from conftest import WAIT, WorkerThread, wait_until
 
 
 class LostReply(grpc.RpcError):
@@ -196,6 +197,83 @@ def test_delete_plan_retried_after_a_lost_reply_succeeds(
     monkeypatch.undo()
     for call in (lambda: client.get_plan("py-doomed-plan"),
                  lambda: client.delete_plan("py-doomed-plan")):
+        with pytest.raises(agq.AgqError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_cancel_action_retried_after_a_lost_reply_says_it_was_resent(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-cancel-all", [agq.Task("nobody")]))
+    lost = client.submit_action("py-cancel-all", [{}, {}, {}]).action_id
+    real = client._actions.CancelAction
+    calls: list[Any] = []
+    monkeypatch.setattr(client._actions, "CancelAction", flaky(real, calls))
+    res = client.cancel_action(lost)
+    # The lost try cancelled the jobs; the retry found none open.
+    assert len(calls) == 2
+    assert res.resent and res.cancelled == 0
+    assert res.action.cancelled == 3 and res.action.done
+    # A try lost before it reached the server: the retry cancels them.
+    dropped_first = client.submit_action("py-cancel-all", [{}, {}]).action_id
+    calls.clear()
+    monkeypatch.setattr(client._actions, "CancelAction", dropped(real, calls))
+    res = client.cancel_action(dropped_first)
+    assert len(calls) == 2
+    assert res.resent and res.cancelled == 2 and res.action.cancelled == 2
+
+
+def test_retry_action_is_not_sent_twice_after_a_lost_reply(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    w = agq.Worker(client.address, "py-failing-all")
+
+    @w.task("fail")
+    def fail(ctx: agq.TaskContext) -> str:
+        raise agq.PermanentFailure("no")
+
+    t = start_worker(w)
+    t.wait_connected()
+    client.submit_plan(agq.Plan("py-retry-all-once", [agq.Task("fail")]))
+    action_id = client.submit_action("py-retry-all-once", [{}, {}]).action_id
+    assert client.wait_action(action_id, timeout=WAIT).dead == 2
+    t.stop()  # the retried jobs then stay pending
+    client.retry = FAST
+    calls: list[Any] = []
+    monkeypatch.setattr(client._actions, "RetryAction",
+                        flaky(client._actions.RetryAction, calls))
+    with pytest.raises(agq.AgqError) as e:
+        client.retry_action(action_id)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "may have reached the server" in e.value.details
+    assert f"get_action({action_id!r})" in e.value.details
+    assert len(calls) == 1, "RetryAction was sent again"
+    # The one try went through: both jobs are pending again.
+    status = client.get_action(action_id)
+    assert (status.pending, status.dead) == (2, 0)
+
+
+def test_forget_worker_retried_after_a_lost_reply_succeeds(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    w = agq.Worker(client.address, "py-forgotten")
+    w.register(lambda ctx: "x", name="x")
+    t = start_worker(w)
+    t.wait_connected()
+    t.stop()
+    client.retry = FAST
+    calls: list[Any] = []
+    monkeypatch.setattr(client._workers, "ForgetWorker",
+                        flaky(client._workers.ForgetWorker, calls))
+    client.forget_worker("py-forgotten")
+    assert len(calls) == 2
+    monkeypatch.undo()
+    for call in (lambda: client.get_worker("py-forgotten"),
+                 lambda: client.forget_worker("py-forgotten")):
         with pytest.raises(agq.AgqError) as e:
             call()
         assert e.value.code == grpc.StatusCode.NOT_FOUND

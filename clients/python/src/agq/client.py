@@ -1,5 +1,6 @@
-"""The typed AGQ client: every RPC of the plan, action, job, worker and
-queue services as a method with a deadline, bearer token and retries."""
+"""The typed AGQ client: every client-facing RPC of the plan, action, job,
+worker, schedule and queue services as a method with a deadline, bearer
+token and retries."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import grpc
 from agq._rpc import AgqError, Metadata, RetryPolicy, bearer, call_unary, make_channel, status_of
 from agq.types import (
     CATCH_UP,
+    ActionPage,
+    ActionState,
     ActionStatus,
+    CancelledAction,
     Job,
     JobStatus,
     Page,
     Plan,
+    PlanVersion,
+    PlanVersionPage,
     QueueStats,
+    RetriedAction,
     Schedule,
     SubmittedAction,
     Verification,
@@ -88,8 +95,10 @@ class Client:
     reply was lost (the connection dropped): each such method says how its
     retry resolves that. Most resolve it from the retry's answer (a retried
     :meth:`cancel_job` that finds the job cancelled returns it, a retried
-    delete that finds nothing to delete succeeds, ...); :meth:`retry_job`,
-    whose repetition could run a job again, is never sent twice.
+    delete or :meth:`forget_worker` that finds nothing to delete succeeds,
+    a retried :meth:`cancel_action` says it was resent, ...);
+    :meth:`retry_job` and :meth:`retry_action`, whose repetition could run
+    jobs again, are never sent twice.
 
     Every method raises :class:`agq.AgqError` when the call fails; its
     ``code`` is the gRPC status. Common ones: UNAVAILABLE (server down, after
@@ -241,6 +250,48 @@ class Client:
             raise
         return resp.deleted
 
+    def list_plan_versions(
+        self,
+        plan_id: str,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> PlanVersionPage:
+        """One page of the stored versions of plan ``plan_id``, newest first:
+        each with its number, description, task count and store time
+        (:meth:`get_plan` with ``version=`` fetches one whole).
+        ``page_size`` is 1..=1000 versions, 0 means 100; ``page_token`` is
+        the previous page's ``next_page_token`` ("" for the first page).
+        Read-only: retried after UNAVAILABLE. Errors: INVALID_ARGUMENT
+        (malformed id, page size or token), NOT_FOUND (unknown plan)."""
+        resp = call_unary(
+            "ListPlanVersions", self._plans.ListPlanVersions,
+            plan_service_pb2.ListPlanVersionsRequest(
+                plan_id=plan_id, page_size=page_size, page_token=page_token
+            ),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return PlanVersionPage(
+            tuple(PlanVersion.from_pb(v) for v in resp.versions), resp.next_page_token
+        )
+
+    def iter_plan_versions(
+        self, plan_id: str, *, timeout: float | None = None
+    ) -> Iterator[PlanVersion]:
+        """Every stored version of plan ``plan_id``, newest first, following
+        the pages (``timeout`` applies to each page's call). Errors as
+        :meth:`list_plan_versions`."""
+        token = ""
+        while True:
+            page = self.list_plan_versions(
+                plan_id, page_size=1000, page_token=token, timeout=timeout
+            )
+            yield from page.versions
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     # -- actions ---------------------------------------------------------
 
     def submit_action(
@@ -370,6 +421,154 @@ class Client:
         if last is None:  # pragma: no cover - the server always sends one
             raise AgqError("WatchAction", grpc.StatusCode.UNKNOWN, "stream ended without a status")
         return last
+
+    def list_actions(
+        self,
+        plan_id: str = "",
+        state: ActionState | None = None,
+        *,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> ActionPage:
+        """One page of actions with their job counts, newest first (by
+        creation time, then the later submitted first).
+
+        Filters: ``plan_id`` ("" for every plan), ``state`` (OPEN: some job
+        is pending, running or failed; FINISHED: every job is terminal;
+        HAS_DEAD: some job is dead; None for all), ``created_after``
+        (inclusive) and ``created_before`` (exclusive), aware datetimes.
+        ``page_size`` is at most 1000 actions, 0 means 100; ``page_token``
+        is the previous page's ``next_page_token`` ("" for the first page)
+        and is valid only with the same filters. Actions deleted by the
+        server's job retention are not listed. Read-only: retried after
+        UNAVAILABLE.
+
+        Errors: INVALID_ARGUMENT (bad plan id, page_size over 1000, a token
+        of other filters or another server, ``created_after`` not before
+        ``created_before``); ValueError for a naive datetime.
+        """
+        req = action_service_pb2.ListActionsRequest(
+            plan_id=plan_id,
+            state=action_service_pb2.ActionState.ValueType(
+                int(state or ActionState.UNSPECIFIED)
+            ),
+            page_size=page_size,
+            page_token=page_token,
+        )
+        if created_after is not None:
+            req.created_after.CopyFrom(to_timestamp(created_after))
+        if created_before is not None:
+            req.created_before.CopyFrom(to_timestamp(created_before))
+        resp = call_unary(
+            "ListActions", self._actions.ListActions, req,
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return ActionPage(
+            tuple(ActionStatus.from_pb(a) for a in resp.actions), resp.next_page_token
+        )
+
+    def iter_actions(
+        self,
+        plan_id: str = "",
+        state: ActionState | None = None,
+        *,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[ActionStatus]:
+        """Every action matching the filters of :meth:`list_actions`, newest
+        first, following the pages (``timeout`` applies to each page's
+        call). Each page is read when the iteration reaches it: an action
+        submitted meanwhile is not listed (it sorts before the pages still
+        to come), and with a ``state`` filter one whose state changes
+        meanwhile may be listed or not."""
+        token = ""
+        while True:
+            page = self.list_actions(
+                plan_id, state,
+                created_after=created_after, created_before=created_before,
+                page_size=1000, page_token=token, timeout=timeout,
+            )
+            yield from page.actions
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def cancel_action(self, action_id: str, *, timeout: float | None = None) -> CancelledAction:
+        """Cancels every open job (pending, running, or failed and waiting
+        for its next attempt) of an action in one transaction; the workers
+        running them are told to stop, as by :meth:`cancel_job`. Returns
+        how many jobs the call cancelled and the action's status after it.
+        An action with no open job is left as it is (``cancelled`` 0).
+
+        Cancelling again cancels nothing more, so the call is retried after
+        UNAVAILABLE. A try whose reply was lost may have cancelled the jobs
+        already: the retry then answers with the jobs it cancelled itself,
+        0 when the lost try cancelled them all. ``resent`` on the result
+        says that this happened (``cancelled`` may undercount);
+        ``action.cancelled`` counts every cancelled job of the action either way.
+
+        Errors: INVALID_ARGUMENT (malformed id), NOT_FOUND (unknown action,
+        or deleted by the server's job retention).
+        """
+        call = _Counted(self._actions.CancelAction)
+        resp = call_unary(
+            "CancelAction", call, action_service_pb2.CancelActionRequest(action_id=action_id),
+            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+        )
+        return CancelledAction(
+            resp.cancelled, ActionStatus.from_pb(resp.action), resent=call.tries > 1
+        )
+
+    def retry_action(
+        self,
+        action_id: str,
+        status: JobStatus | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> RetriedAction:
+        """Puts every failed and dead job of an action (only those in
+        ``status`` when given: :attr:`JobStatus.FAILED` or
+        :attr:`JobStatus.DEAD`) back to pending with a fresh attempt budget
+        in one transaction, as :meth:`retry_job` does for one job. Returns
+        how many jobs were retried and the action's status after it; no
+        matching job changes nothing (``retried`` 0).
+
+        Sent at most once, like :meth:`retry_job`: sent twice, it could
+        retry jobs that failed again in between, running them once more.
+        The request waits (until ``timeout``) for the connection to be
+        ready instead of failing fast while the server is down, and is not
+        retried after UNAVAILABLE once it may have reached the server: the
+        error then says so, and :meth:`get_action` tells whether the jobs
+        were retried.
+
+        Errors: INVALID_ARGUMENT (malformed id; ``status`` other than
+        FAILED or DEAD), NOT_FOUND (unknown action), FAILED_PRECONDITION (a
+        job would be retried but its plan was deleted; nothing is retried),
+        UNAVAILABLE (the connection dropped: perhaps applied, see above),
+        DEADLINE_EXCEEDED.
+        """
+        req = action_service_pb2.RetryActionRequest(
+            action_id=action_id,
+            status=common_pb2.JobStatus.ValueType(int(status or JobStatus.UNSPECIFIED)),
+        )
+        try:
+            resp = call_unary(
+                "RetryAction", _Counted(self._actions.RetryAction, wait_for_ready=True), req,
+                timeout=self._t(timeout), metadata=self._metadata, retry=_ONCE,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                raise AgqError(
+                    "RetryAction", e.code,
+                    f"{e.details} (not retried: the request may have reached the server; "
+                    f"get_action({action_id!r}) tells whether its jobs were retried)",
+                ) from e
+            raise
+        return RetriedAction(resp.retried, ActionStatus.from_pb(resp.action))
 
     # -- jobs ------------------------------------------------------------
 
@@ -548,6 +747,28 @@ class Client:
                     return w
             raise
         return WorkerInfo.from_pb(resp.worker)
+
+    def forget_worker(self, worker_id: str, *, timeout: float | None = None) -> None:
+        """Deletes the record of a DEAD or UNREGISTERED worker now, rather
+        than after the 24 hours departed workers stay listed; the id may
+        register again later. Needs the worker's own token or an admin
+        token when auth is on (a client token is refused).
+
+        Errors: INVALID_ARGUMENT (malformed id), NOT_FOUND (unknown id),
+        FAILED_PRECONDITION while the worker is ACTIVE, DRAINING or
+        QUARANTINED (unregister or drain it first), PERMISSION_DENIED.
+        A retry after UNAVAILABLE that finds no such worker (NOT_FOUND)
+        succeeds: the lost try forgot it.
+        """
+        call = _Counted(self._workers.ForgetWorker)
+        try:
+            call_unary(
+                "ForgetWorker", call, worker_service_pb2.ForgetWorkerRequest(worker_id=worker_id),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+        except AgqError as e:
+            if not (e.code == grpc.StatusCode.NOT_FOUND and call.tries > 1):
+                raise
 
     def release_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
         """Ends a worker's quarantine (too many job timeouts): it is ACTIVE

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from google.protobuf import message, timestamp_pb2
 
-from agq.v1 import common_pb2, queue_service_pb2, schedule_service_pb2
+from agq.v1 import common_pb2, plan_service_pb2, queue_service_pb2, schedule_service_pb2
 
 
 class JobStatus(enum.IntEnum):
@@ -70,6 +70,28 @@ class WorkerState(enum.IntEnum):
 
     @classmethod
     def of(cls, value: int) -> WorkerState:
+        """The member for a wire value; UNSPECIFIED for unknown values."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
+class ActionState(enum.IntEnum):
+    """Which actions :meth:`agq.Client.list_actions` returns, by the
+    statuses of their jobs (``agq.v1.ActionState``)."""
+
+    #: Every action.
+    UNSPECIFIED = 0
+    #: Some job is pending, running or failed (waiting for its next attempt).
+    OPEN = 1
+    #: Every job is completed, dead or cancelled.
+    FINISHED = 2
+    #: At least one job is dead.
+    HAS_DEAD = 3
+
+    @classmethod
+    def of(cls, value: int) -> ActionState:
         """The member for a wire value; UNSPECIFIED for unknown values."""
         try:
             return cls(value)
@@ -184,6 +206,40 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class PlanVersion:
+    """One stored version of a plan, as :meth:`agq.Client.list_plan_versions`
+    lists it; ``get_plan(plan_id, version=...)`` fetches it whole."""
+
+    #: The version (1 is the first).
+    version: int
+    #: The version's description.
+    description: str
+    #: Number of tasks of the version.
+    task_count: int
+    #: When the version was stored.
+    created_at: datetime | None
+
+    @classmethod
+    def from_pb(cls, v: plan_service_pb2.PlanVersion) -> PlanVersion:
+        """The version of a protobuf message."""
+        return cls(
+            version=v.version,
+            description=v.plan_description,
+            task_count=v.task_count,
+            created_at=optional_timestamp(v, "created_at"),
+        )
+
+
+@dataclass(frozen=True)
+class PlanVersionPage:
+    """One page of :meth:`agq.Client.list_plan_versions`: versions newest
+    first and the token of the next page ("" on the last page)."""
+
+    versions: tuple[PlanVersion, ...]
+    next_page_token: str = ""
+
+
+@dataclass(frozen=True)
 class ActionStatus:
     """Aggregate progress of an action: job counts per status."""
 
@@ -238,6 +294,40 @@ class ActionStatus:
             concurrency_key=a.concurrency_key,
             max_running=a.max_running,
         )
+
+
+@dataclass(frozen=True)
+class ActionPage:
+    """One page of :meth:`agq.Client.list_actions`: actions newest first and
+    the token of the next page ("" on the last page)."""
+
+    actions: tuple[ActionStatus, ...]
+    next_page_token: str = ""
+
+
+@dataclass(frozen=True)
+class CancelledAction:
+    """What :meth:`agq.Client.cancel_action` did: ``cancelled`` jobs were
+    cancelled by the call, and ``action`` is the status after it.
+
+    ``resent`` is True when the call was sent again after UNAVAILABLE: a
+    try whose reply was lost may then have cancelled jobs that
+    ``cancelled`` does not count (0 when the lost try cancelled them all);
+    ``action.cancelled`` counts every cancelled job of the action.
+    """
+
+    cancelled: int
+    action: ActionStatus
+    resent: bool = False
+
+
+@dataclass(frozen=True)
+class RetriedAction:
+    """What :meth:`agq.Client.retry_action` did: ``retried`` failed or dead
+    jobs were put back to pending, and ``action`` is the status after it."""
+
+    retried: int
+    action: ActionStatus
 
 
 @dataclass(frozen=True)
@@ -586,12 +676,18 @@ class Page:
 
 
 __all__ = [
+    "ActionPage",
+    "ActionState",
     "ActionStatus",
+    "CancelledAction",
     "Job",
     "JobStatus",
     "Page",
     "Plan",
+    "PlanVersion",
+    "PlanVersionPage",
     "QueueStats",
+    "RetriedAction",
     "Schedule",
     "SubmittedAction",
     "Verification",
