@@ -229,6 +229,22 @@ impl Authenticator {
     }
 }
 
+impl Authenticator {
+    /// [`Authenticator::intercept`] for a service whose every call is a
+    /// client call (plans, actions, jobs, queue, schedules): a worker or
+    /// worker-pool token is refused here, when the call starts, before
+    /// its request message is read (the handlers check it again).
+    ///
+    /// Errors: those of [`Authenticator::intercept`]; `PERMISSION_DENIED`
+    /// for a worker or worker-pool token.
+    #[allow(clippy::result_large_err)]
+    pub fn intercept_client_call(&self, req: Request<()>) -> Result<Request<()>, Status> {
+        let req = self.intercept(req)?;
+        require_client(&identity(&req))?;
+        Ok(req)
+    }
+}
+
 /// The caller's identity from a request's extensions (Anonymous if the
 /// interceptor did not run, which only happens with auth off).
 pub fn identity<T>(req: &Request<T>) -> Identity {

@@ -132,15 +132,24 @@ pub async fn run(
         .build_v1alpha()
         .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
 
+    // The worker service's calls need a worker, client or admin token
+    // depending on the call (each handler checks); every call of the
+    // other services is a client call, refused to a worker token before
+    // its request is read.
     let auth = opts.auth.clone();
     let intercept = move |req| auth.intercept(req);
+    let auth = opts.auth.clone();
+    let intercept_client = move |req| auth.intercept_client_call(req);
     macro_rules! svc {
         ($server:ident, $api:expr) => {
+            svc!($server, $api, intercept_client)
+        };
+        ($server:ident, $api:expr, $intercept:ident) => {
             tonic::service::interceptor::InterceptedService::new(
                 $server::new($api)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES),
-                intercept.clone(),
+                $intercept.clone(),
             )
         };
     }
@@ -168,7 +177,8 @@ pub async fn run(
         WorkerApi {
             engine: engine.clone(),
             shutdown: stop_rx.clone()
-        }
+        },
+        intercept
     );
     let queue = svc!(
         QueueServiceServer,

@@ -663,3 +663,41 @@ async fn another_workers_token_cannot_report_its_lease() {
     assert_eq!(job().await.status, JobStatus::Completed as i32);
     s.stop().await;
 }
+
+/// A worker token is refused a client call when the call starts, before
+/// its request message has arrived: the server does not wait for (nor
+/// buffer) the body of a call the token may not make.
+#[tokio::test]
+async fn a_worker_token_is_refused_a_client_call_before_its_message_arrives() {
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![TokenEntry {
+                token: "worker-w1-token-0123456789".into(),
+                role: Role::Worker,
+                worker_id: Some("w1".into()),
+                worker_id_prefix: None,
+            }],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
+    let ch = InterceptedService::new(
+        s.channel().await,
+        Bearer(Some("worker-w1-token-0123456789".into())),
+    );
+    let mut grpc = tonic::client::Grpc::new(ch);
+    grpc.ready().await.unwrap();
+    // The request message never comes: the stream stays open, empty.
+    let body = futures_util::stream::pending::<SubmitPlanRequest>();
+    let call = grpc.client_streaming(
+        tonic::Request::new(body),
+        tonic::codegen::http::uri::PathAndQuery::from_static("/agq.v1.PlanService/SubmitPlan"),
+        tonic_prost::ProstCodec::<SubmitPlanRequest, SubmitPlanResponse>::default(),
+    );
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), call)
+        .await
+        .expect("no answer while the message was still to come");
+    assert_eq!(answer.err().map(|e| e.code()), Some(Code::PermissionDenied));
+}
