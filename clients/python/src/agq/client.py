@@ -153,6 +153,28 @@ class Client:
     def _t(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
 
+    def _send_once(
+        self, name: str, fn: Callable[..., _Resp], req: object, timeout: float | None,
+        check: str,
+    ) -> _Resp:
+        """Calls ``fn`` (RPC ``name``) once, waiting for the connection up
+        to the deadline, for a call that must not be sent twice. An
+        UNAVAILABLE is raised with ``check`` added: how the caller tells
+        whether the request reached the server."""
+        try:
+            return call_unary(
+                name, _Counted(fn, wait_for_ready=True), req,
+                timeout=self._t(timeout), metadata=self._metadata, retry=_ONCE,
+            )
+        except AgqError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                raise AgqError(
+                    name, e.code,
+                    f"{e.details} (not retried: the request may have reached the server; "
+                    f"{check})",
+                ) from e
+            raise
+
     # -- plans -----------------------------------------------------------
 
     def submit_plan(
@@ -555,19 +577,10 @@ class Client:
             action_id=action_id,
             status=common_pb2.JobStatus.ValueType(int(status or JobStatus.UNSPECIFIED)),
         )
-        try:
-            resp = call_unary(
-                "RetryAction", _Counted(self._actions.RetryAction, wait_for_ready=True), req,
-                timeout=self._t(timeout), metadata=self._metadata, retry=_ONCE,
-            )
-        except AgqError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                raise AgqError(
-                    "RetryAction", e.code,
-                    f"{e.details} (not retried: the request may have reached the server; "
-                    f"get_action({action_id!r}) tells whether its jobs were retried)",
-                ) from e
-            raise
+        resp = self._send_once(
+            "RetryAction", self._actions.RetryAction, req, timeout,
+            f"get_action({action_id!r}) tells whether its jobs were retried",
+        )
         return RetriedAction(resp.retried, ActionStatus.from_pb(resp.action))
 
     # -- jobs ------------------------------------------------------------
@@ -668,19 +681,10 @@ class Client:
         req = job_service_pb2.RetryJobRequest(job_id=job_id)
         if priority is not None:
             req.priority = priority
-        try:
-            resp = call_unary(
-                "RetryJob", _Counted(self._jobs.RetryJob, wait_for_ready=True), req,
-                timeout=self._t(timeout), metadata=self._metadata, retry=_ONCE,
-            )
-        except AgqError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                raise AgqError(
-                    "RetryJob", e.code,
-                    f"{e.details} (not retried: the request may have reached the server; "
-                    f"get_job({job_id!r}) tells whether the job was retried)",
-                ) from e
-            raise
+        resp = self._send_once(
+            "RetryJob", self._jobs.RetryJob, req, timeout,
+            f"get_job({job_id!r}) tells whether the job was retried",
+        )
         return Job.from_pb(resp.job)
 
     def cancel_job(self, job_id: str, *, timeout: float | None = None) -> Job:
