@@ -913,33 +913,46 @@ mod tests {
         );
     }
 
-    /// A direct operation broken by storage after it wrote rolls back its
-    /// whole batch; the operation queued behind it is carried over and
-    /// committed in the next batch; a refused direct operation (nothing
-    /// written) leaves its batch alone.
-    #[tokio::test]
-    async fn broken_direct_operation_rolls_back_its_batch_and_carries_the_rest() {
+    /// An operation broken by storage after it wrote (a direct one, or a
+    /// write one, which may have changed the in-memory state first) rolls
+    /// back its whole batch and has the state rebuilt: the operation before
+    /// it in the batch is answered with the failure, not committed; those
+    /// queued behind it are carried over to the next batch, where a refused
+    /// one (nothing written) is refused and the next commits.
+    async fn broken_operation_rolls_back_its_batch_and_carries_the_rest(direct: bool) {
         let (w, thread) = start(StoreHealth::default());
         // Hold the writer so the next operations queue up into one batch.
         let hold = w.write(|_, _| {
             std::thread::sleep(Duration::from_millis(200));
             Ok(())
         });
-        let (held, broken, refused, after) = tokio::join!(
+        let breaks = |_: &mut Log, c: &BatchConn<'_>| -> Result<()> {
+            insert(c, "lost")?;
+            c.execute("INSERT INTO missing VALUES (1)", [])?;
+            Ok(())
+        };
+        let refuses = |_: &mut Log, _: &BatchConn<'_>| -> Result<()> { Err(Error::invalid("no")) };
+        let (held, before, broken, refused, after) = tokio::join!(
             hold,
             async {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                w.write(|_, c| insert(c, "before")).await
+            },
+            async {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                w.write_direct(|_, c| {
-                    insert(c, "lost")?;
-                    c.execute("INSERT INTO missing VALUES (1)", [])?;
-                    Ok(())
-                })
-                .await
+                if direct {
+                    w.write_direct(breaks).await
+                } else {
+                    w.write(breaks).await
+                }
             },
             async {
                 tokio::time::sleep(Duration::from_millis(60)).await;
-                w.write_direct(|_, _| -> Result<()> { Err(Error::invalid("no")) })
-                    .await
+                if direct {
+                    w.write_direct(refuses).await
+                } else {
+                    w.write(refuses).await
+                }
             },
             async {
                 tokio::time::sleep(Duration::from_millis(70)).await;
@@ -947,8 +960,12 @@ mod tests {
             },
         );
         held.unwrap();
+        assert!(matches!(before, Err(Error::Internal(_))), "{before:?}");
         assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
-        assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{refused:?}"
+        );
         after.unwrap();
         let rows: Vec<String> = w
             .run(|s, c| {
@@ -963,53 +980,14 @@ mod tests {
         thread.join().unwrap();
     }
 
-    /// A write operation that storage fails under (it may have changed
-    /// the in-memory state first) rolls back its whole batch and has the
-    /// state rebuilt, as a direct one does; the operation queued behind it
-    /// is carried over and committed; the one before it in the batch is
-    /// answered with the failure, not committed.
     #[tokio::test]
-    async fn broken_write_operation_rolls_back_its_batch_and_rebuilds_the_state() {
-        let (w, thread) = start(StoreHealth::default());
-        let hold = w.write(|_, _| {
-            std::thread::sleep(Duration::from_millis(200));
-            Ok(())
-        });
-        let (held, before, broken, after) = tokio::join!(
-            hold,
-            async {
-                tokio::time::sleep(Duration::from_millis(40)).await;
-                w.write(|_, c| insert(c, "before")).await
-            },
-            async {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                w.write(|_, c| {
-                    insert(c, "lost")?;
-                    c.execute("INSERT INTO missing VALUES (1)", [])?;
-                    Ok(())
-                })
-                .await
-            },
-            async {
-                tokio::time::sleep(Duration::from_millis(70)).await;
-                w.write(|_, c| insert(c, "kept")).await
-            },
-        );
-        held.unwrap();
-        assert!(matches!(before, Err(Error::Internal(_))), "{before:?}");
-        assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
-        after.unwrap();
-        let rows: Vec<String> = w
-            .run(|s, c| {
-                assert_eq!(s.rollbacks, 1);
-                values(c, "v")
-            })
-            .await
-            .unwrap();
-        assert_eq!(rows, vec!["kept".to_string()]);
-        w.stop();
-        drop(w);
-        thread.join().unwrap();
+    async fn a_broken_direct_operation_rolls_back_its_batch() {
+        broken_operation_rolls_back_its_batch_and_carries_the_rest(true).await;
+    }
+
+    #[tokio::test]
+    async fn a_broken_write_operation_rolls_back_its_batch_and_rebuilds_the_state() {
+        broken_operation_rolls_back_its_batch_and_carries_the_rest(false).await;
     }
 
     /// Operations queued behind a busy writer: the small ones go into the
