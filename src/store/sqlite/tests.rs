@@ -1413,7 +1413,8 @@ async fn assert_found_across_actions(
 #[tokio::test]
 async fn an_operation_storage_fails_under_part_way_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let e = engine(&dir).await;
+    let sqlite = open(&dir, quick()).await;
+    let e = shared(&sqlite);
     e.submit_plan(plan("p", &["cat"]), false).await.unwrap();
     let ids = submit_as(&e, "a", "p", 3, 1).await;
     let trigger = rusqlite::Connection::open(dir.path().join("agq.db")).unwrap();
@@ -1430,7 +1431,7 @@ async fn an_operation_storage_fails_under_part_way_changes_nothing() {
         "{cancelled:?}"
     );
     trigger.execute_batch("DROP TRIGGER refuse_update").unwrap();
-    assert_eq!(with_status_shared(&e, JobStatus::Pending).await.len(), 3);
+    assert_eq!(with_status(&sqlite, JobStatus::Pending).await.len(), 3);
     let mut w = Worker::start(&e, "w", &["cat"], 3).await;
     assert_leased_all(&mut w, &ids).await;
 }
@@ -1449,17 +1450,6 @@ async fn assert_leased_all(w: &mut Worker, ids: &[String]) {
     let mut want = ids.to_vec();
     want.sort();
     assert_eq!(leased, want);
-}
-
-/// The ids of the jobs in `status` through the engine interface.
-async fn with_status_shared(e: &SharedEngine, status: JobStatus) -> Vec<String> {
-    e.search_jobs(JobQuery {
-        status: Some(status),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .items
 }
 
 /// When the state cannot be read back after such a rollback (here the
