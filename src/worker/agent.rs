@@ -32,7 +32,7 @@ use std::{
 };
 
 use tokio::{
-    sync::{mpsc, watch},
+    sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore},
     time::{timeout, Instant, MissedTickBehavior},
 };
 use tokio_stream::wrappers::ReceiverStream;
@@ -44,7 +44,9 @@ use super::{
     client::{self, WorkerClient},
     config::{platform, WorkerConfig},
     error::WorkerError,
-    executor::{abort_channel, fit_to_budget, AbortReason, AbortSender, Executor, TaskStart},
+    executor::{
+        abort_channel, fit_to_budget, AbortReason, AbortReceiver, AbortSender, Executor, TaskStart,
+    },
     reporter::Reporter,
     stats::{JobCounters, StatsCollector},
 };
@@ -103,6 +105,20 @@ struct RunningJob {
     /// Its final report is being sent: the server may already have freed
     /// its slot (and sent a new lease before our reply arrived).
     reporting: bool,
+    /// Becomes true once this attempt's processes are gone (killed or
+    /// exited, reaped, their output closed): a newer lease of the same job
+    /// starts only then.
+    exited: watch::Receiver<bool>,
+}
+
+/// Marks an attempt's processes as gone when dropped (also when its task
+/// ends early), so that a newer attempt of the same job may start.
+struct Exited(watch::Sender<bool>);
+
+impl Drop for Exited {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
+    }
 }
 
 impl RunningJob {
@@ -130,6 +146,10 @@ struct Shared {
     stats: StatsCollector,
     /// Running jobs by job id.
     jobs: Mutex<HashMap<String, RunningJob>>,
+    /// One permit per slot (`max_concurrent_jobs`): an attempt holds one
+    /// while its processes run, so the worker never runs more jobs at once
+    /// than it declared, whatever the server sends.
+    slots: Arc<Semaphore>,
     /// Number of running jobs, watched by the supervisor.
     job_count: watch::Sender<usize>,
     drain: watch::Sender<Drain>,
@@ -196,6 +216,7 @@ impl Shared {
         let stats = StatsCollector::new(Arc::new(JobCounters::default()), cwd);
         let reporter = Reporter::start(client.clone(), cfg.worker_id.clone(), CALL_TIMEOUT);
         let (answers_tx, answers_rx) = mpsc::unbounded_channel();
+        let slots = Arc::new(Semaphore::new(cfg.max_concurrent_jobs.max(1) as usize));
         Ok(Arc::new(Shared {
             cfg,
             client,
@@ -203,6 +224,7 @@ impl Shared {
             executor,
             stats,
             jobs: Mutex::new(HashMap::new()),
+            slots,
             job_count: watch::channel(0).0,
             drain: watch::channel(Drain::No).0,
             interval: Mutex::new(None),
@@ -395,6 +417,8 @@ impl Shared {
         };
         let job_id = job.job_id.clone();
         let (abort_tx, abort_rx) = abort_channel();
+        let (exited_tx, exited_rx) = watch::channel(false);
+        let mut previous = None;
         {
             let mut jobs = self.jobs();
             if let Some(old) = jobs.get(&job_id) {
@@ -403,11 +427,11 @@ impl Shared {
                     return;
                 }
                 // A new lease for a job we run under an old one: the old
-                // attempt is no longer ours.
-                warn!(%job_id, old = %old.lease_id, new = %lease.lease_id, "job leased again: restarting it under the new lease");
-                old.abort.send_replace(Some(AbortReason::LeaseLost(
-                    "superseded by a newer lease".into(),
-                )));
+                // attempt is no longer ours. The new one starts once the
+                // old one's processes are gone, never beside them.
+                warn!(%job_id, old = %old.lease_id, new = %lease.lease_id, "job leased again: restarting it under the new lease once the old attempt has stopped");
+                old.stop(AbortReason::LeaseLost("superseded by a newer lease".into()));
+                previous = Some(old.exited.clone());
             }
             jobs.insert(
                 job_id.clone(),
@@ -415,24 +439,52 @@ impl Shared {
                     lease_id: lease.lease_id.clone(),
                     abort: abort_tx,
                     reporting: false,
+                    exited: exited_rx,
                 },
             );
             self.job_count.send_replace(jobs.len());
-            // Jobs whose final report is in flight do not count: the
-            // server frees a slot when it commits a report, and the next
-            // lease may arrive before the reply does.
-            let running = jobs.values().filter(|j| !j.reporting).count();
-            if running > self.cfg.max_concurrent_jobs as usize {
-                warn!(
-                    running,
-                    max = self.cfg.max_concurrent_jobs,
-                    "more leases than slots: the server sent a lease while every slot runs a job"
-                );
-            }
         }
         info!(%job_id, lease_id = %lease.lease_id, attempt = lease.attempt, "lease received");
         let shared = Arc::clone(self);
-        tokio::spawn(async move { run_job(shared, lease, abort_rx).await });
+        tokio::spawn(
+            async move { run_job(shared, lease, abort_rx, previous, Exited(exited_tx)).await },
+        );
+    }
+
+    /// Waits until attempt `previous` of the same job (if any) has stopped
+    /// and a slot is free; `None` when the attempt is aborted meanwhile.
+    /// A server that sends more leases than the worker has slots gets its
+    /// extra leases run one by one as slots free up, within their own
+    /// lease time.
+    async fn wait_turn(
+        self: &Arc<Self>,
+        previous: Option<watch::Receiver<bool>>,
+        abort: &mut AbortReceiver,
+    ) -> Option<OwnedSemaphorePermit> {
+        let aborted = |abort: &mut AbortReceiver| {
+            let mut abort = abort.clone();
+            async move {
+                let _ = abort.wait_for(Option::is_some).await;
+            }
+        };
+        if let Some(mut previous) = previous {
+            tokio::select! {
+                // A dropped sender (its task is gone) counts as stopped.
+                _ = previous.wait_for(|gone| *gone) => {}
+                () = aborted(abort) => return None,
+            }
+        }
+        if let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() {
+            return Some(permit);
+        }
+        warn!(
+            max = self.cfg.max_concurrent_jobs,
+            "more leases than slots: the server sent a lease while every slot runs a job; it waits for a free slot"
+        );
+        tokio::select! {
+            permit = Arc::clone(&self.slots).acquire_owned() => permit.ok(),
+            () = aborted(abort) => None,
+        }
     }
 
     /// Marks the job's final report as being sent (see [`RunningJob::reporting`]).
@@ -479,7 +531,9 @@ struct LeaseIds {
 async fn run_job(
     shared: Arc<Shared>,
     lease: JobLease,
-    abort: tokio::sync::watch::Receiver<Option<AbortReason>>,
+    mut abort: AbortReceiver,
+    previous: Option<watch::Receiver<bool>>,
+    exited: Exited,
 ) {
     let job = lease.job.unwrap_or_default();
     // The job's span: a child of the lease's trace context when it has one.
@@ -505,6 +559,9 @@ async fn run_job(
         traceparent: telemetry::span_traceparent(&span).or(leased),
     };
     let expires_at = lease.expires_at.and_then(|t| SystemTime::try_from(t).ok());
+    // An attempt aborted while it waits runs nothing: the executor sees
+    // the abort before its first task.
+    let slot = shared.wait_turn(previous, &mut abort).await;
     let outcome = match lease.plan {
         Some(plan) => {
             let (progress_tx, progress_rx) = watch::channel(None::<TaskStart>);
@@ -541,6 +598,10 @@ async fn run_job(
             duration: Duration::ZERO,
         },
     };
+    // The attempt's processes are gone: its slot is free and a newer
+    // attempt of the job may start.
+    drop(slot);
+    drop(exited);
     shared
         .stats
         .counters()
@@ -1097,20 +1158,136 @@ mod tests {
 
     /// The shared state of a worker whose server is never reached.
     async fn shared() -> Arc<Shared> {
-        let cfg = AgwArgs::try_parse_from([
+        shared_with(&["--tools", "sort"]).await
+    }
+
+    /// The same, with more agw arguments.
+    async fn shared_with(args: &[&str]) -> Arc<Shared> {
+        let mut argv = vec![
             "agw",
             "--server",
             "http://127.0.0.1:9",
             "--worker-id",
             "w",
-            "--tools",
-            "sort",
             "--insecure-no-sandbox",
-        ])
-        .unwrap()
-        .into_config()
-        .unwrap();
+        ];
+        argv.extend_from_slice(args);
+        let cfg = AgwArgs::try_parse_from(argv)
+            .unwrap()
+            .into_config()
+            .unwrap();
         Shared::new(cfg).await.unwrap()
+    }
+
+    /// A lease of `job_id` under `lease_id` whose one task runs `sh -c script`.
+    fn sh_lease(job_id: &str, lease_id: &str, script: &str) -> JobLease {
+        JobLease {
+            lease_id: lease_id.into(),
+            job: Some(crate::pb::Job {
+                job_id: job_id.into(),
+                ..Default::default()
+            }),
+            plan: Some(Plan {
+                plan_id: "p".into(),
+                tasks: vec![Task {
+                    task_number: 1,
+                    command: "sh".into(),
+                    args: vec!["-c".into(), script.into()],
+                    timeout_secs: 60,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            attempt: 1,
+            ..Default::default()
+        }
+    }
+
+    /// A temporary directory the tasks may write in (agw as root runs them
+    /// as another user).
+    fn shared_dir() -> tempfile::TempDir {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        dir
+    }
+
+    /// Waits (at most 15 s) until `path` exists; the time it took.
+    async fn appears(path: &std::path::Path) -> Duration {
+        let start = std::time::Instant::now();
+        for _ in 0..300 {
+            if path.exists() {
+                return start.elapsed();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{} did not appear within 15 s", path.display());
+    }
+
+    /// A job leased again while its old attempt still runs starts under
+    /// the new lease only once the old attempt's processes are gone and
+    /// its output is closed, never beside them. The old attempt leaves a
+    /// process outside its group holding its stdout, so its end takes the
+    /// executor's 2 s pipe grace after the kill.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_leased_again_starts_after_the_old_attempt_has_stopped() {
+        let dir = shared_dir();
+        let d = dir.path().display();
+        let s = shared_with(&["--tools", "sh,setsid,sleep"]).await;
+        s.start_job(sh_lease(
+            "j",
+            "lease-1",
+            &format!("echo $$ > {d}/old; setsid sleep 4 & exec sleep 30"),
+        ));
+        appears(&dir.path().join("old")).await;
+        let started = std::time::Instant::now();
+        s.start_job(sh_lease(
+            "j",
+            "lease-2",
+            &format!("kill -0 $(cat {d}/old) 2>/dev/null && touch {d}/overlap; touch {d}/new"),
+        ));
+        appears(&dir.path().join("new")).await;
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(1500),
+            "the new attempt started {waited:?} after the old one was superseded, before the old one had stopped"
+        );
+        assert!(
+            !dir.path().join("overlap").exists(),
+            "the new attempt ran while the old attempt's process was alive"
+        );
+        assert_eq!(
+            s.jobs().get("j").map(|j| j.lease_id.clone()).as_deref(),
+            Some("lease-2")
+        );
+    }
+
+    /// A worker with one slot runs a second lease only once the first job
+    /// is over, however many leases the server sends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn leases_beyond_the_slots_wait_for_a_free_slot() {
+        let dir = shared_dir();
+        let d = dir.path().display();
+        let s = shared_with(&["--tools", "sh,sleep", "--max-concurrent-jobs", "1"]).await;
+        s.start_job(sh_lease(
+            "a",
+            "lease-a",
+            &format!("touch {d}/a; exec sleep 30"),
+        ));
+        appears(&dir.path().join("a")).await;
+        s.start_job(sh_lease("b", "lease-b", &format!("touch {d}/b")));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !dir.path().join("b").exists(),
+            "a second job ran while the only slot was taken"
+        );
+        assert_eq!(
+            s.active_jobs(),
+            2,
+            "the waiting lease is held (heartbeats report it)"
+        );
+        s.on_heartbeat_response(cancel("a", "lease-a"));
+        appears(&dir.path().join("b")).await;
     }
 
     /// Puts job `job_id` in the running table under `lease_id`.
@@ -1122,6 +1299,7 @@ mod tests {
                 lease_id: lease_id.into(),
                 abort,
                 reporting: false,
+                exited: watch::channel(false).1,
             },
         );
         rx

@@ -59,7 +59,8 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_INSTANCE_ID", hide = true)]
     pub instance_id: Option<String>,
 
-    /// Jobs run at once [default: number of CPUs].
+    /// Jobs run at once, 1..=1024 [default: number of CPUs]: the slots the
+    /// server fills; a lease beyond them waits for a free slot.
     #[arg(long, env = "AGW_MAX_CONCURRENT_JOBS", value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_concurrent_jobs: Option<u32>,
 
