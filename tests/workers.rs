@@ -37,6 +37,7 @@ store_tests! {
     progress_reports_are_bounded,
     a_reconnecting_worker_is_told_which_held_leases_were_revoked,
     a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
+    a_worker_drained_without_a_heartbeat_stream_is_told_when_it_opens_one,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -1307,6 +1308,106 @@ async fn a_worker_whose_heartbeat_stream_dropped_gets_no_lease(store: TestStore)
         .expect("the lease stream is open");
     assert!(ids.contains(&lease.job.unwrap().job_id));
     drop(tx);
+    s.stop().await;
+}
+
+/// DrainWorker tells the worker over its heartbeat stream; a worker that
+/// had none open at the time (reconnecting, or registered and not yet
+/// streaming) gets the Drain command as soon as it opens one: otherwise it
+/// would stay DRAINING on the server, getting no leases, without ever
+/// learning it should drain (and agw would never finish and exit).
+async fn a_worker_drained_without_a_heartbeat_stream_is_told_when_it_opens_one(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    // Stale only after 6 s: the workers stay live while they have no
+    // stream.
+    let cfg = agq::config::EngineConfig {
+        heartbeat_interval: Duration::from_secs(2),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    let drain = |id: &'static str| {
+        let s = &s;
+        async move {
+            let w = s
+                .workers()
+                .await
+                .drain_worker(DrainWorkerRequest {
+                    worker_id: id.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .worker
+                .unwrap();
+            assert_eq!(w.state, WorkerState::Draining as i32, "{w:?}");
+        }
+    };
+    let expect_drain = |got: Option<heartbeat_response::Command>, who: &str| match got {
+        Some(heartbeat_response::Command::Drain(d)) => {
+            assert_eq!(d.reason, "drain requested", "{who}")
+        }
+        other => panic!("{who}: expected a drain command, got {other:?}"),
+    };
+
+    // Streamed, then its streams closed (reconnecting) when drained.
+    let mut away = SimWorker::start(&s, "away", &["cat"], 1).await;
+    away.disconnect();
+    eventually(5, "the server sees away's streams closed", || async {
+        !worker(&s, "away").await.connected
+    })
+    .await;
+    drain("away").await;
+    assert!(
+        away.command_within(200).await.is_none(),
+        "a command reached a closed stream"
+    );
+    away.connect(None).await;
+    expect_drain(away.command_within(3000).await, "away, its stream reopened");
+
+    // Registered, and drained before it ever opened its heartbeat stream.
+    let mut c = s.workers().await;
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "late".into(),
+        hostname: "test-host".into(),
+        agw_version: "sim".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            ..Default::default()
+        }),
+        max_concurrent_jobs: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    drain("late").await;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(HeartbeatRequest {
+        worker_id: "late".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut replies = c
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let got = tokio::time::timeout(Duration::from_secs(3), async {
+        while let Some(r) = replies.message().await.unwrap() {
+            if r.command.is_some() {
+                return r.command;
+            }
+        }
+        None
+    })
+    .await
+    .unwrap_or(None);
+    expect_drain(got, "late, its first stream");
+    drop((tx, replies));
+
+    // Still DRAINING: no lease.
+    submit(&s, plan("p", &["cat"]), 1, 3).await;
+    assert!(away.lease_within(300).await.is_none(), "away got a lease");
+    assert_nothing_stranded(&s).await;
     s.stop().await;
 }
 

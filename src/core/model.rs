@@ -595,6 +595,17 @@ pub enum WorkerCommand {
     },
 }
 
+impl WorkerCommand {
+    /// The Drain command of DrainWorker, sent again on every heartbeat
+    /// stream a DRAINING worker opens (the first copy may have been lost
+    /// with the stream it was sent on, or found none open).
+    pub fn drain_requested() -> WorkerCommand {
+        WorkerCommand::Drain {
+            reason: "drain requested".into(),
+        }
+    }
+}
+
 /// One message of a worker's heartbeat stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeartbeatReply {

@@ -337,7 +337,7 @@ impl PgEngine {
                 "UPDATE workers SET replica_id = $2, conn_epoch = conn_epoch + 1,
                         heartbeat_open = true, suspect_since_ms = NULL
                  WHERE worker_id = $1 AND state = ANY($3)
-                 RETURNING conn_epoch, tools, tags, sandboxed, max_concurrent_jobs",
+                 RETURNING conn_epoch, tools, tags, sandboxed, max_concurrent_jobs, state",
                 &[&id, &self.replica_id, &LIVE.to_vec()],
             )
             .await
@@ -345,6 +345,7 @@ impl PgEngine {
         else {
             return Err(self.explain_worker(&c, &id).await);
         };
+        let draining = r.get::<_, i16>("state") == WorkerState::Draining as i16;
         self.local_entry(&id, &r, r.get(0))?;
         let sid = {
             let mut local = lock(&self.local);
@@ -357,6 +358,16 @@ impl PgEngine {
         };
         self.commands_wake.notify_one();
         self.dispatch_wake.notify_one();
+        // A DRAINING worker is told again on its new stream: DrainWorker's
+        // command is lost when the pump took it for a stream that had just
+        // ended (or maintenance expired it), and without it the worker
+        // would never learn to drain. A second copy (DrainWorker's still
+        // queued) is harmless: the worker drains once. A DrainWorker
+        // committed after the UPDATE above queues its own command, which
+        // this stream (its epoch now the current one) receives.
+        if draining {
+            queue_command(&c, &id, &WorkerCommand::drain_requested()).await?;
+        }
         resend_pending(&c, &id).await?;
         self.challenge_missing(&c, std::slice::from_ref(&id))
             .await?;
@@ -611,14 +622,7 @@ impl PgEngine {
         if n == 0 {
             return Err(self.explain_worker(&tx, id).await);
         }
-        queue_command(
-            &tx,
-            id,
-            &WorkerCommand::Drain {
-                reason: "drain requested".into(),
-            },
-        )
-        .await?;
+        queue_command(&tx, id, &WorkerCommand::drain_requested()).await?;
         tx.commit().await.map_err(db_err)?;
         tracing::info!(worker_id = %id, "worker draining");
         Ok(())

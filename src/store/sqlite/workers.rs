@@ -180,15 +180,25 @@ impl State {
     /// Attaches a newly opened stream to the worker, replacing an older one
     /// of the same kind. Returns the stream's id.
     ///
+    /// A DRAINING worker is told again on the new stream: the Drain command
+    /// is sent only on the stream open at DrainWorker's time, and is lost
+    /// when there was none (the worker was reconnecting) or it ended right
+    /// after; without it the worker would never learn to drain.
+    ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED).
     pub(super) fn open_heartbeat(&mut self, id: &str, tx: EventTx<HeartbeatEvent>) -> Result<u64> {
         self.live_worker(id)?;
         let sid = self.next_stream_id;
         self.next_stream_id += 1;
+        let mut draining = false;
         if let Some(w) = self.workers.get_mut(id) {
             w.heartbeat = Some(StreamSlot { id: sid, tx });
+            draining = w.state == WorkerState::Draining;
         }
         self.refresh_available(id);
+        if draining {
+            self.command(id, WorkerCommand::drain_requested());
+        }
         self.resend_pending(id);
         self.challenge_missing(id);
         Ok(sid)
@@ -392,12 +402,7 @@ impl State {
     pub(super) fn drain(&mut self, conn: &Connection, id: &str) -> Result<Worker> {
         self.live_worker(id)?;
         self.set_state(conn, id, WorkerState::Draining)?;
-        self.command(
-            id,
-            WorkerCommand::Drain {
-                reason: "drain requested".into(),
-            },
-        );
+        self.command(id, WorkerCommand::drain_requested());
         tracing::info!(worker_id = %id, "worker draining");
         self.worker_view(id)
     }
