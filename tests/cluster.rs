@@ -52,6 +52,15 @@
 //!   B while A still holds its old heartbeat stream (a half-open
 //!   connection) gets its commands on B, not on the stale stream on A
 //!   (which A ends once it sees the worker owned elsewhere).
+//! - `a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one`:
+//!   a worker drained (through B) while its heartbeat stream on A is
+//!   closed, whose queued Drain command is then lost (as when A's command
+//!   pump took it for a stream that had just ended), gets the Drain command
+//!   when it opens a heartbeat stream on B.
+//! - `a_completion_batch_locks_its_jobs_by_row_id`: a batch of completions
+//!   [J2, J1] waiting for J1's row (held by the test) holds no lock on J2
+//!   (the later row id): job rows are locked by id ascending, as cancels
+//!   do, so the two never deadlock.
 //! - `a_late_leader_statement_leaves_a_re_leased_job_alone`: the leader,
 //!   held up between listing a DEAD worker's running jobs and failing them
 //!   (here by a row lock the test holds), does not fail the lease another
@@ -1472,6 +1481,235 @@ async fn commands_follow_a_worker_that_moved() {
     );
 }
 
+/// The group commit of completions locks its job rows in the engine's
+/// one order for job row locks, row id ascending (src/store/postgres/jobs.rs),
+/// whatever the order its reports arrived in: a batch holding a later job
+/// while it waits for an earlier one would deadlock with a CancelAction
+/// (which locks by id) holding the earlier one and waiting for the later.
+/// Here the test holds the row of J1 (the lower id) while one batch
+/// completes [J2, J1]: while the batch waits for J1, J2's row is free.
+/// (An `UPDATE … FROM unnest(…)` alone locks in its join's order: the
+/// reports' order, or that of its scan of `jobs`; all put J2 first here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_completion_batch_locks_its_jobs_by_row_id() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = &cluster.urls()[0];
+    put_plan(url).await;
+    let mut w = HandWorker::start_with_slots(url, "w", "instance-w", &["cat"], 2).await;
+    let jobs = action_service_client::ActionServiceClient::new(channel(url).await.unwrap())
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: (1..=2)
+                .map(|n| ActionInput {
+                    values: [("n".to_string(), n.to_string())].into(),
+                })
+                .collect(),
+            max_attempts: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_ids;
+    let mut leases = HashMap::new();
+    for _ in 0..2 {
+        let l = timeout(Duration::from_secs(5), w.leases.next())
+            .await
+            .expect("W leases both jobs")
+            .unwrap()
+            .unwrap();
+        leases.insert(l.job.as_ref().unwrap().job_id.clone(), l.lease_id);
+    }
+    let probe = pg::connect(&cluster.url).await;
+    let mut by_id: Vec<(i64, String)> = Vec::new();
+    for j in &jobs {
+        let r = probe
+            .query_one("SELECT id FROM jobs WHERE job_id = $1", &[j])
+            .await
+            .unwrap();
+        by_id.push((r.get(0), j.clone()));
+    }
+    by_id.sort();
+    let (j1, j2) = (by_id[0].1.clone(), by_id[1].1.clone());
+    // J1's lease expires a second later than J2's (both were granted in
+    // one statement, with one expiry) and its row is a new version, after
+    // J2's in the table: J2 then comes first in the reports and in any
+    // scan of the running jobs (by lease expiry, the plan the statement
+    // before the fix got here, or through the table), and only the row id
+    // order puts J1 first.
+    probe
+        .execute(
+            "UPDATE jobs SET lease_expires_at_ms = lease_expires_at_ms + 1000 WHERE job_id = $1",
+            &[&j1],
+        )
+        .await
+        .unwrap();
+    let mut holder = pg::connect(&cluster.url).await;
+    let hold = holder.transaction().await.unwrap();
+    hold.query("SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE", &[&j1])
+        .await
+        .unwrap();
+    // One batch (one BatchUpdateJobs call: its completions are queued
+    // together), J2's report first.
+    let report = |job: &str| UpdateJobRequest {
+        job_id: job.into(),
+        worker_id: "w".into(),
+        lease_id: leases[job].clone(),
+        status: JobStatus::Completed as i32,
+        ..Default::default()
+    };
+    let mut client = w.client.clone();
+    let batch = BatchUpdateJobsRequest {
+        worker_id: "w".into(),
+        requests: vec![report(&j2), report(&j1)],
+    };
+    let call = tokio::spawn(async move { client.batch_update_jobs(batch).await });
+    eventually(10, "the batch waits for J1's row", || async {
+        lock_waiters(
+            &probe,
+            "%unnest($1::text[], $2::text[], $3::text[], $4::text[])%",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let status: i16 = probe
+        .query_one("SELECT status FROM jobs WHERE job_id = $1", &[&j2])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(status, 2, "J2 was completed in a batch of its own");
+    let mut checker = pg::connect(&cluster.url).await;
+    let check = checker.transaction().await.unwrap();
+    let j2_free = check
+        .query(
+            "SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE NOWAIT",
+            &[&j2],
+        )
+        .await;
+    check.rollback().await.unwrap();
+    hold.rollback().await.unwrap();
+    let done = timeout(CALL, call)
+        .await
+        .expect("the batch ends once J1's row is free")
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    assert!(
+        j2_free.is_ok(),
+        "the batch locked J2 (the later row id) while it waited for J1: {j2_free:?}"
+    );
+    let codes: Vec<i32> = done.results.iter().map(|r| r.code).collect();
+    assert_eq!(codes, [0, 0], "{done:?}");
+    for j in [&j1, &j2] {
+        let job = job_of(url, j).await.unwrap();
+        assert_eq!(job.status, JobStatus::Completed as i32, "{job:?}");
+    }
+    cluster.assert_no_panic();
+}
+
+/// A worker drained while its heartbeat stream is closed (it is
+/// reconnecting) learns it when it opens one, on any replica: the server
+/// sends the Drain command again on every heartbeat stream a DRAINING
+/// worker opens. Here the command DrainWorker queued is lost before the
+/// stream opens (the test deletes its row, as A's command pump does when
+/// it takes it for a stream that ended right after: the send then goes
+/// nowhere); otherwise the worker would stay DRAINING on the server,
+/// getting no leases, without ever learning to drain. The test holds the
+/// maintenance leader's row meanwhile, so that no maintenance pass
+/// declares the silent worker DEAD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let (a, b) = (&urls[0], &urls[1]);
+    let probe = pg::connect(&cluster.url).await;
+    eventually(10, "a maintenance leader", || async {
+        probe
+            .query_one("SELECT count(*) FROM leader", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    let mut leader = pg::connect(&cluster.url).await;
+    let hold = leader.transaction().await.unwrap();
+    hold.query("SELECT 1 FROM leader FOR UPDATE", &[])
+        .await
+        .unwrap();
+    // W on A; its heartbeat stream closes (it is reconnecting).
+    let mut w = HandWorker::start(a, "w", "instance-w", &["cat"]).await;
+    w.close_heartbeat();
+    eventually(10, "W's heartbeat stream is closed", || async {
+        !probe
+            .query_one(
+                "SELECT heartbeat_open FROM workers WHERE worker_id = 'w'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    })
+    .await;
+    let drained = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap())
+        .drain_worker(DrainWorkerRequest {
+            worker_id: "w".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .worker
+        .unwrap();
+    assert_eq!(drained.state, WorkerState::Draining as i32, "{drained:?}");
+    // The queued Drain command is lost.
+    let lost = probe
+        .execute("DELETE FROM worker_commands WHERE worker_id = 'w'", &[])
+        .await
+        .unwrap();
+    assert_eq!(lost, 1, "DrainWorker queued one command for W");
+    // W opens its heartbeat stream again, on B.
+    let mut client = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
+    let (hb_tx, hb_rx) = mpsc::channel(16);
+    hb_tx
+        .send(HeartbeatRequest {
+            worker_id: "w".into(),
+            stats: Some(WorkerStats::default()),
+            held_leases: Some(HeldLeases::default()),
+            verification: None,
+        })
+        .await
+        .unwrap();
+    let mut hb = client
+        .heartbeat(ReceiverStream::new(hb_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let got = timeout(Duration::from_secs(5), async {
+        while let Some(Ok(m)) = hb.next().await {
+            if m.command.is_some() {
+                return m.command;
+            }
+        }
+        None
+    })
+    .await;
+    hold.rollback().await.unwrap();
+    drop(hb_tx);
+    match got {
+        Ok(Some(Command::Drain(d))) => assert_eq!(d.reason, "drain requested"),
+        other => panic!(
+            "W, drained while its stream was closed, got no Drain command within 5 s of \
+             opening a stream on B: {other:?}"
+        ),
+    }
+    let v = worker_of(a, "w").await.unwrap();
+    assert_eq!(v.state, WorkerState::Draining as i32, "{v:?}");
+    cluster.assert_no_panic();
+}
+
 /// The leader declares a silent worker W DEAD and re-queues its running
 /// jobs J1 and J2 (one transaction: it lists W's running jobs, then fails
 /// each under its row lock). Held up between the two (here: the test holds
@@ -1772,6 +2010,17 @@ impl HandWorker {
     /// Registers worker `id` (instance `instance`, advertising `tools`)
     /// on `url` and opens its streams there.
     async fn start(url: &str, id: &str, instance: &str, tools: &[&str]) -> HandWorker {
+        Self::start_with_slots(url, id, instance, tools, 1).await
+    }
+
+    /// [`HandWorker::start`] with `slots` concurrent jobs.
+    async fn start_with_slots(
+        url: &str,
+        id: &str,
+        instance: &str,
+        tools: &[&str],
+        slots: u32,
+    ) -> HandWorker {
         let mut client =
             worker_service_client::WorkerServiceClient::new(channel(url).await.unwrap());
         client
@@ -1783,7 +2032,7 @@ impl HandWorker {
                     tools: tools.iter().map(|t| t.to_string()).collect(),
                     ..Default::default()
                 }),
-                max_concurrent_jobs: 1,
+                max_concurrent_jobs: slots,
                 instance_id: instance.into(),
                 ..Default::default()
             })

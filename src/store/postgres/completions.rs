@@ -8,6 +8,12 @@
 //! the next batch larger. A report the statement did not apply (its lease
 //! is gone, or it repeats one already applied) is answered `false` and
 //! its caller takes the single-report path, which says precisely why.
+//!
+//! The statement locks the batch's job rows by row id ascending (a locking
+//! `SELECT … ORDER BY j.id FOR UPDATE` before the `UPDATE`), the engine's
+//! one order for job row locks (see [`super::jobs`]): in arrival order it
+//! could wait in a circle on a CancelAction (which locks by id) or on
+//! another batch, and PostgreSQL would abort one of them.
 
 use std::{collections::HashSet, sync::Arc};
 
@@ -144,13 +150,27 @@ impl PgEngine {
             .query(
                 &cached(
                     &c,
-                    "UPDATE jobs j SET status = 3, completed_at_ms = agq_now_ms(),
+                    // Lock order: job row id ascending (see super::jobs).
+                    // An `UPDATE … FROM unnest(…)` alone locks in the
+                    // order its join meets the rows (the reports'), so the
+                    // rows are locked first, sorted; the UPDATE then only
+                    // takes locks this transaction holds, and re-checks
+                    // the fence on the rows as locked.
+                    "WITH locked AS (
+                         SELECT j.id, u.lease_id, u.worker_id, u.results
+                         FROM jobs j
+                         JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[])
+                              AS u(job_id, lease_id, results, worker_id)
+                           ON j.job_id = u.job_id
+                         WHERE j.status = 2 AND j.lease_id = u.lease_id
+                           AND j.worker_id = u.worker_id
+                         ORDER BY j.id FOR UPDATE OF j)
+                     UPDATE jobs j SET status = 3, completed_at_ms = agq_now_ms(),
                             lease_expires_at_ms = NULL,
-                            task_results = coalesce(u.results, j.task_results)
-                     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
-                          AS u(job_id, lease_id, results, worker_id)
-                     WHERE j.job_id = u.job_id AND j.status = 2 AND j.lease_id = u.lease_id
-                       AND j.worker_id = u.worker_id
+                            task_results = coalesce(l.results, j.task_results)
+                     FROM locked l
+                     WHERE j.id = l.id AND j.status = 2 AND j.lease_id = l.lease_id
+                       AND j.worker_id = l.worker_id
                      RETURNING j.job_id, j.lease_id, j.action_id, j.worker_id,
                                j.started_at_ms, j.completed_at_ms",
                 )

@@ -3,6 +3,33 @@
 //! operation is one transaction whose statements re-check the state they
 //! change (a report is fenced by `lease_id`, `worker_id` and
 //! `status = running`), so replicas need no coordination beyond row locks.
+//!
+//! # Lock order of job rows
+//!
+//! A transaction that locks (`FOR UPDATE`, or by updating) more than one
+//! row of `jobs` and may wait for them locks them in one global order: row
+//! id (`jobs.id`) ascending. Two transactions that both follow it never
+//! wait on each other in a circle; one that locked in another order (the
+//! order its reports arrived, or a join's scan order) could deadlock with
+//! one that did not, and PostgreSQL would abort one of them (40P01, which
+//! the client sees as UNAVAILABLE). So:
+//! - a statement over several jobs locks them first with a locking
+//!   `SELECT … ORDER BY id FOR UPDATE` (in a CTE; the `UPDATE` after it
+//!   then takes only locks its transaction holds): cancels
+//!   (`cancel_open`), retries (`retry_rows`, RetryAction's listing) and the
+//!   group commit of completions (`completions.rs`). An
+//!   `UPDATE … WHERE id = ANY($1)` or `UPDATE … FROM unnest(…)` alone
+//!   locks in scan or join order, not by id, whatever the array's order;
+//! - a loop that ends several attempts one statement each (a worker's
+//!   leases lost at a takeover, a dropped stream or staleness) takes them
+//!   in id order (`running_on` lists them by id);
+//! - a single report or cancel locks one job row;
+//! - `FOR UPDATE SKIP LOCKED` claims (the dispatcher, backoff promotion,
+//!   lease expiry) never wait for a row, so they may lock in any order;
+//!   what they update next is only what they locked.
+//!
+//! Rows of other tables are locked before job rows (plan, action, then
+//! jobs; a worker's row before its jobs), never after.
 
 use deadpool_postgres::{GenericClient, Transaction};
 use rand::Rng;
@@ -704,7 +731,7 @@ impl PgEngine {
         let rows = tx
             .query(
                 "WITH old AS (SELECT id, status FROM jobs
-                              WHERE id = ANY($1) AND status IN (4, 5) FOR UPDATE)
+                              WHERE id = ANY($1) AND status IN (4, 5) ORDER BY id FOR UPDATE)
                  UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(),
                         completed_at_ms = NULL, lease_id = NULL, error = '', current_task = 0,
                         progress_percent = 0, priority = coalesce($2, j.priority)
