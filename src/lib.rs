@@ -39,6 +39,7 @@ pub mod error;
 pub mod local;
 pub mod metrics;
 pub mod pb;
+pub mod request_budget;
 pub mod server;
 pub mod service;
 pub mod store;

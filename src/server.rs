@@ -73,6 +73,10 @@ pub struct ServerOptions {
     /// How long in-flight calls may run after shutdown begins; streams a
     /// client keeps open past it (a health Watch, say) are cut.
     pub shutdown_grace: Duration,
+    /// Bytes of request messages received at once over all calls
+    /// ([`crate::request_budget`]; default
+    /// [`crate::request_budget::DEFAULT_REQUEST_BUFFER_BYTES`]).
+    pub request_buffer_bytes: usize,
 }
 
 /// Default of [`ServerOptions::shutdown_grace`]: 10 seconds.
@@ -285,7 +289,10 @@ pub async fn run(
         let _ = began_tx.send(());
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let budget =
+        crate::request_budget::RequestBudget::new(opts.request_buffer_bytes, MAX_MESSAGE_BYTES);
     let serve = builder
+        .layer(crate::request_budget::RequestBudgetLayer::new(budget))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

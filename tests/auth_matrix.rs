@@ -701,3 +701,149 @@ async fn a_worker_token_is_refused_a_client_call_before_its_message_arrives() {
         .expect("no answer while the message was still to come");
     assert_eq!(answer.err().map(|e| e.code()), Some(Code::PermissionDenied));
 }
+
+/// Request bytes sent as they are: a whole gRPC message of any content.
+#[derive(Clone, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = bytes::Bytes;
+    type Decode = ();
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = bytes::Bytes;
+    type Error = Status;
+    fn encode(
+        &mut self,
+        item: bytes::Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = ();
+    type Error = Status;
+    fn decode(&mut self, _: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<()>, Status> {
+        Ok(Some(()))
+    }
+}
+
+/// Calls SubmitPlan with a whole message of `len` zero bytes (not a valid
+/// plan: the server refuses it when it decodes it).
+async fn submit_raw(ch: Channel, len: usize) -> Status {
+    let mut grpc = tonic::client::Grpc::new(ch);
+    grpc.ready().await.unwrap();
+    grpc.unary(
+        tonic::Request::new(bytes::Bytes::from(vec![0u8; len])),
+        tonic::codegen::http::uri::PathAndQuery::from_static("/agq.v1.PlanService/SubmitPlan"),
+        RawCodec,
+    )
+    .await
+    .expect_err("zero bytes are not a plan")
+}
+
+/// The server receives at most its request buffer's worth of messages at
+/// once over all calls: while one call holds most of it (a large message
+/// announced, its bytes still coming), another call's message that does
+/// not fit fails with RESOURCE_EXHAUSTED before it is buffered, small
+/// calls go on, and the buffer is free again once the first call is gone.
+#[tokio::test]
+async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
+    use futures_util::StreamExt;
+    use http_body_util::BodyExt;
+    use tower::Service;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = agq::server::ServerOptions {
+        store_ca_file: None,
+        store: agq::config::Store::Sqlite,
+        db: dir.path().join("agq.db"),
+        sqlite_synchronous: Default::default(),
+        engine: fast_config(),
+        auth: Authenticator::default(),
+        tls: None,
+        shutdown_grace: std::time::Duration::from_secs(2),
+        request_buffer_bytes: 1024 * 1024,
+    };
+    let server = agq::local::LocalServer::start(opts, None, false)
+        .await
+        .unwrap();
+    let ch = Channel::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // A SubmitPlan announcing a 900 KiB message that sends 100 KiB of it.
+    let mut first = vec![0u8];
+    first.extend_from_slice(&(900u32 * 1024).to_be_bytes());
+    first.extend_from_slice(&[0u8; 100 * 1024]);
+    let frames = futures_util::stream::iter([Ok::<_, Status>(http_body::Frame::data(
+        bytes::Bytes::from(first),
+    ))])
+    .chain(futures_util::stream::pending());
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(format!("{}/agq.v1.PlanService/SubmitPlan", server.url()))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(http_body_util::StreamBody::new(
+            frames,
+        )))
+        .unwrap();
+    let mut raw = ch.clone();
+    let holder = tokio::spawn(async move {
+        std::future::poll_fn(|cx| raw.poll_ready(cx)).await.unwrap();
+        let resp = raw.call(req).await;
+        // Never answered while its message is incomplete.
+        if let Ok(r) = resp {
+            let _ = r.into_body().collect().await;
+        }
+    });
+    // A 200 KiB message does not fit beside it.
+    let mut refused = None;
+    for _ in 0..100 {
+        let st = submit_raw(ch.clone(), 200 * 1024).await;
+        if st.code() == Code::ResourceExhausted {
+            refused = Some(st);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let refused = refused.expect("a message over the free request buffer was refused");
+    assert!(refused.message().contains("retry"), "{refused:?}");
+    // Small messages still go through.
+    let small = submit_raw(ch.clone(), 16).await;
+    assert_ne!(small.code(), Code::ResourceExhausted, "{small:?}");
+    let mut q = queue_service_client::QueueServiceClient::new(ch.clone());
+    q.get_queue_stats(GetQueueStatsRequest::default())
+        .await
+        .expect("a small call is served");
+    // The holding call ends: its part of the buffer comes back.
+    holder.abort();
+    let _ = holder.await;
+    let mut after = None;
+    for _ in 0..100 {
+        let st = submit_raw(ch.clone(), 200 * 1024).await;
+        if st.code() != Code::ResourceExhausted {
+            after = Some(st);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let after = after.expect("the buffer was given back once the holding call ended");
+    // Received whole and decoded: refused as what it is, not a plan.
+    assert_ne!(after.code(), Code::ResourceExhausted);
+    server.stop().await.unwrap();
+}

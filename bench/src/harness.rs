@@ -88,6 +88,7 @@ impl Harness {
             auth: Authenticator::default(),
             tls: None,
             shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
+            request_buffer_bytes: agq::request_budget::DEFAULT_REQUEST_BUFFER_BYTES,
         };
         let server = match LocalServer::start_on(rt.handle(), opts, None, false).await {
             Ok(server) => server,

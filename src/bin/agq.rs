@@ -130,6 +130,9 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
                 client_ca: args.tls_client_ca.clone(),
             }),
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace_secs),
+        request_buffer_bytes: usize::try_from(args.request_buffer_mb)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(1024 * 1024),
     };
     // The PostgreSQL URL may carry a password: only the SQLite path is logged.
     let db = match &args.store {

@@ -391,6 +391,7 @@ pub async fn run(args: DemoArgs) -> Result<(), CliError> {
         auth: Authenticator::default(),
         tls: None,
         shutdown_grace: server::DEFAULT_SHUTDOWN_GRACE,
+        request_buffer_bytes: crate::request_budget::DEFAULT_REQUEST_BUFFER_BYTES,
     };
     let mut server = LocalServer::start(opts, None, false)
         .await

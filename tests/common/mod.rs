@@ -214,6 +214,7 @@ impl TestServer {
             auth,
             tls: None,
             shutdown_grace: Duration::from_secs(2),
+            request_buffer_bytes: agq::request_budget::DEFAULT_REQUEST_BUFFER_BYTES,
         };
         let handle = tokio::runtime::Handle::current();
         let server = LocalServer::start_with(&handle, opts, addr, metrics, console)

@@ -1,0 +1,299 @@
+//! The server-wide budget for request messages being received.
+//!
+//! tonic buffers each gRPC request message whole before decoding it, up to
+//! [`crate::server::MAX_MESSAGE_BYTES`]. A caller with a valid token could
+//! open many calls (256 per connection, any number of connections), send
+//! all but the last byte of a large message on each and make the server
+//! hold gigabytes. [`RequestBudgetLayer`] reads the 5-byte gRPC frame
+//! header of every request message as it arrives and reserves the
+//! announced length from one budget shared by all calls; the reservation
+//! is given back once the whole message has arrived (tonic decodes it
+//! then) or the call ends. A message the budget cannot hold fails its call
+//! with `RESOURCE_EXHAUSTED` at once, before its bytes are buffered; the
+//! caller may retry once other messages are through. Messages larger than
+//! the message limit are left to tonic, which refuses them
+//! (`OUT_OF_RANGE`) without buffering them.
+
+use std::{
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use bytes::{Buf, Bytes};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::{body::Body, Status};
+
+/// Default of the budget, in bytes (256 MiB): sixteen messages of the
+/// largest size at once, or thousands of ordinary ones.
+pub const DEFAULT_REQUEST_BUFFER_BYTES: usize = 256 * 1024 * 1024;
+
+/// Bytes of a gRPC frame header: a compression flag and a big-endian
+/// 32-bit length.
+const HEADER_BYTES: usize = 5;
+
+/// The shared budget: a semaphore of one permit per byte.
+#[derive(Debug, Clone)]
+pub struct RequestBudget {
+    bytes: Arc<Semaphore>,
+    /// Messages longer than this are not reserved (tonic refuses them).
+    max_message: usize,
+}
+
+impl RequestBudget {
+    /// A budget of `total` bytes for messages of at most `max_message`
+    /// bytes (a message larger than `total` always fails with
+    /// `RESOURCE_EXHAUSTED`, so `total` should be at least `max_message`).
+    pub fn new(total: usize, max_message: usize) -> Self {
+        RequestBudget {
+            bytes: Arc::new(Semaphore::new(total.min(Semaphore::MAX_PERMITS))),
+            max_message,
+        }
+    }
+
+    /// Bytes not reserved now.
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    /// Reserves `len` bytes for one message; `Err` with
+    /// `RESOURCE_EXHAUSTED` when the budget cannot hold it now. `None` for
+    /// an empty message or one over the message limit.
+    fn reserve(&self, len: usize) -> Result<Option<OwnedSemaphorePermit>, Status> {
+        if len == 0 || len > self.max_message {
+            return Ok(None);
+        }
+        let n = u32::try_from(len).unwrap_or(u32::MAX);
+        match Arc::clone(&self.bytes).try_acquire_many_owned(n) {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => Err(Status::resource_exhausted(format!(
+                "the server is receiving too many large messages at once: a {len}-byte message does not fit its request buffer now; retry later"
+            ))),
+        }
+    }
+}
+
+/// A tower layer that puts every request body under a [`RequestBudget`];
+/// for `tonic::transport::Server::layer`.
+#[derive(Debug, Clone)]
+pub struct RequestBudgetLayer {
+    budget: RequestBudget,
+}
+
+impl RequestBudgetLayer {
+    /// Layer drawing on `budget`.
+    pub fn new(budget: RequestBudget) -> Self {
+        RequestBudgetLayer { budget }
+    }
+}
+
+impl<S> tower::Layer<S> for RequestBudgetLayer {
+    type Service = RequestBudgetService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RequestBudgetService {
+            inner,
+            budget: self.budget.clone(),
+        }
+    }
+}
+
+/// The service of [`RequestBudgetLayer`].
+#[derive(Debug, Clone)]
+pub struct RequestBudgetService<S> {
+    inner: S,
+    budget: RequestBudget,
+}
+
+impl<S> tower::Service<http::Request<Body>> for RequestBudgetService<S>
+where
+    S: tower::Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let budget = self.budget.clone();
+        self.inner
+            .call(req.map(|body| Body::new(BudgetedBody::new(body, budget))))
+    }
+}
+
+/// Where the body stands in its gRPC framing.
+#[derive(Debug)]
+enum Framing {
+    /// Reading a frame header: the bytes of it read so far.
+    Header {
+        buf: [u8; HEADER_BYTES],
+        have: usize,
+    },
+    /// Inside a message: bytes of it still to come, and its reservation.
+    Message {
+        left: usize,
+        _held: Option<OwnedSemaphorePermit>,
+    },
+}
+
+/// A request body that reserves each message's length from the budget as
+/// its header passes, and gives it back once the message has passed.
+struct BudgetedBody {
+    inner: Body,
+    budget: RequestBudget,
+    framing: Framing,
+    failed: bool,
+}
+
+impl BudgetedBody {
+    fn new(inner: Body, budget: RequestBudget) -> Self {
+        BudgetedBody {
+            inner,
+            budget,
+            framing: Framing::Header {
+                buf: [0; HEADER_BYTES],
+                have: 0,
+            },
+            failed: false,
+        }
+    }
+
+    /// Follows the framing over one chunk of data.
+    fn track(&mut self, data: &Bytes) -> Result<(), Status> {
+        let mut rest = data.clone();
+        while rest.has_remaining() {
+            match &mut self.framing {
+                Framing::Header { buf, have } => {
+                    let take = (HEADER_BYTES - *have).min(rest.remaining());
+                    rest.copy_to_slice(&mut buf[*have..*have + take]);
+                    *have += take;
+                    if *have == HEADER_BYTES {
+                        let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+                        let held = self.budget.reserve(len)?;
+                        self.framing = if len == 0 {
+                            Framing::Header {
+                                buf: [0; HEADER_BYTES],
+                                have: 0,
+                            }
+                        } else {
+                            Framing::Message {
+                                left: len,
+                                _held: held,
+                            }
+                        };
+                    }
+                }
+                Framing::Message { left, .. } => {
+                    let take = (*left).min(rest.remaining());
+                    rest.advance(take);
+                    *left -= take;
+                    if *left == 0 {
+                        // The whole message has arrived: tonic decodes it
+                        // now; the reservation goes back.
+                        self.framing = Framing::Header {
+                            buf: [0; HEADER_BYTES],
+                            have: 0,
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl HttpBody for BudgetedBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.failed {
+            return Poll::Ready(None);
+        }
+        let frame = match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => frame,
+            other => return other,
+        };
+        if let Some(data) = frame.data_ref() {
+            if let Err(status) = self.track(data) {
+                self.failed = true;
+                return Poll::Ready(Some(Err(status)));
+            }
+        }
+        Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(len: u32) -> Vec<u8> {
+        let mut h = vec![0u8];
+        h.extend_from_slice(&len.to_be_bytes());
+        h
+    }
+
+    fn body(budget: &RequestBudget) -> BudgetedBody {
+        BudgetedBody::new(Body::empty(), budget.clone())
+    }
+
+    /// A message's length is held from its header until its last byte,
+    /// whatever the chunking; headers split across chunks are read whole.
+    #[test]
+    fn a_message_is_held_from_its_header_to_its_last_byte() {
+        let budget = RequestBudget::new(1000, 10_000);
+        let mut b = body(&budget);
+        let mut first = header(600);
+        first.truncate(3);
+        b.track(&Bytes::from(first)).unwrap();
+        assert_eq!(budget.available(), 1000, "half a header reserves nothing");
+        let mut rest = header(600)[3..].to_vec();
+        rest.extend_from_slice(&[7; 100]);
+        b.track(&Bytes::from(rest)).unwrap();
+        assert_eq!(budget.available(), 400);
+        // Another call's message that does not fit is refused.
+        let mut other = body(&budget);
+        let err = other.track(&Bytes::from(header(500))).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        // The rest of the first message, then the next message's header
+        // in the same chunk.
+        let mut tail = vec![7; 500];
+        tail.extend_from_slice(&header(300));
+        b.track(&Bytes::from(tail)).unwrap();
+        assert_eq!(budget.available(), 700);
+        drop(b);
+        assert_eq!(
+            budget.available(),
+            1000,
+            "a call that ends gives back what it held"
+        );
+    }
+
+    /// Empty messages and messages over the message limit reserve nothing
+    /// (tonic refuses the latter itself).
+    #[test]
+    fn empty_and_oversized_messages_reserve_nothing() {
+        let budget = RequestBudget::new(1000, 2000);
+        let mut b = body(&budget);
+        let mut chunk = header(0);
+        chunk.extend_from_slice(&header(5000));
+        b.track(&Bytes::from(chunk)).unwrap();
+        assert_eq!(budget.available(), 1000);
+    }
+}
