@@ -817,6 +817,56 @@ async fn sigstop_then_sigcont_the_late_completion_is_rejected_by_fencing() {
     );
 }
 
+/// A lease lost while its worker could not hear of it: the worker is
+/// frozen and the server restarts (no stream is open to carry a cancel),
+/// the lease returns to pending after the grace and the job moves to
+/// another worker. Thawed, the first worker reconnects with the old lease
+/// among its held leases; the server answers that it is revoked, and agw
+/// kills that attempt's processes, leaving the new attempt alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_revoked_while_away_is_killed_when_the_worker_comes_back() {
+    let dir = test_dir();
+    let mut server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    c.plan("revoked", vec![writes_pid_then_sleeps(1)]).await;
+    let a = Agw::start(&server, "w-revoked", &["--max-concurrent-jobs", "1"]).await;
+    let job_id = c.submit("revoked", &[], 3).await;
+    c.wait_job(&job_id, "running on w-revoked", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "w-revoked"
+    })
+    .await;
+    let old = read_pid(&a.task_file("task.pid").await).await;
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    server.kill();
+    server.restart();
+    let mut c = Clients::new(&server).await;
+    let b = Agw::start(&server, "w-revoked-peer", &["--max-concurrent-jobs", "1"]).await;
+    c.wait_job(&job_id, "running on the peer", |j| {
+        j.status == JobStatus::Running as i32 && j.worker_id == "w-revoked-peer"
+    })
+    .await;
+    let new = read_pid(&b.task_file("task.pid").await).await;
+    assert!(!is_dead(old), "the frozen worker's task runs on meanwhile");
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let deadline = Instant::now() + WAIT;
+    while !is_dead(old) || !a.proc.log().contains("lease revoked while disconnected") {
+        assert!(
+            Instant::now() < deadline,
+            "the revoked attempt's process {old} was not killed on the server's word (dead: {}); agw log:\n{}",
+            is_dead(old),
+            a.proc.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let job = c.job(&job_id).await;
+    assert_eq!(
+        (job.status, job.worker_id.as_str(), job.attempt),
+        (JobStatus::Running as i32, "w-revoked-peer", 2),
+        "the new attempt is untouched"
+    );
+    assert!(!is_dead(new), "the new attempt's process runs on");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_job_finishes_the_job_unregisters_and_exits_0() {
     let dir = test_dir();
