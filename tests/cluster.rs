@@ -65,6 +65,12 @@
 //!   held up between listing a DEAD worker's running jobs and failing them
 //!   (here by a row lock the test holds), does not fail the lease another
 //!   worker got meanwhile for one of those jobs.
+//! - `a_claim_reads_no_job_scheduled_for_later`: with 20,000 jobs
+//!   scheduled an hour ahead and one ready, the dispatcher's readiness
+//!   check and claim (EXPLAIN ANALYZE on the test's database) read a few
+//!   rows and buffers, not one per scheduled job; the ready job is leased
+//!   at once, one scheduled 2 s ahead once due, none of the 20,000; and
+//!   GetQueueStats's statement scans the jobs once.
 //!
 //! Every test that kills or pauses replicas also checks that no replica
 //! process panicked (their logs are kept, killed ones included).
@@ -2392,4 +2398,234 @@ async fn retention_reaches_finished_actions_behind_many_open_ones() {
         .get(0);
     assert_eq!(open, OPEN as i64, "retention deleted an open action");
     cluster.assert_no_panic();
+}
+
+/// Milliseconds since the epoch, as a Timestamp.
+fn timestamp_ms(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
+    }
+}
+
+/// The test's clock, ms since the epoch (the database runs on this host).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// The plan (`EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`) of the statement
+/// `explain` runs on `db`, after `setup` (which may open a transaction and
+/// prepare the statement); the transaction, if any, is rolled back.
+async fn explain(db: &tokio_postgres::Client, setup: &str, explain: &str) -> serde_json::Value {
+    db.batch_execute(setup).await.expect("explain setup");
+    let out = db.simple_query(explain).await.expect("EXPLAIN");
+    let _ = db.batch_execute("ROLLBACK").await;
+    let text = out
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .expect("EXPLAIN returns its plan");
+    serde_json::from_str(&text).expect("EXPLAIN's JSON")
+}
+
+/// Rows of table `relation` that the nodes of `node` (recursively) read:
+/// the rows they returned plus those their filters removed, over every
+/// loop.
+fn rows_read(node: &serde_json::Value, relation: &str) -> f64 {
+    let n = |k: &str| {
+        node.get(k)
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(0.0)
+    };
+    let mut rows = 0.0;
+    if node
+        .get("Relation Name")
+        .and_then(serde_json::Value::as_str)
+        == Some(relation)
+    {
+        rows +=
+            (n("Actual Rows") + n("Rows Removed by Filter") + n("Rows Removed by Index Recheck"))
+                * n("Actual Loops").max(1.0);
+    }
+    if let Some(children) = node.get("Plans").and_then(serde_json::Value::as_array) {
+        rows += children.iter().map(|c| rows_read(c, relation)).sum::<f64>();
+    }
+    rows
+}
+
+/// Shared buffers (hit and read) the whole plan touched: its root's
+/// counts, which include every node below it.
+fn buffers(plan: &serde_json::Value) -> f64 {
+    let root = &plan[0]["Plan"];
+    root["Shared Hit Blocks"].as_f64().unwrap_or(0.0)
+        + root["Shared Read Blocks"].as_f64().unwrap_or(0.0)
+}
+
+/// `w`'s next lease within `within`.
+async fn next_lease(w: &mut HandWorker, within: Duration) -> Option<JobLease> {
+    timeout(within, w.leases.next())
+        .await
+        .ok()
+        .flatten()
+        .map(|l| l.expect("lease stream"))
+}
+
+/// Reports lease `l` of `w` completed.
+async fn complete(w: &HandWorker, l: &JobLease) {
+    w.client
+        .clone()
+        .update_job(UpdateJobRequest {
+            job_id: l.job.as_ref().unwrap().job_id.clone(),
+            worker_id: w.id.clone(),
+            lease_id: l.lease_id.clone(),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// Jobs scheduled for later (20,000 an hour ahead) cost the dispatcher
+/// nothing: with one ready job behind them (a later row id, same
+/// priority), the dispatcher's readiness check and its claim (the
+/// statements of src/store/postgres/dispatch.rs, EXPLAIN ANALYZEd with
+/// the claim's transaction settings on the test's database) read a few
+/// rows and buffers, not one index entry per scheduled job. Then a worker
+/// gets the ready job at once, a job scheduled 2 s ahead once it is due
+/// (not before), and none of the 20,000; GetQueueStats counts them in one
+/// pass over the open jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_reads_no_job_scheduled_for_later() {
+    use agq::store::postgres::{CLAIM, CLAIM_SETTINGS, QUEUE_STATS, READY_CHECK};
+    const LATER: usize = 20_000;
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let hour_ahead = timestamp_ms(now_ms() + 3_600_000);
+    let mut actions =
+        action_service_client::ActionServiceClient::new(channel(&url).await.expect("connect"));
+    // 10,000 inputs at most per action (max_inputs_per_action).
+    for _ in 0..LATER / 10_000 {
+        actions
+            .submit_action(SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: (0..10_000)
+                    .map(|n| ActionInput {
+                        values: [("n".to_string(), n.to_string())].into(),
+                    })
+                    .collect(),
+                max_attempts: 1,
+                run_at: Some(hour_ahead),
+                ..Default::default()
+            })
+            .await
+            .expect("submit the scheduled jobs");
+    }
+    let (_, ready) = submit_action_of(&url, "p", 1, None).await;
+    // No worker yet: the dispatcher claims nothing while the test looks.
+    let db = pg::connect(&cluster.url).await;
+    db.batch_execute("ANALYZE jobs").await.unwrap();
+    let check = explain(
+        &db,
+        "SELECT 1",
+        &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {READY_CHECK}"),
+    )
+    .await;
+    let claim = explain(
+        &db,
+        &format!(
+            "BEGIN; {CLAIM_SETTINGS}; PREPARE agq_claim (text[], boolean, text[], text[], bigint, \
+             bigint[]) AS {CLAIM}"
+        ),
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE agq_claim ('{cat}', false, '{}', '{\"\"}', 33, '{}')",
+    )
+    .await;
+    let (check_rows, check_buffers) = (rows_read(&check[0]["Plan"], "jobs"), buffers(&check));
+    let (claim_rows, claim_buffers) = (rows_read(&claim[0]["Plan"], "jobs"), buffers(&claim));
+    println!(
+        "with {LATER} jobs scheduled for later and 1 ready: readiness check read {check_rows} job \
+         rows, {check_buffers} buffers; claim read {claim_rows} job rows, {claim_buffers} buffers"
+    );
+    assert_eq!(
+        claim[0]["Plan"]["Actual Rows"].as_f64(),
+        Some(1.0),
+        "the claim finds the ready job: {claim:#}"
+    );
+    // Before the jobs scheduled for later were kept out of the claim's
+    // index, both read all 20,001 rows (the check by a sequential scan,
+    // the claim walking `jobs_claim`): 466 and 546 buffers.
+    assert!(
+        check_rows <= 10.0 && check_buffers <= 50.0 && claim_rows <= 10.0 && claim_buffers <= 100.0,
+        "the dispatcher reads past the jobs scheduled for later:\nreadiness check: {check:#}\nclaim: {claim:#}"
+    );
+
+    // The ready job is leased at once; a job due in 2 s once due.
+    let mut w = HandWorker::start(&url, "w", "instance-w", &["cat"]).await;
+    let l = next_lease(&mut w, Duration::from_secs(5))
+        .await
+        .expect("the ready job is leased");
+    assert_eq!(l.job.as_ref().unwrap().job_id, ready);
+    complete(&w, &l).await;
+    let due_ms = now_ms() + 2_000;
+    let (_, soon) = submit_action_of(&url, "p", 1, Some(timestamp_ms(due_ms))).await;
+    let l = next_lease(&mut w, Duration::from_secs(10))
+        .await
+        .expect("the job scheduled 2 s ahead is leased once due");
+    let leased_ms = now_ms();
+    assert_eq!(l.job.as_ref().unwrap().job_id, soon);
+    assert!(
+        leased_ms >= due_ms,
+        "leased {} ms before it was due",
+        due_ms - leased_ms
+    );
+    complete(&w, &l).await;
+    assert!(
+        next_lease(&mut w, Duration::from_secs(1)).await.is_none(),
+        "a job scheduled an hour ahead was leased"
+    );
+    let stats = queue_service_client::QueueServiceClient::new(channel(&url).await.unwrap())
+        .get_queue_stats(GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            stats.ready_length,
+            stats.scheduled_length,
+            stats.running_length
+        ),
+        (0, LATER as u64, 0)
+    );
+    // GetQueueStats reads the open jobs once (its totals, its depths by
+    // priority and by pool: three passes before).
+    let plan = explain(
+        &db,
+        "SELECT 1",
+        &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {QUEUE_STATS}"),
+    )
+    .await;
+    assert_eq!(
+        scans(&plan[0]["Plan"], "jobs"),
+        1,
+        "GetQueueStats scans the jobs more than once: {plan:#}"
+    );
+    cluster.assert_no_panic();
+}
+
+/// Scans of table `relation` in plan node `node` and below.
+fn scans(node: &serde_json::Value, relation: &str) -> usize {
+    usize::from(
+        node.get("Relation Name")
+            .and_then(serde_json::Value::as_str)
+            == Some(relation),
+    ) + node
+        .get("Plans")
+        .and_then(serde_json::Value::as_array)
+        .map_or(0, |c| c.iter().map(|c| scans(c, relation)).sum())
 }

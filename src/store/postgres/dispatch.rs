@@ -12,6 +12,13 @@
 //! `UPDATE … FROM unnest(…)`. It wakes on `NOTIFY agq_ready`, a freed
 //! slot, a stream opened here, and polls every [`POLL_INTERVAL`] so that a
 //! lost notification only delays.
+//!
+//! Jobs submitted with a `run_at` ahead are pending but `delayed`
+//! (migration 4): out of `jobs_claim`, so that no claim walks past them.
+//! A round that finds some due first clears their `delayed` (walking
+//! `jobs_delayed` from the earliest), then claims: a job scheduled for
+//! later is leased within a poll interval of its `run_at`, as when it
+//! stayed in the claim's index, and in the same order.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -43,6 +50,62 @@ type Class = (Vec<String>, bool, Vec<String>, Vec<String>);
 
 /// A ready job a claim picked: (row id, concurrency key, its limit).
 type Picked = (i64, String, i32);
+
+/// The round's first statement, outside its transaction: whether a job
+/// the claim can see is ready now, and whether a delayed job (submitted
+/// with a `run_at` ahead: out of `jobs_claim` until due; migration 4) is
+/// due. Each reads the first entry of a partial index, however many jobs
+/// are scheduled for later: the first in lease order of `jobs_claim` (a
+/// pending job there is ready from when it was written), and the
+/// earliest of `jobs_delayed` (`min`, which the planner reads off the
+/// index). Both are written so that a table scan would cost the planner
+/// more (a sort, an aggregate of every row), whatever its statistics.
+pub const READY_CHECK: &str = "SELECT
+     coalesce((SELECT true FROM jobs WHERE status = 1 AND NOT delayed AND ready_at_ms <= agq_now_ms()
+               ORDER BY priority DESC, id LIMIT 1), false),
+     coalesce((SELECT min(ready_at_ms) FROM jobs WHERE status = 1 AND delayed) <= agq_now_ms(), false)";
+
+/// Delayed jobs that are due, [`PROMOTE_BATCH`] at most, earliest first,
+/// join the claimable ones (`jobs_claim`): only the column `delayed`
+/// changes (the job was pending and stays so). It walks `jobs_delayed`
+/// from the earliest up to now (`(SELECT agq_now_ms())`, evaluated once,
+/// bounds the index range; the function itself, volatile, could only
+/// filter), and updates the rows by primary key (`= ANY(ARRAY(…))`: an
+/// `IN (…)` of up to 10,000 rows is planned as a hash join over a scan of
+/// every job). Rows another transaction holds are skipped, for the next
+/// round.
+const PROMOTE_DUE: &str = "UPDATE jobs SET delayed = false
+     WHERE id = ANY(ARRAY(SELECT id FROM jobs
+                          WHERE status = 1 AND delayed AND ready_at_ms <= (SELECT agq_now_ms())
+                          ORDER BY ready_at_ms LIMIT 10000 FOR UPDATE SKIP LOCKED))";
+
+/// The LIMIT of [`PROMOTE_DUE`] (keep the two equal): a batch this large
+/// may have left more.
+const PROMOTE_BATCH: u64 = 10_000;
+
+/// Settings of the round's transaction, set before [`CLAIM`]: the claim
+/// must walk `jobs_claim` in lease order and stop at its LIMIT; the
+/// planner, misjudging how many rows the plan filter keeps, would
+/// otherwise sort every ready job (milliseconds per claim with a backlog).
+pub const CLAIM_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off";
+
+/// The claim of one class of workers: ready jobs it can run, in lease
+/// order. Parameters: $1 the class's tools (`text[]`), $2 sandboxed,
+/// $3 its verified tools (`text[]`), $4 the selectors it matches
+/// (`text[]`), $5 how many (`bigint`), $6 row ids already picked for an
+/// earlier class (`bigint[]`). Public so that tests can check its plan.
+pub const CLAIM: &str = "SELECT j.id, j.concurrency_key, j.max_running FROM jobs j
+     JOIN plan_versions pv ON pv.plan_id = j.plan_id AND pv.version = j.plan_version
+     WHERE j.status = 1 AND NOT j.delayed AND j.ready_at_ms <= agq_now_ms()
+       AND pv.tools <@ $1 AND (NOT pv.require_sandbox OR $2)
+       AND (NOT pv.require_verified OR pv.tools <@ $3)
+       AND j.worker_selector = ANY($4) AND NOT (j.id = ANY($6))
+       AND (j.concurrency_key = ''
+            OR (SELECT count(*) FROM jobs r
+                WHERE r.status = 2 AND r.concurrency_key = j.concurrency_key)
+               < j.max_running)
+     ORDER BY j.priority DESC, j.id
+     LIMIT $5 FOR UPDATE OF j SKIP LOCKED";
 
 /// The dispatcher loop.
 pub(super) async fn run(engine: Arc<PgEngine>) {
@@ -93,15 +156,19 @@ impl PgEngine {
             return Ok(false);
         }
         let mut client = self.client().await?;
-        let ready: bool = client
-            .query_one(
-                &cached(&client, "SELECT EXISTS (SELECT 1 FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms())").await?,
-                &[],
-            )
+        let check = client
+            .query_one(&cached(&client, READY_CHECK).await?, &[])
             .await
-            .map_err(db_err)?
-            .get(0);
-        if !ready {
+            .map_err(db_err)?;
+        let (ready, due): (bool, bool) = (check.get(0), check.get(1));
+        if due {
+            // Every delayed job due now joins the claimable ones before
+            // the claim, so that it picks in lease order among all the
+            // jobs ready now, as if none had been delayed.
+            let promote = cached(&client, PROMOTE_DUE).await?;
+            while client.execute(&promote, &[]).await.map_err(db_err)? >= PROMOTE_BATCH {}
+        }
+        if !ready && !due {
             return Ok(false);
         }
         let selectors: Vec<(String, Option<Selector>)> = client
@@ -119,13 +186,7 @@ impl PgEngine {
             })
             .collect();
         let tx = client.transaction().await.map_err(db_err)?;
-        // The claim must walk `jobs_claim` in lease order and stop at its
-        // LIMIT; the planner, misjudging how many rows the plan filter
-        // keeps, would otherwise sort every ready job (milliseconds per
-        // claim with a backlog).
-        tx.batch_execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
-            .await
-            .map_err(db_err)?;
+        tx.batch_execute(CLAIM_SETTINGS).await.map_err(db_err)?;
         let ids: Vec<String> = candidates.iter().map(|w| w.id.clone()).collect();
         let found: HashMap<String, tokio_postgres::Row> = tx
             .query(
@@ -207,22 +268,7 @@ impl PgEngine {
             let want: usize = members.iter().map(|i| free[*i]).sum();
             let rows = tx
                 .query(
-                    &cached(
-                        &tx,
-                        "SELECT j.id, j.concurrency_key, j.max_running FROM jobs j
-                     JOIN plan_versions pv ON pv.plan_id = j.plan_id AND pv.version = j.plan_version
-                     WHERE j.status = 1 AND j.ready_at_ms <= agq_now_ms()
-                       AND pv.tools <@ $1 AND (NOT pv.require_sandbox OR $2)
-                       AND (NOT pv.require_verified OR pv.tools <@ $3)
-                       AND j.worker_selector = ANY($4) AND NOT (j.id = ANY($6))
-                       AND (j.concurrency_key = ''
-                            OR (SELECT count(*) FROM jobs r
-                                WHERE r.status = 2 AND r.concurrency_key = j.concurrency_key)
-                               < j.max_running)
-                     ORDER BY j.priority DESC, j.id
-                     LIMIT $5 FOR UPDATE OF j SKIP LOCKED",
-                    )
-                    .await?,
+                    &cached(&tx, CLAIM).await?,
                     &[
                         &tools,
                         &sandboxed,

@@ -169,7 +169,7 @@ impl PgEngine {
         };
         tx.execute(
             "UPDATE jobs SET status = $2::smallint, error = $3, ready_at_ms = agq_now_ms() + $4,
-                    completed_at_ms = CASE WHEN $2::smallint = 5 THEN agq_now_ms() END,
+                    delayed = false, completed_at_ms = CASE WHEN $2::smallint = 5 THEN agq_now_ms() END,
                     lease_id = CASE WHEN $5 THEN lease_id END, lease_expires_at_ms = NULL
              WHERE id = $1",
             &[&id, &(status as i16), &error, &backoff, &reported],
@@ -570,8 +570,9 @@ impl PgEngine {
         }
         tx.execute(
             &cached(tx, "INSERT INTO jobs (job_id, action_id, plan_id, plan_version, status, input, max_attempts,
-                 created_at_ms, ready_at_ms, priority, worker_selector, concurrency_key, max_running)
-             SELECT g.job_id, $3, $4, $5, 1, g.input, $6, $7, $8, $9, $10, $11, $12
+                 created_at_ms, ready_at_ms, priority, worker_selector, concurrency_key, max_running,
+                 delayed)
+             SELECT g.job_id, $3, $4, $5, 1, g.input, $6, $7, $8, $9, $10, $11, $12, $8::bigint > $7::bigint
              FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS g(job_id, input, n)
              ORDER BY g.n").await?,
             &[
@@ -732,7 +733,7 @@ impl PgEngine {
             .query(
                 "WITH old AS (SELECT id, status FROM jobs
                               WHERE id = ANY($1) AND status IN (4, 5) ORDER BY id FOR UPDATE)
-                 UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(),
+                 UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(), delayed = false,
                         completed_at_ms = NULL, lease_id = NULL, error = '', current_task = 0,
                         progress_percent = 0, priority = coalesce($2, j.priority)
                  FROM old WHERE j.id = old.id RETURNING old.status",

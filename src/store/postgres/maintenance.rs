@@ -211,7 +211,7 @@ impl PgEngine {
         let rows = c
             .query(
                 "WITH due AS (
-                     UPDATE jobs SET status = 1
+                     UPDATE jobs SET status = 1, delayed = false
                      WHERE id IN (SELECT id FROM jobs WHERE status = 4 AND ready_at_ms <= agq_now_ms()
                                   ORDER BY ready_at_ms LIMIT 10000 FOR UPDATE SKIP LOCKED)
                      RETURNING action_id)

@@ -22,7 +22,9 @@ mod schedules;
 mod schema;
 mod workers;
 
+pub use dispatch::{CLAIM, CLAIM_SETTINGS, READY_CHECK};
 pub use maintenance::FOLD_JOB_COUNTS;
+pub use workers::QUEUE_STATS;
 
 use std::{
     collections::{HashMap, HashSet},

@@ -37,6 +37,36 @@ pub(super) const LIVE: [i16; 3] = [
     WorkerState::Quarantined as i16,
 ];
 
+/// GetQueueStats's depths of the open jobs, in one pass over them (one
+/// scan, hashed by priority and by selector at once): a row per priority
+/// (`GROUPING(…)` = [`BY_PRIORITY`], highest first), a row per worker
+/// selector ([`BY_POOL`], in the selectors' order) and one of totals
+/// ([`TOTALS`], last; also with no open job). Columns: the grouping, the
+/// priority, the selector, then ready, scheduled and running counts, the
+/// earliest `ready_at_ms` of the ready and of the scheduled jobs, the
+/// latest `created_at_ms`, and the time they were counted at (`now`, one
+/// for every row). Public so that tests can check its plan.
+pub const QUEUE_STATS: &str =
+    "SELECT GROUPING(priority, worker_selector), priority, worker_selector,
+            count(*) FILTER (WHERE status = 1 AND ready_at_ms <= now),
+            count(*) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
+            count(*) FILTER (WHERE status = 2),
+            min(ready_at_ms) FILTER (WHERE status = 1 AND ready_at_ms <= now),
+            min(ready_at_ms) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
+            max(created_at_ms), max(now)
+     FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)
+     GROUP BY GROUPING SETS ((priority), (worker_selector), ())
+     ORDER BY 1, priority DESC, worker_selector";
+
+/// The grouping of [`QUEUE_STATS`]'s rows by priority.
+const BY_PRIORITY: i32 = 1;
+
+/// The grouping of [`QUEUE_STATS`]'s rows by worker selector (pool).
+const BY_POOL: i32 = 2;
+
+/// The grouping of [`QUEUE_STATS`]'s row of totals.
+const TOTALS: i32 = 3;
+
 /// A queued command: one of [`WorkerCommand`], or the end of the
 /// worker's heartbeat stream with a reason.
 pub(super) enum Queued {
@@ -1155,22 +1185,17 @@ impl PgEngine {
 
     pub(super) async fn pg_queue_stats(&self) -> Result<QueueStats> {
         let c = self.client().await?;
-        let r = c
-            .query_one(
-                "SELECT count(*) FILTER (WHERE status = 1 AND ready_at_ms <= now),
-                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
-                        count(*) FILTER (WHERE status = 2),
-                        min(ready_at_ms) FILTER (WHERE status = 1 AND ready_at_ms <= now),
-                        min(ready_at_ms) FILTER (WHERE (status = 1 AND ready_at_ms > now) OR status = 4),
-                        max(created_at_ms), max(now)
-                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)",
-                &[],
-            )
-            .await
-            .map_err(db_err)?;
-        let n = |i: usize| u64::try_from(r.get::<_, i64>(i)).unwrap_or(0);
+        // One pass over the open jobs for the totals, the depths by
+        // priority and those by pool.
+        let rows = c.query(QUEUE_STATS, &[]).await.map_err(db_err)?;
+        let grouping = |r: &tokio_postgres::Row| r.get::<_, i32>(0);
+        let r = rows
+            .iter()
+            .find(|r| grouping(r) == TOTALS)
+            .ok_or_else(|| Error::Internal("queue stats without totals".into()))?;
+        let n = |r: &tokio_postgres::Row, i: usize| u64::try_from(r.get::<_, i64>(i)).unwrap_or(0);
         let now: i64 = r
-            .get::<_, Option<i64>>(6)
+            .get::<_, Option<i64>>(9)
             .unwrap_or_else(crate::time::now_ms);
         let secs = |t: Option<i64>, later: bool| {
             t.map_or(0, |t| {
@@ -1179,51 +1204,31 @@ impl PgEngine {
             })
         };
         let mut stats = QueueStats {
-            ready_length: n(0),
-            scheduled_length: n(1),
-            running_length: n(2),
-            oldest_ready_age_secs: secs(r.get(3), false),
-            next_scheduled_due_in_secs: secs(r.get(4), true),
-            newest_job_age_secs: secs(r.get(5), false),
+            ready_length: n(r, 3),
+            scheduled_length: n(r, 4),
+            running_length: n(r, 5),
+            oldest_ready_age_secs: secs(r.get(6), false),
+            next_scheduled_due_in_secs: secs(r.get(7), true),
+            newest_job_age_secs: secs(r.get(8), false),
             ..Default::default()
         };
-        let by_priority = c
-            .query(
-                "SELECT priority, count(*) FILTER (WHERE status = 1 AND ready_at_ms <= n.now),
-                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > n.now) OR status = 4),
-                        count(*) FILTER (WHERE status = 2)
-                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)
-                 GROUP BY priority ORDER BY priority DESC",
-                &[],
-            )
-            .await
-            .map_err(db_err)?;
         let depths = |r: &tokio_postgres::Row| Depths {
-            ready: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
-            scheduled: u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
-            running: u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
+            ready: n(r, 3),
+            scheduled: n(r, 4),
+            running: n(r, 5),
         };
-        stats.by_priority = by_priority
+        stats.by_priority = rows
             .iter()
+            .filter(|r| grouping(r) == BY_PRIORITY)
             .map(|r| PriorityStats {
-                priority: r.get(0),
+                priority: r.get(1),
                 depths: depths(r),
             })
             .collect();
-        let by_pool = c
-            .query(
-                "SELECT worker_selector, count(*) FILTER (WHERE status = 1 AND ready_at_ms <= n.now),
-                        count(*) FILTER (WHERE (status = 1 AND ready_at_ms > n.now) OR status = 4),
-                        count(*) FILTER (WHERE status = 2)
-                 FROM jobs, (SELECT agq_now_ms() AS now) n WHERE status IN (1, 2, 4)
-                 GROUP BY worker_selector ORDER BY worker_selector",
-                &[],
-            )
-            .await
-            .map_err(db_err)?;
+        let by_pool = rows.iter().filter(|r| grouping(r) == BY_POOL);
         let workers = self.pg_workers(None, None).await?;
-        for r in &by_pool {
-            let text: String = r.get(0);
+        for r in by_pool {
+            let text: String = r.get(2);
             let matching = Selector::parse(&text).map_or(0, |s| {
                 workers
                     .iter()
@@ -1262,8 +1267,23 @@ impl PgEngine {
     pub(super) async fn pg_peek(&self, queue: QueueName, count: usize) -> Result<Vec<String>> {
         let c = self.client().await?;
         let sql = match queue {
+            // The pending jobs ready now, in lease order: those in the
+            // claim's index (`jobs_claim`, walked until the LIMIT) and
+            // those scheduled for later that are due but still `delayed`
+            // (migration 4; a dispatcher round clears it), looked for
+            // only when the earliest delayed one (`jobs_delayed`'s first
+            // entry) is due, up to now (evaluated once: a bound of the
+            // index range, which `agq_now_ms()`, volatile, cannot be).
             QueueName::Ready => {
-                "SELECT job_id FROM jobs WHERE status = 1 AND ready_at_ms <= agq_now_ms()
+                "SELECT job_id FROM (
+                     (SELECT job_id, priority, id FROM jobs
+                      WHERE status = 1 AND NOT delayed AND ready_at_ms <= agq_now_ms()
+                      ORDER BY priority DESC, id LIMIT $1)
+                     UNION ALL
+                     (SELECT job_id, priority, id FROM jobs
+                      WHERE status = 1 AND delayed AND ready_at_ms <= (SELECT agq_now_ms())
+                        AND (SELECT min(ready_at_ms) FROM jobs WHERE status = 1 AND delayed)
+                            <= (SELECT agq_now_ms()))) r
                  ORDER BY priority DESC, id LIMIT $1"
             }
             QueueName::Scheduled => {
