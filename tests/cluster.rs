@@ -1615,6 +1615,25 @@ async fn a_completion_batch_locks_its_jobs_by_row_id() {
     cluster.assert_no_panic();
 }
 
+/// Waits until a replica leads maintenance, then holds the leader row
+/// locked (in an open transaction of the returned connection), so that no
+/// maintenance pass runs until it rolls back or is dropped.
+async fn hold_maintenance(url: &str) -> tokio_postgres::Client {
+    let c = pg::connect(url).await;
+    eventually(10, "a maintenance leader", || async {
+        c.query_one("SELECT count(*) FROM leader", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    c.batch_execute("BEGIN; SELECT 1 FROM leader FOR UPDATE")
+        .await
+        .unwrap();
+    c
+}
+
 /// A worker drained while its heartbeat stream is closed (it is
 /// reconnecting) learns it when it opens one, on any replica: the server
 /// sends the Drain command again on every heartbeat stream a DRAINING
@@ -1632,20 +1651,7 @@ async fn a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one()
     let urls = cluster.urls();
     let (a, b) = (&urls[0], &urls[1]);
     let probe = pg::connect(&cluster.url).await;
-    eventually(10, "a maintenance leader", || async {
-        probe
-            .query_one("SELECT count(*) FROM leader", &[])
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    })
-    .await;
-    let mut leader = pg::connect(&cluster.url).await;
-    let hold = leader.transaction().await.unwrap();
-    hold.query("SELECT 1 FROM leader FOR UPDATE", &[])
-        .await
-        .unwrap();
+    let leader = hold_maintenance(&cluster.url).await;
     // W on A; its heartbeat stream closes (it is reconnecting).
     let mut w = HandWorker::start(a, "w", "instance-w", &["cat"]).await;
     w.close_heartbeat();
@@ -1702,7 +1708,7 @@ async fn a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one()
         None
     })
     .await;
-    hold.rollback().await.unwrap();
+    leader.batch_execute("ROLLBACK").await.unwrap();
     drop(hb_tx);
     match got {
         Ok(Some(Command::Drain(d))) => assert_eq!(d.reason, "drain requested"),
@@ -2224,20 +2230,7 @@ async fn a_watch_sees_jobs_lost_by_a_transaction_after_its_commit() {
     let urls = cluster.urls();
     put_plan(&urls[0]).await;
     let probe = pg::connect(&cluster.url).await;
-    eventually(10, "a maintenance leader", || async {
-        probe
-            .query_one("SELECT count(*) FROM leader", &[])
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    })
-    .await;
-    let mut leader = pg::connect(&cluster.url).await;
-    let hold = leader.transaction().await.unwrap();
-    hold.query("SELECT 1 FROM leader FOR UPDATE", &[])
-        .await
-        .unwrap();
+    let leader = hold_maintenance(&cluster.url).await;
     let mut w = HandWorker::start(&urls[0], "w", "instance-1", &["cat"]).await;
     let (action, job) = submit_action_of(&urls[1], "p", 1, None).await;
     let l = timeout(Duration::from_secs(5), w.leases.next())
@@ -2320,7 +2313,7 @@ async fn a_watch_sees_jobs_lost_by_a_transaction_after_its_commit() {
         None
     })
     .await;
-    hold.rollback().await.unwrap();
+    leader.batch_execute("ROLLBACK").await.unwrap();
     let j = job_of(&urls[1], &job).await;
     assert!(
         matches!(dead, Ok(Some(_))),
