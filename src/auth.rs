@@ -295,8 +295,93 @@ pub fn require_worker(id: &Identity, worker_id: &str) -> Result<(), Status> {
         Identity::WorkerPool(p) => Err(Status::permission_denied(format!(
             "this worker token acts for worker ids starting with {p:?}, not {worker_id}"
         ))),
+        Identity::Client => require_worker_role(id),
+    }
+}
+
+/// Allows every identity but a client token: the part of
+/// [`require_worker`] that does not depend on the worker id.
+///
+/// Errors: `PERMISSION_DENIED` for client tokens.
+#[allow(clippy::result_large_err)]
+pub fn require_worker_role(id: &Identity) -> Result<(), Status> {
+    match id {
         Identity::Client => Err(Status::permission_denied(
             "worker calls need a worker or admin token",
         )),
+        _ => Ok(()),
     }
+}
+
+/// The role check of a WorkerService call that its method alone decides
+/// (`method` is the RPC name, e.g. `ListWorkers`): ListWorkers and
+/// GetWorker are client calls, ReleaseWorker and VerifyWorker admin
+/// calls, every other call a worker call (whose worker id the handler
+/// checks against the token once the request has arrived).
+///
+/// Errors: `PERMISSION_DENIED` as [`require_client`], [`require_admin`]
+/// and [`require_worker_role`].
+#[allow(clippy::result_large_err)]
+pub fn check_worker_service_call(method: &str, id: &Identity) -> Result<(), Status> {
+    match method {
+        "ListWorkers" | "GetWorker" => require_client(id),
+        "ReleaseWorker" | "VerifyWorker" => require_admin(id),
+        _ => require_worker_role(id),
+    }
+}
+
+/// Wraps the WorkerService (inside its interceptor, which puts the
+/// caller's [`Identity`] in the request's extensions) and refuses a call
+/// its token's role can never make when the call starts, before its
+/// request message is read ([`check_worker_service_call`]); the handlers
+/// check again, with the worker id. Without it the server would read, and
+/// buffer, a message it then refuses.
+#[derive(Debug, Clone)]
+pub struct WorkerCallGate<S> {
+    inner: S,
+}
+
+impl<S> WorkerCallGate<S> {
+    /// Gate in front of `inner`.
+    pub fn new(inner: S) -> Self {
+        WorkerCallGate { inner }
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for WorkerCallGate<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures_util::future::Either<
+        std::future::Ready<Result<Self::Response, Self::Error>>,
+        S::Future,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let id = req
+            .extensions()
+            .get::<Identity>()
+            .cloned()
+            .unwrap_or(Identity::Anonymous);
+        let method = req.uri().path().rsplit('/').next().unwrap_or_default();
+        match check_worker_service_call(method, &id) {
+            Ok(()) => futures_util::future::Either::Right(self.inner.call(req)),
+            Err(status) => {
+                futures_util::future::Either::Left(std::future::ready(Ok(status.into_http())))
+            }
+        }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for WorkerCallGate<S> {
+    const NAME: &'static str = S::NAME;
 }

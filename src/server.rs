@@ -137,9 +137,10 @@ pub async fn run(
         .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
 
     // The worker service's calls need a worker, client or admin token
-    // depending on the call (each handler checks); every call of the
-    // other services is a client call, refused to a worker token before
-    // its request is read.
+    // depending on the call (refused by its gate when the call starts;
+    // each handler checks the worker id); every call of the other
+    // services is a client call, refused to a worker token before its
+    // request is read.
     let auth = opts.auth.clone();
     let intercept = move |req| auth.intercept(req);
     let auth = opts.auth.clone();
@@ -176,13 +177,19 @@ pub async fn run(
             engine: engine.clone()
         }
     );
-    let worker = svc!(
-        WorkerServiceServer,
-        WorkerApi {
-            engine: engine.clone(),
-            shutdown: stop_rx.clone()
-        },
-        intercept
+    // Inside its interceptor, a gate refuses a call the token's role can
+    // never make before its message is read (the handlers check the
+    // worker id once it has arrived).
+    let worker = tonic::service::interceptor::InterceptedService::new(
+        crate::auth::WorkerCallGate::new(
+            WorkerServiceServer::new(WorkerApi {
+                engine: engine.clone(),
+                shutdown: stop_rx.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        ),
+        intercept.clone(),
     );
     let queue = svc!(
         QueueServiceServer,

@@ -702,6 +702,89 @@ async fn a_worker_token_is_refused_a_client_call_before_its_message_arrives() {
     assert_eq!(answer.err().map(|e| e.code()), Some(Code::PermissionDenied));
 }
 
+/// Calls `path` with a request message that never comes; the answer
+/// (bounded by 5 s: the server must answer without waiting for it).
+async fn call_without_message<Req, Resp>(ch: Ch, path: &'static str) -> Result<(), Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let mut grpc = tonic::client::Grpc::new(ch);
+    grpc.ready().await.unwrap();
+    let body = futures_util::stream::pending::<Req>();
+    let call = grpc.client_streaming(
+        tonic::Request::new(body),
+        tonic::codegen::http::uri::PathAndQuery::from_static(path),
+        tonic_prost::ProstCodec::<Req, Resp>::default(),
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(5), call)
+        .await
+        .expect("no answer while the message was still to come")
+        .map(|_: tonic::Response<Resp>| ())
+}
+
+/// The worker service refuses a call the token's role can never make when
+/// the call starts, before its request message has arrived: a client
+/// token's worker call, a worker token's client call, a worker token's
+/// admin call.
+#[tokio::test]
+async fn the_worker_service_refuses_a_role_before_the_message_arrives() {
+    let tokens = vec![
+        TokenEntry {
+            token: "worker-w1-token-0123456789".into(),
+            role: Role::Worker,
+            worker_id: Some("w1".into()),
+            worker_id_prefix: None,
+        },
+        TokenEntry {
+            token: "client-token-0123456789".into(),
+            role: Role::Client,
+            worker_id: None,
+            worker_id_prefix: None,
+        },
+    ];
+    let auth = Authenticator::from_file("test", AuthFile { tokens }).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with(&dir.path().join("agq.db"), fast_config(), auth, None).await;
+    let with = |token: &str| {
+        let token = token.to_string();
+        let s = &s;
+        async move { InterceptedService::new(s.channel().await, Bearer(Some(token))) }
+    };
+    let client = with("client-token-0123456789").await;
+    let worker = with("worker-w1-token-0123456789").await;
+    let refused = [
+        call_without_message::<HeartbeatRequest, HeartbeatResponse>(
+            client.clone(),
+            "/agq.v1.WorkerService/Heartbeat",
+        )
+        .await,
+        call_without_message::<RegisterWorkerRequest, RegisterWorkerResponse>(
+            client,
+            "/agq.v1.WorkerService/RegisterWorker",
+        )
+        .await,
+        call_without_message::<ListWorkersRequest, ListWorkersResponse>(
+            worker.clone(),
+            "/agq.v1.WorkerService/ListWorkers",
+        )
+        .await,
+        call_without_message::<ReleaseWorkerRequest, ReleaseWorkerResponse>(
+            worker,
+            "/agq.v1.WorkerService/ReleaseWorker",
+        )
+        .await,
+    ];
+    for (i, r) in refused.iter().enumerate() {
+        assert_eq!(
+            r.as_ref().err().map(|e| e.code()),
+            Some(Code::PermissionDenied),
+            "call {i}: {r:?}"
+        );
+    }
+    s.stop().await;
+}
+
 /// Request bytes sent as they are: a whole gRPC message of any content.
 #[derive(Clone, Default)]
 struct RawCodec;
