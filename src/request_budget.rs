@@ -53,7 +53,8 @@ impl RequestBudget {
     }
 
     /// Bytes not reserved now.
-    pub fn available(&self) -> usize {
+    #[cfg(test)]
+    fn available(&self) -> usize {
         self.bytes.available_permits()
     }
 

@@ -687,18 +687,11 @@ async fn a_worker_token_is_refused_a_client_call_before_its_message_arrives() {
         s.channel().await,
         Bearer(Some("worker-w1-token-0123456789".into())),
     );
-    let mut grpc = tonic::client::Grpc::new(ch);
-    grpc.ready().await.unwrap();
-    // The request message never comes: the stream stays open, empty.
-    let body = futures_util::stream::pending::<SubmitPlanRequest>();
-    let call = grpc.client_streaming(
-        tonic::Request::new(body),
-        tonic::codegen::http::uri::PathAndQuery::from_static("/agq.v1.PlanService/SubmitPlan"),
-        tonic_prost::ProstCodec::<SubmitPlanRequest, SubmitPlanResponse>::default(),
-    );
-    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), call)
-        .await
-        .expect("no answer while the message was still to come");
+    let answer = call_without_message::<SubmitPlanRequest, SubmitPlanResponse>(
+        ch,
+        "/agq.v1.PlanService/SubmitPlan",
+    )
+    .await;
     assert_eq!(answer.err().map(|e| e.code()), Some(Code::PermissionDenied));
 }
 
@@ -711,6 +704,7 @@ where
 {
     let mut grpc = tonic::client::Grpc::new(ch);
     grpc.ready().await.unwrap();
+    // The request message never comes: the stream stays open, empty.
     let body = futures_util::stream::pending::<Req>();
     let call = grpc.client_streaming(
         tonic::Request::new(body),

@@ -459,9 +459,9 @@ impl Shared {
     async fn wait_turn(
         self: &Arc<Self>,
         previous: Option<watch::Receiver<bool>>,
-        abort: &mut AbortReceiver,
+        abort: &AbortReceiver,
     ) -> Option<OwnedSemaphorePermit> {
-        let aborted = |abort: &mut AbortReceiver| {
+        let aborted = || {
             let mut abort = abort.clone();
             async move {
                 let _ = abort.wait_for(Option::is_some).await;
@@ -471,7 +471,7 @@ impl Shared {
             tokio::select! {
                 // A dropped sender (its task is gone) counts as stopped.
                 _ = previous.wait_for(|gone| *gone) => {}
-                () = aborted(abort) => return None,
+                () = aborted() => return None,
             }
         }
         if let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() {
@@ -483,7 +483,7 @@ impl Shared {
         );
         tokio::select! {
             permit = Arc::clone(&self.slots).acquire_owned() => permit.ok(),
-            () = aborted(abort) => None,
+            () = aborted() => None,
         }
     }
 
@@ -531,7 +531,7 @@ struct LeaseIds {
 async fn run_job(
     shared: Arc<Shared>,
     lease: JobLease,
-    mut abort: AbortReceiver,
+    abort: AbortReceiver,
     previous: Option<watch::Receiver<bool>>,
     exited: Exited,
 ) {
@@ -561,7 +561,7 @@ async fn run_job(
     let expires_at = lease.expires_at.and_then(|t| SystemTime::try_from(t).ok());
     // An attempt aborted while it waits runs nothing: the executor sees
     // the abort before its first task.
-    let slot = shared.wait_turn(previous, &mut abort).await;
+    let slot = shared.wait_turn(previous, &abort).await;
     let outcome = match lease.plan {
         Some(plan) => {
             let (progress_tx, progress_rx) = watch::channel(None::<TaskStart>);
