@@ -993,9 +993,11 @@ async fn sigterm_kills_jobs_at_the_drain_timeout_and_still_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_keeps_a_finished_jobs_result_until_the_server_takes_it() {
-    // The job ends while the server is down; agw, draining, keeps its
-    // result past the drain timeout and its kill grace (1 s + 10 s), and
-    // exits only once the returning server has it.
+    // The job ends while the server is down, within the drain timeout
+    // (its 1 s task starts before the SIGTERM; the timeout, 3 s, leaves it
+    // room on a loaded machine); agw, draining, keeps its result past the
+    // drain timeout and the kill grace (3 s + 10 s), and exits only once
+    // the returning server has it.
     let dir = test_dir();
     let mut server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 60_000);
     let mut c = Clients::new(&server).await;
@@ -1007,7 +1009,7 @@ async fn a_drain_keeps_a_finished_jobs_result_until_the_server_takes_it() {
         ],
     )
     .await;
-    let mut agw = Agw::start(&server, "w-keeps", &["--drain-timeout-secs", "1"]).await;
+    let mut agw = Agw::start(&server, "w-keeps", &["--drain-timeout-secs", "3"]).await;
     let job_id = c.submit("brief", &[], 1).await;
     c.wait_job(&job_id, "running", |j| {
         j.status == JobStatus::Running as i32
