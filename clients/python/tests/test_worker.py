@@ -313,3 +313,74 @@ def test_task_threads_that_ignore_cancel_hold_their_slot(
     for j in sub.job_ids:
         assert "timed out" in client.get_job(j).error
     wait_until(lambda: not w._leftover, "the stopped threads to release their slots")
+
+
+def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second lease of a job whose first attempt's function ignores
+    ctx.cancelled starts its function only after that one has returned,
+    although a slot is free: one job's functions never run side by side."""
+    from agq.v1 import common_pb2, worker_service_pb2
+
+    w = agq.Worker("127.0.0.1:9", "py-again", max_concurrent_jobs=2)
+    lock = threading.Lock()
+    live = 0
+    most = 0
+    spans: list[tuple[str, float, float]] = []
+
+    @w.task("stubborn")
+    def stubborn(ctx: agq.TaskContext) -> str:
+        nonlocal live, most
+        t0 = time.monotonic()
+        with lock:
+            live += 1
+            most = max(most, live)
+        try:
+            time.sleep(2.5)  # ignores ctx.cancelled, past the 1 s grace
+        finally:
+            with lock:
+                live -= 1
+                spans.append((ctx.input.get("attempt", ""), t0, time.monotonic()))
+        return "done"
+
+    finals: list[worker_service_pb2.UpdateJobRequest] = []
+
+    class Stub:
+        def UpdateJob(
+            self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
+            metadata: Any = None,
+        ) -> worker_service_pb2.UpdateJobResponse:
+            if req.status != common_pb2.JOB_STATUS_RUNNING:
+                with lock:
+                    finals.append(req)
+            return worker_service_pb2.UpdateJobResponse(status=req.status)
+
+    monkeypatch.setattr(w, "_stub", Stub())
+
+    def lease(lease_id: str, attempt: int) -> worker_service_pb2.JobLease:
+        out = worker_service_pb2.JobLease(
+            lease_id=lease_id,
+            job=common_pb2.Job(job_id="j", action_id="a", plan_id="p",
+                               input={"attempt": str(attempt)}),
+            plan=common_pb2.Plan(plan_id="p", tasks=[
+                common_pb2.Task(task_number=1, command="stubborn", timeout_secs=60)]),
+            attempt=attempt,
+        )
+        out.expires_at.FromNanoseconds(int((time.time() + 60) * 1e9))
+        return out
+
+    w._start_job(lease("lease-1", 1))
+    wait_until(lambda: live == 1, "the first attempt's function to start")
+    w._start_job(lease("lease-2", 2))
+    wait_until(lambda: len(spans) == 2 and len(finals) == 2, "both attempts to finish")
+    assert most == 1, "the second attempt's function ran beside the first's"
+    (a1, _, end1), (a2, start2, _) = spans
+    assert (a1, a2) == ("1", "2")
+    assert start2 >= end1
+    by_lease = {f.lease_id: f for f in finals}
+    assert by_lease["lease-1"].status == common_pb2.JOB_STATUS_FAILED
+    assert "superseded" in by_lease["lease-1"].error
+    assert by_lease["lease-2"].status == common_pb2.JOB_STATUS_COMPLETED
+    assert by_lease["lease-2"].task_results[0].stdout == "done"
+    wait_until(lambda: not w._job_threads and not w._leftover, "the threads to be counted out")

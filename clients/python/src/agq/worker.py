@@ -25,7 +25,10 @@ told through :attr:`TaskContext.cancelled` and reported at once; a function
 that ignores it keeps running in the background until it returns, and its
 result is dropped. Its thread holds a slot of ``max_concurrent_jobs`` until
 then: a lease that arrives while such threads fill the slots waits for one
-of them to return (logged as a warning).
+of them to return (logged as a warning). A job leased again while its
+earlier attempt's function still runs (superseded, revoked or timed out)
+waits the same way, until that function returns or the new lease expires:
+one job's functions never run beside each other on a worker.
 
 Heartbeats come from a Python thread of this process: a task function that
 holds the GIL for long (a long C call that does not release it, such as a
@@ -360,6 +363,10 @@ class Worker:
         self._slots = threading.Condition(threading.Lock())
         self._busy = 0
         self._leftover: set[threading.Thread] = set()
+        # Task threads still running a function, per job id (under _slots):
+        # a new attempt of a job starts its first task only once the
+        # earlier attempt's functions have returned (see _take_slot).
+        self._job_threads: dict[str, int] = {}
         self._wake = threading.Event()
         self._stats = _Stats()
         self._interval: float | None = None
@@ -793,7 +800,8 @@ class Worker:
         # Waits while earlier jobs' task threads fill every slot; False when
         # the job was stopped meanwhile (the loop then reports it stopped
         # before its first task).
-        slot = bool(tasks) and self._take_slot(job.job_id, running)
+        expires = lease.expires_at.ToNanoseconds() / 1e9 if lease.HasField("expires_at") else None
+        slot = bool(tasks) and self._take_slot(job.job_id, running, expires)
         try:
             for task in tasks:
                 n = task.task_number
@@ -864,21 +872,41 @@ class Worker:
                     del self._jobs[job.job_id]
             self._wake.set()
 
-    def _take_slot(self, job_id: str, running: _Running) -> bool:
-        """Waits until a slot is free and takes it; False (nothing taken)
-        when the job is stopped first. A slot is taken by each job running
-        its tasks and by each task thread of a stopped job whose function
-        ignored ``ctx.cancelled`` and still runs (Python cannot kill it):
-        together at most ``max_concurrent_jobs``, so such threads cannot
-        pile up. A lease the server sends while they fill the slots waits
-        here (held, listed in ``held_leases``) until one of them returns."""
-        told = False
+    def _take_slot(self, job_id: str, running: _Running, expires: float | None) -> bool:
+        """Waits until a slot is free and no earlier attempt of the job
+        still runs a function, then takes the slot; False (nothing taken)
+        when the job is stopped first, or its lease expires (``expires``,
+        Unix seconds) while it waits.
+
+        A slot is taken by each job running its tasks and by each task
+        thread of a stopped job whose function ignored ``ctx.cancelled`` and
+        still runs (Python cannot kill it): together at most
+        ``max_concurrent_jobs``, so such threads cannot pile up. A lease the
+        server sends while they fill the slots waits here (held, listed in
+        ``held_leases``) until one of them returns. A job leased again while
+        its earlier attempt's function still runs (the attempt was
+        superseded, revoked or timed out) waits here too: one job's
+        functions never run beside each other on this worker."""
+        told_slots = told_job = False
         with self._slots:
-            while self._busy + len(self._leftover) >= self.max_concurrent_jobs:
+            while True:
+                earlier = self._job_threads.get(job_id, 0)
+                full = self._busy + len(self._leftover) >= self.max_concurrent_jobs
+                if not earlier and not full:
+                    break
                 if running.cancel.is_set():
                     return False
-                if not told:
-                    told = True
+                if expires is not None and time.time() >= expires:
+                    running.stop("the lease expired while the job waited to start")
+                    return False
+                if earlier and not told_job:
+                    told_job = True
+                    log.warning(
+                        "job %s waits for its earlier attempt: %d task function(s) of it still "
+                        "run (they ignore ctx.cancelled)", job_id, earlier,
+                    )
+                elif full and not earlier and not told_slots:
+                    told_slots = True
                     log.warning(
                         "job %s waits for a slot: %d task thread(s) of stopped jobs still run "
                         "(their functions ignore ctx.cancelled) and count toward "
@@ -887,8 +915,8 @@ class Worker:
                     )
                 self._slots.wait(0.2)
             self._busy += 1
-        if told:
-            log.info("job %s: a slot is free, starting it", job_id)
+        if told_slots or told_job:
+            log.info("job %s: nothing holds it back any more, starting it", job_id)
         return True
 
     def _give_slot(self) -> None:
@@ -916,6 +944,12 @@ class Worker:
                 # `finished` under it, so a thread is never left counted.
                 with self._slots:
                     finished.set()
+                    left = self._job_threads.get(ctx.job_id, 1) - 1
+                    if left > 0:
+                        self._job_threads[ctx.job_id] = left
+                    else:
+                        self._job_threads.pop(ctx.job_id, None)
+                    self._slots.notify_all()
                     if thread in self._leftover:
                         self._leftover.discard(thread)
                         self._slots.notify_all()
@@ -928,7 +962,15 @@ class Worker:
         t0 = time.monotonic()
         thread = threading.Thread(target=call, name=f"agq-task-{ctx.job_id}-{ctx.task_number}",
                                   daemon=True)
-        thread.start()
+        with self._slots:
+            # Checked under the lock that a newer attempt waits on: once it
+            # sees no function of this job running, none starts.
+            if running.cancel.is_set():
+                return (TaskResult(ctx.task_number, ctx.command, -1, "",
+                                   f"stopped: {running.reason}\n", 0),
+                        f"stopped before task {ctx.task_number}: {running.reason}", False)
+            self._job_threads[ctx.job_id] = self._job_threads.get(ctx.job_id, 0) + 1
+            thread.start()
         limit = t0 + (timeout_secs if timeout_secs > 0 else 86_400)
         stopped = ""
         while not finished.wait(0.05):
