@@ -229,11 +229,17 @@ impl Fleet {
         Ok(fleet)
     }
 
-    /// Stops every worker (their streams drop) and waits for them.
+    /// Stops every worker (their streams drop) and waits for them, 10 s in
+    /// all; a worker not gone by then (one still waiting for a call's
+    /// answer) is aborted.
     pub async fn stop(self) {
         let _ = self.stop.send(true);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         for t in self.tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+            let abort = t.abort_handle();
+            if tokio::time::timeout_at(deadline, t).await.is_err() {
+                abort.abort();
+            }
         }
     }
 }

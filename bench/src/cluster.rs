@@ -38,7 +38,7 @@ use super::{
     failover::{self, CtlWorker},
     harness::{self, Harness},
     procstat,
-    report::{self, verdict, Phase, MAX_CONNECTIONS, PLAN},
+    report::{self, verdict, Phase, PLAN},
     stats::{histogram, now_us, Recorder, Summary},
     BenchArgs, BenchError,
 };
@@ -407,10 +407,7 @@ pub async fn run(args: &BenchArgs) -> Result<bool, BenchError> {
     );
     let mut replicas = Replicas::start(args, &binary, &url).await?;
     let result = async {
-        let conns = args
-            .workers
-            .div_ceil(args.workers_per_connection.max(1))
-            .clamp(1, MAX_CONNECTIONS);
+        let conns = report::worker_connections(args.workers, args.workers_per_connection);
         let worker_channels = replicas.channels(conns).await?;
         let submit_channels = replicas.channels(args.clients.clamp(1, 8)).await?;
         agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;

@@ -20,8 +20,28 @@ use super::{
     BenchArgs, BenchError,
 };
 
-/// Most HTTP/2 connections the simulated workers open to AGQ.
+/// Most HTTP/2 connections the simulated workers open to AGQ, unless the
+/// server's per-connection call limit needs more (see [`worker_connections`]).
 pub const MAX_CONNECTIONS: usize = 64;
+
+/// Streams each simulated worker keeps open: Heartbeat, LeaseJobs and
+/// ReportJobs.
+const STREAMS_PER_WORKER: usize = 3;
+
+/// HTTP/2 connections for `workers` simulated workers with at most
+/// `per_connection` on each: up to [`MAX_CONNECTIONS`], and as many more as
+/// their streams need to stay under the server's limit of open calls per
+/// connection ([`agq::server::MAX_CONCURRENT_STREAMS`], with room for the
+/// unary calls of setting up). A stream beyond that limit would wait for
+/// another to end, and its worker would never connect.
+pub fn worker_connections(workers: usize, per_connection: usize) -> usize {
+    let limit = agq::server::MAX_CONCURRENT_STREAMS as usize;
+    let fit = (limit - limit / 8) / STREAMS_PER_WORKER;
+    let wanted = workers
+        .div_ceil(per_connection.max(1))
+        .clamp(1, MAX_CONNECTIONS);
+    wanted.max(workers.div_ceil(fit))
+}
 
 /// Plan id of the bench jobs.
 pub const PLAN: &str = "bench";
@@ -121,8 +141,7 @@ pub async fn start_agq(args: &BenchArgs, binary: Option<&Path>) -> Result<Harnes
     }
 }
 
-/// Opens the simulated workers' connections (`--workers-per-connection`
-/// workers each, at most [`MAX_CONNECTIONS`]) and the submit clients' (at
+/// Opens the simulated workers' connections ([`worker_connections`]) and the submit clients' (at
 /// most 8), and stores the bench plan. Returns (workers', clients').
 ///
 /// Errors: connection failures, a failed SubmitPlan.
@@ -130,10 +149,7 @@ pub async fn load_channels(
     args: &BenchArgs,
     h: &Harness,
 ) -> Result<(Vec<Channel>, Vec<Channel>), BenchError> {
-    let conns = args
-        .workers
-        .div_ceil(args.workers_per_connection.max(1))
-        .clamp(1, MAX_CONNECTIONS);
+    let conns = worker_connections(args.workers, args.workers_per_connection);
     let worker_channels = channels(h, conns).await?;
     let submit_channels = channels(h, args.clients.clamp(1, 8)).await?;
     agq_load::submit_plan(submit_channels[0].clone(), PLAN).await?;
@@ -741,9 +757,7 @@ pub async fn run_default(args: &BenchArgs, nofile: u64) -> Result<bool, BenchErr
         println!(
             "idle fleet: {} workers, {} HTTP/2 connections, heartbeat every {} ms, {:.1} s",
             args.workers,
-            args.workers
-                .div_ceil(args.workers_per_connection.max(1))
-                .clamp(1, MAX_CONNECTIONS),
+            worker_connections(args.workers, args.workers_per_connection),
             args.heartbeat_ms,
             i.secs
         );
@@ -928,5 +942,32 @@ fn print_bars(
             );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_streams_stay_under_the_servers_call_limit() {
+        let limit = agq::server::MAX_CONCURRENT_STREAMS as usize;
+        for (workers, per) in [
+            (64, 32),
+            (10_000, 32),
+            (10_000, 1_000),
+            (100_000, 32),
+            (1, 0),
+        ] {
+            let conns = worker_connections(workers, per);
+            let busiest = workers.div_ceil(conns);
+            assert!(
+                busiest * STREAMS_PER_WORKER <= limit,
+                "{workers} workers on {conns} connections: {busiest} on one"
+            );
+        }
+        // Within the limit, the requested spread and the cap hold.
+        assert_eq!(worker_connections(64, 32), 2);
+        assert_eq!(worker_connections(4_000, 32), MAX_CONNECTIONS);
     }
 }
