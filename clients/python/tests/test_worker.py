@@ -384,3 +384,32 @@ def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
     assert by_lease["lease-2"].status == common_pb2.JOB_STATUS_COMPLETED
     assert by_lease["lease-2"].task_results[0].stdout == "done"
     wait_until(lambda: not w._job_threads and not w._leftover, "the threads to be counted out")
+
+
+def test_many_workers_in_one_process_all_connect(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """140 Workers in one process hold 280 streams, more than the 256 calls
+    the server allows open on one HTTP/2 connection: each Worker has a
+    connection of its own, so all of them connect and take jobs."""
+    ran: set[str] = set()
+    lock = threading.Lock()
+
+    def note(ctx: agq.TaskContext) -> str:
+        with lock:
+            ran.add(ctx.job_id)
+        return "ok"
+
+    threads = []
+    for i in range(140):
+        w = agq.Worker(server.address, f"py-many-{i}")
+        w.register(note, "note")
+        threads.append(start_worker(w))
+    for t in threads:
+        t.wait_connected()
+    assert len(client.list_workers()) == 140
+    client.submit_plan(agq.Plan("py-many", [agq.Task("note")]))
+    sub = client.submit_action("py-many", [{} for _ in range(20)])
+    assert client.wait_action(sub.action_id, timeout=WAIT).completed == 20
+    assert ran == set(sub.job_ids)

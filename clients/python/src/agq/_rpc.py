@@ -109,7 +109,14 @@ def make_channel(
     stripped, ``https://`` implies TLS). ``tls``: None/False for plaintext,
     True for TLS with the system roots, or credentials from
     :func:`tls_credentials`. ``tls_server_name`` overrides the name the
-    server certificate is checked against."""
+    server certificate is checked against.
+
+    Each channel is its own HTTP/2 connection (gRPC would otherwise share
+    one among all channels of the process to the same address): the
+    server allows at most 256 calls open at once on a connection, and
+    every open stream (a Worker's heartbeat and lease streams, a watch)
+    counts, so many Workers or Clients in one process on one connection
+    would wait for each other's streams to end."""
     target = address.strip()
     if target.startswith("http://"):
         target = target[len("http://") :]
@@ -126,6 +133,8 @@ def make_channel(
         # grows to 120 s).
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 5_000),
+        # A connection of this channel's own, not the process-wide pool's.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
