@@ -413,3 +413,147 @@ def test_many_workers_in_one_process_all_connect(
     sub = client.submit_action("py-many", [{} for _ in range(20)])
     assert client.wait_action(sub.action_id, timeout=WAIT).completed == 20
     assert ran == set(sub.job_ids)
+
+
+def test_process_isolation_runs_functions_in_their_own_processes(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """A function registered with isolation="process" runs in a child
+    process: its output, logged lines, exceptions (with the traceback) and
+    PermanentFailure are reported as on a thread; a crash of the process
+    fails the task and the worker runs on."""
+    import os
+
+    import isolated_tasks
+
+    w = agq.Worker(server.address, "py-iso", max_concurrent_jobs=2)
+    for fn in (isolated_tasks.shout, isolated_tasks.broken, isolated_tasks.crash):
+        w.register(fn, isolation="process")
+    start_worker(w).wait_connected()
+    for name in ("shout", "broken", "crash"):
+        client.submit_plan(agq.Plan(f"py-iso-{name}", [agq.Task(name, args=["{{word}}"])]))
+    ok = client.submit_action("py-iso-shout", [{"word": "hi"}])
+    bad = client.submit_action("py-iso-broken", [{"word": "x"}], max_attempts=2)
+    dead = client.submit_action("py-iso-broken", [{"word": "x", "permanent": "1"}],
+                                max_attempts=3)
+    crashed = client.submit_action("py-iso-crash", [{"word": "x"}], max_attempts=1)
+    for sub in (ok, bad, dead, crashed):
+        client.wait_action(sub.action_id, timeout=WAIT)
+
+    job = client.get_job(ok.job_ids[0])
+    assert job.status == agq.JobStatus.COMPLETED
+    out = job.task_results[0].stdout
+    assert out.startswith("HI pid=")
+    assert int(out.split("pid=")[1]) != os.getpid()
+    assert "shouting in" in job.task_results[0].stderr
+
+    job = client.get_job(bad.job_ids[0])
+    assert job.status == agq.JobStatus.DEAD and job.attempt == 2
+    assert "ValueError: bad input" in job.error
+    assert "about to fail" in job.task_results[0].stderr
+    assert "Traceback" in job.task_results[0].stderr
+
+    job = client.get_job(dead.job_ids[0])
+    assert job.status == agq.JobStatus.DEAD and job.attempt == 1, "a permanent failure was retried"
+
+    job = client.get_job(crashed.job_ids[0])
+    assert job.status == agq.JobStatus.DEAD
+    assert "exited with code 3" in job.error
+    assert job.task_results[0].exit_code == 3
+
+    again = client.submit_action("py-iso-shout", [{"word": "still here"}])
+    assert client.wait_action(again.action_id, timeout=WAIT).completed == 1
+
+
+def test_a_stopped_process_task_is_killed_and_frees_its_slot(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread], tmp_path: Path,
+) -> None:
+    """A timed-out task whose function ignores ctx.cancelled is killed when
+    it runs in its own process: its process is gone, no thread is left
+    behind, and the next job gets the only slot at once."""
+    import os
+
+    import isolated_tasks
+
+    w = agq.Worker(server.address, "py-iso-kill", max_concurrent_jobs=1)
+    w.register(isolated_tasks.stubborn, isolation="process")
+    w.register(isolated_tasks.shout, isolation="process")
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-iso-stubborn", [agq.Task("stubborn", timeout_secs=1)]))
+    client.submit_plan(agq.Plan("py-iso-shout2", [agq.Task("shout", args=["next"])]))
+    pidfile = tmp_path / "pid"
+    sub = client.submit_action("py-iso-stubborn", [{"pidfile": str(pidfile)}], max_attempts=1)
+    assert client.wait_action(sub.action_id, timeout=WAIT).dead == 1
+    assert "timed out" in client.get_job(sub.job_ids[0]).error
+    pid = int(pidfile.read_text())
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(gone, "the stopped task's process to be gone", timeout=5)
+    assert not w._leftover, "a killed process left its thread behind"
+    t0 = time.monotonic()
+    nxt = client.submit_action("py-iso-shout2", [{}])
+    assert client.wait_action(nxt.action_id, timeout=WAIT).completed == 1
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_process_task_that_holds_the_gil_does_not_stop_heartbeats(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """A regular expression that holds the GIL for several heartbeat
+    intervals (the server's is 0.5 s here: DEAD after 1.5 s of silence)
+    runs in its own process: the worker stays fresh and ACTIVE and the job
+    completes on its first attempt."""
+    import re
+
+    import isolated_tasks
+
+    # Find n for which one match takes at least 3 s (each step doubles it).
+    n = 16
+    while True:
+        t0 = time.monotonic()
+        re.match(r"(a+)+$", "a" * n + "b")
+        took = time.monotonic() - t0
+        if took > 0.05:
+            break
+        n += 1
+    while took < 3.0:
+        n += 1
+        took *= 2
+    w = agq.Worker(server.address, "py-iso-gil")
+    w.register(isolated_tasks.hog, isolation="process")
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-iso-hog", [agq.Task("hog", timeout_secs=120)]))
+    sub = client.submit_action("py-iso-hog", [{"n": str(n)}], max_attempts=1)
+    assert client.wait_action(sub.action_id, timeout=120).completed == 1
+    job = client.get_job(sub.job_ids[0])
+    assert job.attempt == 1
+    took_s = float(job.task_results[0].stdout.split(" in ")[1].removesuffix(" s"))
+    assert took_s >= 1.5, f"the match took only {took_s} s: not a GIL hold past the staleness bound"
+    info = client.get_worker("py-iso-gil")
+    assert info.state == agq.WorkerState.ACTIVE and info.fresh
+
+
+def test_process_isolation_needs_an_importable_function() -> None:
+    """A lambda or a nested function cannot be run in a spawned process:
+    register refuses it at once, with isolation named."""
+    w = agq.Worker("127.0.0.1:9", "py-iso-reg")
+    with pytest.raises(ValueError, match="top level"):
+        w.register(lambda ctx: "x", "anon", isolation="process")
+
+    def nested(ctx: agq.TaskContext) -> str:
+        return "x"
+
+    with pytest.raises(ValueError, match="top level"):
+        w.register(nested, isolation="process")
+    with pytest.raises(ValueError, match="isolation"):
+        w.register(nested, isolation="fiber")
+    w.register(nested)  # a thread needs nothing of the kind

@@ -33,16 +33,26 @@ one job's functions never run beside each other on a worker.
 Heartbeats come from a Python thread of this process: a task function that
 holds the GIL for long (a long C call that does not release it, such as a
 catastrophic regular expression) stops them, and after 3 heartbeat
-intervals the server takes the worker as DEAD and re-queues its jobs. Run
-such work in a child process (``concurrent.futures.ProcessPoolExecutor``
-inside the function) or on ``agw``.
+intervals the server takes the worker as DEAD and re-queues its jobs.
+
+A function registered with ``isolation="process"`` runs instead in a
+child process of its own for each task (the ``spawn`` start method: the
+function must be importable, i.e. defined at a module's top level, and its
+return value picklable). It cannot stop the worker's heartbeats, a stop
+(cancel, timeout, drain, a newer lease) kills it (SIGTERM, then SIGKILL
+0.5 s later), and a crash of it (a segfault in a C extension, ``os._exit``)
+fails the task, not the worker. Starting a process costs tens of
+milliseconds; ``ctx.cancelled`` is never set inside it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
+import multiprocessing
 import os
+import pickle
 import platform
 import queue
 import random
@@ -50,12 +60,14 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -75,6 +87,13 @@ TaskFunction = Callable[["TaskContext"], TaskOutput]
 _F = TypeVar("_F", bound=TaskFunction)
 
 _NAME = re.compile(r"^[A-Za-z0-9._+-]{1,128}$")
+
+#: How a task function runs: on a thread of the worker's process, or in a
+#: child process of its own (see the module's documentation).
+ISOLATIONS = ("thread", "process")
+
+#: Seconds a stopped task's process gets after SIGTERM before SIGKILL.
+PROCESS_KILL_GRACE = 0.5
 
 #: Heartbeat interval assumed until the server gives one, in seconds.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
@@ -296,6 +315,54 @@ def _clip(text: str, cap: int) -> tuple[str, bool]:
     return data[:cap].decode("utf-8", "ignore"), True
 
 
+def _output_text(value: object) -> str:
+    """A task function's return value as the task's output."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+class _ChildFailure(Exception):
+    """A task function run in its own process failed: ``what`` describes
+    it (the exception's type and message, or how the process ended)."""
+
+    def __init__(self, what: str, permanent: bool, exit_code: int) -> None:
+        super().__init__(what)
+        self.what = what
+        self.permanent = permanent
+        self.exit_code = exit_code
+
+
+def _child_main(
+    conn: Connection, fn: TaskFunction, fields: dict[str, Any], cap: int
+) -> None:
+    """The body of a task's child process: runs ``fn`` and sends
+    ("value", output, logged) or ("error", "", logged, what, traceback,
+    permanent) to the worker. The child dies with the thread that started
+    it (Linux: ``PR_SET_PDEATHSIG``), so a killed worker leaves no task
+    running."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() == 1:  # the worker died before the line above
+            os._exit(1)
+    ctx = TaskContext(**fields, cancelled=threading.Event())
+    try:
+        try:
+            text, _ = _clip(_output_text(fn(ctx)), cap)
+            conn.send(("value", text, _clip(ctx.stderr(), cap)[0]))
+        except BaseException as e:  # noqa: BLE001 - sent as the task's failure
+            permanent = isinstance(e, PermanentFailure)
+            conn.send(("error", "", _clip(ctx.stderr(), cap)[0], f"{type(e).__name__}: {e}",
+                       _clip(traceback.format_exc(), cap)[0], permanent))
+    finally:
+        conn.close()
+
+
 class Worker:
     """A worker that runs AGQ jobs as Python functions.
 
@@ -313,9 +380,11 @@ class Worker:
     reconnects (doubling, jittered); ``tags`` free-form labels (at most 64);
     ``hostname`` defaults to this host's name.
 
-    Register functions with :meth:`task` or :meth:`register`, then call
-    :meth:`run` once (it closes the connection when it returns). The
-    ``connected`` event is set while both streams are open.
+    Register functions with :meth:`task` or :meth:`register` (each on a
+    thread of this process, or with ``isolation="process"`` in a child
+    process per task, which a stop kills), then call :meth:`run` once (it
+    closes the connection when it returns). The ``connected`` event is set
+    while both streams are open.
     """
 
     def __init__(
@@ -355,6 +424,8 @@ class Worker:
         self._channel = make_channel(address, tls, tls_server_name)
         self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)
         self._functions: dict[str, TaskFunction] = {}
+        # Names of the functions run in a process of their own.
+        self._isolated: set[str] = set()
         self._jobs: dict[str, _Running] = {}
         self._lock = threading.Lock()
         # Slots: jobs running their tasks, plus the task threads of stopped
@@ -382,24 +453,41 @@ class Worker:
 
     # -- registration of functions ---------------------------------------
 
-    def register(self, fn: TaskFunction, name: str | None = None) -> None:
+    def register(
+        self, fn: TaskFunction, name: str | None = None, *, isolation: str = "thread"
+    ) -> None:
         """Registers ``fn`` as the task function ``name`` (default: the
         function's ``__name__``). The name must be a valid plan command:
         ``[A-Za-z0-9._+-]{1,128}``, not "." or "..", not starting with "-".
-        Raises ValueError for a bad or duplicate name."""
+        ``isolation`` is "thread" (the default: a thread of this process)
+        or "process" (a child process per task; see the module's
+        documentation). Raises ValueError for a bad or duplicate name, an
+        unknown isolation, or a "process" function that cannot be pickled
+        by reference (a lambda, a nested function, a method)."""
         n: str = name or str(getattr(fn, "__name__", ""))
         if not _NAME.match(n) or n in (".", "..") or n.startswith("-"):
             raise ValueError(f"task name must match [A-Za-z0-9._+-]{{1,128}}, got {n!r}")
         if n in self._functions:
             raise ValueError(f"task {n!r} is already registered")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if isolation == "process":
+            try:
+                pickle.dumps(fn)
+            except Exception as e:  # noqa: BLE001 - any pickling failure means the same
+                raise ValueError(
+                    f"task {n!r}: a function run in its own process must be defined at the top "
+                    f"level of an importable module ({e})"
+                ) from e
+            self._isolated.add(n)
         self._functions[n] = fn
 
-    def task(self, name: str | None = None) -> Callable[[_F], _F]:
-        """Decorator form of :meth:`register`: ``@worker.task()`` or
-        ``@worker.task("name")``."""
+    def task(self, name: str | None = None, *, isolation: str = "thread") -> Callable[[_F], _F]:
+        """Decorator form of :meth:`register`: ``@worker.task()``,
+        ``@worker.task("name")`` or ``@worker.task(isolation="process")``."""
 
         def deco(fn: _F) -> _F:
-            self.register(fn, name)
+            self.register(fn, name, isolation=isolation)
             return fn
 
         return deco
@@ -932,10 +1020,14 @@ class Worker:
         function raised :class:`PermanentFailure`)."""
         box: dict[str, object] = {}
         finished = threading.Event()
+        isolated = ctx.command in self._isolated
 
         def call() -> None:
             try:
-                box["value"] = fn(ctx)
+                if isolated:
+                    self._call_in_process(fn, ctx, running, box)
+                else:
+                    box["value"] = fn(ctx)
             except BaseException as e:  # noqa: BLE001 - reported as the task's failure
                 box["error"] = e
                 box["trace"] = traceback.format_exc()
@@ -1012,22 +1104,84 @@ class Worker:
             if stopped:
                 return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
                         f"task {n} ({cmd}) stopped: {stopped}", False)
+            if isinstance(exc, _ChildFailure):
+                return (TaskResult(n, cmd, exc.exit_code, "", stderr, ms, False, cut),
+                        f"task {n} ({cmd}) failed: {exc.what}", exc.permanent)
             what = f"{type(exc).__name__}: {exc}"
             return (TaskResult(n, cmd, 1, "", stderr, ms, False, cut),
                     f"task {n} ({cmd}) failed: {what}", isinstance(exc, PermanentFailure))
-        value = box.get("value")
-        if value is None:
-            text = ""
-        elif isinstance(value, bytes):
-            text = value.decode("utf-8", "replace")
-        else:
-            text = str(value)
-        stdout, out_cut = _clip(text, cap)
+        stdout, out_cut = _clip(_output_text(box.get("value")), cap)
         stderr, err_cut = _clip(ctx.stderr(), cap)
         if stopped:
             return (TaskResult(n, cmd, -1, stdout, stderr, ms, out_cut, err_cut),
                     f"task {n} ({cmd}) stopped: {stopped}", False)
         return TaskResult(n, cmd, 0, stdout, stderr, ms, out_cut, err_cut), "", False
+
+    def _call_in_process(
+        self, fn: TaskFunction, ctx: TaskContext, running: _Running, box: dict[str, object]
+    ) -> None:
+        """Runs ``fn`` in a child process (spawned) and puts its outcome in
+        ``box`` as the thread form does: "value" (its output, already
+        text), or "error" (a :class:`_ChildFailure`) and "trace". Kills the
+        child once ``running`` is stopped; its logged lines join
+        ``ctx``'s."""
+        mp = multiprocessing.get_context("spawn")
+        recv, send = mp.Pipe(duplex=False)
+        fields = {
+            "job_id": ctx.job_id, "action_id": ctx.action_id, "plan_id": ctx.plan_id,
+            "attempt": ctx.attempt, "task_number": ctx.task_number, "command": ctx.command,
+            "input": dict(ctx.input), "args": ctx.args, "stdin": ctx.stdin,
+            "timeout_secs": ctx.timeout_secs,
+        }
+        proc = mp.Process(
+            target=_child_main, args=(send, fn, fields, self.output_cap_bytes),
+            name=f"agq-task-{ctx.job_id}-{ctx.task_number}", daemon=True,
+        )
+        proc.start()
+        send.close()
+        msg: tuple[Any, ...] | None = None
+        try:
+            while msg is None and not running.cancel.is_set():
+                if recv.poll(0.05):
+                    try:
+                        msg = recv.recv()
+                    except (EOFError, OSError):
+                        break  # the child exited without a result
+                elif not proc.is_alive() and not recv.poll(0):
+                    break
+        finally:
+            # A process that sent its result exits on its own (unless, say,
+            # its function left a non-daemon thread running); a stopped one
+            # is killed at once.
+            if msg is not None:
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(PROCESS_KILL_GRACE)
+                if proc.is_alive():
+                    proc.kill()
+            proc.join()
+            recv.close()
+        if msg is None:
+            if running.cancel.is_set():
+                box["value"] = None  # reported as stopped by the caller
+                return
+            code = proc.exitcode if proc.exitcode is not None else -1
+            how = (f"was killed by signal {-code}" if code < 0
+                   else f"exited with code {code}")
+            box["error"] = _ChildFailure(
+                f"the task's process {how} without a result", False, code if code > 0 else -1)
+            box["trace"] = ""
+            return
+        kind, text, logged = msg[0], msg[1], msg[2]
+        with ctx._lock:
+            ctx._log.append(logged)
+        if kind == "value":
+            box["value"] = text
+        else:
+            what, trace, permanent = msg[3], msg[4], msg[5]
+            box["error"] = _ChildFailure(what, permanent, 1)
+            box["trace"] = trace
 
     def _report_progress(
         self, lease: worker_service_pb2.JobLease, running: _Running, task: int, percent: int
