@@ -42,7 +42,8 @@ return value picklable). It cannot stop the worker's heartbeats, a stop
 (cancel, timeout, drain, a newer lease) kills it (SIGTERM, then SIGKILL
 0.5 s later), and a crash of it (a segfault in a C extension, ``os._exit``)
 fails the task, not the worker. Starting a process costs tens of
-milliseconds; ``ctx.cancelled`` is never set inside it.
+milliseconds; ``ctx.cancelled`` is never set inside it. The process is
+daemonic: it may run programs, but not start multiprocessing children.
 """
 
 from __future__ import annotations
