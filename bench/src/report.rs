@@ -141,8 +141,9 @@ pub async fn start_agq(args: &BenchArgs, binary: Option<&Path>) -> Result<Harnes
     }
 }
 
-/// Opens the simulated workers' connections ([`worker_connections`]) and the submit clients' (at
-/// most 8), and stores the bench plan. Returns (workers', clients').
+/// Opens the simulated workers' connections ([`worker_connections`]) and
+/// the submit clients' (at most 8), and stores the bench plan. Returns
+/// (workers', clients').
 ///
 /// Errors: connection failures, a failed SubmitPlan.
 pub async fn load_channels(
