@@ -1138,8 +1138,13 @@ class Worker:
             target=_child_main, args=(send, fn, fields, self.output_cap_bytes),
             name=f"agq-task-{ctx.job_id}-{ctx.task_number}", daemon=True,
         )
-        proc.start()
-        send.close()
+        try:
+            proc.start()
+        except BaseException:
+            recv.close()
+            raise
+        finally:
+            send.close()
         msg: tuple[Any, ...] | None = None
         try:
             while msg is None and not running.cancel.is_set():
