@@ -1394,21 +1394,7 @@ async fn commands_follow_a_worker_that_moved() {
     })
     .await
     .unwrap();
-    let (old_tx, old_rx) = mpsc::channel(16);
-    old_tx
-        .send(HeartbeatRequest {
-            worker_id: "mover".into(),
-            stats: Some(WorkerStats::default()),
-            held_leases: Some(HeldLeases::default()),
-            verification: None,
-        })
-        .await
-        .unwrap();
-    let mut old_stream = old
-        .heartbeat(ReceiverStream::new(old_rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (old_tx, mut old_stream) = open_heartbeat(&mut old, "mover").await;
     timeout(CALL, old_stream.next())
         .await
         .expect("the first heartbeat on A is answered")
@@ -1684,21 +1670,7 @@ async fn a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one()
     assert_eq!(lost, 1, "DrainWorker queued one command for W");
     // W opens its heartbeat stream again, on B.
     let mut client = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
-    let (hb_tx, hb_rx) = mpsc::channel(16);
-    hb_tx
-        .send(HeartbeatRequest {
-            worker_id: "w".into(),
-            stats: Some(WorkerStats::default()),
-            held_leases: Some(HeldLeases::default()),
-            verification: None,
-        })
-        .await
-        .unwrap();
-    let mut hb = client
-        .heartbeat(ReceiverStream::new(hb_rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (hb_tx, mut hb) = open_heartbeat(&mut client, "w").await;
     let got = timeout(Duration::from_secs(5), async {
         while let Some(Ok(m)) = hb.next().await {
             if m.command.is_some() {
@@ -1750,21 +1722,7 @@ async fn a_late_leader_statement_leaves_a_re_leased_job_alone() {
     })
     .await
     .unwrap();
-    let (hb_tx, hb_rx) = mpsc::channel(16);
-    hb_tx
-        .send(HeartbeatRequest {
-            worker_id: "w".into(),
-            stats: Some(WorkerStats::default()),
-            held_leases: Some(HeldLeases::default()),
-            verification: None,
-        })
-        .await
-        .unwrap();
-    let mut hb = w
-        .heartbeat(ReceiverStream::new(hb_rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (hb_tx, mut hb) = open_heartbeat(&mut w, "w").await;
     timeout(CALL, hb.next())
         .await
         .expect("W's first heartbeat is answered")
@@ -2008,6 +1966,35 @@ async fn lease_and_complete(w: &mut HandWorker, expected: &str) {
 /// A worker driven by hand on one replica: registered, its heartbeat
 /// stream open (one heartbeat every 100 ms, so it stays fresh), the
 /// commands it gets on it collected in `commands`, its lease stream open.
+/// The first heartbeat of worker `id`: no leases held.
+fn first_heartbeat(id: &str) -> HeartbeatRequest {
+    HeartbeatRequest {
+        worker_id: id.into(),
+        stats: Some(WorkerStats::default()),
+        held_leases: Some(HeldLeases::default()),
+        verification: None,
+    }
+}
+
+/// Opens worker `id`'s heartbeat stream on `client` with its first
+/// heartbeat already sent; returns the sender for more and the replies.
+async fn open_heartbeat(
+    client: &mut worker_service_client::WorkerServiceClient<Channel>,
+    id: &str,
+) -> (
+    mpsc::Sender<HeartbeatRequest>,
+    tonic::Streaming<HeartbeatResponse>,
+) {
+    let (tx, rx) = mpsc::channel(16);
+    tx.send(first_heartbeat(id)).await.unwrap();
+    let replies = client
+        .heartbeat(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, replies)
+}
+
 struct HandWorker {
     id: String,
     client: worker_service_client::WorkerServiceClient<Channel>,
@@ -2050,19 +2037,13 @@ impl HandWorker {
             })
             .await
             .unwrap();
-        let (hb_tx, hb_rx) = mpsc::channel(16);
+        let (hb_tx, mut hb) = open_heartbeat(&mut client, id).await;
+        // Later beats name no leases: the server reconciles only against
+        // a list it is given.
         let beat = HeartbeatRequest {
-            worker_id: id.into(),
-            stats: Some(WorkerStats::default()),
             held_leases: None,
-            verification: None,
+            ..first_heartbeat(id)
         };
-        hb_tx.send(beat.clone()).await.unwrap();
-        let mut hb = client
-            .heartbeat(ReceiverStream::new(hb_rx))
-            .await
-            .unwrap()
-            .into_inner();
         timeout(CALL, hb.next())
             .await
             .expect("the first heartbeat is answered")
