@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 import agq
+from agq.v1 import common_pb2, worker_service_pb2
 
 from conftest import WAIT, Server, WorkerThread, spawn_worker, wait_until
 from worker_proc import build
@@ -191,7 +192,6 @@ def test_a_cancel_stops_only_the_attempt_it_names() -> None:
     to it again and the new lease came first) leaves the new attempt
     running; one naming the running lease, or no lease (an older server),
     stops it."""
-    from agq.v1 import worker_service_pb2
     from agq.worker import _Running
 
     def cancel(job_id: str, lease_id: str) -> worker_service_pb2.HeartbeatResponse:
@@ -221,33 +221,43 @@ class _Unavailable(grpc.RpcError):
         return "the store cannot commit (test); retry with backoff"
 
 
+class _RecordingStub:
+    """The worker service as far as UpdateJob: records each final report
+    (not the RUNNING progress reports) and answers UNAVAILABLE while
+    ``failing`` is set."""
+
+    def __init__(self, failing: threading.Event | None = None) -> None:
+        self.finals: list[worker_service_pb2.UpdateJobRequest] = []
+        self._failing = failing
+        self._lock = threading.Lock()
+
+    def UpdateJob(
+        self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
+        metadata: Any = None,
+    ) -> worker_service_pb2.UpdateJobResponse:
+        if req.status != common_pb2.JOB_STATUS_RUNNING:
+            with self._lock:
+                self.finals.append(req)
+            if self._failing is not None and self._failing.is_set():
+                raise _Unavailable()
+        return worker_service_pb2.UpdateJobResponse(status=req.status)
+
+
 def test_a_final_report_is_retried_past_the_lease_expiry_until_acknowledged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A result the server cannot take yet (UNAVAILABLE) is not dropped when
     the lease's expires_at passes: the worker keeps the job held (listed in
     held_leases) and sends the report again until it is acknowledged."""
-    from agq.v1 import common_pb2, worker_service_pb2
     from agq.worker import _Running
 
     w = agq.Worker("127.0.0.1:9", "py-report", call_timeout=1.0)
     w.register(lambda ctx: "done", "ok")
     failing = threading.Event()
     failing.set()
-    finals: list[worker_service_pb2.UpdateJobRequest] = []
-
-    class Stub:
-        def UpdateJob(
-            self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
-            metadata: Any = None,
-        ) -> worker_service_pb2.UpdateJobResponse:
-            if req.status != common_pb2.JOB_STATUS_RUNNING:
-                finals.append(req)
-                if failing.is_set():
-                    raise _Unavailable()
-            return worker_service_pb2.UpdateJobResponse(status=req.status)
-
-    monkeypatch.setattr(w, "_stub", Stub())
+    stub = _RecordingStub(failing)
+    finals = stub.finals
+    monkeypatch.setattr(w, "_stub", stub)
     lease = worker_service_pb2.JobLease(
         lease_id="lease-1",
         job=common_pb2.Job(job_id="j", action_id="a", plan_id="p"),
@@ -321,7 +331,6 @@ def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
     """A second lease of a job whose first attempt's function ignores
     ctx.cancelled starts its function only after that one has returned,
     although a slot is free: one job's functions never run side by side."""
-    from agq.v1 import common_pb2, worker_service_pb2
 
     w = agq.Worker("127.0.0.1:9", "py-again", max_concurrent_jobs=2)
     lock = threading.Lock()
@@ -344,19 +353,9 @@ def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
                 spans.append((ctx.input.get("attempt", ""), t0, time.monotonic()))
         return "done"
 
-    finals: list[worker_service_pb2.UpdateJobRequest] = []
-
-    class Stub:
-        def UpdateJob(
-            self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
-            metadata: Any = None,
-        ) -> worker_service_pb2.UpdateJobResponse:
-            if req.status != common_pb2.JOB_STATUS_RUNNING:
-                with lock:
-                    finals.append(req)
-            return worker_service_pb2.UpdateJobResponse(status=req.status)
-
-    monkeypatch.setattr(w, "_stub", Stub())
+    stub = _RecordingStub()
+    finals = stub.finals
+    monkeypatch.setattr(w, "_stub", stub)
 
     def lease(lease_id: str, attempt: int) -> worker_service_pb2.JobLease:
         out = worker_service_pb2.JobLease(
