@@ -556,3 +556,37 @@ def test_process_isolation_needs_an_importable_function() -> None:
     with pytest.raises(ValueError, match="isolation"):
         w.register(nested, isolation="fiber")
     w.register(nested)  # a thread needs nothing of the kind
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, dead but
+    not yet reaped by whoever inherited it, counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_killed_worker_leaves_no_process_task_running(
+    server: Server, client: agq.Client, tmp_path: Path,
+) -> None:
+    """SIGKILL of a worker process (no cleanup of its own can run) takes its
+    process-isolated task with it: the task's child process dies too."""
+    proc = spawn_worker(server.address, "py-iso-doomed", tmp_path)
+    try:
+        wait_until(lambda: any(w.worker_id == "py-iso-doomed" and w.connected
+                               for w in client.list_workers()), "py-iso-doomed to connect")
+        client.submit_plan(agq.Plan("py-iso-doomed", [agq.Task("stubborn", timeout_secs=120)]))
+        pidfile = tmp_path / "task-pid"
+        client.submit_action("py-iso-doomed", [{"pidfile": str(pidfile)}], max_attempts=1)
+        wait_until(lambda: pidfile.exists() and pidfile.read_text() != "",
+                   "the task's process to start")
+        pid = int(pidfile.read_text())
+        assert _running(pid)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
+        wait_until(lambda: not _running(pid), "the task's process to die with its worker",
+                   timeout=5)
+    finally:
+        stop_proc(proc)

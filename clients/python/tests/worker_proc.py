@@ -1,5 +1,6 @@
 """A Python worker process for the tests (so that it can be SIGKILLed or
-SIGTERMed on its own). Offers the functions ``block`` and ``upper``.
+SIGTERMed on its own). Offers the functions ``block`` and ``upper``, and
+``stubborn`` (``isolated_tasks.stubborn``, run with ``isolation="process"``).
 
 ``block`` writes ``<dir>/started-<job_id>`` and then waits (at most 60 s)
 until ``<dir>/release`` exists, returning ``released by <worker_id>``; it
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import agq
+import isolated_tasks
 
 
 def build(address: str, worker_id: str, workdir: Path, token: str | None,
@@ -39,6 +41,7 @@ def build(address: str, worker_id: str, workdir: Path, token: str | None,
     def upper(ctx: agq.TaskContext) -> str:
         return ctx.input.get("text", "").upper()
 
+    w.register(isolated_tasks.stubborn, isolation="process")
     return w
 
 
