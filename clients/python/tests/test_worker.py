@@ -590,3 +590,18 @@ def test_a_killed_worker_leaves_no_process_task_running(
                    timeout=5)
     finally:
         stop_proc(proc)
+
+
+def test_a_new_attempt_waiting_for_its_earlier_one_gives_up_when_its_lease_expires() -> None:
+    """The wait for an earlier attempt's function is bounded by the new
+    lease's expiry: the attempt is then stopped, takes no slot and says why."""
+    from agq.worker import _Running
+
+    w = agq.Worker("127.0.0.1:9", "py-expire", max_concurrent_jobs=2)
+    w._job_threads["j"] = 1  # the earlier attempt's function still runs
+    running = _Running("lease-2")
+    t0 = time.monotonic()
+    assert not w._take_slot("j", running, time.time() + 0.5)
+    assert 0.4 <= time.monotonic() - t0 < 5
+    assert running.cancel.is_set() and "expired" in running.reason
+    assert w._busy == 0, "a slot was taken"
