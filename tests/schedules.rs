@@ -21,6 +21,7 @@ store_tests! {
     a_schedule_every_second_submits_one_action_per_second_across_a_restart,
     schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing,
     a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on,
+    the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_precondition_failure,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -386,6 +387,102 @@ async fn a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on(store: T
         sch.runs >= 1 && sch.last_error.is_empty()
     })
     .await;
+}
+
+/// A 7-field expression (with a year) that fires once, at the whole
+/// second `secs` seconds from now (UTC), and the tick's seconds since the
+/// epoch.
+fn once_in(secs: u64) -> (String, i64) {
+    let at = std::time::SystemTime::now() + Duration::from_secs(secs);
+    let tick = at.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    // "2026-11-27T16:40:03Z"
+    let text = humantime::format_rfc3339_seconds(at).to_string();
+    let num = |r: std::ops::Range<usize>| text[r].parse::<u32>().unwrap();
+    let cron = format!(
+        "{} {} {} {} {} * {}",
+        num(17..19),
+        num(14..16),
+        num(11..13),
+        num(8..10),
+        num(5..7),
+        num(0..4)
+    );
+    (cron, tick)
+}
+
+/// A schedule whose expression fires only once (a year field) submits
+/// that tick's action: the tick is due when its expression has no tick
+/// after now any more, which must not stop it from firing. Resuming such
+/// a schedule after its last tick is FAILED_PRECONDITION (the request is
+/// fine; the schedule has nothing left to run), and changes nothing.
+async fn the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_precondition_failure(
+    store: TestStore,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "once").await;
+    let (cron, tick) = once_in(2);
+    let created = create(
+        &s,
+        pb::Schedule {
+            cron: cron.clone(),
+            ..every_second("once", "once")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(created.next_run_at.as_ref().map(|t| t.seconds), Some(tick));
+    eventually(10, "the only tick fired or failed", || async {
+        let sch = get(&s, "once").await;
+        sch.runs > 0 || !sch.last_error.is_empty()
+    })
+    .await;
+    let sch = get(&s, "once").await;
+    assert_eq!(
+        (
+            sch.runs,
+            sch.last_error.as_str(),
+            sch.last_action_id.as_str()
+        ),
+        (1, "", format!("once-{tick}").as_str()),
+        "cron {cron:?}: the last tick submits its action"
+    );
+    assert_eq!(ticks("once", &actions_of(&s, "once").await), vec![tick]);
+
+    // Paused before its only tick, resumed after it: nothing left to run.
+    let (cron, tick) = once_in(2);
+    create(
+        &s,
+        pb::Schedule {
+            cron,
+            ..every_second("missed", "once")
+        },
+    )
+    .await
+    .unwrap();
+    let schedules = s.schedules().await;
+    schedules
+        .clone()
+        .pause_schedule(pb::PauseScheduleRequest {
+            schedule_id: "missed".into(),
+        })
+        .await
+        .unwrap();
+    let after_tick = std::time::UNIX_EPOCH + Duration::from_secs(tick as u64 + 1);
+    if let Ok(wait) = after_tick.duration_since(std::time::SystemTime::now()) {
+        tokio::time::sleep(wait).await;
+    }
+    let e = schedules
+        .clone()
+        .resume_schedule(pb::ResumeScheduleRequest {
+            schedule_id: "missed".into(),
+        })
+        .await
+        .expect_err("resumed a schedule that never fires again");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("never fires again"), "{}", e.message());
+    let sch = get(&s, "missed").await;
+    assert!(sch.paused && sch.next_run_at.is_none() && sch.runs == 0);
 }
 
 /// The server process is killed with SIGKILL between ticks and started

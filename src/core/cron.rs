@@ -24,10 +24,26 @@ pub struct CronSchedule {
 }
 
 impl CronSchedule {
-    /// Parses `expr` in time zone `time_zone` (IANA name; empty: UTC).
+    /// Parses a new schedule's `expr` in time zone `time_zone` (IANA
+    /// name; empty: UTC): [`CronSchedule::read`], and the expression must
+    /// still fire after now.
+    ///
+    /// Errors: `InvalidArgument` naming the expression or the zone, or
+    /// saying that it never fires again.
+    pub fn parse(expr: &str, time_zone: &str) -> Result<CronSchedule> {
+        let c = Self::read(expr, time_zone)?;
+        if c.next_after_ms(crate::time::now_ms()).is_none() {
+            return Err(Error::invalid(format!("cron {expr:?} never fires again")));
+        }
+        Ok(c)
+    }
+
+    /// Parses `expr` in time zone `time_zone` (IANA name; empty: UTC)
+    /// whether or not it fires again: a stored schedule's expression,
+    /// whose due ticks still fire after its last one has passed.
     ///
     /// Errors: `InvalidArgument` naming the expression or the zone.
-    pub fn parse(expr: &str, time_zone: &str) -> Result<CronSchedule> {
+    pub fn read(expr: &str, time_zone: &str) -> Result<CronSchedule> {
         if expr.len() > MAX_CRON_BYTES || expr.chars().any(|c| !c.is_ascii_graphic() && c != ' ') {
             return Err(Error::invalid(format!(
                 "cron must be at most {MAX_CRON_BYTES} bytes of printable ASCII"
@@ -58,11 +74,7 @@ impl CronSchedule {
                 ))
             })?
         };
-        let c = CronSchedule { schedule, tz };
-        if c.next_after_ms(crate::time::now_ms()).is_none() {
-            return Err(Error::invalid(format!("cron {expr:?} never fires again")));
-        }
-        Ok(c)
+        Ok(CronSchedule { schedule, tz })
     }
 
     /// The first tick strictly after `after_ms` (ms since the epoch), in

@@ -181,7 +181,7 @@ impl PgEngine {
                 .await
                 .map_err(db_err)?
                 .get(0);
-            let cron = CronSchedule::parse(&s.cron, &s.time_zone)?;
+            let cron = CronSchedule::read(&s.cron, &s.time_zone)?;
             Some(cron.next_after_ms(now).ok_or_else(|| {
                 Error::precondition(format!(
                     "schedule {id}: cron {:?} never fires again",
@@ -262,7 +262,9 @@ impl PgEngine {
         let Some(from) = s.next_run_at_ms else {
             return Ok(());
         };
-        let cron = match CronSchedule::parse(&s.cron, &s.time_zone) {
+        // Read, not parsed as new: the due ticks of an expression whose
+        // last tick has passed still fire.
+        let cron = match CronSchedule::read(&s.cron, &s.time_zone) {
             Ok(c) => c,
             Err(e) => {
                 record(&tx, id, None, None, 0, format!("paused: {e}")).await?;

@@ -66,7 +66,7 @@ impl State {
         let next = if paused {
             None
         } else {
-            let cron = CronSchedule::parse(&s.cron, &s.time_zone)?;
+            let cron = CronSchedule::read(&s.cron, &s.time_zone)?;
             Some(cron.next_after_ms(now_ms()).ok_or_else(|| {
                 Error::precondition(format!(
                     "schedule {id}: cron {:?} never fires again",
@@ -106,7 +106,9 @@ impl State {
             let Some(from) = s.next_run_at_ms else {
                 continue;
             };
-            let cron = match CronSchedule::parse(&s.cron, &s.time_zone) {
+            // Read, not parsed as new: the due ticks of an expression
+            // whose last tick has passed still fire.
+            let cron = match CronSchedule::read(&s.cron, &s.time_zone) {
                 Ok(c) => c,
                 Err(e) => {
                     // A zone gone from the system's database, say: pause it
