@@ -15,6 +15,7 @@ use tonic::Code;
 store_tests! {
     metrics_json_unescapes_a_label_value_with_quotes_and_backslashes,
     search_jobs_refuses_an_empty_time_range,
+    a_selector_longer_than_the_limit_in_canonical_form_is_refused_and_stores_nothing,
 }
 
 /// A worker selector the grammar accepts with a `"` and a trailing `\`,
@@ -852,4 +853,117 @@ mod nul_bytes {
         assert!(matches!(m, Ok(Some(_))), "{m:?}");
         s.stop().await;
     }
+}
+
+/// A selector of 966 bytes whose canonical form (`, ` between values)
+/// is 1029 bytes, over the 1024 a selector may have.
+fn widening_selector() -> String {
+    let values: Vec<String> = (0..64).map(|i| format!("v{i:013}")).collect();
+    let text = format!("k in ({})", values.join(","));
+    assert!(
+        text.len() <= 1024 && text.len() + 63 > 1024,
+        "{}",
+        text.len()
+    );
+    text
+}
+
+/// A worker selector within the size limit as written, whose canonical
+/// form (what the server stores, and parses again to schedule) is over
+/// it, is refused with INVALID_ARGUMENT wherever a selector is given
+/// (SubmitAction, SubmitPlan, CreateSchedule) and stores nothing. It was
+/// stored, and every use of it failed: SubmitAction with INTERNAL.
+async fn a_selector_longer_than_the_limit_in_canonical_form_is_refused_and_stores_nothing(
+    store: TestStore,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    submit(&s, plan("p", &["true"]), 1, 1).await;
+    let selector = widening_selector();
+
+    let e = s
+        .actions()
+        .await
+        .submit_action(SubmitActionRequest {
+            action_id: "wide".into(),
+            plan_id: "p".into(),
+            inputs: vec![ActionInput::default()],
+            worker_selector: selector.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("an action with the selector was accepted");
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    let e = s
+        .actions()
+        .await
+        .get_action(GetActionRequest {
+            action_id: "wide".into(),
+        })
+        .await
+        .expect_err("the refused action was stored");
+    assert_eq!(e.code(), Code::NotFound, "{}", e.message());
+
+    let mut wide = plan("wide", &["true"]);
+    wide.worker_selector = selector.clone();
+    let e = s
+        .plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(wide),
+            replace: false,
+        })
+        .await
+        .expect_err("a plan with the selector was accepted");
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    let e = s
+        .plans()
+        .await
+        .get_plan(GetPlanRequest {
+            plan_id: "wide".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("the refused plan was stored");
+    assert_eq!(e.code(), Code::NotFound, "{}", e.message());
+
+    let e = s
+        .schedules()
+        .await
+        .create_schedule(CreateScheduleRequest {
+            schedule: Some(Schedule {
+                schedule_id: "wide".into(),
+                plan_id: "p".into(),
+                cron: "* * * * * *".into(),
+                inputs: vec![ActionInput::default()],
+                worker_selector: selector.clone(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect_err("a schedule with the selector was accepted");
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    let e = s
+        .schedules()
+        .await
+        .get_schedule(GetScheduleRequest {
+            schedule_id: "wide".into(),
+        })
+        .await
+        .expect_err("the refused schedule was stored");
+    assert_eq!(e.code(), Code::NotFound, "{}", e.message());
+
+    // The same selector within the limit once canonical is accepted.
+    let fits = selector.replacen(",v0000000000063", "", 1);
+    s.actions()
+        .await
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![ActionInput::default()],
+            worker_selector: fits,
+            ..Default::default()
+        })
+        .await
+        .expect("a selector that fits in canonical form");
+    s.stop().await;
 }

@@ -21,7 +21,9 @@ use std::{collections::HashMap, fmt};
 
 use crate::error::{Error, Result};
 
-/// Longest selector accepted, in bytes.
+/// Longest selector accepted, in bytes: as written, and in canonical form
+/// (its `Display`, which the engines store; see
+/// [`crate::core::validate::worker_selector`]).
 pub const MAX_SELECTOR_BYTES: usize = 1024;
 /// Most requirements in one selector.
 pub const MAX_REQUIREMENTS: usize = 32;

@@ -13,7 +13,7 @@ use super::{
         VerificationAnswer,
     },
     page::MAX_PAGE,
-    selector::Selector,
+    selector::{Selector, MAX_SELECTOR_BYTES},
 };
 use crate::{
     config::EngineConfig,
@@ -90,11 +90,23 @@ pub fn priority(p: i32) -> Result<()> {
 }
 
 /// Parses a worker selector ([`super::selector`]) and returns its
-/// canonical text (empty for the empty selector).
+/// canonical text (empty for the empty selector), which is what the
+/// engines store and parse again to schedule: like the text as written,
+/// it must be at most [`MAX_SELECTOR_BYTES`] (requirements and set values
+/// are joined by `, ` in it, so it can be longer than the text).
 ///
-/// Errors: `InvalidArgument` naming what is malformed.
+/// Errors: `InvalidArgument` naming what is malformed, or the canonical
+/// text's length.
 pub fn worker_selector(text: &str) -> Result<String> {
-    Ok(Selector::parse(text)?.to_string())
+    let canonical = Selector::parse(text)?.to_string();
+    if canonical.len() > MAX_SELECTOR_BYTES {
+        return Err(Error::invalid(format!(
+            "worker_selector is at most {MAX_SELECTOR_BYTES} bytes in canonical form \
+             (requirements and set values joined by \", \"), got {} bytes",
+            canonical.len()
+        )));
+    }
+    Ok(canonical)
 }
 
 /// Checks an action's fleet-scheduling settings and returns them with
