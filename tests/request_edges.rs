@@ -967,3 +967,52 @@ async fn a_selector_longer_than_the_limit_in_canonical_form_is_refused_and_store
         .expect("a selector that fits in canonical form");
     s.stop().await;
 }
+
+/// A Heartbeat call refused for its first message (a verification answer
+/// whose challenge_id holds a control character: INVALID_ARGUMENT)
+/// changes nothing: the worker's open heartbeat stream stays its stream,
+/// so it is not made suspect and keeps its lease past the grace.
+#[tokio::test]
+async fn a_refused_heartbeat_call_leaves_the_open_stream_and_the_lease_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start(&dir.path().join("agq.db"), fast_config()).await;
+    let (_, job_ids) = submit(&s, plan("p", &["true"]), 1, 1).await;
+    let mut w = SimWorker::start(&s, "w", &["true"], 1).await;
+    let lease = w.lease().await;
+    assert_eq!(lease.job.as_ref().unwrap().job_id, job_ids[0]);
+
+    let first = HeartbeatRequest {
+        worker_id: "w".into(),
+        stats: Some(WorkerStats::default()),
+        held_leases: None,
+        verification: Some(VerificationAnswer {
+            challenge_id: "bad\u{1}id".into(),
+            ..Default::default()
+        }),
+    };
+    let e = s
+        .workers()
+        .await
+        .heartbeat(tokio_stream::iter(vec![first]))
+        .await
+        .expect_err("a control character in challenge_id was accepted");
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+
+    // Past the 400 ms grace a suspect worker's leases are re-queued; this
+    // one's open stream kept beating all along.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let wk = worker(&s, "w").await;
+    assert!(wk.connected, "the worker lost its heartbeat stream: {wk:?}");
+    let j = job(&s, &job_ids[0]).await;
+    assert_eq!(
+        (j.status, j.worker_id.as_str()),
+        (JobStatus::Running as i32, "w"),
+        "the lease was lost: {j:?}"
+    );
+    w.complete(&lease).await;
+    assert_eq!(
+        job(&s, &job_ids[0]).await.status,
+        JobStatus::Completed as i32
+    );
+    s.stop().await;
+}

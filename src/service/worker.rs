@@ -234,14 +234,20 @@ impl WorkerService for WorkerApi {
                 })?;
             require_worker(&who, &first.worker_id)?;
             let worker_id = first.worker_id.clone();
+            // Checked before the stream is attached: attaching replaces
+            // the worker's open heartbeat stream, so a refusal after it
+            // would leave the worker without one (suspect, its leases
+            // re-queued after the grace).
+            validate::worker_id(&worker_id)?;
+            let first_answer = first
+                .verification
+                .map(|a| validate::verification_answer(a.into()))
+                .transpose()?;
             let (tx, rx) = mpsc::unbounded_channel();
             let engine = self.engine.clone();
             let sid = engine.open_heartbeat(worker_id.clone(), tx.clone()).await?;
-            if let Some(answer) = first.verification {
-                if let Err(e) = engine
-                    .answer_verification(worker_id.clone(), answer.into())
-                    .await
-                {
+            if let Some(answer) = first_answer {
+                if let Err(e) = engine.answer_verification(worker_id.clone(), answer).await {
                     engine.close_stream(worker_id, StreamKind::Heartbeat, sid);
                     return Err(e.into());
                 }
