@@ -22,6 +22,7 @@ store_tests! {
     schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing,
     a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on,
     the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_precondition_failure,
+    a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_does,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -483,6 +484,83 @@ async fn the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_preconditi
     assert!(e.message().contains("never fires again"), "{}", e.message());
     let sch = get(&s, "missed").await;
     assert!(sch.paused && sch.next_run_at.is_none() && sch.runs == 0);
+}
+
+/// The day of the week of `t` (UTC): 0 Sunday .. 6 Saturday.
+fn weekday(t: &prost_types::Timestamp) -> i64 {
+    // 1970-01-01 was a Thursday.
+    (t.seconds.div_euclid(86_400) + 4).rem_euclid(7)
+}
+
+/// A classic five-field expression (`min hour dom month dow`) reads its
+/// day of the week as crontab(5) does: 0 or 7 Sunday, 1 Monday .. 6
+/// Saturday, in numbers, ranges, lists and steps; names are names. The
+/// six- and seven-field forms keep their own numbering (1 Sunday .. 7
+/// Saturday).
+async fn a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_does(
+    store: TestStore,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "dow").await;
+    // (expression, the days of the week it fires on, 0 = Sunday)
+    let cases: &[(&str, &[i64])] = &[
+        ("0 9 * * 1", &[1]),
+        ("0 9 * * 5", &[5]),
+        ("0 9 * * 0", &[0]),
+        ("0 9 * * 7", &[0]),
+        ("0 9 * * 6", &[6]),
+        ("0 9 * * 1-5", &[1, 2, 3, 4, 5]),
+        ("0 9 * * 5-7", &[5, 6, 0]),
+        ("0 9 * * 0,3", &[0, 3]),
+        ("0 9 * * */3", &[0, 3, 6]),
+        ("0 9 * * 1-5/2", &[1, 3, 5]),
+        ("0 9 * * Mon", &[1]),
+        ("0 9 * * Sat,Sun", &[6, 0]),
+        ("0 9 * * *", &[0, 1, 2, 3, 4, 5, 6]),
+        ("0 0 9 * * Mon", &[1]),
+        ("0 0 9 * * 2", &[1]),
+        ("0 0 9 * * 1", &[0]),
+    ];
+    for (i, (cron, days)) in cases.iter().enumerate() {
+        let id = format!("dow{i}");
+        let created = create(
+            &s,
+            pb::Schedule {
+                cron: cron.to_string(),
+                ..every_second(&id, "dow")
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("cron {cron:?}: {e:?}"));
+        // Its first tick (after now) falls on one of these days at 09:00.
+        let first = created.next_run_at.unwrap();
+        s.schedules()
+            .await
+            .delete_schedule(pb::DeleteScheduleRequest {
+                schedule_id: id.clone(),
+            })
+            .await
+            .unwrap();
+        assert!(
+            days.contains(&weekday(&first)),
+            "cron {cron:?}: next tick {first:?} is on day {} (0 = Sunday), not one of {days:?}",
+            weekday(&first)
+        );
+        assert_eq!(first.seconds.rem_euclid(86_400), 9 * 3600, "cron {cron:?}");
+    }
+    for bad in ["0 9 * * 8", "0 9 * * 3-1", "0 9 * * 1/0", "0 9 * * Mon-5"] {
+        let e = create(
+            &s,
+            pb::Schedule {
+                cron: bad.into(),
+                ..every_second("bad", "dow")
+            },
+        )
+        .await
+        .expect_err(bad);
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {}", e.message());
+    }
 }
 
 /// The server process is killed with SIGKILL between ticks and started

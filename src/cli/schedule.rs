@@ -72,7 +72,8 @@ pub struct CreateArgs {
     pub plan: String,
     /// Cron expression with seconds: 'sec min hour day-of-month month
     /// day-of-week [year]', e.g. '0 30 9 * * Mon-Fri'; a classic
-    /// five-field expression runs at second 0.
+    /// five-field expression runs at second 0, its days of the week
+    /// numbered as in crontab (0 or 7 Sunday: '0 9 * * 1-5' is weekdays).
     #[arg(long)]
     pub cron: String,
     /// IANA time zone of the expression, e.g. Europe/Paris [default: UTC].

@@ -3,9 +3,13 @@
 //! `/usr/share/zoneinfo`).
 //!
 //! The accepted form has a seconds field: `sec min hour day-of-month month
-//! day-of-week [year]`; a classic five-field expression (`min hour dom
-//! month dow`) is read with seconds 0. Fields take numbers, ranges, lists,
-//! steps and month or day names (`0 30 9 * * Mon-Fri`, `*/10 * * * * *`).
+//! day-of-week [year]`, its days of the week numbered 1 (Sunday) to 7
+//! (Saturday); a classic five-field expression (`min hour dom month dow`)
+//! is read with seconds 0 and its days of the week numbered as in
+//! crontab(5), 0 or 7 Sunday, 1 Monday to 6 Saturday (`0 9 * * 1-5` is
+//! weekdays). Fields take numbers, ranges, lists, steps and month or day
+//! names (`0 30 9 * * Mon-Fri`, `*/10 * * * * *`). Unlike crontab(5), a
+//! restricted day of month and day of week must both match.
 
 use std::str::FromStr;
 
@@ -51,7 +55,12 @@ impl CronSchedule {
         }
         let fields = expr.split_whitespace().count();
         let full = match fields {
-            5 => format!("0 {expr}"),
+            5 => {
+                let f: Vec<&str> = expr.split_whitespace().collect();
+                let dow = crontab_days_of_week(f[4])
+                    .map_err(|why| Error::invalid(format!("cron {expr:?}: {why}")))?;
+                format!("0 {} {} {} {} {dow}", f[0], f[1], f[2], f[3])
+            }
             6 | 7 => expr.to_string(),
             n => {
                 return Err(Error::invalid(format!(
@@ -112,6 +121,71 @@ impl CronSchedule {
     }
 }
 
+/// The day-of-week field of a classic five-field expression, numbered as
+/// in crontab(5) (0 or 7 Sunday, 1 Monday .. 6 Saturday), in the
+/// numbering of the six-field form (1 Sunday .. 7 Saturday): each item
+/// with numbers (`5`, `1-5`, `5-7`, `*/2`, `1-5/2`, `3/2`) becomes the list
+/// of the days it names; `*`, `?` and items of day names are kept.
+///
+/// Errors: why an item is not a day-of-week item of crontab(5) (a number
+/// over 7, a reversed range, a zero step, names mixed with numbers).
+fn crontab_days_of_week(field: &str) -> std::result::Result<String, String> {
+    let mut items = Vec::new();
+    for item in field.split(',') {
+        let (range, step) = match item.split_once('/') {
+            Some((r, s)) => (r, Some(s)),
+            None => (item, None),
+        };
+        if range == "*" && step.is_none()
+            || range == "?"
+            || (range.contains(|c: char| c.is_ascii_alphabetic())
+                && range.chars().all(|c| c.is_ascii_alphabetic() || c == '-'))
+        {
+            // All days, or names: the same in both numberings (a step
+            // counts days, whatever their numbers).
+            items.push(item.to_string());
+            continue;
+        }
+        let day = |s: &str| match s.parse::<u32>() {
+            Ok(d) if d <= 7 => Ok(d),
+            _ => Err(format!(
+                "day of the week {s:?} in {item:?} is not 0..=7 (0 and 7 are Sunday) or a day name \
+                 (names and numbers cannot be mixed in one item)"
+            )),
+        };
+        let (from, to) = match range.split_once('-') {
+            _ if range == "*" => (0, 6),
+            Some((a, b)) => (day(a)?, day(b)?),
+            None if step.is_some() => (day(range)?, 7),
+            None => {
+                let d = day(range)?;
+                (d, d)
+            }
+        };
+        if from > to {
+            return Err(format!("day-of-week range {item:?} goes backwards"));
+        }
+        let step = match step {
+            None => 1,
+            Some(s) => match s.parse::<u32>() {
+                Ok(n) if n >= 1 => n,
+                _ => {
+                    return Err(format!(
+                        "day-of-week step in {item:?} must be a number of at least 1"
+                    ))
+                }
+            },
+        };
+        let mut d = from;
+        while d <= to {
+            items.push((d % 7 + 1).to_string());
+            d += step;
+        }
+    }
+    items.dedup();
+    Ok(items.join(","))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +209,30 @@ mod tests {
             every.ticks_between(t0 + 1, t0 + 3500, 2),
             (vec![t0 + 2000, t0 + 3000], true)
         );
+    }
+
+    #[test]
+    fn classic_days_of_the_week_are_crontabs() {
+        for (field, quartz) in [
+            ("1-5", "2,3,4,5,6"),
+            ("0", "1"),
+            ("7", "1"),
+            ("5-7", "6,7,1"),
+            ("*/2", "1,3,5,7"),
+            ("1/3", "2,5,1"),
+            ("*", "*"),
+            ("Mon-Fri", "Mon-Fri"),
+            ("Mon,3", "Mon,4"),
+        ] {
+            assert_eq!(
+                crontab_days_of_week(field).as_deref(),
+                Ok(quartz),
+                "{field}"
+            );
+        }
+        for bad in ["8", "3-1", "1/0", "Mon-5", "", "1-"] {
+            assert!(crontab_days_of_week(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
