@@ -87,7 +87,12 @@ class Schedule(_message.Message):
     """Cron expression with a seconds field: "sec min hour day-of-month month
     day-of-week [year]", e.g. "0 30 9 * * Mon-Fri" (09:30:00 on weekdays) or
     "*/10 * * * * *" (every 10 seconds). Fields take numbers, ranges (1-5),
-    lists (1,15), steps (*/10) and month or day names.
+    lists (1,15), steps (*/10) and month or day names; days of the week are
+    numbered 1 (Sunday) to 7 (Saturday). A classic five-field expression
+    "min hour day-of-month month day-of-week" runs at second 0, its days of
+    the week numbered as in crontab(5): 0 or 7 Sunday, 1 Monday to 6
+    Saturday ("0 9 * * 1-5" is 09:00 on weekdays). A restricted day of month
+    and day of week must both match.
     """
     time_zone: _builtins.str
     """IANA time zone the expression is read in, e.g. "Europe/Paris";

@@ -123,7 +123,9 @@ class ScheduleServiceServicer:
 
     def ResumeSchedule(self, request, context):
         """Resumes a paused schedule from its first tick after now. Resuming an
-        active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND,
+        FAILED_PRECONDITION (its cron expression has no tick after now, e.g.
+        its year field is past; it stays paused).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,7 +63,9 @@ class ScheduleServiceStub:
     """
     ResumeSchedule: _grpc.UnaryUnaryMultiCallable[_schedule_service_pb2.ResumeScheduleRequest, _schedule_service_pb2.ResumeScheduleResponse]
     """Resumes a paused schedule from its first tick after now. Resuming an
-    active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND,
+    FAILED_PRECONDITION (its cron expression has no tick after now, e.g.
+    its year field is past; it stays paused).
     """
     DeleteSchedule: _grpc.UnaryUnaryMultiCallable[_schedule_service_pb2.DeleteScheduleRequest, _schedule_service_pb2.DeleteScheduleResponse]
     """Deletes a schedule; the Actions it submitted stay. Errors:
@@ -103,7 +105,9 @@ class ScheduleServiceAsyncStub(ScheduleServiceStub):
     """
     ResumeSchedule: _aio.UnaryUnaryMultiCallable[_schedule_service_pb2.ResumeScheduleRequest, _schedule_service_pb2.ResumeScheduleResponse]  # type: ignore[assignment]
     """Resumes a paused schedule from its first tick after now. Resuming an
-    active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND,
+    FAILED_PRECONDITION (its cron expression has no tick after now, e.g.
+    its year field is past; it stays paused).
     """
     DeleteSchedule: _aio.UnaryUnaryMultiCallable[_schedule_service_pb2.DeleteScheduleRequest, _schedule_service_pb2.DeleteScheduleResponse]  # type: ignore[assignment]
     """Deletes a schedule; the Actions it submitted stay. Errors:
@@ -170,7 +174,9 @@ class ScheduleServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_schedule_service_pb2.ResumeScheduleResponse, _abc.Awaitable[_schedule_service_pb2.ResumeScheduleResponse]]:
         """Resumes a paused schedule from its first tick after now. Resuming an
-        active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        active schedule changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND,
+        FAILED_PRECONDITION (its cron expression has no tick after now, e.g.
+        its year field is past; it stays paused).
         """
 
     @_abc_1.abstractmethod
