@@ -839,7 +839,8 @@ class Client:
     ) -> Schedule:
         """Creates a recurring schedule: an action of ``plan_id`` with
         ``inputs`` at every tick of ``cron`` ("sec min hour day-of-month
-        month day-of-week [year]", or the classic five fields) read in
+        month day-of-week [year]", days of the week 1 Sunday to 7 Saturday;
+        or the classic five fields, days of the week as in crontab) read in
         ``time_zone`` (IANA; "" is UTC). Each tick's action is
         ``<schedule_id>-<unix seconds>``, submitted exactly once.
         ``catch_up`` ("all", "latest", "skip") says what happens to ticks
@@ -917,7 +918,8 @@ class Client:
     def resume_schedule(self, schedule_id: str, *, timeout: float | None = None) -> Schedule:
         """Resumes a paused schedule from its next tick; resuming a running
         schedule changes nothing, so retries are harmless.
-        Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (its cron
+        expression has no tick after now; it stays paused)."""
         resp = call_unary(
             "ResumeSchedule", self._schedules.ResumeSchedule,
             schedule_service_pb2.ResumeScheduleRequest(schedule_id=schedule_id),
