@@ -137,9 +137,10 @@ pub struct ServeArgs {
     /// streams are cut and the database is closed.
     #[arg(long, env = "AGQ_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     pub shutdown_grace_secs: u64,
-    /// MiB of request messages the server receives at once, over all calls
-    /// (16..=65536): a message that does not fit fails its call with
-    /// RESOURCE_EXHAUSTED before it is buffered.
+    /// MiB of request messages the server holds at once, over all calls,
+    /// from their arrival until they are handled (16..=65536): a message
+    /// that does not fit fails its call with RESOURCE_EXHAUSTED before it
+    /// is buffered.
     #[arg(long, env = "AGQ_REQUEST_BUFFER_MB", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub request_buffer_mb: u64,

@@ -6,23 +6,41 @@
 //! all but the last byte of a large message on each and make the server
 //! hold gigabytes. [`RequestBudgetLayer`] reads the 5-byte gRPC frame
 //! header of every request message as it arrives and reserves the
-//! announced length from one budget shared by all calls; the reservation
-//! is given back once the whole message has arrived (tonic decodes it
-//! then) or the call ends. A message the budget cannot hold fails its call
-//! with `RESOURCE_EXHAUSTED` at once, before its bytes are buffered; the
-//! caller may retry once other messages are through. Messages larger than
-//! the message limit are left to tonic, which refuses them
-//! (`OUT_OF_RANGE`) without buffering them.
+//! announced length from one budget shared by all calls. The reservation
+//! lasts as long as the server holds the message, decoded or not:
+//!
+//! - a unary request's until its answer is ready (the handler has run, its
+//!   commit included) or the call ends;
+//! - a ReportJobs request's until that request is answered: the stream
+//!   hands each message's reservation to its handler
+//!   ([`MessageReservations`]), which keeps it beside the decoded
+//!   reports while they wait for the writer;
+//! - a Heartbeat request's until the whole message has arrived: the stream
+//!   handles one message at a time and reads no further while replies
+//!   are unread.
+//!
+//! So decoded requests queued for the writer count too: callers that send
+//! faster than the store commits meet the limit instead of growing the
+//! server's memory. A message the budget cannot hold fails its call with
+//! `RESOURCE_EXHAUSTED` at once, before its bytes are buffered; the caller
+//! may retry once other messages are through. Messages larger than the
+//! message limit are left to tonic, which refuses them (`OUT_OF_RANGE`)
+//! without buffering them.
 
 use std::{
+    collections::VecDeque,
+    future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex},
     task::{Context, Poll},
 };
 
 use bytes::{Buf, Bytes};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    task::futures::TaskLocalFuture,
+};
 use tonic::{body::Body, Status};
 
 /// Default of the budget, in bytes (256 MiB): sixteen messages of the
@@ -75,6 +93,94 @@ impl RequestBudget {
     }
 }
 
+/// Paths of the calls whose request is a stream, and what becomes of each
+/// message's reservation once the message has arrived.
+const STREAMING_REQUESTS: [(&str, Release); 2] = [
+    ("/agq.v1.WorkerService/Heartbeat", Release::OnArrival),
+    ("/agq.v1.WorkerService/ReportJobs", Release::ByHandler),
+];
+
+/// When a call's message reservations are given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// Once the whole message has arrived.
+    OnArrival,
+    /// When the handler and what it queued for the store drop what it
+    /// took from [`MessageReservations`].
+    ByHandler,
+    /// A unary request: when the call and what it queued for the store
+    /// are done ([`current_share`]).
+    WithCall,
+}
+
+/// A hold on part of the request buffer: the bytes go back once every
+/// clone of it is dropped. What a request queues for the store keeps one
+/// ([`current_share`]) while it waits there with the request's data.
+#[derive(Debug, Clone)]
+pub struct BufferShare {
+    _held: Arc<dyn std::fmt::Debug + Send + Sync>,
+}
+
+tokio::task_local! {
+    /// The share of the request buffer of the request being handled.
+    static SHARE: Option<BufferShare>;
+}
+
+/// Runs `f` holding `share` as its request's share of the request buffer:
+/// [`current_share`] gives it to what `f` queues for the store.
+pub async fn holding<F: Future>(share: Option<BufferShare>, f: F) -> F::Output {
+    SHARE.scope(share, f).await
+}
+
+/// The share of the request buffer of the request this task is handling
+/// (a unary call, or a ReportJobs message under [`holding`]); `None`
+/// outside one. The store's queue keeps it with each operation until the
+/// operation has run, so a request whose caller went away still counts
+/// while its data waits in the queue.
+pub fn current_share() -> Option<BufferShare> {
+    SHARE.try_with(|s| s.clone()).ok().flatten()
+}
+
+/// The reservations of one call's messages that have arrived whole, in
+/// message order, for the handler to take one by one (ReportJobs). The
+/// layer puts it in the request's extensions; a handler takes one entry
+/// per message it reads, in order, and holds it while it holds the
+/// message (and [`holding`] it, while the message waits in the store's
+/// queue). Entries not taken are given back when the call ends.
+#[derive(Debug, Clone, Default)]
+pub struct MessageReservations {
+    queue: Arc<Mutex<Kept>>,
+}
+
+/// One entry per message, oldest first (`None`: an empty message, which
+/// reserves nothing).
+#[derive(Debug, Default)]
+struct Kept(VecDeque<Option<OwnedSemaphorePermit>>);
+
+impl MessageReservations {
+    /// The reservation of the oldest message not yet taken. `None` when it
+    /// reserved nothing (an empty message) or there is none to take.
+    pub fn take_next(&self) -> Option<BufferShare> {
+        let mut kept = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        kept.0
+            .pop_front()
+            .flatten()
+            .map(|p| BufferShare { _held: Arc::new(p) })
+    }
+
+    fn keep(&self, permit: Option<OwnedSemaphorePermit>) {
+        let mut kept = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        kept.0.push_back(permit);
+    }
+
+    /// The whole call's reservations as one share.
+    fn share(&self) -> BufferShare {
+        BufferShare {
+            _held: self.queue.clone(),
+        }
+    }
+}
+
 /// A tower layer that puts every request body under a [`RequestBudget`];
 /// for `tonic::transport::Server::layer`.
 #[derive(Debug, Clone)]
@@ -113,16 +219,26 @@ where
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = TaskLocalFuture<Option<BufferShare>, S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        let release = STREAMING_REQUESTS
+            .iter()
+            .find(|(path, _)| *path == req.uri().path())
+            .map_or(Release::WithCall, |(_, r)| *r);
+        let kept = MessageReservations::default();
+        if release == Release::ByHandler {
+            req.extensions_mut().insert(kept.clone());
+        }
+        let share = (release == Release::WithCall).then(|| kept.share());
         let budget = self.budget.clone();
-        self.inner
-            .call(req.map(|body| Body::new(BudgetedBody::new(body, budget))))
+        let keep = (release != Release::OnArrival).then_some(kept);
+        let req = req.map(|inner| Body::new(BudgetedBody::new(inner, budget, keep)));
+        SHARE.scope(share, self.inner.call(req))
     }
 }
 
@@ -137,21 +253,25 @@ enum Framing {
     /// Inside a message: bytes of it still to come, and its reservation.
     Message {
         left: usize,
-        _held: Option<OwnedSemaphorePermit>,
+        held: Option<OwnedSemaphorePermit>,
     },
 }
 
 /// A request body that reserves each message's length from the budget as
-/// its header passes, and gives it back once the message has passed.
+/// its header passes, and, once the message has passed, gives it back or
+/// keeps it in `kept` (see [`Release`]).
 struct BudgetedBody {
     inner: Body,
     budget: RequestBudget,
     framing: Framing,
     failed: bool,
+    /// Where the reservations of messages that arrived whole go; `None`:
+    /// given back at once.
+    kept: Option<MessageReservations>,
 }
 
 impl BudgetedBody {
-    fn new(inner: Body, budget: RequestBudget) -> Self {
+    fn new(inner: Body, budget: RequestBudget, kept: Option<MessageReservations>) -> Self {
         BudgetedBody {
             inner,
             budget,
@@ -160,6 +280,15 @@ impl BudgetedBody {
                 have: 0,
             },
             failed: false,
+            kept,
+        }
+    }
+
+    /// A message has arrived whole: tonic decodes it now. Its reservation
+    /// goes back, or into `kept`.
+    fn arrived(&self, held: Option<OwnedSemaphorePermit>) {
+        if let Some(kept) = &self.kept {
+            kept.keep(held);
         }
     }
 
@@ -175,30 +304,28 @@ impl BudgetedBody {
                     if *have == HEADER_BYTES {
                         let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
                         let held = self.budget.reserve(len)?;
-                        self.framing = if len == 0 {
-                            Framing::Header {
+                        if len == 0 {
+                            self.arrived(held);
+                            self.framing = Framing::Header {
                                 buf: [0; HEADER_BYTES],
                                 have: 0,
-                            }
+                            };
                         } else {
-                            Framing::Message {
-                                left: len,
-                                _held: held,
-                            }
-                        };
+                            self.framing = Framing::Message { left: len, held };
+                        }
                     }
                 }
-                Framing::Message { left, .. } => {
+                Framing::Message { left, held } => {
                     let take = (*left).min(rest.remaining());
                     rest.advance(take);
                     *left -= take;
                     if *left == 0 {
-                        // The whole message has arrived: tonic decodes it
-                        // now; the reservation goes back.
+                        let held = held.take();
                         self.framing = Framing::Header {
                             buf: [0; HEADER_BYTES],
                             have: 0,
                         };
+                        self.arrived(held);
                     }
                 }
             }
@@ -251,7 +378,7 @@ mod tests {
     }
 
     fn body(budget: &RequestBudget) -> BudgetedBody {
-        BudgetedBody::new(Body::empty(), budget.clone())
+        BudgetedBody::new(Body::empty(), budget.clone(), None)
     }
 
     /// A message's length is held from its header until its last byte,

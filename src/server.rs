@@ -73,7 +73,7 @@ pub struct ServerOptions {
     /// How long in-flight calls may run after shutdown begins; streams a
     /// client keeps open past it (a health Watch, say) are cut.
     pub shutdown_grace: Duration,
-    /// Bytes of request messages received at once over all calls
+    /// Bytes of request messages held at once over all calls, from their arrival until handled
     /// ([`crate::request_budget`]; default
     /// [`crate::request_budget::DEFAULT_REQUEST_BUFFER_BYTES`]).
     pub request_buffer_bytes: usize,

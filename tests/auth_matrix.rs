@@ -924,3 +924,289 @@ async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     assert_ne!(after.code(), Code::ResourceExhausted);
     server.stop().await.unwrap();
 }
+
+/// A server on a fresh database with a request buffer of `bytes`, and a
+/// connection to it.
+async fn budget_server(dir: &std::path::Path, bytes: usize) -> (agq::local::LocalServer, Channel) {
+    let opts = agq::server::ServerOptions {
+        store_ca_file: None,
+        store: agq::config::Store::Sqlite,
+        db: dir.join("agq.db"),
+        sqlite_synchronous: Default::default(),
+        engine: fast_config(),
+        auth: Authenticator::default(),
+        tls: None,
+        shutdown_grace: std::time::Duration::from_secs(2),
+        request_buffer_bytes: bytes,
+    };
+    let server = agq::local::LocalServer::start(opts, None, false)
+        .await
+        .unwrap();
+    let ch = Channel::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    (server, ch)
+}
+
+/// Holds the database's write lock from another connection, so the
+/// server's writer waits (up to its 10 s busy timeout) with everything
+/// queued for it; the lock goes when the returned connection does.
+fn hold_write_lock(db: &std::path::Path) -> rusqlite::Connection {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+    conn
+}
+
+/// Sends a 700 KiB message the server decodes and refuses at once (zero
+/// bytes are not a plan), until the request buffer cannot hold it, at
+/// most `tries` times 50 ms: whether the buffer filled up.
+async fn probe_until_refused(ch: &Channel, tries: usize) -> bool {
+    for _ in 0..tries {
+        if submit_raw(ch.clone(), 700 * 1024).await.code() == Code::ResourceExhausted {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Whether a 700 KiB message stays refused over 300 ms (three probes
+/// 100 ms apart): the buffer is held, not just taken by a message still
+/// arriving.
+async fn holds_the_buffer(ch: &Channel) -> bool {
+    for _ in 0..3 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if submit_raw(ch.clone(), 700 * 1024).await.code() != Code::ResourceExhausted {
+            return false;
+        }
+    }
+    true
+}
+
+/// Waits, at most 10 s, until a 700 KiB message fits the request buffer
+/// again.
+async fn wait_until_it_fits(ch: &Channel) {
+    for _ in 0..200 {
+        if submit_raw(ch.clone(), 700 * 1024).await.code() != Code::ResourceExhausted {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the request buffer was not given back");
+}
+
+/// A unary request keeps its share of the request buffer until the store
+/// has taken its data, not only until its bytes have arrived: while the
+/// writer waits for the database, a SubmitAction of 700 KiB queued for it
+/// leaves no room in a 1 MiB buffer for another 700 KiB message, even
+/// after its caller went away (its data still waits in the writer's
+/// queue). Once the writer has run it, the action exists and the buffer
+/// is free again. Before, the buffer only bounded messages being
+/// received: callers faster than the store grew the server's memory
+/// without bound.
+#[tokio::test]
+async fn a_unary_request_holds_the_request_buffer_until_the_store_has_taken_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    let mut plans = plan_service_client::PlanServiceClient::new(ch.clone());
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["true"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    let lock = hold_write_lock(&dir.path().join("agq.db"));
+    let big = SubmitActionRequest {
+        action_id: "big".into(),
+        plan_id: "p".into(),
+        inputs: (0..11)
+            .map(|i| ActionInput {
+                values: [(format!("k{i}"), "x".repeat(64_000))].into(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let mut actions = action_service_client::ActionServiceClient::new(ch.clone());
+    let send = |req: SubmitActionRequest| {
+        let mut actions = actions.clone();
+        tokio::spawn(async move { actions.submit_action(req).await })
+    };
+    let mut caller = send(big.clone());
+    let mut held = false;
+    for _ in 0..100 {
+        if caller.is_finished() {
+            // A probe took the buffer while it arrived: send it again.
+            let answer = (&mut caller).await.unwrap();
+            assert_eq!(
+                answer.as_ref().map_err(|e| e.code()).err(),
+                Some(Code::ResourceExhausted),
+                "answered while the writer waits"
+            );
+            caller = send(big.clone());
+        }
+        // Refused three times over 300 ms: held, not just arriving.
+        if probe_until_refused(&ch, 1).await && holds_the_buffer(&ch).await {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        held,
+        "a message that does not fit beside a queued request was taken"
+    );
+    // The caller goes away; its request still waits for the writer.
+    caller.abort();
+    let _ = caller.await;
+    assert!(
+        holds_the_buffer(&ch).await,
+        "the share of a request whose caller went away was given back while its data waited"
+    );
+    drop(lock);
+    wait_until_it_fits(&ch).await;
+    let a = actions
+        .get_action(GetActionRequest {
+            action_id: "big".into(),
+        })
+        .await
+        .expect("the queued request was applied")
+        .into_inner();
+    assert_eq!(a.action.map(|a| a.total_jobs), Some(11));
+    server.stop().await.unwrap();
+}
+
+/// A ReportJobs request keeps its share of the request buffer until the
+/// store has taken it: while the writer waits for the database, a 700 KiB
+/// request of reports read from the stream leaves no room in a 1 MiB
+/// buffer for another 700 KiB message, also after the worker dropped the
+/// stream (the request still waits in the writer's queue); the buffer is
+/// free again once the writer has run it.
+#[tokio::test]
+async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    // A worker "w" holding the lease of a job of the action.
+    let mut plans = plan_service_client::PlanServiceClient::new(ch.clone());
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["true"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    let mut workers = worker_service_client::WorkerServiceClient::new(ch.clone());
+    workers
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "w".into(),
+            hostname: "test-host".into(),
+            platform: "linux-x86_64".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["true".into()],
+                ..Default::default()
+            }),
+            max_concurrent_jobs: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (beat, beats) = tokio::sync::mpsc::unbounded_channel();
+    beat.send(HeartbeatRequest {
+        worker_id: "w".into(),
+        stats: Some(WorkerStats::default()),
+        ..Default::default()
+    })
+    .unwrap();
+    let _heartbeats = workers
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(beats))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut leases = workers
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "w".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    action_service_client::ActionServiceClient::new(ch.clone())
+        .submit_action(SubmitActionRequest {
+            plan_id: "p".into(),
+            inputs: vec![ActionInput::default()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let lease = tokio::time::timeout(std::time::Duration::from_secs(10), leases.message())
+        .await
+        .expect("a lease within 10 s")
+        .unwrap()
+        .expect("a lease");
+    let lock = hold_write_lock(&dir.path().join("agq.db"));
+    // Its completion, with 700 KB of output.
+    let reports = vec![UpdateJobRequest {
+        job_id: lease.job.as_ref().unwrap().job_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        status: JobStatus::Completed as i32,
+        task_results: vec![TaskResult {
+            stdout: "x".repeat(700_000),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }];
+    // Opens a stream and sends the request on it; the stream stays open.
+    let open = || {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(ReportJobsRequest {
+            worker_id: "w".into(),
+            requests: reports.clone(),
+        })
+        .unwrap();
+        let mut workers = workers.clone();
+        let task = tokio::spawn(async move {
+            let mut answers = workers
+                .report_jobs(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+                .await?
+                .into_inner();
+            answers.message().await
+        });
+        (tx, task)
+    };
+    let (mut tx, mut stream) = open();
+    let mut held = false;
+    for _ in 0..100 {
+        if stream.is_finished() {
+            // A probe took the buffer while it arrived: send it again.
+            let answer = (&mut stream).await.unwrap();
+            assert_eq!(
+                answer.as_ref().map_err(|e| e.code()).err(),
+                Some(Code::ResourceExhausted),
+                "answered while the writer waits"
+            );
+            (tx, stream) = open();
+        }
+        if probe_until_refused(&ch, 1).await && holds_the_buffer(&ch).await {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        held,
+        "a message that does not fit beside a queued report request was taken"
+    );
+    // The worker drops the stream; its request still waits for the writer.
+    stream.abort();
+    let _ = stream.await;
+    drop(tx);
+    assert!(
+        holds_the_buffer(&ch).await,
+        "the share of a dropped stream's request was given back while it waited"
+    );
+    drop(lock);
+    wait_until_it_fits(&ch).await;
+    server.stop().await.unwrap();
+}

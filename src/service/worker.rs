@@ -30,6 +30,7 @@ use crate::{
     },
     error::Error,
     pb::{self, worker_service_server::WorkerService},
+    request_budget::{self, MessageReservations},
     telemetry,
 };
 
@@ -109,9 +110,11 @@ fn check_reports(
 /// ([`check_reports`]), its reports are applied as by BatchUpdateJobs
 /// while up to [`MAX_UNANSWERED_REPORTS`] earlier requests are still being
 /// committed, and it is answered, in request order, once committed, with
-/// one result per report. The first refused request (or a transport error
-/// of `requests`) is the last answer, as an error: nothing read after it
-/// is applied. The stream ends when `requests` ends and every answer is
+/// one result per report. Each request keeps its share of the server's
+/// request buffer, taken from `reservations` in request order, until it
+/// is answered. The first refused request (or a transport error of
+/// `requests`) is the last answer, as an error: nothing read after it is
+/// applied. The stream ends when `requests` ends and every answer is
 /// out.
 ///
 /// Errors (as the stream's last item): `PERMISSION_DENIED`,
@@ -121,21 +124,29 @@ pub fn report_stream(
     engine: SharedEngine,
     who: Identity,
     requests: impl Stream<Item = Result<pb::ReportJobsRequest, Status>> + Send + 'static,
+    reservations: Option<MessageReservations>,
 ) -> BoxStream<pb::ReportJobsResponse> {
     let answers = requests
         .scan((None::<String>, false), move |(bound, refused), m| {
             if *refused {
                 return std::future::ready(None);
             }
+            // The message's reservation, held until it is answered.
+            let held = match &m {
+                Ok(_) => reservations.as_ref().and_then(|r| r.take_next()),
+                Err(_) => None,
+            };
             let checked = m.and_then(|m| check_reports(&who, bound, m));
             *refused = checked.is_err();
-            std::future::ready(Some(checked))
+            std::future::ready(Some((checked, held)))
         })
-        .map(move |checked| {
+        .map(move |(checked, held)| {
             let engine = engine.clone();
             async move {
                 let (worker_id, reports) = checked?;
-                let outcomes = engine.batch_update_jobs(worker_id, reports).await?;
+                let outcomes =
+                    request_budget::holding(held, engine.batch_update_jobs(worker_id, reports))
+                        .await?;
                 Ok(pb::ReportJobsResponse {
                     results: report_results(outcomes),
                 })
@@ -397,10 +408,16 @@ impl WorkerService for WorkerApi {
     ) -> Result<Response<Self::ReportJobsStream>, Status> {
         rpc(&self.engine, "WorkerService/ReportJobs", async {
             let who = identity(&req);
+            let reservations = req.extensions().get::<MessageReservations>().cloned();
             // At shutdown the stream stops reading; what it read is still
             // answered (the buffered answers drain), then it ends.
             let requests = until_shutdown(req.into_inner(), self.shutdown.clone());
-            Ok(report_stream(self.engine.clone(), who, requests))
+            Ok(report_stream(
+                self.engine.clone(),
+                who,
+                requests,
+                reservations,
+            ))
         })
         .await
     }

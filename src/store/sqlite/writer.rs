@@ -379,7 +379,11 @@ impl<S: BatchState> Writer<S> {
         F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
+        // The request's share of the request buffer stays held while its
+        // data waits here, even if the caller goes away.
+        let share = crate::request_budget::current_share();
         let op: TxFn<S> = Box::new(move |ctx| {
+            let _share = share;
             let r = match ctx {
                 Ctx::Run(s, c) => f(s, c),
                 Ctx::Refuse(cause) => Err(Error::StoreUnavailable(cause)),
