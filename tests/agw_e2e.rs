@@ -613,6 +613,86 @@ async fn a_task_timeout_kills_the_sleep_and_its_children() {
     wait_dead(child).await;
 }
 
+/// Pids of the processes whose command line starts with `name`.
+fn processes_named(name: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (cmdline.starts_with(name.as_bytes()) && !is_dead(pid)).then_some(pid)
+        })
+        .collect()
+}
+
+/// Waits up to `within` until no live process's command line starts with
+/// `name`; returns the pids still running then (empty: all gone).
+async fn wait_none_named(name: &str, within: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = processes_named(name);
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_process_tree_that_keeps_growing_is_killed_whole() {
+    // A task leaves a chain of processes in a session of its own: each
+    // forks the next and sleeps, the newest forks again every 0.2 s.
+    // Killing only agw's direct children (the chain's top) each round
+    // takes one link per round while the chain grows ten: the whole tree
+    // of an escaped process must go at once. Every link ends by itself
+    // after 40 s, so a failure leaves nothing behind for long.
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(
+        &server,
+        "w-hydra",
+        &["--tools", "perl,sleep,echo", "--max-processes", "64"],
+    )
+    .await;
+    const NAME: &str = "agq-e2e-escaped-chain";
+    c.plan(
+        "chain",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                &format!(
+                    "my $p = fork // die \"fork: $!\"; if ($p) {{ print \"started\\n\"; exit 0 }} \
+                     POSIX::setsid(); close STDOUT; close STDERR; $0 = '{NAME}'; \
+                     my $end = time + 40; \
+                     while (time < $end) {{ my $c = fork; \
+                       if (!defined $c) {{ select(undef, undef, undef, 0.2); next }} \
+                       if ($c) {{ sleep 1 while time < $end; exit 0 }} \
+                       select(undef, undef, undef, 0.2) }}"
+                ),
+            ],
+            30,
+            None,
+        )],
+    )
+    .await;
+    let job_id = c.submit("chain", &[], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].stdout, "started\n");
+    // The task is over: after two reaping rounds (every 2 s) nothing of it
+    // may run.
+    let left = wait_none_named(NAME, Duration::from_secs(6)).await;
+    assert!(
+        left.is_empty(),
+        "{} processes of a finished task still run: {left:?}",
+        left.len()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // The server routes a job only to workers that advertise its tools, so

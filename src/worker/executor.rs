@@ -178,42 +178,23 @@ impl ProcessGroups {
     }
 
     /// Kills and reaps every process `agw` adopted that belongs to no
-    /// running task: a task's descendant that left its process group
-    /// (`setsid`, `setpgid`) and outlived its parent is re-parented to
-    /// `agw`, the subreaper ([`adopt_orphans`]), instead of to init, and
-    /// ends here instead of running on after its job. Returns how many
-    /// processes it killed. `agw` calls it after every task and every
-    /// [`REAP_EVERY`]. It does nothing in a process that is not a
-    /// subreaper (a program running the executor in-process, whose other
-    /// children are its own business).
+    /// running task, together with all of its descendants: a task's
+    /// descendant that left its process group (`setsid`, `setpgid`) and
+    /// outlived its parent is re-parented to `agw`, the subreaper
+    /// ([`adopt_orphans`]), instead of to init, and ends here with the
+    /// whole tree it started ([`kill_tree`]) instead of running on after
+    /// its job. Returns how many processes it killed. `agw` calls it after
+    /// every task and every [`REAP_EVERY`]. It does nothing in a process
+    /// that is not a subreaper (a program running the executor in-process,
+    /// whose other children are its own business).
     pub fn reap_escaped(&self) -> usize {
-        let mut subreaper: libc::c_int = 0;
-        // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
-        let asked = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
-        if asked == -1 || subreaper == 0 {
+        if !is_subreaper() {
             return 0;
         }
         // Held throughout, so no task is spawned between the listing and
         // the kills (a new leader is registered under the same lock).
         let running = self.lock();
-        let me = std::process::id() as i32;
-        let mut killed = 0;
-        for pid in own_children() {
-            let Some((ppid, pgrp)) = parent_and_group(pid) else {
-                continue;
-            };
-            // Not a child any more, or (a descendant of) a running task.
-            if ppid != me || running.contains(&pid) || running.contains(&pgrp) {
-                continue;
-            }
-            // A child not yet reaped keeps its pid: this is the process
-            // listed (a zombie ignores the signal and is reaped).
-            if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
-                killed += 1;
-            }
-            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
-        }
-        killed
+        sweep_children(|pid, pgrp| !running.contains(&pid) && !running.contains(&pgrp))
     }
 
     /// Spawns `cmd` (whose child makes itself a process group leader) and
@@ -262,13 +243,104 @@ pub fn adopt_orphans() -> io::Result<()> {
     Ok(())
 }
 
-/// The pids of this process's children: from each thread's
-/// `/proc/self/task/<tid>/children`, or, on a kernel without those files,
-/// every process whose parent is this one.
+/// True when this process is a child subreaper ([`adopt_orphans`]).
+fn is_subreaper() -> bool {
+    let mut subreaper: libc::c_int = 0;
+    // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
+    let asked = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
+    asked == 0 && subreaper != 0
+}
+
+/// Upper bound on the rounds of one [`sweep_children`]: a round only
+/// repeats when it killed something, and what a round misses (a child a
+/// process forked while it was being stopped) is at most a straggler.
+const SWEEP_ROUNDS: usize = 8;
+
+/// Kills, with their whole trees ([`kill_tree`]), the children of this
+/// process that `select(pid, pgrp)` picks, and reaps them; repeats while a
+/// round found one alive (a process re-parented to this one while the
+/// round ran), at most [`SWEEP_ROUNDS`] times. Zombies among the children
+/// are reaped. Returns how many processes it killed.
+fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
+    let me = std::process::id() as i32;
+    let mut killed = 0;
+    for _ in 0..SWEEP_ROUNDS {
+        let mut this_round = 0;
+        for pid in own_children() {
+            let Some(stat) = proc_stat(pid) else {
+                continue;
+            };
+            // Not a child any more, or not one to kill.
+            if stat.ppid != me || !select(pid, stat.pgrp) {
+                continue;
+            }
+            // A child not yet reaped keeps its pid: this is the process
+            // listed (a zombie ignores signals and is reaped).
+            if stat.state != 'Z' {
+                this_round += kill_tree(pid);
+            }
+            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        }
+        killed += this_round;
+        if this_round == 0 {
+            break;
+        }
+    }
+    killed
+}
+
+/// How long [`kill_tree`] waits for one process to stop before listing its
+/// children anyway.
+const STOP_WAIT: Duration = Duration::from_millis(50);
+
+/// Kills `root` and every descendant it has. Killing only `root` would
+/// hand its children to the subreaper, to be killed a round later, while
+/// a chain that forks at its far end grows faster than one link a round:
+/// so the tree is first frozen top-down (`SIGSTOP`, and its children
+/// listed once it stopped, when it can no longer fork: a stopped process
+/// keeps its children, a dead one would have given them away), then every
+/// frozen process gets `SIGKILL`. Returns how many processes it signalled.
+/// `root` must be a child of this process not yet reaped, so that its pid
+/// and those of its descendants (whose parents cannot reap them once
+/// stopped) name the processes listed.
+fn kill_tree(root: i32) -> usize {
+    let mut frozen = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack = vec![root];
+    while let Some(pid) = stack.pop() {
+        if !seen.insert(pid) {
+            continue;
+        }
+        if kill(Pid::from_raw(pid), Signal::SIGSTOP).is_err() {
+            continue;
+        }
+        frozen.push(pid);
+        let since = Instant::now();
+        while proc_stat(pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X'))
+            && since.elapsed() < STOP_WAIT
+        {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        stack.extend(children_of(pid));
+    }
+    for pid in &frozen {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+    }
+    frozen.len()
+}
+
+/// The pids of this process's children ([`children_of`]).
 fn own_children() -> Vec<i32> {
+    children_of(std::process::id() as i32)
+}
+
+/// The pids of the children of `parent`: from each of its threads'
+/// `/proc/<pid>/task/<tid>/children`, or, on a kernel without those files,
+/// every process whose parent it is.
+fn children_of(parent: i32) -> Vec<i32> {
     let mut pids = Vec::new();
     let mut listed = false;
-    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) {
         for t in tasks.flatten() {
             if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
                 listed = true;
@@ -280,28 +352,38 @@ fn own_children() -> Vec<i32> {
         }
     }
     if !listed {
-        let me = std::process::id() as i32;
         if let Ok(all) = std::fs::read_dir("/proc") {
             pids.extend(
                 all.flatten()
                     .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                    .filter(|&pid| parent_and_group(pid).is_some_and(|(ppid, _)| ppid == me)),
+                    .filter(|&pid| proc_stat(pid).is_some_and(|s| s.ppid == parent)),
             );
         }
     }
     pids
 }
 
-/// The parent pid and process group of `pid`, from `/proc/<pid>/stat`
-/// (`pid (comm) state ppid pgrp ...`; `comm` may hold spaces and
-/// parentheses, so the fields are read after its last `)`).
-fn parent_and_group(pid: i32) -> Option<(i32, i32)> {
+/// What `/proc/<pid>/stat` says of a process.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    /// Its state letter (`R`, `S`, `T`, `Z`, …).
+    state: char,
+    /// Its parent's pid.
+    ppid: i32,
+    /// Its process group.
+    pgrp: i32,
+}
+
+/// The state, parent pid and process group of `pid`, from
+/// `/proc/<pid>/stat` (`pid (comm) state ppid pgrp ...`; `comm` may hold
+/// spaces and parentheses, so the fields are read after its last `)`).
+fn proc_stat(pid: i32) -> Option<ProcStat> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
-    let _state = fields.next()?;
+    let state = fields.next()?.chars().next()?;
     let ppid = fields.next()?.parse().ok()?;
     let pgrp = fields.next()?.parse().ok()?;
-    Some((ppid, pgrp))
+    Some(ProcStat { state, ppid, pgrp })
 }
 
 /// Kills one task's process group when dropped (and on demand), and keeps it
