@@ -694,6 +694,50 @@ async fn an_escaped_process_tree_that_keeps_growing_is_killed_whole() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
+    // The task forks a daemon in a session of its own and sleeps on. At
+    // the forced exit agw kills the task's group; the daemon, orphaned,
+    // comes to agw, which must kill it before it exits itself: otherwise
+    // it goes to init and runs on (40 s here) with its job long gone.
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let mut agw = Agw::start(&server, "w-forced-daemon", &["--tools", "perl,sleep,echo"]).await;
+    const NAME: &str = "agq-e2e-forced-exit-daemon";
+    c.plan(
+        "daemon",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                &format!(
+                    "my $p = fork // die \"fork: $!\"; if ($p == 0) {{ POSIX::setsid(); \
+                     close STDOUT; close STDERR; $0 = '{NAME}'; sleep 40; exit 0 }} \
+                     open my $f, '>', 'daemon.pid' or die $!; print $f $p; close $f; sleep 40"
+                ),
+            ],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let _job_id = c.submit("daemon", &[], 1).await;
+    let daemon = read_pid(&agw.task_file("daemon.pid").await).await;
+    assert!(!is_dead(daemon));
+    agw.signal(nix::sys::signal::Signal::SIGINT);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(130));
+    let left = wait_none_named(NAME, Duration::from_secs(5)).await;
+    assert!(
+        left.is_empty(),
+        "the daemon of a task outlived agw's forced exit: {left:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // The server routes a job only to workers that advertise its tools, so
     // the refusal guards against a stale registration: the id was

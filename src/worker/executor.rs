@@ -197,6 +197,34 @@ impl ProcessGroups {
         sweep_children(|pid, pgrp| !running.contains(&pid) && !running.contains(&pgrp))
     }
 
+    /// For a worker about to exit: kills every task's process group
+    /// ([`Self::kill_all`]), then every process left among its children
+    /// and their descendants (task leaders, and what escaped their groups
+    /// and came to the subreaper, orphaned by those kills), until none is
+    /// left or `within` has passed. Without it, what a task left outside
+    /// its group would be re-parented to init when `agw` exits and run on.
+    /// Returns how many processes the sweep killed; in a process that is
+    /// not a subreaper it only kills the groups (and returns 0).
+    pub async fn kill_everything(&self, within: Duration) -> usize {
+        self.kill_all();
+        if !is_subreaper() {
+            return 0;
+        }
+        let deadline = tokio::time::Instant::now() + within;
+        let mut killed = 0;
+        loop {
+            killed += sweep_children(|_, _| true);
+            // Done when only the killed are left, not yet reaped.
+            let live = own_children()
+                .into_iter()
+                .any(|pid| proc_stat(pid).is_some_and(|s| s.state != 'Z'));
+            if !live || tokio::time::Instant::now() >= deadline {
+                return killed;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Spawns `cmd` (whose child makes itself a process group leader) and
     /// registers its group, so that no [`Self::reap_escaped`] runs between
     /// the two.
