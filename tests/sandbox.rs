@@ -997,6 +997,114 @@ async fn without_landlock_agw_refuses_to_start_unless_told_to_run_unsandboxed() 
     assert_eq!(job.worker_id, "with-landlock");
 }
 
+/// Ids of the System V IPC objects of `kind` (`shm`, `msg`, `sem`) with
+/// `key` that exist now (`/proc/sysvipc/<kind>`: key, then id).
+fn sysv_ids(kind: &str, key: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/sysvipc/{kind}"))
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let k: i32 = f.next()?.parse().ok()?;
+            let id: i32 = f.next()?.parse().ok()?;
+            (k == key).then_some(id)
+        })
+        .collect()
+}
+
+/// Removes the shared memory segments and message queues with `key`.
+fn remove_sysv(key: i32) {
+    for id in sysv_ids("shm", key) {
+        // SAFETY: shmctl(IPC_RMID) with no buffer.
+        unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    }
+    for id in sysv_ids("msg", key) {
+        // SAFETY: msgctl(IPC_RMID) with no buffer.
+        unsafe { libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_leave_system_v_ipc_objects_behind() {
+    // Shared memory and message queues of System V IPC outlive the
+    // process that made them (until removed or reboot), count against no
+    // rlimit of the task (a segment touched and detached is memory beyond
+    // --max-address-space-mb) and are reachable by id from any process of
+    // the uid: one job could fill the host's memory past its end, or read
+    // another program's world-readable segment. The sandbox refuses them.
+    const KEY: i32 = 0x4147_5131;
+    remove_sysv(KEY);
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "sysv-ipc",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    // IPC_CREAT is 01000.
+    c.plan(
+        "shm",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my $id = shmget({KEY}, 1 << 20, 0666 | 01000) // die \"shmget: $!\"; \
+                     shmwrite($id, 'x' x 4096, 0, 4096) or die \"shmwrite: $!\"; \
+                     print \"segment $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    c.plan(
+        "msg",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my $id = msgget({KEY}, 0666 | 01000) // die \"msgget: $!\"; \
+                     msgsnd($id, pack('l! a*', 1, 'left behind'), 0) or die \"msgsnd: $!\"; \
+                     print \"queue $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    let shm = c.submit("shm", &[]).await;
+    let shm = c.finished(&shm).await;
+    let msg = c.submit("msg", &[]).await;
+    let msg = c.finished(&msg).await;
+    let (segments, queues) = (sysv_ids("shm", KEY), sysv_ids("msg", KEY));
+    remove_sysv(KEY);
+    assert!(
+        segments.is_empty(),
+        "a finished job left shared memory segment(s) {segments:?}: {}",
+        all_output(&shm)
+    );
+    assert!(
+        queues.is_empty(),
+        "a finished job left message queue(s) {queues:?}: {}",
+        all_output(&msg)
+    );
+    for job in [&shm, &msg] {
+        assert_eq!(status(job), JobStatus::Dead, "{}", all_output(job));
+        assert!(
+            job.error.contains("Permission denied"),
+            "{}",
+            all_output(job)
+        );
+    }
+}
+
 #[test]
 fn the_token_on_the_command_line_is_refused() {
     let out = clean_command(AGW)

@@ -23,7 +23,11 @@
 //! 4. **seccomp**: `socket(2)` of any family, UNIX included, and
 //!    `io_uring` fail with `EACCES`, so UDP, raw sockets, named UNIX
 //!    sockets (a system bus, a container engine's socket) and io_uring's
-//!    own socket path are closed too (unless `--allow-network`);
+//!    own socket path are closed too (unless `--allow-network`); so do
+//!    System V IPC (shared memory, message queues, semaphores) and POSIX
+//!    message queues, whose objects outlive the task, count against none
+//!    of its limits and are reachable by id or name from outside its
+//!    sandbox;
 //! 5. **descriptors**: every descriptor but standard input, output and
 //!    error is closed at `exec` ([`close_inherited_descriptors`]).
 //!
@@ -207,8 +211,7 @@ pub struct Sandbox {
     exec_paths: Vec<PathBuf>,
     /// Read paths that exist (missing defaults are skipped).
     read_paths: Vec<PathBuf>,
-    /// The compiled seccomp filter (None with `--allow-network` or the
-    /// sandbox off).
+    /// The compiled seccomp filter (None with the sandbox off).
     seccomp: Option<Arc<BpfProgram>>,
 }
 
@@ -248,8 +251,8 @@ impl Sandbox {
         let (kept, dropped, exec_paths) = executables(tools);
         let mut config = config;
         config.scratch_root = create_scratch_root(&config)?;
-        let seccomp = if config.enabled && !config.allow_network {
-            Some(Arc::new(network_filter()?))
+        let seccomp = if config.enabled {
+            Some(Arc::new(task_filter(config.allow_network)?))
         } else {
             None
         };
@@ -472,21 +475,54 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
     Ok(())
 }
 
-/// The seccomp filter that closes the network: `socket(2)` of every
-/// family (UNIX sockets included: a named socket anywhere on the host, the
-/// system bus or a container engine's, would be reachable, since Landlock
-/// does not govern `connect` to a path) and `io_uring_setup(2)` fail with
-/// `EACCES`; `socketpair(2)` stays. On x86-64 the same calls through the
+/// The seccomp filter of a task. Unless `allow_network`, it closes the
+/// network: `socket(2)` of every family (UNIX sockets included: a named
+/// socket anywhere on the host, the system bus or a container engine's,
+/// would be reachable, since Landlock does not govern `connect` to a
+/// path) and `io_uring_setup(2)` fail with `EACCES`; `socketpair(2)`
+/// stays. Always, System V IPC (`shmget`, `shmat`, `shmctl`, `msgget`,
+/// `msgsnd`, `msgrcv`, `msgctl`, `semget`, `semop`, `semtimedop`,
+/// `semctl`) and POSIX message queues (`mq_*`) fail with `EACCES`: their
+/// objects outlive the task (memory beyond `--max-address-space-mb` that
+/// stays after the job), and those of other programs are reachable by id
+/// or name, outside Landlock's rules. On x86-64 the same calls through the
 /// x32 numbering (bit 30 set), which a kernel built with x32 support
 /// accepts, fail too.
-fn network_filter() -> Result<BpfProgram, SandboxError> {
+///
+/// # Errors
+///
+/// [`SandboxError::Unsupported`] on an architecture seccompiler does not
+/// know, [`SandboxError::Config`] when the filter cannot be compiled.
+fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
     fn err(e: impl std::fmt::Display) -> SandboxError {
         SandboxError::Config(format!("seccomp filter: {e}"))
     }
     let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)
         .map_err(|e| SandboxError::Unsupported(format!("seccomp on this architecture: {e}")))?;
+    let mut refused = vec![
+        libc::SYS_shmget,
+        libc::SYS_shmat,
+        libc::SYS_shmctl,
+        libc::SYS_msgget,
+        libc::SYS_msgsnd,
+        libc::SYS_msgrcv,
+        libc::SYS_msgctl,
+        libc::SYS_semget,
+        libc::SYS_semop,
+        libc::SYS_semtimedop,
+        libc::SYS_semctl,
+        libc::SYS_mq_open,
+        libc::SYS_mq_unlink,
+        libc::SYS_mq_timedsend,
+        libc::SYS_mq_timedreceive,
+        libc::SYS_mq_notify,
+        libc::SYS_mq_getsetattr,
+    ];
+    if !allow_network {
+        refused.extend([libc::SYS_socket, libc::SYS_io_uring_setup]);
+    }
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for nr in [libc::SYS_socket, libc::SYS_io_uring_setup] {
+    for nr in refused {
         rules.insert(nr, vec![]);
         if cfg!(target_arch = "x86_64") {
             rules.insert(nr | X32_SYSCALL_BIT, vec![]);
@@ -860,7 +896,8 @@ mod tests {
     }
 
     #[test]
-    fn the_network_filter_compiles() {
-        assert!(!network_filter().unwrap().is_empty());
+    fn the_seccomp_filter_compiles() {
+        assert!(!task_filter(false).unwrap().is_empty());
+        assert!(!task_filter(true).unwrap().is_empty());
     }
 }
