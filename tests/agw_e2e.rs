@@ -737,6 +737,90 @@ async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
     );
 }
 
+/// Starts `sleep 30` in a process group of its own with pid `pid` (free
+/// now), by setting the kernel's last pid (`ns_last_pid`, root only) just
+/// before; `None` when that is not possible here or another process took
+/// the pid first every time.
+fn spawn_with_pid(pid: i32) -> Option<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    for _ in 0..50 {
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            return None;
+        }
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
+        if i32::try_from(child.id()).ok() == Some(pid) {
+            return Some(child);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_tasks_group_id_reused_by_another_process_is_not_killed() {
+    // The task's leader exits while a process it left outside its group
+    // holds its stdout, so agw reads on for a grace (2 s) after it reaped
+    // the leader. A process group id names nothing once its leader is
+    // reaped and its members are gone: the kernel may give the number to
+    // any new process. agw must not signal the old id after the reap; here
+    // a process of the test's own, in a group of its own, gets that id.
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: setting the next pid (ns_last_pid) needs root");
+        return;
+    }
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let agw = Agw::start(&server, "w-pgid-reuse", &["--tools", "perl,sleep,echo"]).await;
+    c.plan(
+        "holder",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                "my $p = fork // die \"fork: $!\"; if ($p == 0) { POSIX::setsid(); \
+                 $0 = 'agq-e2e-pipe-holder'; sleep 6; exit 0 } \
+                 open my $f, '>', 'leader.pid' or die $!; print $f $$; close $f; \
+                 select(undef, undef, undef, 0.5); exit 0",
+            ],
+            30,
+            None,
+        )],
+    )
+    .await;
+    let job_id = c.submit("holder", &[], 1).await;
+    let leader = read_pid(&agw.task_file("leader.pid").await).await;
+    // Reaped (not only dead): its pid is free again.
+    let deadline = Instant::now() + WAIT;
+    while std::path::Path::new(&format!("/proc/{leader}")).exists() {
+        assert!(Instant::now() < deadline, "the leader {leader} was not reaped");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let Some(mut victim) = spawn_with_pid(leader) else {
+        eprintln!("skipped: could not start a process with pid {leader}");
+        return;
+    };
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].exit_code, 0);
+    // Past the job's end (and the grace): the victim must still run.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = victim.try_wait().expect("try_wait");
+    let _ = victim.kill();
+    let _ = victim.wait();
+    assert!(
+        status.is_none(),
+        "a process that took the finished task's group id {leader} was killed: {status:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // The server routes a job only to workers that advertise its tools, so

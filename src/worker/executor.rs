@@ -157,24 +157,37 @@ impl JobOutcome {
 /// The process groups of every task running now, so that a worker exiting
 /// at once can kill them all.
 #[derive(Debug, Clone, Default)]
-pub struct ProcessGroups(Arc<Mutex<HashSet<i32>>>);
+pub struct ProcessGroups(Arc<Mutex<Registry>>);
+
+/// What [`ProcessGroups`] holds.
+#[derive(Debug, Default)]
+struct Registry {
+    /// Groups of tasks not yet killed: their leader is not reaped, so each
+    /// id still names that group and no other process's.
+    live: HashSet<i32>,
+    /// Groups of tasks not yet over (killed or not), with how many tasks
+    /// hold each id: a task whose leader was reaped no longer owns its id,
+    /// which a new task may have got; [`ProcessGroups::reap_escaped`]
+    /// spares these.
+    held: HashMap<i32, usize>,
+}
 
 impl ProcessGroups {
-    /// Sends `SIGKILL` to every registered process group.
+    /// Sends `SIGKILL` to every registered process group not yet killed.
     pub fn kill_all(&self) {
-        for pgid in self.lock().iter() {
+        for pgid in self.lock().live.iter() {
             kill_group(*pgid);
         }
     }
 
     /// Number of process groups running now.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().held.len()
     }
 
     /// True when no task is running.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().held.is_empty()
     }
 
     /// Kills and reaps every process `agw` adopted that belongs to no
@@ -194,7 +207,9 @@ impl ProcessGroups {
         // Held throughout, so no task is spawned between the listing and
         // the kills (a new leader is registered under the same lock).
         let running = self.lock();
-        sweep_children(|pid, pgrp| !running.contains(&pid) && !running.contains(&pgrp))
+        sweep_children(|pid, pgrp| {
+            !running.held.contains_key(&pid) && !running.held.contains_key(&pgrp)
+        })
     }
 
     /// For a worker about to exit: kills every task's process group
@@ -235,18 +250,20 @@ impl ProcessGroups {
             .id()
             .and_then(|id| i32::try_from(id).ok())
             .unwrap_or(0);
-        running.insert(pgid);
+        running.live.insert(pgid);
+        *running.held.entry(pgid).or_default() += 1;
         drop(running);
         Ok((
             child,
             GroupGuard {
                 pgid,
                 groups: self.clone(),
+                killed: false,
             },
         ))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
         // A panic while holding this lock leaves a consistent set; keep going.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -414,25 +431,78 @@ fn proc_stat(pid: i32) -> Option<ProcStat> {
     Some(ProcStat { state, ppid, pgrp })
 }
 
-/// Kills one task's process group when dropped (and on demand), and keeps it
-/// registered in [`ProcessGroups`] meanwhile.
+/// Kills one task's process group once (on demand, or when dropped if not
+/// yet), and keeps it registered in [`ProcessGroups`] until dropped.
+///
+/// The group is killed only while its leader is not reaped: until then the
+/// id is the group's (a zombie leader keeps it), after that the kernel may
+/// give it to any new process, whose group a late `killpg` would kill.
 struct GroupGuard {
     pgid: i32,
     groups: ProcessGroups,
+    killed: bool,
 }
 
 impl GroupGuard {
-    fn kill(&self) {
-        kill_group(self.pgid);
+    /// Kills the group (once) and takes it off the groups [`ProcessGroups::kill_all`]
+    /// kills. Call it before the leader is reaped.
+    fn kill(&mut self) {
+        if !self.killed {
+            self.killed = true;
+            let mut running = self.groups.lock();
+            kill_group(self.pgid);
+            running.live.remove(&self.pgid);
+        }
     }
 }
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
-        // Whatever is left of the group (a stray background child) goes too.
+        // Dropped early (the job's future dropped): the leader is not
+        // reaped yet, the group goes with it.
         self.kill();
-        self.groups.lock().remove(&self.pgid);
+        let mut running = self.groups.lock();
+        if let Some(n) = running.held.get_mut(&self.pgid) {
+            *n -= 1;
+            if *n == 0 {
+                running.held.remove(&self.pgid);
+            }
+        }
     }
+}
+
+/// A descriptor of process `pid` (`pidfd_open`), readable once it exited,
+/// without reaping it; `None` where the kernel has none (before 5.3).
+fn pidfd(pid: Option<u32>) -> Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    let pid = libc::pid_t::try_from(pid?).ok()?;
+    // SAFETY: pidfd_open(2) with integer arguments; it returns a new
+    // descriptor (close-on-exec) or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    // SAFETY: a descriptor just returned to us, owned by nobody else.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: the AsyncFd owns the OwnedFd, which stays open and the same
+    // descriptor until the AsyncFd is dropped.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    }
+    .ok()
+}
+
+/// Waits until the task's leader exits. With its `pidfd` it is not reaped
+/// (`None`: [`Child::wait`] then collects its status at once); without,
+/// its status as [`Child::wait`] reaped it.
+async fn leader_exit(
+    child: &mut Child,
+    pidfd: Option<&tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+) -> Option<io::Result<std::process::ExitStatus>> {
+    if let Some(fd) = pidfd {
+        if fd.readable().await.is_ok() {
+            return None;
+        }
+    }
+    Some(child.wait().await)
 }
 
 /// `SIGKILL` to a process group; a group that is already gone is fine.
@@ -908,7 +978,7 @@ impl Executor {
             });
         }
         let started = Instant::now();
-        let (mut child, group) = match self.groups.spawn(&mut cmd) {
+        let (mut child, mut group) = match self.groups.spawn(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
                 return TaskRun {
@@ -930,26 +1000,38 @@ impl Executor {
         let mut err_task = spawn_reader(child.stderr.take(), cap, None, stop_rx);
 
         let deadline = tokio::time::Instant::from_std(started + task.timeout);
+        let exit = pidfd(child.id());
         let end = tokio::select! {
             biased;
-            reason = aborted(abort) => TaskEnd::Aborted(reason),
-            () = tokio::time::sleep_until(deadline) => TaskEnd::TimedOut(task.timeout),
-            status = child.wait() => match status {
-                Ok(st) => match (st.code(), st.signal()) {
-                    (Some(code), _) => TaskEnd::Exited(code),
-                    (None, Some(sig)) => TaskEnd::Signalled(sig),
-                    (None, None) => TaskEnd::Exited(-1),
-                },
-                Err(e) => TaskEnd::SpawnFailed(e),
-            },
+            reason = aborted(abort) => Err(TaskEnd::Aborted(reason)),
+            () = tokio::time::sleep_until(deadline) => Err(TaskEnd::TimedOut(task.timeout)),
+            status = leader_exit(&mut child, exit.as_ref()) => Ok(status),
         };
         // The task is over: kill its group, whether it timed out, was
-        // aborted, or its leader exited and left background children behind.
-        // Output already in the pipes stays readable.
+        // aborted, or its leader exited and left background children behind,
+        // before the leader is reaped (the group's id is its own until
+        // then). Output already in the pipes stays readable.
         group.kill();
-        if matches!(end, TaskEnd::Aborted(_) | TaskEnd::TimedOut(_)) {
-            let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
-        }
+        let end = match end {
+            Err(end) => {
+                let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
+                end
+            }
+            Ok(status) => {
+                let status = match status {
+                    Some(status) => status,
+                    None => child.wait().await,
+                };
+                match status {
+                    Ok(st) => match (st.code(), st.signal()) {
+                        (Some(code), _) => TaskEnd::Exited(code),
+                        (None, Some(sig)) => TaskEnd::Signalled(sig),
+                        (None, None) => TaskEnd::Exited(-1),
+                    },
+                    Err(e) => TaskEnd::SpawnFailed(e),
+                }
+            }
+        };
         // The pipes close once the group is dead; a process that left the
         // group may hold them open: stop reading after a grace.
         let grace = tokio::time::sleep(PIPE_GRACE);
