@@ -335,8 +335,11 @@ fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
 }
 
 /// How long [`kill_tree`] waits for one process to stop before listing its
-/// children anyway.
+/// children anyway, and for all of a tree's processes together (a process
+/// that does not stop, in uninterruptible sleep say, holds the sweep, and
+/// with it the spawning of tasks, at most that long).
 const STOP_WAIT: Duration = Duration::from_millis(50);
+const STOP_WAIT_TREE: Duration = Duration::from_millis(500);
 
 /// Kills `root` and every descendant it has. Killing only `root` would
 /// hand its children to the subreaper, to be killed a round later, while
@@ -349,6 +352,7 @@ const STOP_WAIT: Duration = Duration::from_millis(50);
 /// and those of its descendants (whose parents cannot reap them once
 /// stopped) name the processes listed.
 fn kill_tree(root: i32) -> usize {
+    let tree_deadline = Instant::now() + STOP_WAIT_TREE;
     let mut frozen = Vec::new();
     let mut seen = HashSet::new();
     let mut stack = vec![root];
@@ -360,9 +364,9 @@ fn kill_tree(root: i32) -> usize {
             continue;
         }
         frozen.push(pid);
-        let since = Instant::now();
+        let until = tree_deadline.min(Instant::now() + STOP_WAIT);
         while proc_stat(pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X'))
-            && since.elapsed() < STOP_WAIT
+            && Instant::now() < until
         {
             std::thread::sleep(Duration::from_micros(200));
         }
