@@ -1105,6 +1105,88 @@ async fn a_task_cannot_leave_system_v_ipc_objects_behind() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cannot_leave_data_for_another_job_in_the_kernel_keyring() {
+    // The user keyring belongs to the uid, not to a process: a key one
+    // job's task adds outlives the job, and every later task of that uid
+    // (another client's job, any other process running as `nobody`) finds
+    // and reads it, past every rule of the sandbox. The sandbox refuses
+    // the keyring calls (add_key, request_key, keyctl).
+    const PAYLOAD: &str = "left-behind-by-job-one-5d1e";
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "keyring",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    // add_key(2) is 248, keyctl(2) 250 (x86-64); the user keyring is -4;
+    // KEYCTL_SEARCH 10, KEYCTL_READ 11, KEYCTL_UNLINK 9.
+    let (add_key, keyctl) = match std::env::consts::ARCH {
+        "x86_64" => (248, 250),
+        "aarch64" => (217, 219),
+        other => {
+            eprintln!("skipped: no system call numbers for {other}");
+            return;
+        }
+    };
+    c.plan(
+        "leave-key",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my ($t, $d, $k) = (\"user\\0\", \"agq-sandbox-test-key\\0\", '{PAYLOAD}'); \
+                     my $id = syscall({add_key}, $t, $d, $k, length $k, -4); \
+                     $id > 0 or die \"add_key: $!\"; print \"key $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    c.plan(
+        "find-key",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my ($t, $d) = (\"user\\0\", \"agq-sandbox-test-key\\0\"); \
+                     my $id = syscall({keyctl}, 10, -4, $t, $d, 0); \
+                     $id > 0 or die \"search: $!\"; my $buf = \"\\0\" x 64; \
+                     my $n = syscall({keyctl}, 11, $id, $buf, 64); \
+                     print 'found: ', substr($buf, 0, $n > 0 ? $n : 0), \"\\n\"; \
+                     syscall({keyctl}, 9, $id, -4)"
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    let first = c.submit("leave-key", &[]).await;
+    let first = c.finished(&first).await;
+    let second = c.submit("find-key", &[]).await;
+    let second = c.finished(&second).await;
+    assert!(
+        !all_output(&second).contains(PAYLOAD),
+        "a job read what an earlier job left in the keyring:\n{}\n---\n{}",
+        all_output(&first),
+        all_output(&second)
+    );
+    assert_eq!(status(&first), JobStatus::Dead, "{}", all_output(&first));
+    assert!(
+        first.error.contains("Permission denied"),
+        "{}",
+        all_output(&first)
+    );
+}
+
 #[test]
 fn the_token_on_the_command_line_is_refused() {
     let out = clean_command(AGW)

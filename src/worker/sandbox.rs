@@ -24,10 +24,10 @@
 //!    `io_uring` fail with `EACCES`, so UDP, raw sockets, named UNIX
 //!    sockets (a system bus, a container engine's socket) and io_uring's
 //!    own socket path are closed too (unless `--allow-network`); so do
-//!    System V IPC (shared memory, message queues, semaphores) and POSIX
-//!    message queues, whose objects outlive the task, count against none
-//!    of its limits and are reachable by id or name from outside its
-//!    sandbox;
+//!    System V IPC (shared memory, message queues, semaphores), POSIX
+//!    message queues and the kernel keyrings, whose objects outlive the
+//!    task, count against none of its limits and are reachable by id or
+//!    name from outside its sandbox (another job's task included);
 //! 5. **descriptors**: every descriptor but standard input, output and
 //!    error is closed at `exec` ([`close_inherited_descriptors`]).
 //!
@@ -482,12 +482,14 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
 /// path) and `io_uring_setup(2)` fail with `EACCES`; `socketpair(2)`
 /// stays. Always, System V IPC (`shmget`, `shmat`, `shmctl`, `msgget`,
 /// `msgsnd`, `msgrcv`, `msgctl`, `semget`, `semop`, `semtimedop`,
-/// `semctl`) and POSIX message queues (`mq_*`) fail with `EACCES`: their
-/// objects outlive the task (memory beyond `--max-address-space-mb` that
-/// stays after the job), and those of other programs are reachable by id
-/// or name, outside Landlock's rules. On x86-64 the same calls through the
-/// x32 numbering (bit 30 set), which a kernel built with x32 support
-/// accepts, fail too.
+/// `semctl`), POSIX message queues (`mq_*`) and the kernel keyrings
+/// (`add_key`, `request_key`, `keyctl`) fail with `EACCES`: their objects
+/// outlive the task (memory beyond `--max-address-space-mb` that stays
+/// after the job; a key in the uid's user keyring that every later task of
+/// that uid, another job's included, reads), and those of other programs
+/// are reachable by id or name, outside Landlock's rules. On x86-64 the
+/// same calls through the x32 numbering (bit 30 set), which a kernel built
+/// with x32 support accepts, fail too.
 ///
 /// # Errors
 ///
@@ -517,6 +519,9 @@ fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
         libc::SYS_mq_timedreceive,
         libc::SYS_mq_notify,
         libc::SYS_mq_getsetattr,
+        libc::SYS_add_key,
+        libc::SYS_request_key,
+        libc::SYS_keyctl,
     ];
     if !allow_network {
         refused.extend([libc::SYS_socket, libc::SYS_io_uring_setup]);
