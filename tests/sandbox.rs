@@ -1187,6 +1187,73 @@ async fn a_job_cannot_leave_data_for_another_job_in_the_kernel_keyring() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
+    // agw not root (as the Helm chart runs it): tasks run as agw's own
+    // user and own what they make in their scratch directory. A task that
+    // takes the permissions away (a directory of mode 0, the scratch
+    // directory itself read-only) must not make agw, which has no
+    // privilege over them, leave its scratch directory (and whatever data
+    // is in it) behind after the job.
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: starting agw as another user needs root");
+        return;
+    }
+    let nobody = nix::unistd::User::from_name("nobody")
+        .expect("passwd")
+        .expect("a nobody user");
+    let (uid, gid) = (nobody.uid.as_raw(), nobody.gid.as_raw());
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    // The scratch root's parent, agw's user's.
+    let home = f.db.parent().expect("parent").join("agw-home");
+    std::fs::create_dir(&home).expect("mkdir");
+    std::os::unix::fs::chown(&home, Some(uid), Some(gid)).expect("chown");
+    let scratch = home.join("scratch");
+    let mut agw = Agw::new(&url, "unprivileged")
+        .args(["--tools", "perl", "--scratch-dir"])
+        .args([&scratch])
+        .env("RUST_LOG", "warn")
+        .user(uid, gid)
+        .kill_on_drop()
+        .spawn();
+    agw.registered()
+        .unwrap_or_else(|e| panic!("agw as nobody did not start: {e:?}"));
+    let mut c = Clients::connect(&url).await;
+    c.plan(
+        "keep-scratch",
+        one(
+            "perl",
+            &[
+                "-e",
+                "mkdir 'd' or die $!; open my $o, '>', 'd/data' or die $!; \
+                 print $o 'x' x 100_000; close $o; \
+                 chmod 0, 'd' or die $!; chmod 0500, '.' or die $!; print \"done\\n\"",
+            ],
+        ),
+        false,
+    )
+    .await;
+    let job = c.submit("keep-scratch", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let left = loop {
+        let left: Vec<_> = std::fs::read_dir(&scratch)
+            .expect("scratch root")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            break left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        left.is_empty(),
+        "scratch directories left after their job: {left:?}"
+    );
+}
+
 #[test]
 fn the_token_on_the_command_line_is_refused() {
     let out = clean_command(AGW)
