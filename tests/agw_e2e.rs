@@ -801,7 +801,10 @@ async fn a_finished_tasks_group_id_reused_by_another_process_is_not_killed() {
     // Reaped (not only dead): its pid is free again.
     let deadline = Instant::now() + WAIT;
     while std::path::Path::new(&format!("/proc/{leader}")).exists() {
-        assert!(Instant::now() < deadline, "the leader {leader} was not reaped");
+        assert!(
+            Instant::now() < deadline,
+            "the leader {leader} was not reaped"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let Some(mut victim) = spawn_with_pid(leader) else {

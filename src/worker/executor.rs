@@ -488,10 +488,8 @@ fn pidfd(pid: Option<u32>) -> Option<tokio::io::unix::AsyncFd<std::os::fd::Owned
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     // SAFETY: the AsyncFd owns the OwnedFd, which stays open and the same
     // descriptor until the AsyncFd is dropped.
-    unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
-    }
-    .ok()
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .ok()
 }
 
 /// Waits until the task's leader exits. With its `pidfd` it is not reaped

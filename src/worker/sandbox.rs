@@ -1044,7 +1044,7 @@ mod tests {
         std::fs::write(tree.join("a/b/data"), "x").unwrap();
         std::os::unix::fs::symlink(&outside, tree.join("a/link")).unwrap();
         std::os::unix::fs::symlink(&outside, tree.join("link")).unwrap();
-        std::fs::set_permissions(tree.join("a/b"), std::fs::Permissions::from_mode(0)).unwrap();
+        std::fs::set_permissions(tree.join("a/b"), std::fs::Permissions::from_mode(0o0)).unwrap();
         std::fs::set_permissions(tree.join("a"), std::fs::Permissions::from_mode(0o100)).unwrap();
         grant_owner_access(&tree);
         let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
