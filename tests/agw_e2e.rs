@@ -613,6 +613,217 @@ async fn a_task_timeout_kills_the_sleep_and_its_children() {
     wait_dead(child).await;
 }
 
+/// Pids of the processes whose command line starts with `name`.
+fn processes_named(name: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (cmdline.starts_with(name.as_bytes()) && !is_dead(pid)).then_some(pid)
+        })
+        .collect()
+}
+
+/// Waits up to `within` until no live process's command line starts with
+/// `name`; returns the pids still running then (empty: all gone).
+async fn wait_none_named(name: &str, within: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = processes_named(name);
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_process_tree_that_keeps_growing_is_killed_whole() {
+    // A task leaves a chain of processes in a session of its own: each
+    // forks the next and sleeps, the newest forks again every 0.2 s.
+    // Killing only agw's direct children (the chain's top) each round
+    // takes one link per round while the chain grows ten: the whole tree
+    // of an escaped process must go at once. Every link ends by itself
+    // after 40 s, so a failure leaves nothing behind for long.
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(
+        &server,
+        "w-hydra",
+        &["--tools", "perl,sleep,echo", "--max-processes", "64"],
+    )
+    .await;
+    const NAME: &str = "agq-e2e-escaped-chain";
+    c.plan(
+        "chain",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                &format!(
+                    "my $p = fork // die \"fork: $!\"; if ($p) {{ print \"started\\n\"; exit 0 }} \
+                     POSIX::setsid(); close STDOUT; close STDERR; $0 = '{NAME}'; \
+                     my $end = time + 40; \
+                     while (time < $end) {{ my $c = fork; \
+                       if (!defined $c) {{ select(undef, undef, undef, 0.2); next }} \
+                       if ($c) {{ sleep 1 while time < $end; exit 0 }} \
+                       select(undef, undef, undef, 0.2) }}"
+                ),
+            ],
+            30,
+            None,
+        )],
+    )
+    .await;
+    let job_id = c.submit("chain", &[], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].stdout, "started\n");
+    // The task is over: after two reaping rounds (every 2 s) nothing of it
+    // may run.
+    let left = wait_none_named(NAME, Duration::from_secs(6)).await;
+    assert!(
+        left.is_empty(),
+        "{} processes of a finished task still run: {left:?}",
+        left.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
+    // The task forks a daemon in a session of its own and sleeps on. At
+    // the forced exit agw kills the task's group; the daemon, orphaned,
+    // comes to agw, which must kill it before it exits itself: otherwise
+    // it goes to init and runs on (40 s here) with its job long gone.
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let mut agw = Agw::start(&server, "w-forced-daemon", &["--tools", "perl,sleep,echo"]).await;
+    const NAME: &str = "agq-e2e-forced-exit-daemon";
+    c.plan(
+        "daemon",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                &format!(
+                    "my $p = fork // die \"fork: $!\"; if ($p == 0) {{ POSIX::setsid(); \
+                     close STDOUT; close STDERR; $0 = '{NAME}'; sleep 40; exit 0 }} \
+                     open my $f, '>', 'daemon.pid' or die $!; print $f $p; close $f; sleep 40"
+                ),
+            ],
+            60,
+            None,
+        )],
+    )
+    .await;
+    let _job_id = c.submit("daemon", &[], 1).await;
+    let daemon = read_pid(&agw.task_file("daemon.pid").await).await;
+    assert!(!is_dead(daemon));
+    agw.signal(nix::sys::signal::Signal::SIGINT);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(agw.wait_exit().await, Some(130));
+    let left = wait_none_named(NAME, Duration::from_secs(5)).await;
+    assert!(
+        left.is_empty(),
+        "the daemon of a task outlived agw's forced exit: {left:?}"
+    );
+}
+
+/// Starts `sleep 30` in a process group of its own with pid `pid` (free
+/// now), by setting the kernel's last pid (`ns_last_pid`, root only) just
+/// before; `None` when that is not possible here or another process took
+/// the pid first every time.
+fn spawn_with_pid(pid: i32) -> Option<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    for _ in 0..50 {
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            return None;
+        }
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
+        if i32::try_from(child.id()).ok() == Some(pid) {
+            return Some(child);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_tasks_group_id_reused_by_another_process_is_not_killed() {
+    // The task's leader exits while a process it left outside its group
+    // holds its stdout, so agw reads on for a grace (2 s) after it reaped
+    // the leader. A process group id names nothing once its leader is
+    // reaped and its members are gone: the kernel may give the number to
+    // any new process. agw must not signal the old id after the reap; here
+    // a process of the test's own, in a group of its own, gets that id.
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: setting the next pid (ns_last_pid) needs root");
+        return;
+    }
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let agw = Agw::start(&server, "w-pgid-reuse", &["--tools", "perl,sleep,echo"]).await;
+    c.plan(
+        "holder",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                "my $p = fork // die \"fork: $!\"; if ($p == 0) { POSIX::setsid(); \
+                 $0 = 'agq-e2e-pipe-holder'; sleep 6; exit 0 } \
+                 open my $f, '>', 'leader.pid' or die $!; print $f $$; close $f; \
+                 select(undef, undef, undef, 0.5); exit 0",
+            ],
+            30,
+            None,
+        )],
+    )
+    .await;
+    let job_id = c.submit("holder", &[], 1).await;
+    let leader = read_pid(&agw.task_file("leader.pid").await).await;
+    // Reaped (not only dead): its pid is free again.
+    let deadline = Instant::now() + WAIT;
+    while std::path::Path::new(&format!("/proc/{leader}")).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the leader {leader} was not reaped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let Some(mut victim) = spawn_with_pid(leader) else {
+        eprintln!("skipped: could not start a process with pid {leader}");
+        return;
+    };
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.task_results[0].exit_code, 0);
+    // Past the job's end (and the grace): the victim must still run.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = victim.try_wait().expect("try_wait");
+    let _ = victim.kill();
+    let _ = victim.wait();
+    assert!(
+        status.is_none(),
+        "a process that took the finished task's group id {leader} was killed: {status:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unadvertised_command_is_refused_and_nothing_runs() {
     // The server routes a job only to workers that advertise its tools, so

@@ -997,6 +997,263 @@ async fn without_landlock_agw_refuses_to_start_unless_told_to_run_unsandboxed() 
     assert_eq!(job.worker_id, "with-landlock");
 }
 
+/// Ids of the System V IPC objects of `kind` (`shm`, `msg`, `sem`) with
+/// `key` that exist now (`/proc/sysvipc/<kind>`: key, then id).
+fn sysv_ids(kind: &str, key: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/sysvipc/{kind}"))
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let k: i32 = f.next()?.parse().ok()?;
+            let id: i32 = f.next()?.parse().ok()?;
+            (k == key).then_some(id)
+        })
+        .collect()
+}
+
+/// Removes the shared memory segments and message queues with `key`.
+fn remove_sysv(key: i32) {
+    for id in sysv_ids("shm", key) {
+        // SAFETY: shmctl(IPC_RMID) with no buffer.
+        unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    }
+    for id in sysv_ids("msg", key) {
+        // SAFETY: msgctl(IPC_RMID) with no buffer.
+        unsafe { libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_leave_system_v_ipc_objects_behind() {
+    // Shared memory and message queues of System V IPC outlive the
+    // process that made them (until removed or reboot), count against no
+    // rlimit of the task (a segment touched and detached is memory beyond
+    // --max-address-space-mb) and are reachable by id from any process of
+    // the uid: one job could fill the host's memory past its end, or read
+    // another program's world-readable segment. The sandbox refuses them.
+    const KEY: i32 = 0x4147_5131;
+    remove_sysv(KEY);
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "sysv-ipc",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    // IPC_CREAT is 01000.
+    c.plan(
+        "shm",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my $id = shmget({KEY}, 1 << 20, 0666 | 01000) // die \"shmget: $!\"; \
+                     shmwrite($id, 'x' x 4096, 0, 4096) or die \"shmwrite: $!\"; \
+                     print \"segment $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    c.plan(
+        "msg",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my $id = msgget({KEY}, 0666 | 01000) // die \"msgget: $!\"; \
+                     msgsnd($id, pack('l! a*', 1, 'left behind'), 0) or die \"msgsnd: $!\"; \
+                     print \"queue $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    let shm = c.submit("shm", &[]).await;
+    let shm = c.finished(&shm).await;
+    let msg = c.submit("msg", &[]).await;
+    let msg = c.finished(&msg).await;
+    let (segments, queues) = (sysv_ids("shm", KEY), sysv_ids("msg", KEY));
+    remove_sysv(KEY);
+    assert!(
+        segments.is_empty(),
+        "a finished job left shared memory segment(s) {segments:?}: {}",
+        all_output(&shm)
+    );
+    assert!(
+        queues.is_empty(),
+        "a finished job left message queue(s) {queues:?}: {}",
+        all_output(&msg)
+    );
+    for job in [&shm, &msg] {
+        assert_eq!(status(job), JobStatus::Dead, "{}", all_output(job));
+        assert!(
+            job.error.contains("Permission denied"),
+            "{}",
+            all_output(job)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cannot_leave_data_for_another_job_in_the_kernel_keyring() {
+    // The user keyring belongs to the uid, not to a process: a key one
+    // job's task adds outlives the job, and every later task of that uid
+    // (another client's job, any other process running as `nobody`) finds
+    // and reads it, past every rule of the sandbox. The sandbox refuses
+    // the keyring calls (add_key, request_key, keyctl).
+    const PAYLOAD: &str = "left-behind-by-job-one-5d1e";
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "keyring",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    // add_key(2) is 248, keyctl(2) 250 (x86-64); the user keyring is -4;
+    // KEYCTL_SEARCH 10, KEYCTL_READ 11, KEYCTL_UNLINK 9.
+    let (add_key, keyctl) = match std::env::consts::ARCH {
+        "x86_64" => (248, 250),
+        "aarch64" => (217, 219),
+        other => {
+            eprintln!("skipped: no system call numbers for {other}");
+            return;
+        }
+    };
+    c.plan(
+        "leave-key",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my ($t, $d, $k) = (\"user\\0\", \"agq-sandbox-test-key\\0\", '{PAYLOAD}'); \
+                     my $id = syscall({add_key}, $t, $d, $k, length $k, -4); \
+                     $id > 0 or die \"add_key: $!\"; print \"key $id\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    c.plan(
+        "find-key",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my ($t, $d) = (\"user\\0\", \"agq-sandbox-test-key\\0\"); \
+                     my $id = syscall({keyctl}, 10, -4, $t, $d, 0); \
+                     $id > 0 or die \"search: $!\"; my $buf = \"\\0\" x 64; \
+                     my $n = syscall({keyctl}, 11, $id, $buf, 64); \
+                     print 'found: ', substr($buf, 0, $n > 0 ? $n : 0), \"\\n\"; \
+                     syscall({keyctl}, 9, $id, -4)"
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    let first = c.submit("leave-key", &[]).await;
+    let first = c.finished(&first).await;
+    let second = c.submit("find-key", &[]).await;
+    let second = c.finished(&second).await;
+    assert!(
+        !all_output(&second).contains(PAYLOAD),
+        "a job read what an earlier job left in the keyring:\n{}\n---\n{}",
+        all_output(&first),
+        all_output(&second)
+    );
+    assert_eq!(status(&first), JobStatus::Dead, "{}", all_output(&first));
+    assert!(
+        first.error.contains("Permission denied"),
+        "{}",
+        all_output(&first)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
+    // agw not root (as the Helm chart runs it): tasks run as agw's own
+    // user and own what they make in their scratch directory. A task that
+    // takes the permissions away (a directory of mode 0, the scratch
+    // directory itself read-only) must not make agw, which has no
+    // privilege over them, leave its scratch directory (and whatever data
+    // is in it) behind after the job.
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: starting agw as another user needs root");
+        return;
+    }
+    let nobody = nix::unistd::User::from_name("nobody")
+        .expect("passwd")
+        .expect("a nobody user");
+    let (uid, gid) = (nobody.uid.as_raw(), nobody.gid.as_raw());
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    // The scratch root's parent, agw's user's.
+    let home = f.db.parent().expect("parent").join("agw-home");
+    std::fs::create_dir(&home).expect("mkdir");
+    std::os::unix::fs::chown(&home, Some(uid), Some(gid)).expect("chown");
+    let scratch = home.join("scratch");
+    let mut agw = Agw::new(&url, "unprivileged")
+        .args(["--tools", "perl", "--scratch-dir"])
+        .args([&scratch])
+        .env("RUST_LOG", "warn")
+        .user(uid, gid)
+        .kill_on_drop()
+        .spawn();
+    agw.registered()
+        .unwrap_or_else(|e| panic!("agw as nobody did not start: {e:?}"));
+    let mut c = Clients::connect(&url).await;
+    c.plan(
+        "keep-scratch",
+        one(
+            "perl",
+            &[
+                "-e",
+                "mkdir 'd' or die $!; open my $o, '>', 'd/data' or die $!; \
+                 print $o 'x' x 100_000; close $o; \
+                 chmod 0, 'd' or die $!; chmod 0500, '.' or die $!; print \"done\\n\"",
+            ],
+        ),
+        false,
+    )
+    .await;
+    let job = c.submit("keep-scratch", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let left = loop {
+        let left: Vec<_> = std::fs::read_dir(&scratch)
+            .expect("scratch root")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            break left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        left.is_empty(),
+        "scratch directories left after their job: {left:?}"
+    );
+}
+
 #[test]
 fn the_token_on_the_command_line_is_refused() {
     let out = clean_command(AGW)

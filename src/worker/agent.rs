@@ -75,6 +75,11 @@ const KILLED_REPORT_GRACE: Duration = Duration::from_secs(10);
 /// How long the worker keeps trying to unregister before it exits anyway.
 const UNREGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long an exiting `agw` keeps killing what its tasks left among its
+/// children ([`ProcessGroups::kill_everything`](super::executor::ProcessGroups::kill_everything))
+/// before it exits anyway.
+const EXIT_SWEEP: Duration = Duration::from_secs(2);
+
 /// How [`run`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -1038,7 +1043,10 @@ impl Drop for AbortOnDrop {
 /// Each message on `signals` is one SIGTERM/SIGINT: the first starts a
 /// drain (DRAINING on the server, no new leases, running jobs get
 /// `drain_timeout` before they are killed, then UnregisterWorker), the second
-/// kills every task's process group and returns [`Exit::Forced`] at once. A
+/// kills every task's process group and returns [`Exit::Forced`] at once.
+/// Before it returns, however it ends, it kills every process its tasks
+/// left among its children and their descendants (for up to 2 s), so
+/// nothing a task started outlives the worker. A
 /// `drain` command from the server drains the same way but without a time
 /// limit. Prints `agw: registered <id> with <n> tools: <list>` on stdout each
 /// time a connection is (re-)established.
@@ -1086,9 +1094,12 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
     let mut stopped: HashSet<String> = HashSet::new();
     let forced = |sessions: &tokio::task::JoinHandle<WorkerError>| {
         warn!("second signal: killing running jobs and exiting now");
-        groups.kill_all();
         sessions.abort();
-        Ok(Exit::Forced)
+        let groups = groups.clone();
+        async move {
+            groups.kill_everything(EXIT_SWEEP).await;
+            Ok(Exit::Forced)
+        }
     };
     loop {
         if shared.draining() && *count_rx.borrow_and_update() == 0 {
@@ -1101,7 +1112,7 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
                 Some(()) => {
                     signal_count += 1;
                     if signal_count >= 2 {
-                        return forced(&sessions);
+                        return forced(&sessions).await;
                     }
                     let running = shared.active_jobs();
                     info!(running_jobs = running, drain_timeout_secs = shared.cfg.drain_timeout.as_secs(), "signal: draining (send another to exit at once)");
@@ -1111,7 +1122,7 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
                 }
             },
             r = &mut sessions => {
-                groups.kill_all();
+                groups.kill_everything(EXIT_SWEEP).await;
                 return Err(r.unwrap_or_else(|e| WorkerError::Config(format!("session task failed: {e}"))));
             }
             _ = drain_rx.changed() => {}
@@ -1139,13 +1150,13 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
         info!("drained: unregistering");
         tokio::select! {
             () = unregister(&shared) => {}
-            Some(()) = signals.recv(), if signals_open => return forced(&sessions),
+            Some(()) = signals.recv(), if signals_open => return forced(&sessions).await,
         }
     } else {
         info!("stopping before the first registration");
     }
     sessions.abort();
-    groups.kill_all();
+    groups.kill_everything(EXIT_SWEEP).await;
     Ok(Exit::Drained)
 }
 

@@ -126,8 +126,9 @@ pub struct AgwArgs {
     #[arg(long = "read-path", env = "AGW_READ_PATHS", value_delimiter = ',')]
     pub read_paths: Vec<PathBuf>,
 
-    /// Let tasks use the network (by default TCP, UDP and every socket but
-    /// UNIX ones are refused to them).
+    /// Let tasks use the network (by default sockets of every family, UNIX
+    /// ones included, and io_uring are refused to them). System V IPC,
+    /// POSIX message queues and the kernel keyrings stay refused either way.
     #[arg(long, env = "AGW_ALLOW_NETWORK")]
     pub allow_network: bool,
 

@@ -157,63 +157,87 @@ impl JobOutcome {
 /// The process groups of every task running now, so that a worker exiting
 /// at once can kill them all.
 #[derive(Debug, Clone, Default)]
-pub struct ProcessGroups(Arc<Mutex<HashSet<i32>>>);
+pub struct ProcessGroups(Arc<Mutex<Registry>>);
+
+/// What [`ProcessGroups`] holds.
+#[derive(Debug, Default)]
+struct Registry {
+    /// Groups of tasks not yet killed: their leader is not reaped, so each
+    /// id still names that group and no other process's.
+    live: HashSet<i32>,
+    /// Groups of tasks not yet over (killed or not), with how many tasks
+    /// hold each id: a task whose leader was reaped no longer owns its id,
+    /// which a new task may have got; [`ProcessGroups::reap_escaped`]
+    /// spares these.
+    held: HashMap<i32, usize>,
+}
 
 impl ProcessGroups {
-    /// Sends `SIGKILL` to every registered process group.
+    /// Sends `SIGKILL` to every registered process group not yet killed.
     pub fn kill_all(&self) {
-        for pgid in self.lock().iter() {
+        for pgid in self.lock().live.iter() {
             kill_group(*pgid);
         }
     }
 
     /// Number of process groups running now.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().held.len()
     }
 
     /// True when no task is running.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().held.is_empty()
     }
 
     /// Kills and reaps every process `agw` adopted that belongs to no
-    /// running task: a task's descendant that left its process group
-    /// (`setsid`, `setpgid`) and outlived its parent is re-parented to
-    /// `agw`, the subreaper ([`adopt_orphans`]), instead of to init, and
-    /// ends here instead of running on after its job. Returns how many
-    /// processes it killed. `agw` calls it after every task and every
-    /// [`REAP_EVERY`]. It does nothing in a process that is not a
-    /// subreaper (a program running the executor in-process, whose other
-    /// children are its own business).
+    /// running task, together with all of its descendants: a task's
+    /// descendant that left its process group (`setsid`, `setpgid`) and
+    /// outlived its parent is re-parented to `agw`, the subreaper
+    /// ([`adopt_orphans`]), instead of to init, and ends here with the
+    /// whole tree it started ([`kill_tree`]) instead of running on after
+    /// its job. Returns how many processes it killed. `agw` calls it after
+    /// every task and every [`REAP_EVERY`]. It does nothing in a process
+    /// that is not a subreaper (a program running the executor in-process,
+    /// whose other children are its own business).
     pub fn reap_escaped(&self) -> usize {
-        let mut subreaper: libc::c_int = 0;
-        // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
-        let asked = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
-        if asked == -1 || subreaper == 0 {
+        if !is_subreaper() {
             return 0;
         }
         // Held throughout, so no task is spawned between the listing and
         // the kills (a new leader is registered under the same lock).
         let running = self.lock();
-        let me = std::process::id() as i32;
-        let mut killed = 0;
-        for pid in own_children() {
-            let Some((ppid, pgrp)) = parent_and_group(pid) else {
-                continue;
-            };
-            // Not a child any more, or (a descendant of) a running task.
-            if ppid != me || running.contains(&pid) || running.contains(&pgrp) {
-                continue;
-            }
-            // A child not yet reaped keeps its pid: this is the process
-            // listed (a zombie ignores the signal and is reaped).
-            if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
-                killed += 1;
-            }
-            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        sweep_children(|pid, pgrp| {
+            !running.held.contains_key(&pid) && !running.held.contains_key(&pgrp)
+        })
+    }
+
+    /// For a worker about to exit: kills every task's process group
+    /// ([`Self::kill_all`]), then every process left among its children
+    /// and their descendants (task leaders, and what escaped their groups
+    /// and came to the subreaper, orphaned by those kills), until none is
+    /// left or `within` has passed. Without it, what a task left outside
+    /// its group would be re-parented to init when `agw` exits and run on.
+    /// Returns how many processes the sweep killed; in a process that is
+    /// not a subreaper it only kills the groups (and returns 0).
+    pub async fn kill_everything(&self, within: Duration) -> usize {
+        self.kill_all();
+        if !is_subreaper() {
+            return 0;
         }
-        killed
+        let deadline = tokio::time::Instant::now() + within;
+        let mut killed = 0;
+        loop {
+            killed += sweep_children(|_, _| true);
+            // Done when only the killed are left, not yet reaped.
+            let live = own_children()
+                .into_iter()
+                .any(|pid| proc_stat(pid).is_some_and(|s| s.state != 'Z'));
+            if !live || tokio::time::Instant::now() >= deadline {
+                return killed;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Spawns `cmd` (whose child makes itself a process group leader) and
@@ -226,18 +250,20 @@ impl ProcessGroups {
             .id()
             .and_then(|id| i32::try_from(id).ok())
             .unwrap_or(0);
-        running.insert(pgid);
+        running.live.insert(pgid);
+        *running.held.entry(pgid).or_default() += 1;
         drop(running);
         Ok((
             child,
             GroupGuard {
                 pgid,
                 groups: self.clone(),
+                killed: false,
             },
         ))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
         // A panic while holding this lock leaves a consistent set; keep going.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -262,13 +288,108 @@ pub fn adopt_orphans() -> io::Result<()> {
     Ok(())
 }
 
-/// The pids of this process's children: from each thread's
-/// `/proc/self/task/<tid>/children`, or, on a kernel without those files,
-/// every process whose parent is this one.
+/// True when this process is a child subreaper ([`adopt_orphans`]).
+fn is_subreaper() -> bool {
+    let mut subreaper: libc::c_int = 0;
+    // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
+    let asked = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
+    asked == 0 && subreaper != 0
+}
+
+/// Upper bound on the rounds of one [`sweep_children`]: a round only
+/// repeats when it killed something, and what a round misses (a child a
+/// process forked while it was being stopped) is at most a straggler.
+const SWEEP_ROUNDS: usize = 8;
+
+/// Kills, with their whole trees ([`kill_tree`]), the children of this
+/// process that `select(pid, pgrp)` picks, and reaps them; repeats while a
+/// round found one alive (a process re-parented to this one while the
+/// round ran), at most [`SWEEP_ROUNDS`] times. Zombies among the children
+/// are reaped. Returns how many processes it killed.
+fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
+    let me = std::process::id() as i32;
+    let mut killed = 0;
+    for _ in 0..SWEEP_ROUNDS {
+        let mut this_round = 0;
+        for pid in own_children() {
+            let Some(stat) = proc_stat(pid) else {
+                continue;
+            };
+            // Not a child any more, or not one to kill.
+            if stat.ppid != me || !select(pid, stat.pgrp) {
+                continue;
+            }
+            // A child not yet reaped keeps its pid: this is the process
+            // listed (a zombie ignores signals and is reaped).
+            if stat.state != 'Z' {
+                this_round += kill_tree(pid);
+            }
+            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        }
+        killed += this_round;
+        if this_round == 0 {
+            break;
+        }
+    }
+    killed
+}
+
+/// How long [`kill_tree`] waits for one process to stop before listing its
+/// children anyway, and for all of a tree's processes together (a process
+/// that does not stop, in uninterruptible sleep say, holds the sweep, and
+/// with it the spawning of tasks, at most that long).
+const STOP_WAIT: Duration = Duration::from_millis(50);
+const STOP_WAIT_TREE: Duration = Duration::from_millis(500);
+
+/// Kills `root` and every descendant it has. Killing only `root` would
+/// hand its children to the subreaper, to be killed a round later, while
+/// a chain that forks at its far end grows faster than one link a round:
+/// so the tree is first frozen top-down (`SIGSTOP`, and its children
+/// listed once it stopped, when it can no longer fork: a stopped process
+/// keeps its children, a dead one would have given them away), then every
+/// frozen process gets `SIGKILL`. Returns how many processes it signalled.
+/// `root` must be a child of this process not yet reaped, so that its pid
+/// and those of its descendants (whose parents cannot reap them once
+/// stopped) name the processes listed.
+fn kill_tree(root: i32) -> usize {
+    let tree_deadline = Instant::now() + STOP_WAIT_TREE;
+    let mut frozen = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack = vec![root];
+    while let Some(pid) = stack.pop() {
+        if !seen.insert(pid) {
+            continue;
+        }
+        if kill(Pid::from_raw(pid), Signal::SIGSTOP).is_err() {
+            continue;
+        }
+        frozen.push(pid);
+        let until = tree_deadline.min(Instant::now() + STOP_WAIT);
+        while proc_stat(pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X'))
+            && Instant::now() < until
+        {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        stack.extend(children_of(pid));
+    }
+    for pid in &frozen {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+    }
+    frozen.len()
+}
+
+/// The pids of this process's children ([`children_of`]).
 fn own_children() -> Vec<i32> {
+    children_of(std::process::id() as i32)
+}
+
+/// The pids of the children of `parent`: from each of its threads'
+/// `/proc/<pid>/task/<tid>/children`, or, on a kernel without those files,
+/// every process whose parent it is.
+fn children_of(parent: i32) -> Vec<i32> {
     let mut pids = Vec::new();
     let mut listed = false;
-    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) {
         for t in tasks.flatten() {
             if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
                 listed = true;
@@ -280,49 +401,110 @@ fn own_children() -> Vec<i32> {
         }
     }
     if !listed {
-        let me = std::process::id() as i32;
         if let Ok(all) = std::fs::read_dir("/proc") {
             pids.extend(
                 all.flatten()
                     .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                    .filter(|&pid| parent_and_group(pid).is_some_and(|(ppid, _)| ppid == me)),
+                    .filter(|&pid| proc_stat(pid).is_some_and(|s| s.ppid == parent)),
             );
         }
     }
     pids
 }
 
-/// The parent pid and process group of `pid`, from `/proc/<pid>/stat`
-/// (`pid (comm) state ppid pgrp ...`; `comm` may hold spaces and
-/// parentheses, so the fields are read after its last `)`).
-fn parent_and_group(pid: i32) -> Option<(i32, i32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
-    let _state = fields.next()?;
-    let ppid = fields.next()?.parse().ok()?;
-    let pgrp = fields.next()?.parse().ok()?;
-    Some((ppid, pgrp))
+/// What `/proc/<pid>/stat` says of a process.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    /// Its state letter (`R`, `S`, `T`, `Z`, …).
+    state: char,
+    /// Its parent's pid.
+    ppid: i32,
+    /// Its process group.
+    pgrp: i32,
 }
 
-/// Kills one task's process group when dropped (and on demand), and keeps it
-/// registered in [`ProcessGroups`] meanwhile.
+/// The state, parent pid and process group of `pid`, from
+/// `/proc/<pid>/stat` (`pid (comm) state ppid pgrp ...`; `comm` may hold
+/// spaces and parentheses, so the fields are read after its last `)`).
+fn proc_stat(pid: i32) -> Option<ProcStat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    let pgrp = fields.next()?.parse().ok()?;
+    Some(ProcStat { state, ppid, pgrp })
+}
+
+/// Kills one task's process group once (on demand, or when dropped if not
+/// yet), and keeps it registered in [`ProcessGroups`] until dropped.
+///
+/// The group is killed only while its leader is not reaped: until then the
+/// id is the group's (a zombie leader keeps it), after that the kernel may
+/// give it to any new process, whose group a late `killpg` would kill.
 struct GroupGuard {
     pgid: i32,
     groups: ProcessGroups,
+    killed: bool,
 }
 
 impl GroupGuard {
-    fn kill(&self) {
-        kill_group(self.pgid);
+    /// Kills the group (once) and takes it off the groups [`ProcessGroups::kill_all`]
+    /// kills. Call it before the leader is reaped.
+    fn kill(&mut self) {
+        if !self.killed {
+            self.killed = true;
+            let mut running = self.groups.lock();
+            kill_group(self.pgid);
+            running.live.remove(&self.pgid);
+        }
     }
 }
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
-        // Whatever is left of the group (a stray background child) goes too.
+        // Dropped early (the job's future dropped): the leader is not
+        // reaped yet, the group goes with it.
         self.kill();
-        self.groups.lock().remove(&self.pgid);
+        let mut running = self.groups.lock();
+        if let Some(n) = running.held.get_mut(&self.pgid) {
+            *n -= 1;
+            if *n == 0 {
+                running.held.remove(&self.pgid);
+            }
+        }
     }
+}
+
+/// A descriptor of process `pid` (`pidfd_open`), readable once it exited,
+/// without reaping it; `None` where the kernel has none (before 5.3).
+fn pidfd(pid: Option<u32>) -> Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    let pid = libc::pid_t::try_from(pid?).ok()?;
+    // SAFETY: pidfd_open(2) with integer arguments; it returns a new
+    // descriptor (close-on-exec) or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    // SAFETY: a descriptor just returned to us, owned by nobody else.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: the AsyncFd owns the OwnedFd, which stays open and the same
+    // descriptor until the AsyncFd is dropped.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .ok()
+}
+
+/// Waits until the task's leader exits. With its `pidfd` it is not reaped
+/// (`None`: [`Child::wait`] then collects its status at once); without,
+/// its status as [`Child::wait`] reaped it.
+async fn leader_exit(
+    child: &mut Child,
+    pidfd: Option<&tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+) -> Option<io::Result<std::process::ExitStatus>> {
+    if let Some(fd) = pidfd {
+        if fd.readable().await.is_ok() {
+            return None;
+        }
+    }
+    Some(child.wait().await)
 }
 
 /// `SIGKILL` to a process group; a group that is already gone is fine.
@@ -798,7 +980,7 @@ impl Executor {
             });
         }
         let started = Instant::now();
-        let (mut child, group) = match self.groups.spawn(&mut cmd) {
+        let (mut child, mut group) = match self.groups.spawn(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
                 return TaskRun {
@@ -820,26 +1002,38 @@ impl Executor {
         let mut err_task = spawn_reader(child.stderr.take(), cap, None, stop_rx);
 
         let deadline = tokio::time::Instant::from_std(started + task.timeout);
+        let exit = pidfd(child.id());
         let end = tokio::select! {
             biased;
-            reason = aborted(abort) => TaskEnd::Aborted(reason),
-            () = tokio::time::sleep_until(deadline) => TaskEnd::TimedOut(task.timeout),
-            status = child.wait() => match status {
-                Ok(st) => match (st.code(), st.signal()) {
-                    (Some(code), _) => TaskEnd::Exited(code),
-                    (None, Some(sig)) => TaskEnd::Signalled(sig),
-                    (None, None) => TaskEnd::Exited(-1),
-                },
-                Err(e) => TaskEnd::SpawnFailed(e),
-            },
+            reason = aborted(abort) => Err(TaskEnd::Aborted(reason)),
+            () = tokio::time::sleep_until(deadline) => Err(TaskEnd::TimedOut(task.timeout)),
+            status = leader_exit(&mut child, exit.as_ref()) => Ok(status),
         };
         // The task is over: kill its group, whether it timed out, was
-        // aborted, or its leader exited and left background children behind.
-        // Output already in the pipes stays readable.
+        // aborted, or its leader exited and left background children behind,
+        // before the leader is reaped (the group's id is its own until
+        // then). Output already in the pipes stays readable.
         group.kill();
-        if matches!(end, TaskEnd::Aborted(_) | TaskEnd::TimedOut(_)) {
-            let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
-        }
+        let end = match end {
+            Err(end) => {
+                let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
+                end
+            }
+            Ok(status) => {
+                let status = match status {
+                    Some(status) => status,
+                    None => child.wait().await,
+                };
+                match status {
+                    Ok(st) => match (st.code(), st.signal()) {
+                        (Some(code), _) => TaskEnd::Exited(code),
+                        (None, Some(sig)) => TaskEnd::Signalled(sig),
+                        (None, None) => TaskEnd::Exited(-1),
+                    },
+                    Err(e) => TaskEnd::SpawnFailed(e),
+                }
+            }
+        };
         // The pipes close once the group is dead; a process that left the
         // group may hold them open: stop reading after a grace.
         let grace = tokio::time::sleep(PIPE_GRACE);

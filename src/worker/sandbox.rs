@@ -23,7 +23,11 @@
 //! 4. **seccomp**: `socket(2)` of any family, UNIX included, and
 //!    `io_uring` fail with `EACCES`, so UDP, raw sockets, named UNIX
 //!    sockets (a system bus, a container engine's socket) and io_uring's
-//!    own socket path are closed too (unless `--allow-network`);
+//!    own socket path are closed too (unless `--allow-network`); so do
+//!    System V IPC (shared memory, message queues, semaphores), POSIX
+//!    message queues and the kernel keyrings, whose objects outlive the
+//!    task, count against none of its limits and are reachable by id or
+//!    name from outside its sandbox (another job's task included);
 //! 5. **descriptors**: every descriptor but standard input, output and
 //!    error is closed at `exec` ([`close_inherited_descriptors`]).
 //!
@@ -207,8 +211,7 @@ pub struct Sandbox {
     exec_paths: Vec<PathBuf>,
     /// Read paths that exist (missing defaults are skipped).
     read_paths: Vec<PathBuf>,
-    /// The compiled seccomp filter (None with `--allow-network` or the
-    /// sandbox off).
+    /// The compiled seccomp filter (None with the sandbox off).
     seccomp: Option<Arc<BpfProgram>>,
 }
 
@@ -248,8 +251,8 @@ impl Sandbox {
         let (kept, dropped, exec_paths) = executables(tools);
         let mut config = config;
         config.scratch_root = create_scratch_root(&config)?;
-        let seccomp = if config.enabled && !config.allow_network {
-            Some(Arc::new(network_filter()?))
+        let seccomp = if config.enabled {
+            Some(Arc::new(task_filter(config.allow_network)?))
         } else {
             None
         };
@@ -277,12 +280,13 @@ impl Sandbox {
 
     /// Creates a job's scratch directory under the scratch root, owned by
     /// the task identity, mode 0700. It is removed when the returned value
-    /// is dropped.
+    /// is dropped, with whatever the job's tasks made in it, whatever
+    /// permissions they left on it ([`ScratchDir`]).
     ///
     /// # Errors
     ///
     /// The file system error.
-    pub fn scratch(&self) -> io::Result<tempfile::TempDir> {
+    pub fn scratch(&self) -> io::Result<ScratchDir> {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = tempfile::Builder::new()
             .prefix("job-")
@@ -297,7 +301,7 @@ impl Sandbox {
         if let Some(r) = self.config.run_as {
             std::os::unix::fs::fchown(&fd, Some(r.uid), Some(r.gid))?;
         }
-        Ok(dir)
+        Ok(ScratchDir { path: dir.keep() })
     }
 
     /// Builds, once per job, what each task of a job with scratch
@@ -383,6 +387,137 @@ impl Sandbox {
                 .map_err(err)?;
         }
         Ok(created)
+    }
+}
+
+/// A job's scratch directory, removed with everything in it when dropped.
+///
+/// A task owns what it makes there (and, when `agw` is not root, the
+/// directory itself: tasks then run as `agw`'s user), so it can take the
+/// permissions away: a subdirectory of mode 0, the directory read-only.
+/// `agw`, without privilege over them, could then neither list nor
+/// remove them, and the directory with its data would stay after the job.
+/// So where a plain removal fails, every directory in the tree that
+/// belongs to `agw`'s user gets its owner's read, write and search
+/// permissions back (through descriptors opened without following links,
+/// so nothing outside the tree is touched) and the removal is tried again.
+#[derive(Debug)]
+pub struct ScratchDir {
+    path: PathBuf,
+}
+
+impl ScratchDir {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if let Err(e) = remove_tree(&self.path) {
+            tracing::warn!(
+                path = %self.path.display(),
+                error = %e,
+                "cannot remove a job's scratch directory"
+            );
+        }
+    }
+}
+
+/// Most directories one pass of [`grant_owner_access`] visits, and most
+/// descriptors it holds open at once.
+const GRANT_MAX_DIRS: usize = 100_000;
+const GRANT_MAX_OPEN: usize = 256;
+
+/// Removes directory `path` with everything in it (a missing one is
+/// fine); where that fails, gives the owner's permissions back to the
+/// directories of the tree ([`grant_owner_access`]) and tries again, a
+/// few times (each pass removes what it can reach).
+fn remove_tree(path: &Path) -> io::Result<()> {
+    let mut last = match std::fs::remove_dir_all(path) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => e,
+    };
+    for _ in 0..4 {
+        grant_owner_access(path);
+        last = match std::fs::remove_dir_all(path) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => e,
+        };
+    }
+    Err(last)
+}
+
+/// Gives every directory under (and including) `root` that belongs to
+/// this process's user the owner's read, write and search permissions
+/// (`u+rwx`), so that it can list and empty them. Each directory is opened
+/// with `O_PATH | O_NOFOLLOW | O_DIRECTORY` relative to its parent's
+/// descriptor and changed through `/proc/self/fd/N`, which names that very
+/// directory: a link in the tree is never followed out of it. Best
+/// effort: errors skip a directory.
+fn grant_owner_access(root: &Path) {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    fn open_dir(at: libc::c_int, name: &std::ffi::CStr) -> Option<OwnedFd> {
+        // SAFETY: openat(2) on a C string we own; returns a new descriptor
+        // or -1.
+        let fd = unsafe {
+            libc::openat(
+                at,
+                name.as_ptr(),
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        // SAFETY: a descriptor just returned to us, owned by nobody else.
+        (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let Ok(root) = std::ffi::CString::new(root.as_os_str().as_bytes()) else {
+        return;
+    };
+    let Some(first) = open_dir(libc::AT_FDCWD, &root) else {
+        return;
+    };
+    let mut stack = vec![first];
+    let mut visited = 0;
+    while let Some(dir) = stack.pop() {
+        visited += 1;
+        if visited > GRANT_MAX_DIRS {
+            return;
+        }
+        // SAFETY: an all-zero stat is a valid value for fstat to fill.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat(2) writes only the struct we pass.
+        if unsafe { libc::fstat(dir.as_raw_fd(), &mut st) } != 0
+            || st.st_mode & libc::S_IFMT != libc::S_IFDIR
+        {
+            continue;
+        }
+        let here = format!("/proc/self/fd/{}", dir.as_raw_fd());
+        if st.st_uid == me && st.st_mode & 0o700 != 0o700 {
+            let mode = (st.st_mode & 0o7777) | 0o700;
+            let _ = std::fs::set_permissions(&here, std::fs::Permissions::from_mode(mode));
+        }
+        let Ok(entries) = std::fs::read_dir(&here) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if stack.len() >= GRANT_MAX_OPEN {
+                break;
+            }
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let Ok(name) = std::ffi::CString::new(entry.file_name().as_bytes()) else {
+                continue;
+            };
+            if let Some(child) = open_dir(dir.as_raw_fd(), &name) {
+                stack.push(child);
+            }
+        }
     }
 }
 
@@ -472,21 +607,59 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
     Ok(())
 }
 
-/// The seccomp filter that closes the network: `socket(2)` of every
-/// family (UNIX sockets included: a named socket anywhere on the host, the
-/// system bus or a container engine's, would be reachable, since Landlock
-/// does not govern `connect` to a path) and `io_uring_setup(2)` fail with
-/// `EACCES`; `socketpair(2)` stays. On x86-64 the same calls through the
-/// x32 numbering (bit 30 set), which a kernel built with x32 support
-/// accepts, fail too.
-fn network_filter() -> Result<BpfProgram, SandboxError> {
+/// The seccomp filter of a task. Unless `allow_network`, it closes the
+/// network: `socket(2)` of every family (UNIX sockets included: a named
+/// socket anywhere on the host, the system bus or a container engine's,
+/// would be reachable, since Landlock does not govern `connect` to a
+/// path) and `io_uring_setup(2)` fail with `EACCES`; `socketpair(2)`
+/// stays. Always, System V IPC (`shmget`, `shmat`, `shmctl`, `msgget`,
+/// `msgsnd`, `msgrcv`, `msgctl`, `semget`, `semop`, `semtimedop`,
+/// `semctl`), POSIX message queues (`mq_*`) and the kernel keyrings
+/// (`add_key`, `request_key`, `keyctl`) fail with `EACCES`: their objects
+/// outlive the task (memory beyond `--max-address-space-mb` that stays
+/// after the job; a key in the uid's user keyring that every later task of
+/// that uid, another job's included, reads), and those of other programs
+/// are reachable by id or name, outside Landlock's rules. On x86-64 the
+/// same calls through the x32 numbering (bit 30 set), which a kernel built
+/// with x32 support accepts, fail too.
+///
+/// # Errors
+///
+/// [`SandboxError::Unsupported`] on an architecture seccompiler does not
+/// know, [`SandboxError::Config`] when the filter cannot be compiled.
+fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
     fn err(e: impl std::fmt::Display) -> SandboxError {
         SandboxError::Config(format!("seccomp filter: {e}"))
     }
     let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)
         .map_err(|e| SandboxError::Unsupported(format!("seccomp on this architecture: {e}")))?;
+    let mut refused = vec![
+        libc::SYS_shmget,
+        libc::SYS_shmat,
+        libc::SYS_shmctl,
+        libc::SYS_msgget,
+        libc::SYS_msgsnd,
+        libc::SYS_msgrcv,
+        libc::SYS_msgctl,
+        libc::SYS_semget,
+        libc::SYS_semop,
+        libc::SYS_semtimedop,
+        libc::SYS_semctl,
+        libc::SYS_mq_open,
+        libc::SYS_mq_unlink,
+        libc::SYS_mq_timedsend,
+        libc::SYS_mq_timedreceive,
+        libc::SYS_mq_notify,
+        libc::SYS_mq_getsetattr,
+        libc::SYS_add_key,
+        libc::SYS_request_key,
+        libc::SYS_keyctl,
+    ];
+    if !allow_network {
+        refused.extend([libc::SYS_socket, libc::SYS_io_uring_setup]);
+    }
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for nr in [libc::SYS_socket, libc::SYS_io_uring_setup] {
+    for nr in refused {
         rules.insert(nr, vec![]);
         if cfg!(target_arch = "x86_64") {
             rules.insert(nr | X32_SYSCALL_BIT, vec![]);
@@ -860,7 +1033,33 @@ mod tests {
     }
 
     #[test]
-    fn the_network_filter_compiles() {
-        assert!(!network_filter().unwrap().is_empty());
+    fn granting_access_in_a_scratch_tree_follows_no_link_out_of_it() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o500)).unwrap();
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("a/b")).unwrap();
+        std::fs::write(tree.join("a/b/data"), "x").unwrap();
+        std::os::unix::fs::symlink(&outside, tree.join("a/link")).unwrap();
+        std::os::unix::fs::symlink(&outside, tree.join("link")).unwrap();
+        std::fs::set_permissions(tree.join("a/b"), std::fs::Permissions::from_mode(0o0)).unwrap();
+        std::fs::set_permissions(tree.join("a"), std::fs::Permissions::from_mode(0o100)).unwrap();
+        grant_owner_access(&tree);
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&tree.join("a")), 0o700);
+        assert_eq!(mode(&tree.join("a/b")), 0o700);
+        assert_eq!(mode(&outside), 0o500, "a link was followed");
+        remove_tree(&tree).unwrap();
+        assert!(!tree.exists());
+        assert!(outside.is_dir());
+        remove_tree(&tree).unwrap();
+    }
+
+    #[test]
+    fn the_seccomp_filter_compiles() {
+        assert!(!task_filter(false).unwrap().is_empty());
+        assert!(!task_filter(true).unwrap().is_empty());
     }
 }

@@ -381,6 +381,7 @@ pub struct Agw {
     env: Vec<(OsString, Option<OsString>)>,
     log: Option<PathBuf>,
     on_drop: OnDrop,
+    user: Option<(u32, u32)>,
 }
 
 impl Agw {
@@ -398,6 +399,7 @@ impl Agw {
             env: Vec::new(),
             log: None,
             on_drop: OnDrop::Terminate,
+            user: None,
         }
     }
 
@@ -440,6 +442,13 @@ impl Agw {
         self
     }
 
+    /// Runs it as user `uid` and group `gid`, without supplementary
+    /// groups (the caller must be root).
+    pub fn user(mut self, uid: u32, gid: u32) -> Agw {
+        self.user = Some((uid, gid));
+        self
+    }
+
     /// Starts it without waiting for anything.
     pub fn spawn(self) -> AgwProc {
         let mut cmd = clean_command(AGW);
@@ -449,6 +458,10 @@ impl Agw {
                 Some(v) => cmd.env(k, v),
                 None => cmd.env_remove(k),
             };
+        }
+        if let Some((uid, gid)) = self.user {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(uid).gid(gid);
         }
         let name = format!("agw {}", self.id);
         AgwProc {
