@@ -1075,7 +1075,11 @@ pub async fn run(cfg: WorkerConfig, mut signals: mpsc::Receiver<()>) -> Result<E
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;
-                let killed = groups.reap_escaped();
+                // It may wait for processes to stop: off the runtime's threads.
+                let groups = groups.clone();
+                let killed = tokio::task::spawn_blocking(move || groups.reap_escaped())
+                    .await
+                    .unwrap_or(0);
                 if killed > 0 {
                     warn!(killed, "killed processes that outlived their task");
                 }

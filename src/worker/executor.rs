@@ -228,7 +228,10 @@ impl ProcessGroups {
         let deadline = tokio::time::Instant::now() + within;
         let mut killed = 0;
         loop {
-            killed += sweep_children(|_, _| true);
+            // It may wait for processes to stop: off the runtime's threads.
+            killed += tokio::task::spawn_blocking(|| sweep_children(|_, _| true))
+                .await
+                .unwrap_or(0);
             // Done when only the killed are left, not yet reaped.
             let live = own_children()
                 .into_iter()
@@ -1050,8 +1053,11 @@ impl Executor {
             }
         }
         drop(group);
-        // What left the group and lost its parent with it is agw's now.
-        self.groups.reap_escaped();
+        // What left the group and lost its parent with it is agw's now
+        // (the sweep may wait for processes to stop: off the runtime's
+        // threads).
+        let groups = self.groups.clone();
+        let _ = tokio::task::spawn_blocking(move || groups.reap_escaped()).await;
         result.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         // Anything but a normal exit (signal, timeout, abort) reports -1.
         result.exit_code = match end {
