@@ -17,7 +17,9 @@
 //!   reports while they wait for the writer;
 //! - a Heartbeat request's until the whole message has arrived: the stream
 //!   handles one message at a time and reads no further while replies
-//!   are unread.
+//!   are unread;
+//! - any other streaming request's (server reflection's) until the whole
+//!   message has arrived, once the call's answer has started.
 //!
 //! So decoded requests queued for the writer count too: callers that send
 //! faster than the store commits meet the limit instead of growing the
@@ -109,7 +111,9 @@ enum Release {
     /// took from [`MessageReservations`].
     ByHandler,
     /// A unary request: when the call and what it queued for the store
-    /// are done ([`current_share`]).
+    /// are done ([`current_share`]). A message that arrives after the
+    /// call's answer is ready (a stream this list does not name, server
+    /// reflection's say) gives its share back on arrival.
     WithCall,
 }
 
@@ -152,17 +156,22 @@ pub struct MessageReservations {
     queue: Arc<Mutex<Kept>>,
 }
 
-/// One entry per message, oldest first (`None`: an empty message, which
-/// reserves nothing).
+/// The reservations kept for a call.
 #[derive(Debug, Default)]
-struct Kept(VecDeque<Option<OwnedSemaphorePermit>>);
+struct Kept {
+    /// One entry per message, oldest first (`None`: an empty message,
+    /// which reserves nothing).
+    permits: VecDeque<Option<OwnedSemaphorePermit>>,
+    /// Keeps no more: later messages give their share back on arrival.
+    closed: bool,
+}
 
 impl MessageReservations {
     /// The reservation of the oldest message not yet taken. `None` when it
     /// reserved nothing (an empty message) or there is none to take.
     pub fn take_next(&self) -> Option<BufferShare> {
         let mut kept = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        kept.0
+        kept.permits
             .pop_front()
             .flatten()
             .map(|p| BufferShare { _held: Arc::new(p) })
@@ -170,7 +179,16 @@ impl MessageReservations {
 
     fn keep(&self, permit: Option<OwnedSemaphorePermit>) {
         let mut kept = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        kept.0.push_back(permit);
+        if !kept.closed {
+            kept.permits.push_back(permit);
+        }
+    }
+
+    /// Keeps no more reservations: those of messages arriving from now
+    /// on go back at once. The ones kept stay with their holders (what
+    /// the call queued for the store holds [`Self::share`]).
+    fn close(&self) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
     }
 
     /// The whole call's reservations as one share.
@@ -219,7 +237,7 @@ where
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = TaskLocalFuture<Option<BufferShare>, S::Future>;
+    type Future = Answer<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -236,9 +254,32 @@ where
         }
         let share = (release == Release::WithCall).then(|| kept.share());
         let budget = self.budget.clone();
-        let keep = (release != Release::OnArrival).then_some(kept);
+        let keep = (release != Release::OnArrival).then(|| kept.clone());
         let req = req.map(|inner| Body::new(BudgetedBody::new(inner, budget, keep)));
-        SHARE.scope(share, self.inner.call(req))
+        Answer {
+            inner: Box::pin(SHARE.scope(share, self.inner.call(req))),
+            close: (release == Release::WithCall).then_some(kept),
+        }
+    }
+}
+
+/// The answer of a call under the layer: the inner service's, run with
+/// the call's share ([`current_share`]); once it is ready, a call whose
+/// messages' shares last as long as the call keeps no more of them.
+pub struct Answer<F> {
+    inner: Pin<Box<TaskLocalFuture<Option<BufferShare>, F>>>,
+    close: Option<MessageReservations>,
+}
+
+impl<F: Future> Future for Answer<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let out = std::task::ready!(self.inner.as_mut().poll(cx));
+        if let Some(kept) = self.close.take() {
+            kept.close();
+        }
+        Poll::Ready(out)
     }
 }
 

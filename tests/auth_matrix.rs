@@ -813,7 +813,10 @@ impl tonic::codec::Encoder for RawCodec {
 impl tonic::codec::Decoder for RawCodec {
     type Item = ();
     type Error = Status;
-    fn decode(&mut self, _: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<()>, Status> {
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<()>, Status> {
+        // The message is skipped, whole.
+        use bytes::Buf;
+        buf.advance(buf.remaining());
         Ok(Some(()))
     }
 }
@@ -1208,5 +1211,64 @@ async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it(
     );
     drop(lock);
     wait_until_it_fits(&ch).await;
+    server.stop().await.unwrap();
+}
+
+/// A streaming call the server does not name as one (server reflection's
+/// bidirectional stream) gives each message's share of the request
+/// buffer back once the message has arrived: an open reflection stream
+/// that has sent 800 KB of requests holds none of a 1 MiB buffer, and a
+/// 700 KiB message still fits beside it.
+#[tokio::test]
+async fn an_open_reflection_stream_holds_no_part_of_the_request_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    // ServerReflectionRequest { host: 400,000 bytes, list_services: "" }.
+    let request = || {
+        let host = vec![b'h'; 400_000];
+        let mut m = vec![0x0a];
+        let mut n = host.len();
+        while n >= 0x80 {
+            m.push((n as u8 & 0x7f) | 0x80);
+            n >>= 7;
+        }
+        m.push(n as u8);
+        m.extend_from_slice(&host);
+        // list_services: "" (field 7).
+        m.extend_from_slice(&[0x3a, 0x00]);
+        bytes::Bytes::from(m)
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(request()).unwrap();
+    tx.send(request()).unwrap();
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready().await.unwrap();
+    let mut answers = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
+            tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            ),
+            RawCodec,
+        )
+        .await
+        .expect("a reflection stream")
+        .into_inner();
+    for _ in 0..2 {
+        tokio::time::timeout(std::time::Duration::from_secs(10), answers.message())
+            .await
+            .expect("an answer within 10 s")
+            .expect("the stream goes on")
+            .expect("an answer to each request");
+    }
+    // Both requests arrived and were answered; the stream stays open.
+    let probe = submit_raw(ch.clone(), 700 * 1024).await;
+    assert_ne!(
+        probe.code(),
+        Code::ResourceExhausted,
+        "an open stream kept its answered requests' share: {}",
+        probe.message()
+    );
+    drop(tx);
     server.stop().await.unwrap();
 }
