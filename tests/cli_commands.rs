@@ -1261,3 +1261,120 @@ fn worker_forget_removes_a_departed_worker_only() {
     let listed = s.json(&["worker", "list"]);
     assert_eq!(ids(&listed, "workers", "worker_id"), ["live-w"]);
 }
+
+/// Text written by others (a task's stdout and stderr, the job's error, a
+/// client's input values and plan description, a plan file's content)
+/// reaches the operator's terminal as visible text: no escape sequence
+/// (OSC 52 clipboard write, OSC 8 link, title change, screen clear), no
+/// carriage return or backspace that overwrites what was printed, no BiDi
+/// override. `-o json` keeps the exact text.
+#[test]
+fn untrusted_text_reaches_the_terminal_as_visible_text() {
+    const OUT: &str = "out\r\x1b]52;c;cHduZWQ=\x07\x1b[2J\x1b]8;;http://evil.example/\x1b\\link\x1b]8;;\x1b\\\u{202e}gpj.exe";
+    const ERR: &str = "err\x1b]0;owned\x07\x08\x08\u{9b}31m";
+    const NOTE: &str = "\x1b[31mred\u{2066}";
+    const DESCRIPTION: &str = "desc\x1b]0;title\x07\rfake";
+    /// What no table output may hold: each would act on the terminal.
+    fn assert_inert(run: &cli_support::Run) {
+        run.assert_ok();
+        for c in [
+            '\x1b', '\x07', '\x08', '\r', '\u{9b}', '\u{202e}', '\u{2066}',
+        ] {
+            for (name, text) in [("stdout", &run.stdout), ("stderr", &run.stderr)] {
+                assert!(
+                    !text.contains(c),
+                    "agq {:?}: {name} holds {c:?}: {text:?}",
+                    run.args
+                );
+            }
+        }
+    }
+
+    let mut s = Server::start();
+    s.start_worker("w1");
+    let plan = serde_json::json!({
+        "plan_id": "hostile",
+        "plan_description": DESCRIPTION,
+        "tasks": [
+            {"task_number": 1, "command": "echo", "args": [OUT], "timeout_secs": 10},
+            {"task_number": 2, "command": "jq", "args": ["-n", "--arg", "m", ERR, "$m | halt_error"], "timeout_secs": 10}
+        ]
+    });
+    s.agq_stdin(&["plan", "submit", "-"], Some(&plan.to_string()))
+        .assert_ok();
+    let note = format!("note={NOTE}");
+    s.json(&[
+        "action",
+        "submit",
+        "--plan",
+        "hostile",
+        "--input",
+        &note,
+        "--max-attempts",
+        "1",
+        "--action-id",
+        "hostile-a",
+    ]);
+    s.wait_json(&["action", "status", "hostile-a"], |a| a["done"] == true);
+    let listed = s.json(&["job", "list", "hostile-a"]);
+    let job_id = ids(&listed, "jobs", "job_id").remove(0);
+
+    // JSON keeps every byte.
+    let job = s.json(&["job", "status", &job_id]);
+    assert_eq!(job["status"], "dead", "{job}");
+    assert_eq!(job["task_results"][0]["stdout"], format!("{OUT}\n"));
+    assert_eq!(job["task_results"][1]["stderr"], ERR);
+    assert!(job["error"].as_str().unwrap().contains(ERR), "{job}");
+    assert_eq!(job["input"]["note"], NOTE);
+    assert_eq!(
+        s.json(&["plan", "get", "hostile"])["plan_description"],
+        DESCRIPTION
+    );
+
+    // Tables show the characters.
+    let status = s.agq(&["job", "status", &job_id, "--full"]);
+    assert_inert(&status);
+    for shown in [
+        r"out\r\x1b]52;c;cHduZWQ=\x07\x1b[2J\x1b]8;;http://evil.example/\x1b\link",
+        r"\u{202e}gpj.exe",
+        r"err\x1b]0;owned\x07\x08\x08\x9b31m",
+        r"note=\x1b[31mred\u{2066}",
+    ] {
+        assert!(
+            status.stdout.contains(shown),
+            "{shown} in {}",
+            status.stdout
+        );
+    }
+    for args in [
+        &["job", "list", "hostile-a"][..],
+        &["job", "search", "--status", "dead"],
+        &["plan", "list"],
+        &["plan", "get", "hostile"],
+        &["plan", "versions", "hostile"],
+    ] {
+        let run = s.agq(args);
+        assert_inert(&run);
+    }
+    let plans = s.agq(&["plan", "list"]);
+    assert!(
+        plans.stdout.contains(r"desc\x1b]0;title\x07\rfake"),
+        "{}",
+        plans.stdout
+    );
+
+    // Errors too: a plan file's unknown field is quoted on stderr.
+    let bad = write_file(
+        s.dir.path(),
+        "bad.plan.json",
+        r#"{"plan_id": "x", "\u001b]52;c;cHduZWQ=\u0007": 1}"#,
+    );
+    let run = s.agq(&["plan", "submit", &bad]);
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(!run.stderr.contains('\x1b'), "{:?}", run.stderr);
+    assert!(
+        run.stderr.contains(r"\x1b]52;c;cHduZWQ=\x07"),
+        "{:?}",
+        run.stderr
+    );
+}

@@ -200,7 +200,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("agq: {e}");
+            // The message may quote the server, and through it anyone's
+            // text: shown, never obeyed by the terminal.
+            eprintln!("agq: {}", agq::cli::visible_lines(&e.to_string()));
             ExitCode::FAILURE
         }
     }

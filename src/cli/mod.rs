@@ -31,7 +31,11 @@ pub(crate) mod worker;
 
 use std::{path::PathBuf, time::Duration};
 
-pub use self::{client::Clients, error::CliError};
+pub use self::{
+    client::Clients,
+    error::CliError,
+    table::{visible, visible_lines},
+};
 
 /// How client subcommands print their results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -4,8 +4,15 @@
 //! file they are never wrapped, so scripts see one line per row. Also the
 //! one place that writes to stdout, so a closed pipe (`agq job list X |
 //! head`) ends the command quietly.
+//!
+//! Much of what the tables show was written by someone else (job inputs,
+//! task output, error texts, plan descriptions, what workers report), so
+//! every cell and value is passed through [`visible`] or
+//! [`visible_lines`]: a control character (an escape sequence, a carriage
+//! return, a backspace) or a BiDi override reaches the terminal as text
+//! (`\x1b`, `\r`, `\u{202e}`), never as a command to it.
 
-use std::io::Write;
+use std::{borrow::Cow, io::Write};
 
 use comfy_table::{presets::NOTHING, ColumnConstraint, ContentArrangement};
 
@@ -30,8 +37,13 @@ impl Table {
     }
 
     /// Appends a row; missing cells are empty, extra cells are dropped.
+    /// Each cell is shown through [`visible`], so a row stays one line and
+    /// writes no terminal control.
     pub fn row<S: Into<String>>(&mut self, cells: impl IntoIterator<Item = S>) {
-        let mut cells: Vec<String> = cells.into_iter().map(Into::into).collect();
+        let mut cells: Vec<String> = cells
+            .into_iter()
+            .map(|c| visible(&c.into()).into_owned())
+            .collect();
         cells.resize(self.header.len(), String::new());
         self.rows.push(cells);
     }
@@ -79,6 +91,7 @@ fn finish(t: &comfy_table::Table) -> String {
 
 /// `key  value` lines with the values aligned; multi-line values continue
 /// indented under their first line (and long ones wrap there on a terminal).
+/// Values are shown through [`visible_lines`].
 pub fn key_values(pairs: &[(&str, String)]) -> String {
     finish(&key_values_table(pairs))
 }
@@ -87,13 +100,61 @@ pub fn key_values(pairs: &[(&str, String)]) -> String {
 fn key_values_table(pairs: &[(&str, String)]) -> comfy_table::Table {
     let rows: Vec<Vec<String>> = pairs
         .iter()
-        .map(|(k, v)| vec![(*k).to_owned(), v.clone()])
+        .map(|(k, v)| vec![(*k).to_owned(), visible_lines(v).into_owned()])
         .collect();
     let mut t = layout(None, &rows);
     if let Some(c) = t.column_mut(0) {
         c.set_constraint(ColumnConstraint::ContentWidth);
     }
     t
+}
+
+/// `s` with every character that would act on a terminal instead of being
+/// shown written as text: control characters (C0, DEL and C1: escape
+/// sequences, carriage returns, backspaces, bells, line breaks, tabs) as
+/// `\n`, `\t`, `\r` or `\xNN` (`\x1b`, `\x7f`, `\x9b`), and the Unicode
+/// BiDi controls, which reorder what follows them on the line, as
+/// `\u{202e}`. Everything else, backslashes included, is kept as it is.
+pub fn visible(s: &str) -> Cow<'_, str> {
+    escape_controls(s, false)
+}
+
+/// [`visible`], but line breaks and tabs are kept: for text shown as
+/// lines (a task's output, a multi-line value).
+pub fn visible_lines(s: &str) -> Cow<'_, str> {
+    escape_controls(s, true)
+}
+
+/// The BiDi controls: embeddings, overrides, isolates and marks.
+fn is_bidi_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+    )
+}
+
+fn escape_controls(s: &str, keep_lines: bool) -> Cow<'_, str> {
+    let escaped = |c: char| {
+        (c.is_control() && !(keep_lines && (c == '\n' || c == '\t'))) || is_bidi_control(c)
+    };
+    if !s.chars().any(escaped) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if !escaped(c) {
+            out.push(c);
+            continue;
+        }
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if (c as u32) <= 0xff => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Writes `text` to stdout.
@@ -178,6 +239,28 @@ mod tests {
             assert!(l.chars().count() <= 40, "{l:?} in\n{text}");
         }
         assert!(text.contains("a-long-job-id  word"), "{text}");
+    }
+
+    #[test]
+    fn control_characters_and_bidi_overrides_are_shown_not_obeyed() {
+        assert_eq!(visible("plain ümlaut \\x1b"), "plain ümlaut \\x1b");
+        assert!(matches!(visible("plain"), Cow::Borrowed(_)));
+        assert_eq!(
+            visible("a\x1b]52;c;QQ==\x07b\rc\x08\x7f\u{9b}\u{202e}d\n\t"),
+            "a\\x1b]52;c;QQ==\\x07b\\rc\\x08\\x7f\\x9b\\u{202e}d\\n\\t"
+        );
+        assert_eq!(
+            visible_lines("x\ty\n\x1b[2Jz\r\n\u{2066}"),
+            "x\ty\n\\x1b[2Jz\\r\n\\u{2066}"
+        );
+        let mut t = Table::new(["ID", "NOTE"]);
+        t.row(["a", "line\nnext\x1b[31m"]);
+        assert_eq!(plain(t.comfy()), "ID  NOTE\na   line\\nnext\\x1b[31m\n");
+        let kv = plain(key_values_table(&[(
+            "error",
+            "x\x1b]0;title\x07\ny".into(),
+        )]));
+        assert_eq!(kv, "error  x\\x1b]0;title\\x07\n       y\n");
     }
 
     #[test]

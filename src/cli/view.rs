@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    table::{key_values, Table},
+    table::{key_values, visible, visible_lines, Table},
     time::{ago, human_duration, rfc3339},
 };
 use crate::pb::{self, JobStatus, WorkerState};
@@ -667,9 +667,14 @@ fn preview(text: &str, truncated: bool) -> String {
     )
 }
 
-/// Text indented by two spaces, with a marker when it was truncated.
+/// Text indented by two spaces, with a marker when it was truncated; each
+/// line shown through [`visible_lines`] (task output is anyone's text: its
+/// escape sequences and carriage returns are printed, not obeyed).
 fn block(text: &str, truncated: bool) -> String {
-    let mut out: String = text.lines().map(|l| format!("  {l}\n")).collect();
+    let mut out: String = text
+        .lines()
+        .map(|l| format!("  {}\n", visible_lines(l)))
+        .collect();
     if truncated {
         out.push_str("  [... truncated by the worker's output cap]\n");
     }
@@ -743,14 +748,16 @@ impl JobView {
             if (full || i == last) && !r.stdout.is_empty() {
                 out.push_str(&format!(
                     "\nstdout of task {} ({}):\n",
-                    r.task_number, r.command
+                    r.task_number,
+                    visible(&r.command)
                 ));
                 out.push_str(&block(&r.stdout, r.stdout_truncated));
             }
             if !r.stderr.is_empty() {
                 out.push_str(&format!(
                     "\nstderr of task {} ({}):\n",
-                    r.task_number, r.command
+                    r.task_number,
+                    visible(&r.command)
                 ));
                 out.push_str(&block(&r.stderr, r.stderr_truncated));
             }

@@ -24,7 +24,7 @@ use tonic::{Code, Status};
 
 use super::{
     error::describe_status,
-    table::emit_line,
+    table::{emit_line, visible_lines},
     time::{between, clock, human_duration, now_utc},
     view::{action_done, ActionView},
     CliError, Clients, OutputFormat,
@@ -413,8 +413,8 @@ impl Display {
     /// A message about the connection, on stderr (above the bar).
     fn notice(&self, text: &str) {
         match self {
-            Display::Bar(bar) => bar.println(format!("agq: {text}")),
-            _ => eprintln!("agq: {text}"),
+            Display::Bar(bar) => bar.println(format!("agq: {}", visible_lines(text))),
+            _ => eprintln!("agq: {}", visible_lines(text)),
         }
     }
 }

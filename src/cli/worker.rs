@@ -2,7 +2,7 @@
 
 use super::{
     print_json,
-    table::emit,
+    table::{emit, visible},
     view::{workers_table, StateArg, VerificationView, WorkerView},
     CliError, Clients, OutputFormat,
 };
@@ -153,7 +153,7 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
             let view = VerificationView::from(last);
             match out {
                 OutputFormat::Json => print_json(&view)?,
-                OutputFormat::Table => emit(&format!("{}\n", view.line()))?,
+                OutputFormat::Table => emit(&format!("{}\n", visible(&view.line())))?,
             }
             if view.answered_at.is_some() && !view.passed {
                 return Err(CliError::Failed(format!(
