@@ -217,10 +217,14 @@ impl PgEngine {
 
     /// Fires every due schedule (the leader's maintenance pass), each in
     /// its own transaction with its row locked: the actions of its due
-    /// ticks by its catch-up policy, and the record of the firing.
+    /// ticks by its catch-up policy, and the record of the firing. A tick
+    /// whose action cannot be submitted is recorded in `last_error` and
+    /// not retried; a schedule whose stored row cannot be used (or whose
+    /// expression no longer reads) is paused with the reason in
+    /// `last_error`. A storage error rolls back that schedule's firing
+    /// only (it is retried by the next pass); the others still fire.
     ///
-    /// Errors: storage errors (that schedule's firing is rolled back and
-    /// retried by the next pass).
+    /// Errors: storage errors reading which schedules are due.
     pub(super) async fn fire_schedules(&self) -> Result<()> {
         let c = self.client().await?;
         let due: Vec<String> = c
@@ -236,7 +240,9 @@ impl PgEngine {
             .collect();
         drop(c);
         for id in due {
-            self.fire_one(&id).await?;
+            if let Err(e) = self.fire_one(&id).await {
+                tracing::warn!(schedule_id = %id, error = %e, "firing a schedule failed; retried by the next pass");
+            }
         }
         Ok(())
     }
@@ -257,7 +263,18 @@ impl PgEngine {
         else {
             return Ok(());
         };
-        let s = schedule(&r)?;
+        let s = match schedule(&r) {
+            Ok(s) => s,
+            Err(e) => {
+                // A stored row this code cannot use (inputs written by
+                // another version, say): it cannot fire until it is fixed,
+                // so pause it with the reason.
+                let error = format!("paused: {e}");
+                tracing::warn!(schedule_id = %id, error = %error, "schedule row cannot be used");
+                record(&tx, id, None, None, 0, error).await?;
+                return tx.commit().await.map_err(db_err);
+            }
+        };
         let now: i64 = r.get(17);
         let Some(from) = s.next_run_at_ms else {
             return Ok(());
@@ -322,16 +339,20 @@ impl PgEngine {
                     actions.push(action_id.clone());
                     last = Some((tick, action_id));
                 }
+                // The database failed: this firing is rolled back and
+                // retried by the next pass.
                 Err(
-                    e @ (Error::NotFound(_)
-                    | Error::AlreadyExists(_)
-                    | Error::InvalidArgument(_)
-                    | Error::FailedPrecondition(_)),
-                ) => {
-                    let _ = sp.rollback().await;
+                    e @ (Error::Storage { .. }
+                    | Error::StoreBusy(_)
+                    | Error::StoreUnavailable(_)
+                    | Error::Unavailable),
+                ) => return Err(e),
+                // Refused (its plan is gone, or its stored version cannot
+                // be used, say): recorded, not retried.
+                Err(e) => {
+                    sp.rollback().await.map_err(db_err)?;
                     errors.push(format!("tick {}: {e}", rfc3339(tick)));
                 }
-                Err(e) => return Err(e),
             }
         }
         let error = errors.join("; ");

@@ -124,15 +124,54 @@ pub fn list(conn: &Connection, after: Option<&str>, limit: usize) -> Result<Vec<
 }
 
 /// Schedules whose next tick is at or before `now_ms`, soonest first.
+/// Each is the schedule, or its row's `rowid` and why the row cannot be
+/// used (a value the current code cannot read), so one unusable row does
+/// not hide the others ([`pause_unusable`] pauses it).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
-pub fn due(conn: &Connection, now_ms: i64) -> Result<Vec<Schedule>> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM schedules WHERE next_run_ms IS NOT NULL AND next_run_ms <= ?1
-         ORDER BY next_run_ms"
-    ))?;
-    let rows = stmt.query_map([now_ms], from_row)?;
-    rows.map(|r| decode(r?)).collect()
+/// Errors: [`Error::Storage`].
+pub fn due(
+    conn: &Connection,
+    now_ms: i64,
+) -> Result<Vec<std::result::Result<Schedule, (i64, Error)>>> {
+    let rowids = conn
+        .prepare_cached(
+            "SELECT rowid FROM schedules WHERE next_run_ms IS NOT NULL AND next_run_ms <= ?1
+             ORDER BY next_run_ms",
+        )?
+        .query_map([now_ms], |r| r.get::<_, i64>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {COLUMNS} FROM schedules WHERE rowid = ?1"))?;
+    let mut due = Vec::with_capacity(rowids.len());
+    for rowid in rowids {
+        let mut rows = stmt.query([rowid])?;
+        // Errors reading the row are storage errors; errors converting its
+        // values are the row's own.
+        let Some(row) = rows.next()? else {
+            continue;
+        };
+        let s = from_row(row)
+            .map_err(|e| {
+                Error::Internal(format!(
+                    "schedule row {rowid}: stored values do not read: {e}"
+                ))
+            })
+            .and_then(decode);
+        due.push(s.map_err(|e| (rowid, e)));
+    }
+    Ok(due)
+}
+
+/// Pauses the schedule stored at `rowid`, whose row cannot be used, with
+/// `error` as its `last_error`.
+///
+/// Errors: [`Error::Storage`].
+pub fn pause_unusable(conn: &Connection, rowid: i64, error: &str) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE schedules SET next_run_ms = NULL, last_error = ?2 WHERE rowid = ?1",
+    )?
+    .execute(params![rowid, error])?;
+    Ok(())
 }
 
 /// The soonest next tick of any active schedule, ms.
