@@ -25,6 +25,7 @@ store_tests! {
     the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_precondition_failure,
     a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_does,
     a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fire,
+    a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -658,6 +659,70 @@ async fn a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fir
         get(&s, "healthy").await.runs > runs
     })
     .await;
+    s.stop().await;
+}
+
+/// A schedule whose stored inputs do not parse does not fail ListSchedules
+/// for the others, and GetSchedule shows it, paused, with empty inputs and
+/// why in `last_error`; it can be paused, resumed (it is paused again with
+/// the reason at its next tick) and deleted.
+async fn a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    create(&s, every_second("broken", "p")).await.unwrap();
+    create(&s, every_second("healthy", "p")).await.unwrap();
+    exec_sql(
+        &s,
+        "UPDATE schedules SET inputs = '{not json' WHERE schedule_id = 'broken'",
+    )
+    .await;
+    let listed = s
+        .schedules()
+        .await
+        .list_schedules(pb::ListSchedulesRequest::default())
+        .await
+        .expect("a listing beside a damaged row")
+        .into_inner()
+        .schedules;
+    let ids: Vec<&str> = listed.iter().map(|s| s.schedule_id.as_str()).collect();
+    assert_eq!(ids, ["broken", "healthy"]);
+    assert_eq!(listed[1].inputs.len(), 1, "the healthy one is whole");
+    eventually(10, "the broken schedule is paused", || async {
+        get(&s, "broken").await.paused
+    })
+    .await;
+    let broken = get(&s, "broken").await;
+    assert!(broken.inputs.is_empty());
+    assert!(
+        broken.last_error.starts_with("paused: ")
+            && broken.last_error.contains("stored inputs do not parse"),
+        "{}",
+        broken.last_error
+    );
+    let resumed = s
+        .schedules()
+        .await
+        .resume_schedule(pb::ResumeScheduleRequest {
+            schedule_id: "broken".into(),
+        })
+        .await
+        .expect("resume")
+        .into_inner()
+        .schedule
+        .unwrap();
+    assert!(!resumed.paused);
+    eventually(10, "paused again at its next tick", || async {
+        get(&s, "broken").await.paused
+    })
+    .await;
+    s.schedules()
+        .await
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: "broken".into(),
+        })
+        .await
+        .unwrap();
     s.stop().await;
 }
 

@@ -30,11 +30,33 @@ const COLS: &str = "schedule_id, plan_id, cron, time_zone, inputs, max_attempts,
 ///
 /// Errors: `Internal` for undecodable inputs.
 fn schedule(r: &Row) -> Result<Schedule> {
+    let s = schedule_view(r);
+    match serde_json::from_str(r.get(4)) {
+        Ok(inputs) => Ok(Schedule { inputs, ..s }),
+        Err(e) => Err(Error::Internal(format!(
+            "schedule {}: stored inputs do not parse: {e}",
+            s.schedule_id
+        ))),
+    }
+}
+
+/// [`schedule`] for reading a schedule back (get, list): stored inputs
+/// that do not parse leave `inputs` empty and say why in `last_error`
+/// (unless it already says, as the firing that paused it does), so one
+/// damaged row neither hides itself nor fails a listing of the others.
+fn schedule_view(r: &Row) -> Schedule {
     let id: String = r.get(0);
-    let inputs = serde_json::from_str(r.get(4))
-        .map_err(|e| Error::Internal(format!("schedule {id}: stored inputs do not parse: {e}")))?;
+    let last_error: String = r.get(15);
+    let (inputs, last_error) = match serde_json::from_str(r.get(4)) {
+        Ok(inputs) => (inputs, last_error),
+        Err(e) if last_error.is_empty() => (
+            Vec::new(),
+            format!("internal error: schedule {id}: stored inputs do not parse: {e}"),
+        ),
+        Err(_) => (Vec::new(), last_error),
+    };
     let next: Option<i64> = r.get(11);
-    Ok(Schedule {
+    Schedule {
         plan_id: r.get(1),
         cron: r.get(2),
         time_zone: r.get(3),
@@ -52,23 +74,23 @@ fn schedule(r: &Row) -> Result<Schedule> {
         last_run_at_ms: r.get(12),
         last_action_id: r.get(13),
         runs: r.get::<_, i64>(14).max(0) as u64,
-        last_error: r.get(15),
+        last_error,
         created_at_ms: r.get(16),
         schedule_id: id,
-    })
+    }
 }
 
-/// Schedule `id`, if stored.
+/// Schedule `id`, if stored (with empty inputs when the stored ones do
+/// not parse: see [`schedule_view`]).
 async fn get(c: &impl GenericClient, id: &str, lock: bool) -> Result<Option<Schedule>> {
     let sql = format!(
         "SELECT {COLS} FROM schedules WHERE schedule_id = $1{}",
         if lock { " FOR UPDATE" } else { "" }
     );
-    c.query_opt(&sql, &[&id])
+    Ok(c.query_opt(&sql, &[&id])
         .await
         .map_err(db_err)?
-        .map(|r| schedule(&r))
-        .transpose()
+        .map(|r| schedule_view(&r)))
 }
 
 impl PgEngine {
@@ -154,8 +176,8 @@ impl PgEngine {
             .await
             .map_err(db_err)?
             .iter()
-            .map(schedule)
-            .collect::<Result<Vec<_>>>()?;
+            .map(schedule_view)
+            .collect::<Vec<_>>();
         let (items, next_page_token) =
             page::split_page(found, limit, "schedule", |s| s.schedule_id.clone());
         Ok(Page {

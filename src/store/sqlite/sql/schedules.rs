@@ -70,6 +70,23 @@ fn decode((mut s, inputs): (Schedule, String)) -> Result<Schedule> {
     Ok(s)
 }
 
+/// [`decode`] for reading a schedule back (get, list): stored inputs that
+/// do not parse leave `inputs` empty and say why in `last_error` (unless
+/// it already says, as the firing that paused it does), so one damaged
+/// row neither hides itself nor fails a listing of the others.
+fn decode_view(row: (Schedule, String)) -> Schedule {
+    let s = row.0.clone();
+    decode(row).unwrap_or_else(|e| Schedule {
+        inputs: Vec::new(),
+        last_error: if s.last_error.is_empty() {
+            e.to_string()
+        } else {
+            s.last_error.clone()
+        },
+        ..s
+    })
+}
+
 /// Stores a validated schedule with its first tick `next_run_ms`.
 /// Returns false (and changes nothing) when the id is taken.
 ///
@@ -99,28 +116,31 @@ pub fn insert(conn: &Connection, s: &Schedule, next_run_ms: i64) -> Result<bool>
     Ok(n == 1)
 }
 
-/// The schedule `id`, if stored.
+/// The schedule `id`, if stored (with empty inputs when the stored ones
+/// do not parse: see [`decode_view`]).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
+/// Errors: [`Error::Storage`], including a row whose values do not read.
 pub fn get(conn: &Connection, id: &str) -> Result<Option<Schedule>> {
-    conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM schedules WHERE schedule_id = ?1"
-    ))?
-    .query_row([id], from_row)
-    .optional()?
-    .map(decode)
-    .transpose()
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {COLUMNS} FROM schedules WHERE schedule_id = ?1"
+        ))?
+        .query_row([id], from_row)
+        .optional()?
+        .map(decode_view))
 }
 
-/// Up to `limit` schedules with ids after `after` (all when `None`), by id.
+/// Up to `limit` schedules with ids after `after` (all when `None`), by id
+/// (with empty inputs where the stored ones do not parse: see
+/// [`decode_view`]).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
+/// Errors: [`Error::Storage`], including a row whose values do not read.
 pub fn list(conn: &Connection, after: Option<&str>, limit: usize) -> Result<Vec<Schedule>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM schedules WHERE schedule_id > ?1 ORDER BY schedule_id LIMIT ?2"
     ))?;
     let rows = stmt.query_map(params![after.unwrap_or(""), limit as i64], from_row)?;
-    rows.map(|r| decode(r?)).collect()
+    rows.map(|r| Ok(decode_view(r?))).collect()
 }
 
 /// Schedules whose next tick is at or before `now_ms`, soonest first.
