@@ -2,8 +2,9 @@
 //! pause, resume, delete; bad input refused with nothing stored; a
 //! schedule every second submits exactly one action per second across a
 //! server restart (the ticks missed while it was down are caught up); a
-//! tick whose plan is gone records why; and the same across `kill -9` of
-//! a real `agq serve` process.
+//! tick whose plan is gone records why; one schedule that cannot fire (a
+//! stored row or plan the server cannot use) stops none of the others;
+//! and the same across `kill -9` of a real `agq serve` process.
 
 mod common;
 mod process;
@@ -23,6 +24,8 @@ store_tests! {
     a_tick_whose_plan_is_gone_records_why_and_the_schedule_goes_on,
     the_last_tick_of_a_schedule_fires_and_resuming_after_it_is_a_precondition_failure,
     a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_does,
+    a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fire,
+    a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -561,6 +564,213 @@ async fn a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_doe
         .expect_err(bad);
         assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {}", e.message());
     }
+}
+
+/// Runs `sql` (no parameters) on the server's database, beside the server.
+async fn exec_sql(s: &TestServer, sql: &str) {
+    match &s.backing.store {
+        agq::config::Store::Postgres(url) => {
+            common::pg::connect(url)
+                .await
+                .batch_execute(sql)
+                .await
+                .unwrap();
+        }
+        _ => {
+            let conn = rusqlite::Connection::open(&s.db).unwrap();
+            conn.busy_timeout(Duration::from_secs(10)).unwrap();
+            conn.execute_batch(sql).unwrap();
+        }
+    }
+}
+
+/// `next_run_ms` and `last_error` of schedule `id`, read from the database
+/// (the row need not decode).
+async fn stored_state(s: &TestServer, id: &str) -> (Option<i64>, String) {
+    let sql = "SELECT next_run_ms, last_error FROM schedules WHERE schedule_id = ";
+    match &s.backing.store {
+        agq::config::Store::Postgres(url) => {
+            let r = common::pg::connect(url)
+                .await
+                .query_one(&format!("{sql}$1"), &[&id])
+                .await
+                .unwrap();
+            (r.get(0), r.get(1))
+        }
+        _ => {
+            let conn = rusqlite::Connection::open(&s.db).unwrap();
+            conn.busy_timeout(Duration::from_secs(10)).unwrap();
+            conn.query_row(&format!("{sql}?1"), [id], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap()
+        }
+    }
+}
+
+/// A schedule whose stored row the server cannot use (its inputs do not
+/// parse: written by another version, or damaged) is paused with the
+/// reason in `last_error`; it stops neither the other schedules due in
+/// the same pass nor the later ones.
+async fn a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fire(
+    store: TestStore,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    create(&s, every_second("broken", "p")).await.unwrap();
+    // Its inputs no longer parse, and it is due first.
+    exec_sql(
+        &s,
+        "UPDATE schedules SET inputs = '{not json', next_run_ms = next_run_ms - 1000
+         WHERE schedule_id = 'broken'",
+    )
+    .await;
+    create(&s, every_second("healthy", "p")).await.unwrap();
+    eventually(
+        10,
+        "the healthy schedule fires beside the broken one",
+        || async { get(&s, "healthy").await.runs >= 2 },
+    )
+    .await;
+    let healthy = get(&s, "healthy").await;
+    assert!(healthy.last_error.is_empty(), "{}", healthy.last_error);
+    assert!(
+        ticks("healthy", &actions_of(&s, "p").await).len() >= 2,
+        "only the healthy schedule submitted actions"
+    );
+    eventually(10, "the broken schedule is paused", || async {
+        stored_state(&s, "broken").await.0.is_none()
+    })
+    .await;
+    let (_, error) = stored_state(&s, "broken").await;
+    assert!(
+        error.starts_with("paused: ") && error.contains("stored inputs do not parse"),
+        "{error}"
+    );
+    // It can be deleted, and the healthy one goes on.
+    s.schedules()
+        .await
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: "broken".into(),
+        })
+        .await
+        .unwrap();
+    let runs = get(&s, "healthy").await.runs;
+    eventually(10, "the healthy schedule keeps firing", || async {
+        get(&s, "healthy").await.runs > runs
+    })
+    .await;
+    s.stop().await;
+}
+
+/// A schedule whose stored inputs do not parse does not fail ListSchedules
+/// for the others, and GetSchedule shows it, paused, with empty inputs and
+/// why in `last_error`; it can be paused, resumed (it is paused again with
+/// the reason at its next tick) and deleted.
+async fn a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    create(&s, every_second("broken", "p")).await.unwrap();
+    create(&s, every_second("healthy", "p")).await.unwrap();
+    exec_sql(
+        &s,
+        "UPDATE schedules SET inputs = '{not json' WHERE schedule_id = 'broken'",
+    )
+    .await;
+    let listed = s
+        .schedules()
+        .await
+        .list_schedules(pb::ListSchedulesRequest::default())
+        .await
+        .expect("a listing beside a damaged row")
+        .into_inner()
+        .schedules;
+    let ids: Vec<&str> = listed.iter().map(|s| s.schedule_id.as_str()).collect();
+    assert_eq!(ids, ["broken", "healthy"]);
+    assert_eq!(listed[1].inputs.len(), 1, "the healthy one is whole");
+    eventually(10, "the broken schedule is paused", || async {
+        get(&s, "broken").await.paused
+    })
+    .await;
+    let broken = get(&s, "broken").await;
+    assert!(broken.inputs.is_empty());
+    assert!(
+        broken.last_error.starts_with("paused: ")
+            && broken.last_error.contains("stored inputs do not parse"),
+        "{}",
+        broken.last_error
+    );
+    let resumed = s
+        .schedules()
+        .await
+        .resume_schedule(pb::ResumeScheduleRequest {
+            schedule_id: "broken".into(),
+        })
+        .await
+        .expect("resume")
+        .into_inner()
+        .schedule
+        .unwrap();
+    assert!(!resumed.paused);
+    eventually(10, "paused again at its next tick", || async {
+        get(&s, "broken").await.paused
+    })
+    .await;
+    s.schedules()
+        .await
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: "broken".into(),
+        })
+        .await
+        .unwrap();
+    s.stop().await;
+}
+
+/// On PostgreSQL a tick whose action cannot be submitted for a reason
+/// other than the database (its plan's stored version does not decode)
+/// records why in `last_error` and the schedule goes on; the other
+/// schedules still fire. (On SQLite the plans are loaded at start.)
+#[tokio::test]
+async fn postgres_a_tick_whose_stored_plan_cannot_be_used_records_why_and_the_others_fire() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(
+        TestStore::Postgres,
+        &dir.path().join("agq.db"),
+        fast_config(),
+    )
+    .await;
+    put_plan(&s, "p").await;
+    put_plan(&s, "undecodable").await;
+    create(&s, every_second("bad-plan", "undecodable"))
+        .await
+        .unwrap();
+    exec_sql(
+        &s,
+        "UPDATE plan_versions SET body = '\\xffffffff'::bytea WHERE plan_id = 'undecodable';
+         UPDATE schedules SET next_run_ms = next_run_ms - 1000 WHERE schedule_id = 'bad-plan'",
+    )
+    .await;
+    create(&s, every_second("healthy", "p")).await.unwrap();
+    eventually(
+        10,
+        "the healthy schedule fires beside the other",
+        || async { get(&s, "healthy").await.runs >= 2 },
+    )
+    .await;
+    eventually(10, "the refused tick is recorded", || async {
+        !get(&s, "bad-plan").await.last_error.is_empty()
+    })
+    .await;
+    let bad = get(&s, "bad-plan").await;
+    assert!(
+        bad.last_error.contains("stored plan does not decode"),
+        "{}",
+        bad.last_error
+    );
+    assert_eq!(bad.runs, 0);
+    assert!(!bad.paused, "it keeps its schedule");
+    assert!(actions_of(&s, "undecodable").await.is_empty());
+    s.stop().await;
 }
 
 /// The server process is killed with SIGKILL between ticks and started

@@ -29,6 +29,7 @@ store_tests! {
     a_high_priority_action_overtakes_a_10000_job_backlog,
     a_concurrency_key_of_2_never_has_3_running,
     a_saturated_concurrency_key_does_not_hold_up_other_jobs,
+    an_actions_own_max_running_holds_beside_a_larger_limit_on_the_same_key,
     retry_job_may_change_a_jobs_priority,
     scheduling_settings_and_running_counts_survive_a_restart,
     queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart,
@@ -432,6 +433,50 @@ async fn a_saturated_concurrency_key_does_not_hold_up_other_jobs(store: TestStor
         ["free", "free", "free", "keyed"],
         "the leases of 4 free slots"
     );
+    s.stop().await;
+}
+
+/// Two actions share a key with different limits: "wide" (max_running 3,
+/// higher priority) and "narrow" (max_running 1). Once a job of "wide"
+/// runs, the key runs 1 job, so "narrow"'s job may not start (its own
+/// limit applies to its jobs), even when both are picked in one round.
+async fn an_actions_own_max_running_holds_beside_a_larger_limit_on_the_same_key(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, plan("p", &["true"])).await;
+    submit(
+        &s,
+        SubmitActionRequest {
+            concurrency_key: "k".into(),
+            max_running: 3,
+            priority: 10,
+            ..action("p", "wide", 1)
+        },
+    )
+    .await;
+    submit(
+        &s,
+        SubmitActionRequest {
+            concurrency_key: "k".into(),
+            max_running: 1,
+            ..action("p", "narrow", 1)
+        },
+    )
+    .await;
+    // One worker with room for both.
+    let mut w = SimWorker::start(&s, "w", &["true"], 2).await;
+    let first = w.lease().await;
+    assert_eq!(job_of(&first).action_id, "wide");
+    if let Some(l) = w.lease_within(1_500).await {
+        panic!(
+            "{} leased while a job of key k runs, beyond its max_running 1",
+            job_of(&l).action_id
+        );
+    }
+    // The key is free again: "narrow"'s job starts.
+    w.complete(&first).await;
+    let second = w.lease_within(5_000).await.expect("narrow leased");
+    assert_eq!(job_of(&second).action_id, "narrow");
     s.stop().await;
 }
 

@@ -298,7 +298,11 @@ impl PgEngine {
             .into_iter()
             .collect();
         keys.sort();
-        let mut room: HashMap<String, i64> = HashMap::new();
+        // Jobs running per key, counted under the keys' locks and kept up
+        // to date as this round grants: a job may start while its key runs
+        // fewer than its own action's max_running (actions sharing a key
+        // may set different limits).
+        let mut running: HashMap<String, i64> = HashMap::new();
         if !keys.is_empty() {
             for k in &keys {
                 tx.execute(
@@ -312,7 +316,7 @@ impl PgEngine {
                 .await
                 .map_err(db_err)?;
             }
-            let counts: HashMap<String, i64> = tx
+            running = tx
                 .query(
                     &cached(
                         &tx,
@@ -327,14 +331,6 @@ impl PgEngine {
                 .into_iter()
                 .map(|r| (r.get(0), r.get(1)))
                 .collect();
-            for (_, jobs) in &by_class {
-                for (_, k, max) in jobs {
-                    if !k.is_empty() && !room.contains_key(k) {
-                        let n = i64::from(*max) - counts.get(k).copied().unwrap_or(0);
-                        room.insert(k.clone(), n);
-                    }
-                }
-            }
         }
         // Each class's jobs, in lease order, to its least loaded worker
         // with a free slot (ties: the earlier worker).
@@ -346,17 +342,17 @@ impl PgEngine {
                 .filter(|i| free[**i] > 0)
                 .map(|i| std::cmp::Reverse((load[*i], *i)))
                 .collect();
-            for (id, k, _) in jobs {
+            for (id, k, max) in jobs {
                 let Some(std::cmp::Reverse((l, i))) = heap.pop() else {
                     break;
                 };
                 if !k.is_empty() {
-                    let left = room.entry(k).or_insert(0);
-                    if *left <= 0 {
+                    let n = running.entry(k).or_insert(0);
+                    if *n >= i64::from(max) {
                         heap.push(std::cmp::Reverse((l, i)));
                         continue;
                     }
-                    *left -= 1;
+                    *n += 1;
                 }
                 grant_ids.push(id);
                 grant_workers.push(candidates[i].id.clone());

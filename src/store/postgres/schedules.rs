@@ -30,11 +30,33 @@ const COLS: &str = "schedule_id, plan_id, cron, time_zone, inputs, max_attempts,
 ///
 /// Errors: `Internal` for undecodable inputs.
 fn schedule(r: &Row) -> Result<Schedule> {
+    let s = schedule_view(r);
+    match serde_json::from_str(r.get(4)) {
+        Ok(inputs) => Ok(Schedule { inputs, ..s }),
+        Err(e) => Err(Error::Internal(format!(
+            "schedule {}: stored inputs do not parse: {e}",
+            s.schedule_id
+        ))),
+    }
+}
+
+/// [`schedule`] for reading a schedule back (get, list): stored inputs
+/// that do not parse leave `inputs` empty and say why in `last_error`
+/// (unless it already says, as the firing that paused it does), so one
+/// damaged row neither hides itself nor fails a listing of the others.
+fn schedule_view(r: &Row) -> Schedule {
     let id: String = r.get(0);
-    let inputs = serde_json::from_str(r.get(4))
-        .map_err(|e| Error::Internal(format!("schedule {id}: stored inputs do not parse: {e}")))?;
+    let last_error: String = r.get(15);
+    let (inputs, last_error) = match serde_json::from_str(r.get(4)) {
+        Ok(inputs) => (inputs, last_error),
+        Err(e) if last_error.is_empty() => (
+            Vec::new(),
+            format!("internal error: schedule {id}: stored inputs do not parse: {e}"),
+        ),
+        Err(_) => (Vec::new(), last_error),
+    };
     let next: Option<i64> = r.get(11);
-    Ok(Schedule {
+    Schedule {
         plan_id: r.get(1),
         cron: r.get(2),
         time_zone: r.get(3),
@@ -52,23 +74,23 @@ fn schedule(r: &Row) -> Result<Schedule> {
         last_run_at_ms: r.get(12),
         last_action_id: r.get(13),
         runs: r.get::<_, i64>(14).max(0) as u64,
-        last_error: r.get(15),
+        last_error,
         created_at_ms: r.get(16),
         schedule_id: id,
-    })
+    }
 }
 
-/// Schedule `id`, if stored.
+/// Schedule `id`, if stored (with empty inputs when the stored ones do
+/// not parse: see [`schedule_view`]).
 async fn get(c: &impl GenericClient, id: &str, lock: bool) -> Result<Option<Schedule>> {
     let sql = format!(
         "SELECT {COLS} FROM schedules WHERE schedule_id = $1{}",
         if lock { " FOR UPDATE" } else { "" }
     );
-    c.query_opt(&sql, &[&id])
+    Ok(c.query_opt(&sql, &[&id])
         .await
         .map_err(db_err)?
-        .map(|r| schedule(&r))
-        .transpose()
+        .map(|r| schedule_view(&r)))
 }
 
 impl PgEngine {
@@ -154,8 +176,8 @@ impl PgEngine {
             .await
             .map_err(db_err)?
             .iter()
-            .map(schedule)
-            .collect::<Result<Vec<_>>>()?;
+            .map(schedule_view)
+            .collect::<Vec<_>>();
         let (items, next_page_token) =
             page::split_page(found, limit, "schedule", |s| s.schedule_id.clone());
         Ok(Page {
@@ -217,10 +239,14 @@ impl PgEngine {
 
     /// Fires every due schedule (the leader's maintenance pass), each in
     /// its own transaction with its row locked: the actions of its due
-    /// ticks by its catch-up policy, and the record of the firing.
+    /// ticks by its catch-up policy, and the record of the firing. A tick
+    /// whose action cannot be submitted is recorded in `last_error` and
+    /// not retried; a schedule whose stored row cannot be used (or whose
+    /// expression no longer reads) is paused with the reason in
+    /// `last_error`. A storage error rolls back that schedule's firing
+    /// only (it is retried by the next pass); the others still fire.
     ///
-    /// Errors: storage errors (that schedule's firing is rolled back and
-    /// retried by the next pass).
+    /// Errors: storage errors reading which schedules are due.
     pub(super) async fn fire_schedules(&self) -> Result<()> {
         let c = self.client().await?;
         let due: Vec<String> = c
@@ -236,7 +262,9 @@ impl PgEngine {
             .collect();
         drop(c);
         for id in due {
-            self.fire_one(&id).await?;
+            if let Err(e) = self.fire_one(&id).await {
+                tracing::warn!(schedule_id = %id, error = %e, "firing a schedule failed; retried by the next pass");
+            }
         }
         Ok(())
     }
@@ -257,7 +285,18 @@ impl PgEngine {
         else {
             return Ok(());
         };
-        let s = schedule(&r)?;
+        let s = match schedule(&r) {
+            Ok(s) => s,
+            Err(e) => {
+                // A stored row this code cannot use (inputs written by
+                // another version, say): it cannot fire until it is fixed,
+                // so pause it with the reason.
+                let error = format!("paused: {e}");
+                tracing::warn!(schedule_id = %id, error = %error, "schedule row cannot be used");
+                record(&tx, id, None, None, 0, error).await?;
+                return tx.commit().await.map_err(db_err);
+            }
+        };
         let now: i64 = r.get(17);
         let Some(from) = s.next_run_at_ms else {
             return Ok(());
@@ -322,16 +361,20 @@ impl PgEngine {
                     actions.push(action_id.clone());
                     last = Some((tick, action_id));
                 }
+                // The database failed: this firing is rolled back and
+                // retried by the next pass.
                 Err(
-                    e @ (Error::NotFound(_)
-                    | Error::AlreadyExists(_)
-                    | Error::InvalidArgument(_)
-                    | Error::FailedPrecondition(_)),
-                ) => {
-                    let _ = sp.rollback().await;
+                    e @ (Error::Storage { .. }
+                    | Error::StoreBusy(_)
+                    | Error::StoreUnavailable(_)
+                    | Error::Unavailable),
+                ) => return Err(e),
+                // Refused (its plan is gone, or its stored version cannot
+                // be used, say): recorded, not retried.
+                Err(e) => {
+                    sp.rollback().await.map_err(db_err)?;
                     errors.push(format!("tick {}: {e}", rfc3339(tick)));
                 }
-                Err(e) => return Err(e),
             }
         }
         let error = errors.join("; ");

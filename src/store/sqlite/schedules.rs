@@ -92,7 +92,10 @@ impl State {
     /// due ticks by its catch-up policy and records the firing, all in
     /// this operation's transaction. A tick whose action cannot be
     /// submitted (its plan was deleted, say) is recorded in `last_error`
-    /// and not retried. Returns the number of actions submitted.
+    /// and not retried; a schedule whose stored row cannot be used (or
+    /// whose expression no longer reads) is paused with the reason in
+    /// `last_error`. Either way the other schedules fire. Returns the
+    /// number of actions submitted.
     ///
     /// Errors: storage errors (the whole firing is rolled back and
     /// retried by the next call).
@@ -103,6 +106,18 @@ impl State {
     ) -> Result<usize> {
         let mut submitted = 0;
         for s in store::due(conn, now_ms)? {
+            let s = match s {
+                Ok(s) => s,
+                Err((rowid, e)) => {
+                    // A stored row this code cannot use (inputs written by
+                    // another version, say): it cannot fire until it is
+                    // fixed, so pause it with the reason; the others fire.
+                    let error = format!("paused: {e}");
+                    tracing::warn!(error = %error, "schedule row cannot be used");
+                    store::pause_unusable(conn, rowid, &error)?;
+                    continue;
+                }
+            };
             let Some(from) = s.next_run_at_ms else {
                 continue;
             };
@@ -194,14 +209,17 @@ impl State {
                         runs += 1;
                         last = Some((tick, action_id));
                     }
-                    // Refused before anything was written: recorded, not retried.
+                    // Storage failed under it (the state may have
+                    // changed): the whole firing is rolled back.
                     Err(
-                        e @ (Error::NotFound(_)
-                        | Error::AlreadyExists(_)
-                        | Error::InvalidArgument(_)
-                        | Error::FailedPrecondition(_)),
-                    ) => errors.push(format!("tick {}: {e}", rfc3339(tick))),
-                    Err(e) => return Err(e),
+                        e @ (Error::Storage { .. }
+                        | Error::StoreBusy(_)
+                        | Error::StoreUnavailable(_)
+                        | Error::Unavailable),
+                    ) => return Err(e),
+                    // Refused before anything was written (every other
+                    // error of `submit_action` is): recorded, not retried.
+                    Err(e) => errors.push(format!("tick {}: {e}", rfc3339(tick))),
                 }
             }
             submitted += runs;

@@ -70,6 +70,23 @@ fn decode((mut s, inputs): (Schedule, String)) -> Result<Schedule> {
     Ok(s)
 }
 
+/// [`decode`] for reading a schedule back (get, list): stored inputs that
+/// do not parse leave `inputs` empty and say why in `last_error` (unless
+/// it already says, as the firing that paused it does), so one damaged
+/// row neither hides itself nor fails a listing of the others.
+fn decode_view(row: (Schedule, String)) -> Schedule {
+    let s = row.0.clone();
+    decode(row).unwrap_or_else(|e| Schedule {
+        inputs: Vec::new(),
+        last_error: if s.last_error.is_empty() {
+            e.to_string()
+        } else {
+            s.last_error.clone()
+        },
+        ..s
+    })
+}
+
 /// Stores a validated schedule with its first tick `next_run_ms`.
 /// Returns false (and changes nothing) when the id is taken.
 ///
@@ -99,40 +116,82 @@ pub fn insert(conn: &Connection, s: &Schedule, next_run_ms: i64) -> Result<bool>
     Ok(n == 1)
 }
 
-/// The schedule `id`, if stored.
+/// The schedule `id`, if stored (with empty inputs when the stored ones
+/// do not parse: see [`decode_view`]).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
+/// Errors: [`Error::Storage`], including a row whose values do not read.
 pub fn get(conn: &Connection, id: &str) -> Result<Option<Schedule>> {
-    conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM schedules WHERE schedule_id = ?1"
-    ))?
-    .query_row([id], from_row)
-    .optional()?
-    .map(decode)
-    .transpose()
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {COLUMNS} FROM schedules WHERE schedule_id = ?1"
+        ))?
+        .query_row([id], from_row)
+        .optional()?
+        .map(decode_view))
 }
 
-/// Up to `limit` schedules with ids after `after` (all when `None`), by id.
+/// Up to `limit` schedules with ids after `after` (all when `None`), by id
+/// (with empty inputs where the stored ones do not parse: see
+/// [`decode_view`]).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
+/// Errors: [`Error::Storage`], including a row whose values do not read.
 pub fn list(conn: &Connection, after: Option<&str>, limit: usize) -> Result<Vec<Schedule>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM schedules WHERE schedule_id > ?1 ORDER BY schedule_id LIMIT ?2"
     ))?;
     let rows = stmt.query_map(params![after.unwrap_or(""), limit as i64], from_row)?;
-    rows.map(|r| decode(r?)).collect()
+    rows.map(|r| Ok(decode_view(r?))).collect()
 }
 
 /// Schedules whose next tick is at or before `now_ms`, soonest first.
+/// Each is the schedule, or its row's `rowid` and why the row cannot be
+/// used (a value the current code cannot read), so one unusable row does
+/// not hide the others ([`pause_unusable`] pauses it).
 ///
-/// Errors: [`Error::Storage`], `Internal` for an undecodable row.
-pub fn due(conn: &Connection, now_ms: i64) -> Result<Vec<Schedule>> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM schedules WHERE next_run_ms IS NOT NULL AND next_run_ms <= ?1
-         ORDER BY next_run_ms"
-    ))?;
-    let rows = stmt.query_map([now_ms], from_row)?;
-    rows.map(|r| decode(r?)).collect()
+/// Errors: [`Error::Storage`].
+pub fn due(
+    conn: &Connection,
+    now_ms: i64,
+) -> Result<Vec<std::result::Result<Schedule, (i64, Error)>>> {
+    let rowids = conn
+        .prepare_cached(
+            "SELECT rowid FROM schedules WHERE next_run_ms IS NOT NULL AND next_run_ms <= ?1
+             ORDER BY next_run_ms",
+        )?
+        .query_map([now_ms], |r| r.get::<_, i64>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {COLUMNS} FROM schedules WHERE rowid = ?1"))?;
+    let mut due = Vec::with_capacity(rowids.len());
+    for rowid in rowids {
+        let mut rows = stmt.query([rowid])?;
+        // Errors reading the row are storage errors; errors converting its
+        // values are the row's own.
+        let Some(row) = rows.next()? else {
+            continue;
+        };
+        let s = from_row(row)
+            .map_err(|e| {
+                Error::Internal(format!(
+                    "schedule row {rowid}: stored values do not read: {e}"
+                ))
+            })
+            .and_then(decode);
+        due.push(s.map_err(|e| (rowid, e)));
+    }
+    Ok(due)
+}
+
+/// Pauses the schedule stored at `rowid`, whose row cannot be used, with
+/// `error` as its `last_error`.
+///
+/// Errors: [`Error::Storage`].
+pub fn pause_unusable(conn: &Connection, rowid: i64, error: &str) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE schedules SET next_run_ms = NULL, last_error = ?2 WHERE rowid = ?1",
+    )?
+    .execute(params![rowid, error])?;
+    Ok(())
 }
 
 /// The soonest next tick of any active schedule, ms.
