@@ -975,6 +975,35 @@ async fn probe_until_refused(ch: &Channel, tries: usize) -> bool {
     false
 }
 
+/// Sends a request with `send` (a task that ends when the request is
+/// answered) until it waits for the writer holding its share of the
+/// request buffer: a 700 KiB probe is refused and stays refused
+/// ([`holds_the_buffer`]). A request that a probe kept out (refused with
+/// RESOURCE_EXHAUSTED as it arrived) is sent again; at most 100 tries.
+/// Returns what `send` returned for the request that waits.
+async fn send_until_held<K, T: std::fmt::Debug>(
+    ch: &Channel,
+    mut send: impl FnMut() -> (K, tokio::task::JoinHandle<Result<T, Status>>),
+) -> (K, tokio::task::JoinHandle<Result<T, Status>>) {
+    let (mut keep, mut task) = send();
+    for _ in 0..100 {
+        if task.is_finished() {
+            let answer = (&mut task).await.unwrap();
+            assert_eq!(
+                answer.as_ref().map_err(|e| e.code()).err(),
+                Some(Code::ResourceExhausted),
+                "answered while the writer waits: {answer:?}"
+            );
+            (keep, task) = send();
+        }
+        if probe_until_refused(ch, 1).await && holds_the_buffer(ch).await {
+            return (keep, task);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("a message that does not fit beside a queued request was taken");
+}
+
 /// Whether a 700 KiB message stays refused over 300 ms (three probes
 /// 100 ms apart): the buffer is held, not just taken by a message still
 /// arriving.
@@ -1037,30 +1066,7 @@ async fn a_unary_request_holds_the_request_buffer_until_the_store_has_taken_it()
         let mut actions = actions.clone();
         tokio::spawn(async move { actions.submit_action(req).await })
     };
-    let mut caller = send(big.clone());
-    let mut held = false;
-    for _ in 0..100 {
-        if caller.is_finished() {
-            // A probe took the buffer while it arrived: send it again.
-            let answer = (&mut caller).await.unwrap();
-            assert_eq!(
-                answer.as_ref().map_err(|e| e.code()).err(),
-                Some(Code::ResourceExhausted),
-                "answered while the writer waits"
-            );
-            caller = send(big.clone());
-        }
-        // Refused three times over 300 ms: held, not just arriving.
-        if probe_until_refused(&ch, 1).await && holds_the_buffer(&ch).await {
-            held = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(
-        held,
-        "a message that does not fit beside a queued request was taken"
-    );
+    let ((), caller) = send_until_held(&ch, || ((), send(big.clone()))).await;
     // The caller goes away; its request still waits for the writer.
     caller.abort();
     let _ = caller.await;
@@ -1178,29 +1184,7 @@ async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it(
         });
         (tx, task)
     };
-    let (mut tx, mut stream) = open();
-    let mut held = false;
-    for _ in 0..100 {
-        if stream.is_finished() {
-            // A probe took the buffer while it arrived: send it again.
-            let answer = (&mut stream).await.unwrap();
-            assert_eq!(
-                answer.as_ref().map_err(|e| e.code()).err(),
-                Some(Code::ResourceExhausted),
-                "answered while the writer waits"
-            );
-            (tx, stream) = open();
-        }
-        if probe_until_refused(&ch, 1).await && holds_the_buffer(&ch).await {
-            held = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(
-        held,
-        "a message that does not fit beside a queued report request was taken"
-    );
+    let (tx, stream) = send_until_held(&ch, open).await;
     // The worker drops the stream; its request still waits for the writer.
     stream.abort();
     let _ = stream.await;
