@@ -359,7 +359,7 @@ impl Harness {
         requests: Vec<pb::ReportJobsRequest>,
     ) -> Vec<Result<pb::ReportJobsResponse, Status>> {
         let requests = futures_util::stream::iter(requests.into_iter().map(Ok));
-        let answers = agq::service::report_stream(self.engine.clone(), who, requests);
+        let answers = agq::service::report_stream(self.engine.clone(), who, requests, None);
         self.rt.block_on(answers.collect())
     }
 
