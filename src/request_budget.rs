@@ -248,17 +248,18 @@ where
             .iter()
             .find(|(path, _)| *path == req.uri().path())
             .map_or(Release::WithCall, |(_, r)| *r);
-        let kept = MessageReservations::default();
-        if release == Release::ByHandler {
+        // Kept only where a message's share outlives its arrival.
+        let kept = (release != Release::OnArrival).then(MessageReservations::default);
+        if let (Release::ByHandler, Some(kept)) = (release, &kept) {
             req.extensions_mut().insert(kept.clone());
         }
-        let share = (release == Release::WithCall).then(|| kept.share());
+        let close = kept.clone().filter(|_| release == Release::WithCall);
+        let share = close.as_ref().map(MessageReservations::share);
         let budget = self.budget.clone();
-        let keep = (release != Release::OnArrival).then(|| kept.clone());
-        let req = req.map(|inner| Body::new(BudgetedBody::new(inner, budget, keep)));
+        let req = req.map(|inner| Body::new(BudgetedBody::new(inner, budget, kept)));
         Answer {
             inner: Box::pin(SHARE.scope(share, self.inner.call(req))),
-            close: (release == Release::WithCall).then_some(kept),
+            close,
         }
     }
 }

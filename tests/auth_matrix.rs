@@ -846,25 +846,7 @@ async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     use http_body_util::BodyExt;
     use tower::Service;
     let dir = tempfile::tempdir().unwrap();
-    let opts = agq::server::ServerOptions {
-        store_ca_file: None,
-        store: agq::config::Store::Sqlite,
-        db: dir.path().join("agq.db"),
-        sqlite_synchronous: Default::default(),
-        engine: fast_config(),
-        auth: Authenticator::default(),
-        tls: None,
-        shutdown_grace: std::time::Duration::from_secs(2),
-        request_buffer_bytes: 1024 * 1024,
-    };
-    let server = agq::local::LocalServer::start(opts, None, false)
-        .await
-        .unwrap();
-    let ch = Channel::from_shared(server.url())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
     // A SubmitPlan announcing a 900 KiB message that sends 100 KiB of it.
     let mut first = vec![0u8];
     first.extend_from_slice(&(900u32 * 1024).to_be_bytes());
@@ -951,6 +933,17 @@ async fn budget_server(dir: &std::path::Path, bytes: usize) -> (agq::local::Loca
         .await
         .unwrap();
     (server, ch)
+}
+
+/// Stores plan "p" (`true`).
+async fn store_plan_p(ch: &Channel) {
+    plan_service_client::PlanServiceClient::new(ch.clone())
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["true"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
 }
 
 /// Holds the database's write lock from another connection, so the
@@ -1042,14 +1035,7 @@ async fn wait_until_it_fits(ch: &Channel) {
 async fn a_unary_request_holds_the_request_buffer_until_the_store_has_taken_it() {
     let dir = tempfile::tempdir().unwrap();
     let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
-    let mut plans = plan_service_client::PlanServiceClient::new(ch.clone());
-    plans
-        .submit_plan(SubmitPlanRequest {
-            plan: Some(plan("p", &["true"])),
-            replace: false,
-        })
-        .await
-        .unwrap();
+    store_plan_p(&ch).await;
     let lock = hold_write_lock(&dir.path().join("agq.db"));
     let big = SubmitActionRequest {
         action_id: "big".into(),
@@ -1097,15 +1083,8 @@ async fn a_unary_request_holds_the_request_buffer_until_the_store_has_taken_it()
 async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it() {
     let dir = tempfile::tempdir().unwrap();
     let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    store_plan_p(&ch).await;
     // A worker "w" holding the lease of a job of the action.
-    let mut plans = plan_service_client::PlanServiceClient::new(ch.clone());
-    plans
-        .submit_plan(SubmitPlanRequest {
-            plan: Some(plan("p", &["true"])),
-            replace: false,
-        })
-        .await
-        .unwrap();
     let mut workers = worker_service_client::WorkerServiceClient::new(ch.clone());
     workers
         .register_worker(RegisterWorkerRequest {
