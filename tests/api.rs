@@ -1404,25 +1404,11 @@ async fn a_wrong_finish_stamp_never_deletes_an_open_action(store: TestStore) {
     })
     .await
     .unwrap();
-    let stamp = "UPDATE actions SET finished_at_ms = 1 WHERE action_id = ";
-    match &s.backing.store {
-        agq::config::Store::Postgres(url) => {
-            let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(conn);
-            client
-                .execute(&format!("{stamp}$1"), &[&open])
-                .await
-                .unwrap();
-        }
-        _ => {
-            let conn = rusqlite::Connection::open(&s.db).unwrap();
-            conn.busy_timeout(std::time::Duration::from_secs(10))
-                .unwrap();
-            conn.execute(&format!("{stamp}?1"), [&open]).unwrap();
-        }
-    }
+    // Action ids are [A-Za-z0-9._-]: quoted as they are.
+    s.exec_sql(&format!(
+        "UPDATE actions SET finished_at_ms = 1 WHERE action_id = '{open}'"
+    ))
+    .await;
     expires(&actions, &done, "the cancelled action expires").await;
     // Two more leader ticks at least, past the retention.
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;

@@ -566,24 +566,6 @@ async fn a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_doe
     }
 }
 
-/// Runs `sql` (no parameters) on the server's database, beside the server.
-async fn exec_sql(s: &TestServer, sql: &str) {
-    match &s.backing.store {
-        agq::config::Store::Postgres(url) => {
-            common::pg::connect(url)
-                .await
-                .batch_execute(sql)
-                .await
-                .unwrap();
-        }
-        _ => {
-            let conn = rusqlite::Connection::open(&s.db).unwrap();
-            conn.busy_timeout(Duration::from_secs(10)).unwrap();
-            conn.execute_batch(sql).unwrap();
-        }
-    }
-}
-
 /// `next_run_ms` and `last_error` of schedule `id`, read from the database
 /// (the row need not decode).
 async fn stored_state(s: &TestServer, id: &str) -> (Option<i64>, String) {
@@ -618,8 +600,7 @@ async fn a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fir
     put_plan(&s, "p").await;
     create(&s, every_second("broken", "p")).await.unwrap();
     // Its inputs no longer parse, and it is due first.
-    exec_sql(
-        &s,
+    s.exec_sql(
         "UPDATE schedules SET inputs = '{not json', next_run_ms = next_run_ms - 1000
          WHERE schedule_id = 'broken'",
     )
@@ -672,11 +653,8 @@ async fn a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got(sto
     put_plan(&s, "p").await;
     create(&s, every_second("broken", "p")).await.unwrap();
     create(&s, every_second("healthy", "p")).await.unwrap();
-    exec_sql(
-        &s,
-        "UPDATE schedules SET inputs = '{not json' WHERE schedule_id = 'broken'",
-    )
-    .await;
+    s.exec_sql("UPDATE schedules SET inputs = '{not json' WHERE schedule_id = 'broken'")
+        .await;
     let listed = s
         .schedules()
         .await
@@ -744,8 +722,7 @@ async fn postgres_a_tick_whose_stored_plan_cannot_be_used_records_why_and_the_ot
     create(&s, every_second("bad-plan", "undecodable"))
         .await
         .unwrap();
-    exec_sql(
-        &s,
+    s.exec_sql(
         "UPDATE plan_versions SET body = '\\xffffffff'::bytea WHERE plan_id = 'undecodable';
          UPDATE schedules SET next_run_ms = next_run_ms - 1000 WHERE schedule_id = 'bad-plan'",
     )

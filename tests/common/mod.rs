@@ -230,6 +230,22 @@ impl TestServer {
         }
     }
 
+    /// Runs `sql` (statements, no parameters) on the server's database
+    /// from a connection of its own, beside the server: to put a stored
+    /// row into a state no RPC makes.
+    pub async fn exec_sql(&self, sql: &str) {
+        match &self.backing.store {
+            agq::config::Store::Postgres(url) => {
+                pg::connect(url).await.batch_execute(sql).await.unwrap();
+            }
+            _ => {
+                let conn = rusqlite::Connection::open(&self.db).unwrap();
+                conn.busy_timeout(Duration::from_secs(10)).unwrap();
+                conn.execute_batch(sql).unwrap();
+            }
+        }
+    }
+
     /// Stops the server gracefully and waits until the database is closed.
     pub async fn stop(self) {
         tokio::time::timeout(Duration::from_secs(20), self.server.stop())
