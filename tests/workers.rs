@@ -38,6 +38,7 @@ store_tests! {
     a_reconnecting_worker_is_told_which_held_leases_were_revoked,
     a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
     a_worker_drained_without_a_heartbeat_stream_is_told_when_it_opens_one,
+    a_lease_in_flight_on_a_lost_stream_goes_again_on_the_next_one,
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -1692,4 +1693,42 @@ async fn agw_reporter_gives_up_on_a_silent_stream_and_opens_another() {
     assert!(started.elapsed() >= Duration::from_millis(600));
     assert_eq!(*seen.lock().unwrap(), ["ReportJobs", "ReportJobs"]);
     server.abort();
+}
+
+/// A lease sent on a lease stream the worker lost while the server still
+/// sees it open (the connection broke unnoticed) is kept as in flight
+/// when the worker reconnects without listing it, and sent again on the
+/// worker's new lease stream: the same lease, no attempt lost. The lease
+/// the worker listed as held is not sent again.
+async fn a_lease_in_flight_on_a_lost_stream_goes_again_on_the_next_one(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    submit(&s, plan("p", &["cat"]), 2, 1).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat"], 2).await;
+    let (running, unread) = (w.lease().await, w.lease().await);
+    // The worker runs `running`; `unread` never reached it.
+    let _lost = w.take_lease_stream();
+    w.connect(Some(vec![running.lease_id.clone()])).await;
+    let again = w
+        .lease_within(2000)
+        .await
+        .expect("the unread lease, sent again");
+    let job_of = |l: &JobLease| l.job.as_ref().map(|j| (j.job_id.clone(), j.status));
+    assert_eq!(
+        (&again.lease_id, again.attempt, job_of(&again)),
+        (&unread.lease_id, 1, job_of(&unread))
+    );
+    assert_eq!(job_of(&again).unwrap().1, JobStatus::Running as i32);
+    assert!(
+        w.lease_within(300).await.is_none(),
+        "the held lease was sent again"
+    );
+    w.complete(&again).await;
+    w.complete(&running).await;
+    for l in [&again, &running] {
+        let j = job(&s, &l.job.as_ref().unwrap().job_id).await;
+        assert_eq!(j.status, JobStatus::Completed as i32, "{j:?}");
+    }
+    assert_nothing_stranded(&s).await;
+    s.stop().await;
 }

@@ -579,6 +579,13 @@ impl SimWorker {
         self.leases = None;
     }
 
+    /// Takes the lease stream out, so that a later [`SimWorker::connect`]
+    /// leaves it open: a stream the worker lost (its connection broke)
+    /// that still looks open to the server.
+    pub fn take_lease_stream(&mut self) -> Option<tonic::Streaming<JobLease>> {
+        self.leases.take()
+    }
+
     /// Stops heartbeating but keeps the streams open (a frozen process).
     pub fn freeze(&mut self) {
         if let Some(t) = self.hb_task.take() {

@@ -436,16 +436,80 @@ impl PgEngine {
             -1
         };
         self.local_entry(&id, &r, epoch)?;
+        // Leases this replica pushed on an earlier stream that the worker
+        // has not listed in `held_leases` since: the heartbeat that named
+        // its held leases kept them as still on their way, but that stream
+        // may have been dead already (a connection that broke without the
+        // server noticing). They go again on this one; a worker ignores a
+        // lease it already runs (same lease id), as agw does.
+        let unsent: Vec<String> = lock(&self.local)
+            .workers
+            .get(&id)
+            .map(|w| w.in_flight.keys().cloned().collect())
+            .unwrap_or_default();
+        let again = if unsent.is_empty() {
+            Vec::new()
+        } else {
+            self.leases_again(&c, &id, &unsent).await?
+        };
         let mut local = lock(&self.local);
         local.next_stream_id += 1;
         let sid = local.next_stream_id;
         if let Some(w) = local.workers.get_mut(&id) {
-            w.lease = Some(StreamSlot { id: sid, tx });
             w.in_flight.clear();
+            let now = Instant::now();
+            for lease in again {
+                tracing::info!(worker_id = %id, job_id = %lease.job.job_id, "lease sent again on the worker's new lease stream");
+                w.in_flight.insert(lease.lease_id.clone(), now);
+                let _ = tx.send(lease);
+            }
+            w.lease = Some(StreamSlot { id: sid, tx });
         }
         drop(local);
         self.dispatch_wake.notify_one();
         Ok(sid)
+    }
+
+    /// The leases among `lease_ids` that worker `id` still holds (their
+    /// jobs running under them), as they were granted.
+    ///
+    /// Errors: storage errors; `Internal` for an undecodable row.
+    async fn leases_again(
+        &self,
+        c: &impl GenericClient,
+        id: &str,
+        lease_ids: &[String],
+    ) -> Result<Vec<JobLease>> {
+        let sql = format!(
+            "SELECT {}, a.traceparent, j.lease_id, j.lease_expires_at_ms,
+                    (SELECT {} FROM plan_versions pv
+                     WHERE pv.plan_id = j.plan_id AND pv.version = j.plan_version)
+             FROM jobs j JOIN actions a ON a.action_id = j.action_id
+             WHERE j.worker_id = $1 AND j.status = 2 AND j.lease_id = ANY($2)
+             ORDER BY j.id",
+            rows::JOB_COLS,
+            rows::PLAN_STAMP
+        );
+        let found = c.query(&sql, &[&id, &lease_ids]).await.map_err(db_err)?;
+        let mut out = Vec::with_capacity(found.len());
+        for r in &found {
+            let job = rows::job(r)?;
+            let traceparent: Option<String> = r.get(20);
+            let stamp: Option<String> = r.get(23);
+            let plan = self
+                .plan_version(c, &job.plan_id, job.plan_version, stamp.as_deref())
+                .await?
+                .ok_or_else(|| Error::Internal(format!("plan {} vanished", job.plan_id)))?;
+            out.push(JobLease {
+                lease_id: r.get(21),
+                attempt: job.attempt,
+                expires_at_ms: r.get(22),
+                traceparent: traceparent.map(std::sync::Arc::from),
+                plan,
+                job,
+            });
+        }
+        Ok(out)
     }
 
     pub(super) async fn pg_heartbeat(
@@ -525,6 +589,12 @@ impl PgEngine {
             }
             tx.commit().await.map_err(db_err)?;
             self.touch(actions.iter().map(String::as_str));
+            // What is left in flight is what the worker's next lease
+            // stream gets again (see `pg_open_lease_stream`).
+            if let Some(w) = lock(&self.local).workers.get_mut(&id) {
+                w.in_flight
+                    .retain(|l, _| in_flight.contains(l) && !held.contains(l));
+            }
         } else {
             tx.commit().await.map_err(db_err)?;
         }

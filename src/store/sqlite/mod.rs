@@ -459,14 +459,26 @@ impl Engine for SqliteEngine {
     }
 
     fn close_stream(&self, worker_id: String, kind: StreamKind, stream_id: u64) {
-        self.writer
-            .submit(move |s, c| s.close_stream(c, &worker_id, kind, stream_id));
+        // Letting the stream go writes no SQL and runs while the store
+        // cannot commit too: a dropped close would leave the worker
+        // "connected" to a dead stream, its leases sent nowhere.
+        let id = worker_id.clone();
+        self.writer.submit_run(move |s, _| {
+            s.detach_stream(&id, kind, stream_id);
+            Ok(())
+        });
+        if kind == StreamKind::Heartbeat && self.cfg.lease_grace.is_zero() {
+            // Refused while the store cannot commit: the reaper tick
+            // re-queues them once it can.
+            self.writer
+                .submit(move |s, c| s.lose_if_suspect(c, &worker_id));
+        }
     }
 
     async fn open_lease_stream(&self, worker_id: String, tx: EventTx<JobLease>) -> Result<u64> {
         validate::worker_id(&worker_id)?;
         self.writer
-            .run(move |s, _| s.open_lease_stream(&worker_id, tx))
+            .run(move |s, c| s.open_lease_stream(c, &worker_id, tx))
             .await
     }
 

@@ -400,7 +400,9 @@ fn run_case(
             let (hb_tx, hb_rx) = mpsc::unbounded_channel();
             state.open_heartbeat(&format!("w{i}"), hb_tx).unwrap();
             let (tx, rx) = mpsc::unbounded_channel();
-            state.open_lease_stream(&format!("w{i}"), tx).unwrap();
+            state
+                .open_lease_stream(&conn, &format!("w{i}"), tx)
+                .unwrap();
             streams.push((hb_rx, rx));
         }
     }

@@ -147,6 +147,8 @@ impl State {
                     w.state == WorkerState::Active
                         && self.is_fresh(w, now)
                         && (w.leases.len() as u32) < w.max
+                        // Its close event may still be queued behind this.
+                        && w.lease_stream.as_ref().is_some_and(|s| !s.tx.is_closed())
                         && plan.runs_on(w)
                         && sched.admits(w)
                 })
@@ -343,6 +345,7 @@ impl State {
                     .get(worker_id)
                     .and_then(|w| w.lease_stream.as_ref())
                     .map_or(0, |s| s.id),
+                acknowledged: false,
             },
         );
         self.touch(&l.action_id);

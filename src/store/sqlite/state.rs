@@ -248,6 +248,9 @@ pub(super) struct Lease {
     pub(super) granted_at_ms: i64,
     /// Id of the lease stream it was sent on (0: loaded at startup).
     pub(super) stream_id: u64,
+    /// The worker listed it in `held_leases` since it was granted, so it
+    /// has it: it is never sent again (see [`State::open_lease_stream`]).
+    pub(super) acknowledged: bool,
 }
 
 /// A pending job waiting in a queue.
@@ -770,9 +773,14 @@ impl State {
                 entry.last_heartbeat = p.last_heartbeat;
                 entry.last_heartbeat_ms = p.last_heartbeat_ms;
                 entry.stats = p.stats;
-                entry.heartbeat = p.heartbeat;
-                entry.lease_stream = p.lease_stream;
-                entry.suspect_since = p.suspect_since;
+                // Streams that closed while the state could not be kept
+                // (their close events were refused) are let go here.
+                entry.heartbeat = p.heartbeat.filter(|s| !s.tx.is_closed());
+                entry.lease_stream = p.lease_stream.filter(|s| !s.tx.is_closed());
+                entry.suspect_since = match (&entry.heartbeat, p.suspect_since) {
+                    (None, None) if live => Some(now),
+                    (_, since) => since,
+                };
                 entry.last_lease_seq = p.last_lease_seq;
                 // Challenges still waiting for an answer live in memory only.
                 entry.pending = p.pending;
@@ -848,6 +856,7 @@ impl State {
                         expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
                         granted_at_ms: now_ms,
                         stream_id: 0,
+                        acknowledged: false,
                     };
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
                     if let Some((key, _)) = &sched.limit {

@@ -9,7 +9,7 @@ use super::SqliteEngine;
 use crate::{
     config::{EngineConfig, SyncMode},
     core::{
-        engine::{ActionRequest, Engine, HeartbeatEvent, JobQuery},
+        engine::{ActionRequest, Engine, HeartbeatEvent, JobQuery, StreamKind},
         model::{
             JobLease, JobReport, JobStatus, Plan, Registration, Task, WorkerCapabilities,
             WorkerCommand,
@@ -1561,4 +1561,132 @@ async fn an_action_retention_is_deleting_cannot_be_retried() {
         .unwrap();
     assert_eq!(removed, 4, "three jobs and the action row");
     wait_all_deleted(&dir).await;
+}
+
+/// A lease sent on a lease stream that died without the server noticing
+/// (the worker's connection broke; the stream still looks open) is kept
+/// as in flight when the worker reconnects without listing it, and sent
+/// again on the worker's new lease stream: the same lease, no attempt
+/// lost. The lease the worker listed as held is not sent again.
+#[tokio::test]
+async fn a_lease_in_flight_on_a_stream_that_died_unnoticed_goes_on_the_next_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&dir).await;
+    e.submit_plan(plan("p", &["cat"]), false).await.unwrap();
+    let mut w = Worker::start(&e, "w", &["cat"], 2).await;
+    submit(&e, "p", 2, 1).await;
+    let running = w.lease_within(1000).await.expect("a lease");
+    let unread = w.lease_within(1000).await.expect("a second lease");
+    // The worker runs `running`; `unread` never reached it. It reconnects
+    // on a new connection while its old lease stream still looks open.
+    let (htx, _commands) = mpsc::unbounded_channel();
+    e.open_heartbeat("w".into(), htx).await.unwrap();
+    let reply = e
+        .heartbeat("w".into(), None, Some(vec![running.lease_id.clone()]))
+        .await
+        .unwrap();
+    assert!(reply.revoked_leases.is_empty(), "{reply:?}");
+    let (ltx, mut leases) = mpsc::unbounded_channel();
+    e.open_lease_stream("w".into(), ltx).await.unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(1), leases.recv())
+        .await
+        .ok()
+        .flatten()
+        .expect("the unread lease, sent again on the new stream");
+    assert_eq!(
+        (&again.lease_id, &again.job.job_id, again.attempt),
+        (&unread.lease_id, &unread.job.job_id, 1)
+    );
+    assert_eq!(again.job.status, JobStatus::Running);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), leases.recv())
+            .await
+            .is_err(),
+        "the held lease was sent again"
+    );
+    for lease in [&again, &running] {
+        let status = e
+            .update_job(w.report(lease, JobStatus::Completed))
+            .await
+            .unwrap();
+        assert_eq!(status, JobStatus::Completed);
+    }
+}
+
+/// A stream that closes while the store cannot commit is let go at once
+/// (letting it go needs no commit): the worker shows as disconnected, not
+/// connected to a dead heartbeat stream until its heartbeats go stale.
+#[tokio::test]
+async fn a_stream_closed_while_the_store_cannot_commit_is_let_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = open(
+        &dir,
+        EngineConfig {
+            heartbeat_interval: Duration::from_secs(10),
+            lease_grace: Duration::from_secs(60),
+            ..quick()
+        },
+    )
+    .await;
+    let e = shared(&sqlite);
+    e.register_worker(Registration {
+        worker_id: "w".into(),
+        hostname: "h".into(),
+        agw_version: "t".into(),
+        max_concurrent_jobs: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (htx, commands) = mpsc::unbounded_channel();
+    let beats = e.open_heartbeat("w".into(), htx).await.unwrap();
+    let (ltx, _leases) = mpsc::unbounded_channel();
+    e.open_lease_stream("w".into(), ltx).await.unwrap();
+    assert!(e.get_worker("w".into()).await.unwrap().connected);
+    // Queued behind a busy writer, in this order: an operation storage
+    // fails under ("disk full"), which rolls its batch back and leaves
+    // the store refusing writes; the heartbeat stream's end (its
+    // receiver dropped on the writer thread, after the rollback); and
+    // the stream's close event, which thus runs while writes are refused.
+    let busy = sqlite.writer.clone();
+    let hold = tokio::spawn(async move {
+        busy.write(|_, _| {
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(())
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let breaker = sqlite.writer.clone();
+    let broken = tokio::spawn(async move {
+        breaker
+            .write_direct(|_, _| -> crate::error::Result<()> {
+                Err(Error::from(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+                    None,
+                )))
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ender = sqlite.writer.clone();
+    let ended = tokio::spawn(async move {
+        ender
+            .run(move |_, _| {
+                drop(commands);
+                Ok(())
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    e.close_stream("w".into(), StreamKind::Heartbeat, beats);
+    hold.await.unwrap().unwrap();
+    let broken = broken.await.unwrap();
+    assert!(
+        broken.as_ref().is_err_and(|e| e.store_fault().is_some()),
+        "{broken:?}"
+    );
+    ended.await.unwrap().unwrap();
+    let w = e.get_worker("w".into()).await.unwrap();
+    assert!(!w.connected, "{w:?}");
 }

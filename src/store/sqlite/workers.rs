@@ -5,13 +5,14 @@
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
+    sync::Arc,
     time::Instant,
 };
 
 use rusqlite::Connection;
 
 use super::{
-    sql::workers as wstore,
+    sql::{jobs, workers as wstore},
     state::{Effect, Sched, State, StreamSlot, WorkerEntry},
 };
 use crate::{
@@ -204,13 +205,63 @@ impl State {
         Ok(sid)
     }
 
-    /// Attaches a newly opened lease stream, replacing an older one.
+    /// Attaches a newly opened lease stream, replacing an older one, and
+    /// sends on it again every lease of the worker that went out on an
+    /// earlier stream and that the worker has not listed in `held_leases`
+    /// since: the heartbeat that named its held leases kept them as still
+    /// on their way, but that stream may have been dead already (a
+    /// connection that broke without the server noticing). A worker
+    /// ignores a lease it already runs (same lease id), as agw does.
     ///
-    /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED).
-    pub(super) fn open_lease_stream(&mut self, id: &str, tx: EventTx<JobLease>) -> Result<u64> {
-        self.live_worker(id)?;
+    /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED),
+    /// storage errors reading the leased jobs back (nothing is attached).
+    pub(super) fn open_lease_stream(
+        &mut self,
+        conn: &Connection,
+        id: &str,
+        tx: EventTx<JobLease>,
+    ) -> Result<u64> {
         let sid = self.next_stream_id;
+        let unsent: Vec<i64> = self
+            .live_worker(id)?
+            .leases
+            .iter()
+            .copied()
+            .filter(|row| {
+                self.leases
+                    .get(row)
+                    .is_some_and(|l| !l.acknowledged && l.stream_id != sid)
+            })
+            .collect();
+        let mut again = Vec::with_capacity(unsent.len());
+        for row in unsent {
+            let Some(l) = self.leases.get(&row) else {
+                continue;
+            };
+            let Some(job) = jobs::get_by_row(conn, row, false)? else {
+                continue;
+            };
+            let traceparent = jobs::action_traceparent(conn, &job.action_id)?.map(Arc::from);
+            again.push((
+                row,
+                JobLease {
+                    lease_id: l.lease_id.clone(),
+                    job,
+                    plan: l.plan.plan.clone(),
+                    attempt: l.attempt,
+                    expires_at_ms: l.expires_at_ms,
+                    traceparent,
+                },
+            ));
+        }
         self.next_stream_id += 1;
+        for (row, lease) in again {
+            if let Some(l) = self.leases.get_mut(&row) {
+                l.stream_id = sid;
+            }
+            tracing::info!(worker_id = %id, job_id = %lease.job.job_id, "lease sent again on the worker's new lease stream");
+            self.outbox.push(Effect::Lease(tx.clone(), Box::new(lease)));
+        }
         if let Some(w) = self.workers.get_mut(id) {
             w.lease_stream = Some(StreamSlot { id: sid, tx });
         }
@@ -218,44 +269,46 @@ impl State {
         Ok(sid)
     }
 
-    /// A stream of the worker ended. A dropped heartbeat stream makes the
-    /// worker suspect: its leases return to pending after the grace period
-    /// (at once when the grace is zero) unless it comes back.
-    ///
-    /// Errors: storage errors.
-    pub(super) fn close_stream(
-        &mut self,
-        conn: &Connection,
-        id: &str,
-        kind: StreamKind,
-        sid: u64,
-    ) -> Result<()> {
+    /// A stream of the worker ended: it is let go. A dropped heartbeat
+    /// stream makes the worker suspect: its leases return to pending after
+    /// the grace period unless it comes back ([`Self::lose_if_suspect`]
+    /// at once when the grace is zero, else the reaper tick). Writes no
+    /// SQL, so it runs while the store cannot commit too.
+    pub(super) fn detach_stream(&mut self, id: &str, kind: StreamKind, sid: u64) {
         let Some(w) = self.workers.get_mut(id) else {
-            return Ok(());
+            return;
         };
         match kind {
             StreamKind::Lease => {
                 if w.lease_stream.as_ref().is_some_and(|s| s.id == sid) {
                     w.lease_stream = None;
                 }
-                self.refresh_available(id);
             }
             StreamKind::Heartbeat => {
                 if w.heartbeat.as_ref().is_none_or(|s| s.id != sid) {
-                    return Ok(());
+                    return;
                 }
                 w.heartbeat = None;
-                if !w.state.is_live() {
-                    self.refresh_available(id);
-                    return Ok(());
-                }
-                w.suspect_since = Some(Instant::now());
-                self.refresh_available(id);
-                tracing::info!(worker_id = %id, "heartbeat stream dropped; worker is suspect");
-                if self.cfg.lease_grace.is_zero() {
-                    self.lose_all(conn, id, "worker's heartbeat stream dropped", "stream_lost")?;
+                if w.state.is_live() {
+                    w.suspect_since = Some(Instant::now());
+                    tracing::info!(worker_id = %id, "heartbeat stream dropped; worker is suspect");
                 }
             }
+        }
+        self.refresh_available(id);
+    }
+
+    /// Re-queues the leases of worker `id` when it is suspect (its
+    /// heartbeat stream dropped and no other opened since): what a zero
+    /// lease grace does at once.
+    ///
+    /// Errors: storage errors.
+    pub(super) fn lose_if_suspect(&mut self, conn: &Connection, id: &str) -> Result<()> {
+        let suspect = self.workers.get(id).is_some_and(|w| {
+            w.state.is_live() && w.heartbeat.is_none() && w.suspect_since.is_some()
+        });
+        if suspect {
+            self.lose_all(conn, id, "worker's heartbeat stream dropped", "stream_lost")?;
         }
         Ok(())
     }
@@ -286,25 +339,32 @@ impl State {
                     .map(|l| l.lease_id.as_str())
             });
             revoked = revoked_leases(&held, current);
-            // Leases sent on the current lease stream may still be in
-            // flight; only those of earlier streams can be known lost.
-            let lost: Vec<i64> = self
+            // Leases sent on the current lease stream, while it is open,
+            // may still be in flight (they are sent again on the worker's
+            // next lease stream, see `open_lease_stream`); only those of
+            // earlier or closed streams can be known lost.
+            let rows: Vec<i64> = self
                 .workers
                 .get(id)
-                .map(|w| {
-                    let current = w.lease_stream.as_ref().map_or(0, |s| s.id);
-                    w.leases
-                        .iter()
-                        .filter(|row| {
-                            self.leases.get(row).is_some_and(|l| {
-                                !held.contains(&l.lease_id)
-                                    && (l.stream_id == 0 || l.stream_id != current)
-                            })
-                        })
-                        .copied()
-                        .collect()
-                })
+                .map(|w| w.leases.iter().copied().collect())
                 .unwrap_or_default();
+            let current = self
+                .workers
+                .get(id)
+                .and_then(|w| w.lease_stream.as_ref())
+                .filter(|s| !s.tx.is_closed())
+                .map_or(0, |s| s.id);
+            let mut lost = Vec::new();
+            for row in rows {
+                let Some(l) = self.leases.get_mut(&row) else {
+                    continue;
+                };
+                if held.contains(&l.lease_id) {
+                    l.acknowledged = true;
+                } else if l.stream_id == 0 || l.stream_id != current {
+                    lost.push(row);
+                }
+            }
             for row in lost {
                 self.lose_lease(
                     conn,

@@ -367,6 +367,27 @@ impl<S: BatchState> Writer<S> {
         self.tx.send(Op::Write(op)).is_ok()
     }
 
+    /// Queues an operation that writes no SQL and whose result nobody
+    /// waits for (a stream that closed): it runs like [`Writer::run`],
+    /// while the store cannot commit too. Only a state that could not be
+    /// rebuilt after a rollback drops it (the rebuild then lets closed
+    /// streams go itself). Returns false when the writer has stopped.
+    pub fn submit_run<F>(&self, f: F) -> bool
+    where
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<()> + Send + 'static,
+    {
+        let op: TxFn<S> = Box::new(move |ctx| {
+            let Ctx::Run(s, c) = ctx else {
+                return (Outcome::Refused, Box::new(|_| {}));
+            };
+            if let Err(e) = f(s, c) {
+                tracing::warn!(error = %e, "background operation failed");
+            }
+            (Outcome::Done, Box::new(|_| {}))
+        });
+        self.tx.send(Op::Read(op)).is_ok()
+    }
+
     /// Asks the writer to stop after the operations queued so far; later
     /// calls fail with [`Error::Unavailable`].
     pub fn stop(&self) {

@@ -192,7 +192,9 @@ class HeartbeatRequest(_message.Message):
     @_builtins.property
     def held_leases(self) -> Global___HeldLeases:
         """When set, the leases the worker still runs: the server re-queues (as a
-        lost attempt) every lease it has for this worker that is not listed.
+        lost attempt) every lease it has for this worker that is not listed,
+        except those sent on the worker's open lease stream, which
+        may still be on their way (the next lease stream gets them again).
         agw sends it on the first message after a reconnect.
         """
 

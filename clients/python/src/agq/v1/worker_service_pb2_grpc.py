@@ -147,8 +147,11 @@ class WorkerServiceServicer:
         whenever a job is ready and this worker is the pick; never more than
         max_concurrent_jobs unfinished leases. A worker has one lease stream: a
         new LeaseJobs call for the same worker replaces the open one, which then
-        ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
-        (DEAD/UNREGISTERED).
+        ends without an error. A new stream first carries again every lease
+        sent on an earlier stream that the worker has not listed in
+        held_leases since (that stream may have been lost unnoticed); a worker
+        ignores a lease whose lease_id it already runs. Errors: NOT_FOUND,
+        FAILED_PRECONDITION (DEAD/UNREGISTERED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

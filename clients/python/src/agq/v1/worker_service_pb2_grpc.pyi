@@ -63,8 +63,11 @@ class WorkerServiceStub:
     whenever a job is ready and this worker is the pick; never more than
     max_concurrent_jobs unfinished leases. A worker has one lease stream: a
     new LeaseJobs call for the same worker replaces the open one, which then
-    ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
-    (DEAD/UNREGISTERED).
+    ends without an error. A new stream first carries again every lease
+    sent on an earlier stream that the worker has not listed in
+    held_leases since (that stream may have been lost unnoticed); a worker
+    ignores a lease whose lease_id it already runs. Errors: NOT_FOUND,
+    FAILED_PRECONDITION (DEAD/UNREGISTERED).
     """
     UpdateJob: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.UpdateJobRequest, _worker_service_pb2.UpdateJobResponse]
     """Reports progress or the outcome of a leased job, fenced by lease_id
@@ -182,8 +185,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     whenever a job is ready and this worker is the pick; never more than
     max_concurrent_jobs unfinished leases. A worker has one lease stream: a
     new LeaseJobs call for the same worker replaces the open one, which then
-    ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
-    (DEAD/UNREGISTERED).
+    ends without an error. A new stream first carries again every lease
+    sent on an earlier stream that the worker has not listed in
+    held_leases since (that stream may have been lost unnoticed); a worker
+    ignores a lease whose lease_id it already runs. Errors: NOT_FOUND,
+    FAILED_PRECONDITION (DEAD/UNREGISTERED).
     """
     UpdateJob: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.UpdateJobRequest, _worker_service_pb2.UpdateJobResponse]  # type: ignore[assignment]
     """Reports progress or the outcome of a leased job, fenced by lease_id
@@ -316,8 +322,11 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         whenever a job is ready and this worker is the pick; never more than
         max_concurrent_jobs unfinished leases. A worker has one lease stream: a
         new LeaseJobs call for the same worker replaces the open one, which then
-        ends without an error. Errors: NOT_FOUND, FAILED_PRECONDITION
-        (DEAD/UNREGISTERED).
+        ends without an error. A new stream first carries again every lease
+        sent on an earlier stream that the worker has not listed in
+        held_leases since (that stream may have been lost unnoticed); a worker
+        ignores a lease whose lease_id it already runs. Errors: NOT_FOUND,
+        FAILED_PRECONDITION (DEAD/UNREGISTERED).
         """
 
     @_abc_1.abstractmethod
