@@ -436,36 +436,49 @@ impl PgEngine {
             -1
         };
         self.local_entry(&id, &r, epoch)?;
-        // Leases this replica pushed on an earlier stream that the worker
-        // has not listed in `held_leases` since: the heartbeat that named
-        // its held leases kept them as still on their way, but that stream
-        // may have been dead already (a connection that broke without the
+        // The new stream takes the worker's leases from now on. Those this
+        // replica pushed before, on an earlier stream, that the worker has
+        // not listed in `held_leases` since: the heartbeat that named its
+        // held leases kept them as still on their way, but that stream may
+        // have been dead already (a connection that broke without the
         // server noticing). They go again on this one; a worker ignores a
         // lease it already runs (same lease id), as agw does.
-        let unsent: Vec<String> = lock(&self.local)
-            .workers
-            .get(&id)
-            .map(|w| w.in_flight.keys().cloned().collect())
-            .unwrap_or_default();
-        let again = if unsent.is_empty() {
-            Vec::new()
-        } else {
-            self.leases_again(&c, &id, &unsent).await?
+        let (sid, unsent) = {
+            let mut local = lock(&self.local);
+            local.next_stream_id += 1;
+            let sid = local.next_stream_id;
+            let unsent: HashSet<String> = match local.workers.get_mut(&id) {
+                Some(w) => {
+                    w.lease = Some(StreamSlot {
+                        id: sid,
+                        tx: tx.clone(),
+                    });
+                    w.in_flight.keys().cloned().collect()
+                }
+                None => HashSet::new(),
+            };
+            (sid, unsent)
         };
-        let mut local = lock(&self.local);
-        local.next_stream_id += 1;
-        let sid = local.next_stream_id;
-        if let Some(w) = local.workers.get_mut(&id) {
-            w.in_flight.clear();
-            let now = Instant::now();
+        if !unsent.is_empty() {
+            let ids: Vec<String> = unsent.iter().cloned().collect();
+            let again = self.leases_again(&c, &id, &ids).await?;
+            let mut local = lock(&self.local);
+            if let Some(w) = local.workers.get_mut(&id) {
+                // Those no longer running under that lease are done with.
+                let resent: HashSet<&str> = again.iter().map(|l| l.lease_id.as_str()).collect();
+                w.in_flight
+                    .retain(|l, _| !unsent.contains(l) || resent.contains(l.as_str()));
+                let now = Instant::now();
+                for lease in &again {
+                    tracing::info!(worker_id = %id, job_id = %lease.job.job_id, "lease sent again on the worker's new lease stream");
+                    w.in_flight.insert(lease.lease_id.clone(), now);
+                }
+            }
+            drop(local);
             for lease in again {
-                tracing::info!(worker_id = %id, job_id = %lease.job.job_id, "lease sent again on the worker's new lease stream");
-                w.in_flight.insert(lease.lease_id.clone(), now);
                 let _ = tx.send(lease);
             }
-            w.lease = Some(StreamSlot { id: sid, tx });
         }
-        drop(local);
         self.dispatch_wake.notify_one();
         Ok(sid)
     }
@@ -593,7 +606,7 @@ impl PgEngine {
             // stream gets again (see `pg_open_lease_stream`).
             if let Some(w) = lock(&self.local).workers.get_mut(&id) {
                 w.in_flight
-                    .retain(|l, _| in_flight.contains(l) && !held.contains(l));
+                    .retain(|l, at| !held.contains(l) && at.elapsed() < window);
             }
         } else {
             tx.commit().await.map_err(db_err)?;
