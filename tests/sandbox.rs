@@ -354,6 +354,8 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
             "1024",
             "--max-cpu-secs",
             "2",
+            "--max-open-files",
+            "64",
         ],
         &[("AGW_TOKEN", TOKEN)],
     )
@@ -747,6 +749,22 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
                 &["-e", "my $x = 'x' x 2_000_000_000; print length $x"],
             ),
             vec![Expect::Fails, Expect::NotInOutput("2000000000".into())],
+        ),
+        attempt(
+            "more open descriptors than the limit",
+            one(
+                "perl",
+                &[
+                    "-e",
+                    "my @f; for (1..100) { open(my $h, '<', '/dev/null') or die \"open: $!\"; \
+                     push @f, $h } print 'opened all'",
+                ],
+            ),
+            vec![
+                Expect::Fails,
+                Expect::NotInOutput("opened all".into()),
+                Expect::ErrorHolds("Too many open files".into()),
+            ],
         ),
         attempt(
             "a CPU loop over the CPU-time limit",

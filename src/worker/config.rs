@@ -168,6 +168,11 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_MAX_CPU_SECS", default_value_t = 86_400)]
     pub max_cpu_secs: u64,
 
+    /// Descriptors each task process may hold open (RLIMIT_NOFILE, soft
+    /// and hard); 0: as agw inherited.
+    #[arg(long, env = "AGW_MAX_OPEN_FILES", default_value_t = 1024)]
+    pub max_open_files: u64,
+
     /// Log format (logs go to stderr; RUST_LOG sets the filter).
     #[arg(long, env = "AGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -348,6 +353,7 @@ impl AgwArgs {
                 file_size_bytes: mib(self.max_file_size_mb),
                 processes: self.max_processes,
                 cpu_secs: self.max_cpu_secs,
+                open_files: self.max_open_files,
             },
             run_as,
             scratch_root,

@@ -93,6 +93,9 @@ pub struct ResourceLimits {
     pub processes: u64,
     /// `RLIMIT_CPU`: CPU time, seconds.
     pub cpu_secs: u64,
+    /// `RLIMIT_NOFILE`: descriptors each task process may hold open (a
+    /// task cannot raise it: soft and hard limit alike).
+    pub open_files: u64,
 }
 
 impl Default for ResourceLimits {
@@ -102,6 +105,7 @@ impl Default for ResourceLimits {
             file_size_bytes: 1 << 30,
             processes: 256,
             cpu_secs: 86_400,
+            open_files: 1024,
         }
     }
 }
@@ -565,6 +569,7 @@ impl Confinement {
         // SIGXCPU, which names the cause in the job's error; SIGKILL follows
         // a second later if it ignores that.
         set_limit(libc::RLIMIT_CPU, l.cpu_secs, 1)?;
+        set_limit(libc::RLIMIT_NOFILE, l.open_files, 0)?;
         if let Some(ruleset) = self.ruleset.take() {
             match ruleset.restrict_self() {
                 Ok(status) if status.ruleset != landlock::RulesetStatus::NotEnforced => {}
