@@ -751,6 +751,19 @@ async fn escape_attempts_fail_and_ordinary_pipelines_work() {
             vec![Expect::Fails, Expect::NotInOutput("2000000000".into())],
         ),
         attempt(
+            "endless output piped to a later task (agw keeps it on disk)",
+            // The task's own timeout (20 s) is far off: the file size
+            // limit holds the output agw keeps for task 2 too.
+            vec![
+                task(1, "perl", &["-e", "print 'x' x 65536 while 1"], None),
+                task(2, "wc", &["-c"], Some(1)),
+            ],
+            vec![
+                Expect::Fails,
+                Expect::ErrorHolds("more than the file size limit of 1 MiB".into()),
+            ],
+        ),
+        attempt(
             "more open descriptors than the limit",
             one(
                 "perl",

@@ -154,7 +154,9 @@ pub struct AgwArgs {
     #[arg(long, env = "AGW_MAX_ADDRESS_SPACE_MB", default_value_t = 4096)]
     pub max_address_space_mb: u64,
 
-    /// Largest file a task may write, MiB (RLIMIT_FSIZE); 0: unlimited.
+    /// Largest file a task may write, MiB (RLIMIT_FSIZE), and the most
+    /// stdout agw keeps on disk for a later task to read (more fails the
+    /// task); 0: unlimited.
     #[arg(long, env = "AGW_MAX_FILE_SIZE_MB", default_value_t = 1024)]
     pub max_file_size_mb: u64,
 

@@ -590,6 +590,9 @@ struct Captured {
     /// Reading stopped while the stream was still open (a process that
     /// left the task's group held it past the grace): more may have come.
     cut: bool,
+    /// Reading stopped because the output went over its spill's limit
+    /// (`spill_error` says so).
+    over_limit: bool,
 }
 
 /// One finished task.
@@ -1001,6 +1004,16 @@ impl Executor {
             Some(Err(e)) => Some(Err(e)),
             None => None,
         };
+        // A later task's input is a file like any the task writes: it is
+        // held to the sandbox's file size limit too.
+        let spill_limit = self
+            .sandbox
+            .as_ref()
+            .map_or(0, |s| s.config().limits.file_size_bytes);
+        let spill_to = spill_to.map(|f| Spill {
+            file: f,
+            limit: spill_limit,
+        });
         let mut out_task = spawn_reader(child.stdout.take(), cap, spill_to, stop_rx.clone());
         let mut err_task = spawn_reader(child.stderr.take(), cap, None, stop_rx);
 
@@ -1077,7 +1090,10 @@ impl Executor {
         result.stderr_truncated = stderr_truncated;
         // A task whose output a later task needs, but that could not be
         // kept whole, fails.
+        // Output over the limit fails it whatever its end (its reader
+        // stopped, so it may have died of SIGPIPE).
         let end = match (end, out.spill_error) {
+            (_, Some(e)) if out.over_limit => TaskEnd::OutputLost(e),
             (TaskEnd::Exited(0), Some(e)) => TaskEnd::OutputLost(e),
             (end, _) => end,
         };
@@ -1116,7 +1132,15 @@ async fn aborted(abort: &mut AbortReceiver) -> AbortReason {
 
 /// Where a reader writes the full output: the opened spill file, or the
 /// error opening it.
-type SpillTo = Option<io::Result<tokio::fs::File>>;
+type SpillTo = Option<Spill>;
+
+/// The file a task's full stdout goes to, for a later task to read.
+struct Spill {
+    /// The opened file, or the error opening it.
+    file: io::Result<tokio::fs::File>,
+    /// Most bytes it may hold (the sandbox's file size limit); 0: no limit.
+    limit: u64,
+}
 
 /// Reads `pipe` to its end (or until `stop` turns true) on its own task.
 fn spawn_reader<R>(
@@ -1138,8 +1162,10 @@ where
 
 /// Reads everything from `r`, keeping the first `cap` bytes and, with a
 /// `spill` file, writing every byte to it (the first write error is kept
-/// and the rest still read, so the task never blocks). Read errors end the
-/// stream.
+/// and the rest still read, so the task never blocks). Output beyond the
+/// spill's limit ends the reading (the task's next write gets `EPIPE` or
+/// `SIGPIPE`), with the error kept as [`Captured::over_limit`]. Read errors
+/// end the stream.
 async fn read_capped<R: AsyncRead + Unpin>(
     mut r: R,
     cap: usize,
@@ -1147,7 +1173,8 @@ async fn read_capped<R: AsyncRead + Unpin>(
     mut stop: watch::Receiver<bool>,
 ) -> Captured {
     let mut c = Captured::default();
-    let mut file = match spill {
+    let limit = spill.as_ref().map_or(0, |s| s.limit);
+    let mut file = match spill.map(|s| s.file) {
         Some(Ok(f)) => Some(f),
         Some(Err(e)) => {
             c.spill_error = Some(e);
@@ -1170,6 +1197,15 @@ async fn read_capped<R: AsyncRead + Unpin>(
         c.total += n as u64;
         let keep = n.min(cap.saturating_sub(c.data.len()));
         c.data.extend_from_slice(&buf[..keep]);
+        if file.is_some() && limit > 0 && c.total > limit {
+            c.spill_error = Some(io::Error::other(format!(
+                "it wrote more than the file size limit of {} MiB (--max-file-size-mb) \
+                 for a later task to read",
+                limit.div_ceil(1 << 20)
+            )));
+            c.over_limit = true;
+            break;
+        }
         if let Some(f) = file.as_mut() {
             if let Err(e) = f.write_all(&buf[..n]).await {
                 c.spill_error = Some(e);

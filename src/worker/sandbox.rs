@@ -87,7 +87,8 @@ pub const PROBE_OVERRIDE_ENV: &str = "AGW_SANDBOX_PROBE";
 pub struct ResourceLimits {
     /// `RLIMIT_AS`: address space, bytes.
     pub address_space_bytes: u64,
-    /// `RLIMIT_FSIZE`: largest file a task may write, bytes.
+    /// `RLIMIT_FSIZE`: largest file a task may write, bytes; also the most
+    /// stdout agw keeps for a later task to read.
     pub file_size_bytes: u64,
     /// `RLIMIT_NPROC`: processes (and threads) of the task's uid.
     pub processes: u64,
