@@ -693,6 +693,87 @@ async fn an_escaped_process_tree_that_keeps_growing_is_killed_whole() {
     );
 }
 
+/// The process group of live process `pid` (field 5 of its stat).
+fn pgid_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("its stat");
+    let after_name = &stat[stat.rfind(')').expect("a command name") + 2..];
+    after_name
+        .split(' ')
+        .nth(2)
+        .and_then(|f| f.parse().ok())
+        .expect("a process group")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_move_a_process_into_another_tasks_group() {
+    // A process in another running task's group would be spared by the
+    // sweep of escaped processes until that task ended, and killed with
+    // it. Each task runs in a session of its own, so a task cannot join
+    // another's group at all.
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(
+        &server,
+        "w-groups",
+        &["--tools", "perl", "--max-concurrent-jobs", "2"],
+    )
+    .await;
+    const NAME: &str = "agq-e2e-group-host";
+    c.plan(
+        "host",
+        vec![task(
+            1,
+            "perl",
+            &["-e", &format!("$0 = '{NAME}'; sleep 30")],
+            40,
+            None,
+        )],
+    )
+    .await;
+    c.plan(
+        "joiner",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                "POSIX::setpgid(0, $ARGV[0]) or die \"setpgid: $!\\n\"; print \"joined\\n\"",
+                "{{pgid}}",
+            ],
+            10,
+            None,
+        )],
+    )
+    .await;
+    let host = c.submit("host", &[], 1).await;
+    let mut found = Vec::new();
+    for _ in 0..100 {
+        found = processes_named(NAME);
+        if !found.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let pid = *found.first().expect("the host task runs");
+    let pgid = pgid_of(pid).to_string();
+    let job_id = c.submit("joiner", &[("pgid", &pgid)], 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Dead).await;
+    assert!(
+        job.error.contains("setpgid: Operation not permitted"),
+        "{}",
+        job.error
+    );
+    assert_eq!(job.task_results[0].stdout, "");
+    c.jobs
+        .cancel_job(CancelJobRequest { job_id: host })
+        .await
+        .expect("CancelJob");
+    let left = wait_none_named(NAME, Duration::from_secs(10)).await;
+    assert!(left.is_empty(), "the host task still runs: {left:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
     // The task forks a daemon in a session of its own and sleeps on. At

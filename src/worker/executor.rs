@@ -243,7 +243,8 @@ impl ProcessGroups {
         }
     }
 
-    /// Spawns `cmd` (whose child makes itself a process group leader) and
+    /// Spawns `cmd` (whose child makes itself a session and process group
+    /// leader) and
     /// registers its group, so that no [`Self::reap_escaped`] runs between
     /// the two.
     fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, GroupGuard)> {
@@ -939,7 +940,6 @@ impl Executor {
             .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
             .kill_on_drop(true);
         let mut confinement = None;
         match jail {
@@ -966,15 +966,21 @@ impl Executor {
             }
         }
         // SAFETY: the closure runs in the child between fork and exec. It
-        // only issues system calls (prctl, close_range, setrlimit, landlock,
-        // seccomp) on data built before the fork; it allocates nothing and
-        // touches no lock. Descriptors agw inherited stay out of the task.
+        // only issues system calls (setsid, prctl, close_range, setrlimit,
+        // landlock, seccomp) on data built before the fork; it allocates
+        // nothing and touches no lock. Descriptors agw inherited stay out
+        // of the task. setsid makes the task the leader of a process group
+        // in a session of its own, so none of its processes can join
+        // another task's group (setpgid works within a session only).
         // PR_SET_PDEATHSIG asks the kernel to SIGKILL the child when the
         // thread that spawned it (an agw runtime thread) goes away, so a
         // `kill -9` of agw does not leave task leaders running; it is set
         // after the identity switch, which would clear it.
         unsafe {
             cmd.pre_exec(move || {
+                if libc::setsid() == -1 {
+                    return Err(io::Error::last_os_error());
+                }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
                     return Err(io::Error::last_os_error());
                 }
