@@ -452,8 +452,12 @@ impl Engine for SqliteEngine {
                 .write(move |s, c| s.heartbeat(c, &worker_id, stats, held))
                 .await
         } else {
+            // Freshness lives in memory and survives a rollback: a batch
+            // that fails to commit (disk full) must not end the worker's
+            // heartbeat stream, or the worker could not reconnect until
+            // the store commits again and would go stale meanwhile.
             self.writer
-                .run(move |s, c| s.heartbeat(c, &worker_id, stats, None))
+                .run_uncommitted(move |s, c| s.heartbeat(c, &worker_id, stats, None))
                 .await
         }
     }

@@ -1690,3 +1690,44 @@ async fn a_stream_closed_while_the_store_cannot_commit_is_let_go() {
     let w = e.get_worker("w".into()).await.unwrap();
     assert!(!w.connected, "{w:?}");
 }
+
+/// A heartbeat that shares its batch with an operation storage breaks
+/// ("disk full") is still answered: freshness lives in memory and
+/// outlives the rollback, and an error would end the worker's heartbeat
+/// stream, leaving it unable to reconnect (registering is a write) until
+/// the store commits again.
+#[tokio::test]
+async fn a_heartbeat_in_a_batch_that_fails_to_commit_is_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = open(&dir, quick()).await;
+    let e = shared(&sqlite);
+    let _w = Worker::start(&e, "w", &["cat"], 1).await;
+    let busy = sqlite.writer.clone();
+    let hold = tokio::spawn(async move {
+        busy.write(|_, _| {
+            std::thread::sleep(Duration::from_millis(200));
+            Ok(())
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let beater = e.clone();
+    let beat = tokio::spawn(async move { beater.heartbeat("w".into(), None, None).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let broken = sqlite
+        .writer
+        .write_direct(|_, _| -> crate::error::Result<()> {
+            Err(Error::from(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+                None,
+            )))
+        })
+        .await;
+    assert!(
+        broken.as_ref().is_err_and(|e| e.store_fault().is_some()),
+        "{broken:?}"
+    );
+    hold.await.unwrap().unwrap();
+    let beat = beat.await.unwrap();
+    assert!(beat.is_ok(), "{beat:?}");
+}

@@ -342,6 +342,22 @@ impl<S: BatchState> Writer<S> {
         self.call(f, Kind::Read).await
     }
 
+    /// As [`Writer::run`], for an operation whose effect lives in memory
+    /// only and outlives a rollback's rebuild of the state (a heartbeat's
+    /// freshness): its answer stands even when the batch it ran in fails to
+    /// commit, so a store that cannot commit does not turn it into an error.
+    ///
+    /// Errors: whatever `f` returns; [`Error::StoreUnavailable`] when the
+    /// state could not be rebuilt after a rollback (nothing runs then);
+    /// [`Error::Unavailable`] when the writer has stopped.
+    pub async fn run_uncommitted<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
+    {
+        self.call(f, Kind::ReadUncommitted).await
+    }
+
     /// Queues a state change whose result nobody waits for (stream-closed
     /// events, reaper ticks). While the store cannot commit it is dropped
     /// without running (a reaper tick comes again; see [`StoreHealth`]).
@@ -400,6 +416,7 @@ impl<S: BatchState> Writer<S> {
         F: FnOnce(&mut S, &BatchConn<'_>) -> Result<R> + Send + 'static,
     {
         let (reply_tx, reply_rx) = oneshot::channel::<Result<R>>();
+        let stands = matches!(kind, Kind::ReadUncommitted);
         // The request's share of the request buffer stays held while its
         // data waits here, even if the caller goes away.
         let share = crate::request_budget::current_share();
@@ -414,6 +431,7 @@ impl<S: BatchState> Writer<S> {
                 let out = match (commit, r) {
                     (Ok(()), r) => r,
                     (Err(_), Err(e)) => Err(e),
+                    (Err(_), Ok(v)) if stands => Ok(v),
                     (Err(e), Ok(_)) => Err(e),
                 };
                 let _ = reply_tx.send(out);
@@ -423,7 +441,7 @@ impl<S: BatchState> Writer<S> {
         let op = match kind {
             Kind::Write => Op::Write(op),
             Kind::Direct(rows) => Op::Direct(op, rows),
-            Kind::Read => Op::Read(op),
+            Kind::Read | Kind::ReadUncommitted => Op::Read(op),
         };
         self.tx.send(op).map_err(|_| Error::Unavailable)?;
         reply_rx.await.map_err(|_| Error::Unavailable)?
@@ -437,6 +455,8 @@ enum Kind {
     /// With the rows it writes.
     Direct(usize),
     Read,
+    /// A read whose answer stands whatever the batch's commit does.
+    ReadUncommitted,
 }
 
 /// The cause the writer refuses operations with while its in-memory state
@@ -1078,6 +1098,42 @@ mod tests {
         second.unwrap();
         small.unwrap();
         assert!(matches!(late, Err(Error::Unavailable)), "{late:?}");
+        drop(w);
+        thread.join().unwrap();
+    }
+
+    /// In a batch that storage breaks, a `run` answered before the break
+    /// gets the batch's failure, while a `run_uncommitted` keeps its own
+    /// answer (its effect outlives the rollback).
+    #[tokio::test]
+    async fn an_uncommitted_read_keeps_its_answer_when_its_batch_rolls_back() {
+        let (w, thread) = start(StoreHealth::default());
+        let hold = hold(&w, Duration::from_millis(200));
+        let (read, kept, broken) = tokio::join!(
+            async {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                w.run(|_, _| Ok(1)).await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                w.run_uncommitted(|_, _| Ok(2)).await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                w.write_direct(|_, c| -> Result<()> {
+                    insert(c, "lost")?;
+                    c.execute("INSERT INTO missing VALUES (1)", [])?;
+                    Ok(())
+                })
+                .await
+            },
+        );
+        hold.await.unwrap().unwrap();
+        assert!(matches!(read, Err(Error::Internal(_))), "{read:?}");
+        assert_eq!(kept.unwrap(), 2);
+        assert!(matches!(broken, Err(Error::Storage { .. })), "{broken:?}");
+        assert_eq!(w.run(|s, _| Ok(s.rollbacks)).await.unwrap(), 1);
+        w.stop();
         drop(w);
         thread.join().unwrap();
     }
