@@ -605,3 +605,12 @@ def test_a_new_attempt_waiting_for_its_earlier_one_gives_up_when_its_lease_expir
     assert 0.4 <= time.monotonic() - t0 < 5
     assert running.cancel.is_set() and "expired" in running.reason
     assert w._busy == 0, "a slot was taken"
+
+
+def test_a_task_name_with_a_trailing_newline_is_refused() -> None:
+    """``$`` of a regular expression also matches before a final newline: a
+    name such as "ok\\n" is not a valid plan command and must be refused."""
+    w = agq.Worker("127.0.0.1:9", "py-names")
+    with pytest.raises(ValueError, match="task name"):
+        w.register(lambda ctx: "x", "ok\n")
+    assert w.tools == ()

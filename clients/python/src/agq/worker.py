@@ -87,7 +87,7 @@ TaskOutput = str | bytes | None
 TaskFunction = Callable[["TaskContext"], TaskOutput]
 _F = TypeVar("_F", bound=TaskFunction)
 
-_NAME = re.compile(r"^[A-Za-z0-9._+-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9._+-]{1,128}")
 
 #: How a task function runs: on a thread of the worker's process, or in a
 #: child process of its own (see the module's documentation).
@@ -466,7 +466,7 @@ class Worker:
         unknown isolation, or a "process" function that cannot be pickled
         by reference (a lambda, a nested function, a method)."""
         n: str = name or str(getattr(fn, "__name__", ""))
-        if not _NAME.match(n) or n in (".", "..") or n.startswith("-"):
+        if not _NAME.fullmatch(n) or n in (".", "..") or n.startswith("-"):
             raise ValueError(f"task name must match [A-Za-z0-9._+-]{{1,128}}, got {n!r}")
         if n in self._functions:
             raise ValueError(f"task {n!r} is already registered")
