@@ -614,3 +614,25 @@ def test_a_task_name_with_a_trailing_newline_is_refused() -> None:
     with pytest.raises(ValueError, match="task name"):
         w.register(lambda ctx: "x", "ok\n")
     assert w.tools == ()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("output_cap_bytes", -1),
+        ("call_timeout", 0.0),
+        ("call_timeout", float("nan")),
+        ("drain_timeout", -1.0),
+        ("drain_timeout", float("nan")),
+        ("reconnect_backoff", (0.0, 0.0)),
+        ("reconnect_backoff", (5.0, 1.0)),
+        ("reconnect_backoff", (0.5, float("inf"))),
+    ],
+)
+def test_worker_options_out_of_range_are_refused_by_name(option: str, value: object) -> None:
+    """A negative output cap (which would cut the last byte of every
+    output), a zero call timeout (every call fails at once, forever), a
+    zero reconnect backoff (reconnects in a busy loop) and the like are
+    refused at construction, naming the option."""
+    with pytest.raises(ValueError, match=option):
+        agq.Worker("127.0.0.1:9", "py-options", **{option: value})  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -379,7 +380,10 @@ class Worker:
     stderr kept (the rest is dropped and flagged truncated);
     ``reconnect_backoff`` the first and the largest delay in seconds between
     reconnects (doubling, jittered); ``tags`` free-form labels (at most 64);
-    ``hostname`` defaults to this host's name.
+    ``hostname`` defaults to this host's name. An option out of range
+    (a timeout that is negative, zero for ``call_timeout`` or not finite, a
+    negative ``output_cap_bytes``, a ``reconnect_backoff`` not
+    ``0 < first <= largest``) raises ValueError naming it.
 
     Register functions with :meth:`task` or :meth:`register` (each on a
     thread of this process, or with ``isolation="process"`` in a child
@@ -408,6 +412,19 @@ class Worker:
             raise ValueError(f"worker_id must match [A-Za-z0-9_-]{{1,64}}, got {worker_id!r}")
         if not 1 <= max_concurrent_jobs <= 1024:
             raise ValueError("max_concurrent_jobs must be in 1..=1024")
+        # `not a > b` rather than `a <= b`: NaN is refused too.
+        if not drain_timeout >= 0 or math.isinf(drain_timeout):
+            raise ValueError(f"drain_timeout must be a finite number >= 0, got {drain_timeout!r}")
+        if not call_timeout > 0 or math.isinf(call_timeout):
+            raise ValueError(f"call_timeout must be a finite number > 0, got {call_timeout!r}")
+        if output_cap_bytes < 0:
+            raise ValueError(f"output_cap_bytes must be >= 0, got {output_cap_bytes!r}")
+        first, most = reconnect_backoff
+        if not 0 < first <= most or math.isinf(most):
+            raise ValueError(
+                "reconnect_backoff must be (first, largest) with 0 < first <= largest, both "
+                f"finite, got {reconnect_backoff!r}"
+            )
         self.worker_id = worker_id
         # Random per process: the server lets this process resume its
         # registration and refuses a second live process with the same id.
