@@ -636,3 +636,58 @@ def test_worker_options_out_of_range_are_refused_by_name(option: str, value: obj
     refused at construction, naming the option."""
     with pytest.raises(ValueError, match=option):
         agq.Worker("127.0.0.1:9", "py-options", **{option: value})  # type: ignore[arg-type]
+
+
+def _lease(lease_id: str, job_id: str, command: str,
+           input: dict[str, str] | None = None) -> worker_service_pb2.JobLease:
+    out = worker_service_pb2.JobLease(
+        lease_id=lease_id,
+        job=common_pb2.Job(job_id=job_id, action_id="a", plan_id="p", input=input or {}),
+        plan=common_pb2.Plan(plan_id="p", tasks=[
+            common_pb2.Task(task_number=1, command=command, timeout_secs=60)]),
+        attempt=1,
+    )
+    out.expires_at.FromNanoseconds(int((time.time() + 60) * 1e9))
+    return out
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this")
+
+
+def test_outputs_and_errors_that_are_not_valid_text_are_still_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task function that returns a string with a lone surrogate (as
+    os.fsdecode makes of undecodable file names), logs one, raises an
+    exception whose message has one, or returns an object whose str()
+    raises: the job is reported (never left held and unreported because
+    its job thread died building the report)."""
+    w = agq.Worker("127.0.0.1:9", "py-odd-text", max_concurrent_jobs=4)
+    w.register(lambda ctx: "bad \udcff name", "surrogate")
+    w.register(lambda ctx: _Unprintable(), "unprintable")  # type: ignore[arg-type,return-value]
+
+    def raises(ctx: agq.TaskContext) -> str:
+        ctx.log("log \udc80 line")
+        raise RuntimeError("oops \udcff")
+
+    w.register(raises, "raises")
+    stub = _RecordingStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    for n, command in enumerate(("surrogate", "unprintable", "raises")):
+        w._start_job(_lease(f"lease-{n}", command, command))
+    wait_until(lambda: len(stub.finals) == 3, "the three results", timeout=10)
+    by_job = {f.job_id: f for f in stub.finals}
+    ok = by_job["surrogate"]
+    assert ok.status == common_pb2.JOB_STATUS_COMPLETED
+    assert ok.task_results[0].stdout.startswith("bad ")
+    assert ok.task_results[0].stdout.endswith(" name")
+    bad = by_job["unprintable"]
+    assert bad.status == common_pb2.JOB_STATUS_FAILED
+    assert "RuntimeError" in bad.error
+    failed = by_job["raises"]
+    assert failed.status == common_pb2.JOB_STATUS_FAILED
+    assert "RuntimeError: oops " in failed.error
+    assert "log " in failed.task_results[0].stderr
+    wait_until(lambda: not w._jobs, "the jobs to be let go")

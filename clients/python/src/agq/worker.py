@@ -311,10 +311,28 @@ def _backoff(first: float, cap: float) -> Iterator[float]:
 
 
 def _clip(text: str, cap: int) -> tuple[str, bool]:
+    """``text`` cut to at most ``cap`` bytes of UTF-8, and whether it was
+    cut. A character UTF-8 cannot encode (a lone surrogate, as
+    ``os.fsdecode`` makes of undecodable bytes) becomes "?": protobuf
+    refuses such a string."""
     data = text.encode("utf-8", "replace")
     if len(data) <= cap:
-        return text, False
+        return data.decode("utf-8"), False
     return data[:cap].decode("utf-8", "ignore"), True
+
+
+def _text(text: str) -> str:
+    """``text`` with each character UTF-8 cannot encode as "?"."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _exc_text(e: BaseException) -> str:
+    """``Type: message`` of an exception, also when its str() raises."""
+    try:
+        message = str(e)
+    except Exception:  # noqa: BLE001 - any failure means the same
+        message = "<str() of the exception failed>"
+    return _text(f"{type(e).__name__}: {message}")
 
 
 def _output_text(value: object) -> str:
@@ -359,7 +377,7 @@ def _child_main(
             conn.send(("value", text, _clip(ctx.stderr(), cap)[0]))
         except BaseException as e:  # noqa: BLE001 - sent as the task's failure
             permanent = isinstance(e, PermanentFailure)
-            conn.send(("error", "", _clip(ctx.stderr(), cap)[0], f"{type(e).__name__}: {e}",
+            conn.send(("error", "", _clip(ctx.stderr(), cap)[0], _exc_text(e),
                        _clip(traceback.format_exc(), cap)[0], permanent))
     finally:
         conn.close()
@@ -894,6 +912,31 @@ class Worker:
         )
 
     def _run_job(self, lease: worker_service_pb2.JobLease, running: _Running) -> None:
+        """Runs the leased job and reports its result. Whatever goes wrong
+        on the way, the job is reported (failed) and let go: an exception
+        here would leave the lease held, listed in ``held_leases``, never
+        reported and counted by a drain until its timeout."""
+        job_id = lease.job.job_id
+        try:
+            try:
+                req = self._attempt(lease, running)
+            except Exception as e:  # noqa: BLE001 - reported as the attempt's failure
+                log.exception("job %s: the worker failed to run it", job_id)
+                req = self._update(lease, common_pb2.JOB_STATUS_FAILED)
+                req.error = f"the worker failed to run the job: {_exc_text(e)}"
+            self._report_final(lease, req, aborted=running.cancel.is_set())
+        except ValueError:
+            log.warning("job %s: result not reported: the worker has stopped", job_id)
+        finally:
+            with self._lock:
+                if self._jobs.get(job_id) is running:
+                    del self._jobs[job_id]
+            self._wake.set()
+
+    def _attempt(
+        self, lease: worker_service_pb2.JobLease, running: _Running
+    ) -> worker_service_pb2.UpdateJobRequest:
+        """Runs the leased job's tasks; returns its final report."""
         started = time.monotonic()
         job = lease.job
         results: list[TaskResult] = []
@@ -954,7 +997,7 @@ class Worker:
         )
         req.current_task = results[-1].task_number if results else 0
         req.progress_percent = 100 if success else 0
-        req.error = error
+        req.error = _text(error)
         req.permanent = permanent and not success
         budget = REPORT_BUDGET_BYTES
         for r in results:
@@ -968,15 +1011,7 @@ class Worker:
                     r.stdout_truncated or out_cut, r.stderr_truncated or err_cut,
                 ).to_pb()
             )
-        try:
-            self._report_final(lease, req, aborted=running.cancel.is_set())
-        except ValueError:
-            log.warning("job %s: result not reported: the worker has stopped", job.job_id)
-        finally:
-            with self._lock:
-                if self._jobs.get(job.job_id) is running:
-                    del self._jobs[job.job_id]
-            self._wake.set()
+        return req
 
     def _take_slot(self, job_id: str, running: _Running, expires: float | None) -> bool:
         """Waits until a slot is free and no earlier attempt of the job
@@ -1045,7 +1080,8 @@ class Worker:
                 if isolated:
                     self._call_in_process(fn, ctx, running, box)
                 else:
-                    box["value"] = fn(ctx)
+                    # Made text here: a value whose str() raises fails the task.
+                    box["value"] = _output_text(fn(ctx))
             except BaseException as e:  # noqa: BLE001 - reported as the task's failure
                 box["error"] = e
                 box["trace"] = traceback.format_exc()
@@ -1125,7 +1161,7 @@ class Worker:
             if isinstance(exc, _ChildFailure):
                 return (TaskResult(n, cmd, exc.exit_code, "", stderr, ms, False, cut),
                         f"task {n} ({cmd}) failed: {exc.what}", exc.permanent)
-            what = f"{type(exc).__name__}: {exc}"
+            what = _exc_text(exc) if isinstance(exc, BaseException) else str(exc)
             return (TaskResult(n, cmd, 1, "", stderr, ms, False, cut),
                     f"task {n} ({cmd}) failed: {what}", isinstance(exc, PermanentFailure))
         stdout, out_cut = _clip(_output_text(box.get("value")), cap)
