@@ -691,3 +691,31 @@ def test_outputs_and_errors_that_are_not_valid_text_are_still_reported(
     assert "RuntimeError: oops " in failed.error
     assert "log " in failed.task_results[0].stderr
     wait_until(lambda: not w._jobs, "the jobs to be let go")
+
+
+def test_a_task_that_logs_without_end_keeps_only_the_output_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ctx.log keeps at most output_cap_bytes of lines (the rest is dropped
+    and flagged truncated), not every line until the task returns: a
+    chatty function cannot grow the worker's memory without bound."""
+    w = agq.Worker("127.0.0.1:9", "py-chatty", output_cap_bytes=10_000)
+    held: list[int] = []
+
+    @w.task("chatty")
+    def chatty(ctx: agq.TaskContext) -> str:
+        line = "x" * 999
+        for _ in range(20_000):  # 20 MB
+            ctx.log(line)
+        held.append(len(ctx.stderr()))
+        return "said it all"
+
+    stub = _RecordingStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    w._start_job(_lease("lease-1", "j", "chatty"))
+    wait_until(lambda: len(stub.finals) == 1, "the result", timeout=20)
+    assert held and held[0] <= 10_000, f"{held} bytes of log held for a 10000-byte cap"
+    result = stub.finals[0].task_results[0]
+    assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
+    assert result.stderr_truncated
+    assert 0 < len(result.stderr) <= 10_000

@@ -166,6 +166,7 @@ class TaskContext:
         stdin: str,
         timeout_secs: int,
         cancelled: threading.Event,
+        log_cap: int | None = None,
     ) -> None:
         #: The job's id.
         self.job_id = job_id
@@ -191,12 +192,28 @@ class TaskContext:
         #: was lost, the task timed out, or the worker's drain timed out.
         self.cancelled = cancelled
         self._log: list[str] = []
+        # At most this many bytes of lines are kept (None: no limit); the
+        # rest is dropped and _log_cut set.
+        self._log_cap = log_cap
+        self._log_bytes = 0
+        self._log_cut = False
         self._lock = threading.Lock()
 
     def log(self, message: str) -> None:
-        """Appends a line to the task's captured stderr (shown in TaskResult.stderr)."""
+        """Appends a line to the task's captured stderr (shown in
+        TaskResult.stderr). Past the worker's ``output_cap_bytes`` the
+        lines are dropped (and the stderr flagged truncated)."""
+        line = message if message.endswith("\n") else message + "\n"
         with self._lock:
-            self._log.append(message if message.endswith("\n") else message + "\n")
+            if self._log_cap is not None:
+                room = self._log_cap - self._log_bytes
+                if room <= 0:
+                    self._log_cut = True
+                    return
+                line, cut = _clip(line, room)
+                self._log_cut |= cut
+                self._log_bytes += len(line.encode("utf-8"))
+            self._log.append(line)
 
     def check(self) -> None:
         """Raises :class:`JobCancelled` once the task should stop."""
@@ -370,7 +387,7 @@ def _child_main(
             pass
         if os.getppid() == 1:  # the worker died before the line above
             os._exit(1)
-    ctx = TaskContext(**fields, cancelled=threading.Event())
+    ctx = TaskContext(**fields, cancelled=threading.Event(), log_cap=cap)
     try:
         try:
             text, _ = _clip(_output_text(fn(ctx)), cap)
@@ -977,6 +994,7 @@ class Worker:
                     attempt=lease.attempt, task_number=n, command=task.command,
                     input=dict(job.input), args=args, stdin=stdin,
                     timeout_secs=task.timeout_secs, cancelled=running.cancel,
+                    log_cap=self.output_cap_bytes,
                 )
                 result, err, permanent = self._run_task(fn, ctx, task.timeout_secs, running)
                 results.append(result)
@@ -1150,11 +1168,13 @@ class Worker:
             )
         if stopped and not finished.is_set():
             stderr, cut = _clip(ctx.stderr() + f"stopped: {stopped}\n", cap)
+            cut |= ctx._log_cut
             return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
                     f"task {n} ({cmd}) stopped: {stopped}", False)
         if "error" in box:
             exc = box["error"]
             stderr, cut = _clip(ctx.stderr() + str(box.get("trace", "")), cap)
+            cut |= ctx._log_cut
             if stopped:
                 return (TaskResult(n, cmd, -1, "", stderr, ms, False, cut),
                         f"task {n} ({cmd}) stopped: {stopped}", False)
@@ -1166,6 +1186,7 @@ class Worker:
                     f"task {n} ({cmd}) failed: {what}", isinstance(exc, PermanentFailure))
         stdout, out_cut = _clip(_output_text(box.get("value")), cap)
         stderr, err_cut = _clip(ctx.stderr(), cap)
+        err_cut |= ctx._log_cut
         if stopped:
             return (TaskResult(n, cmd, -1, stdout, stderr, ms, out_cut, err_cut),
                     f"task {n} ({cmd}) stopped: {stopped}", False)
