@@ -45,3 +45,10 @@ def hog(ctx: agq.TaskContext) -> str:
     t0 = time.monotonic()
     matched = re.match(r"(a+)+$", "a" * n + "b") is not None
     return f"matched={matched} in {time.monotonic() - t0:.1f} s"
+
+
+def flood(ctx: agq.TaskContext) -> str:
+    """Logs the input's ``lines`` lines of 99 bytes and returns ``size`` bytes."""
+    for _ in range(int(ctx.input["lines"])):
+        ctx.log("z" * 98)
+    return "y" * int(ctx.input["size"])

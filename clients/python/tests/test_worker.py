@@ -719,3 +719,23 @@ def test_a_task_that_logs_without_end_keeps_only_the_output_cap(
     assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
     assert result.stderr_truncated
     assert 0 < len(result.stderr) <= 10_000
+
+
+def test_a_process_task_output_over_the_cap_is_flagged_truncated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Output and logged lines of a function run in its own process that
+    exceed output_cap_bytes are cut and flagged truncated, as on a thread
+    (the child cut them and the flags were lost on the way)."""
+    import isolated_tasks
+
+    w = agq.Worker("127.0.0.1:9", "py-iso-flood", output_cap_bytes=1000)
+    w.register(isolated_tasks.flood, isolation="process")
+    stub = _RecordingStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    w._start_job(_lease("lease-1", "j", "flood", {"lines": "50", "size": "5000"}))
+    wait_until(lambda: len(stub.finals) == 1, "the result")
+    assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
+    result = stub.finals[0].task_results[0]
+    assert result.stdout == "y" * 1000 and result.stdout_truncated
+    assert 0 < len(result.stderr) <= 1000 and result.stderr_truncated

@@ -376,8 +376,9 @@ def _child_main(
     conn: Connection, fn: TaskFunction, fields: dict[str, Any], cap: int
 ) -> None:
     """The body of a task's child process: runs ``fn`` and sends
-    ("value", output, logged) or ("error", "", logged, what, traceback,
-    permanent) to the worker. The child dies with the thread that started
+    ("value", output, logged, output_cut, logged_cut) or ("error", "",
+    logged, what, traceback, permanent, logged_cut) to the worker (the
+    ``_cut`` flags: cut to ``cap`` bytes). The child dies with the thread that started
     it (Linux: ``PR_SET_PDEATHSIG``), so a killed worker leaves no task
     running."""
     if sys.platform.startswith("linux"):
@@ -390,12 +391,14 @@ def _child_main(
     ctx = TaskContext(**fields, cancelled=threading.Event(), log_cap=cap)
     try:
         try:
-            text, _ = _clip(_output_text(fn(ctx)), cap)
-            conn.send(("value", text, _clip(ctx.stderr(), cap)[0]))
+            text, text_cut = _clip(_output_text(fn(ctx)), cap)
+            logged, logged_cut = _clip(ctx.stderr(), cap)
+            conn.send(("value", text, logged, text_cut, logged_cut or ctx._log_cut))
         except BaseException as e:  # noqa: BLE001 - sent as the task's failure
             permanent = isinstance(e, PermanentFailure)
-            conn.send(("error", "", _clip(ctx.stderr(), cap)[0], _exc_text(e),
-                       _clip(traceback.format_exc(), cap)[0], permanent))
+            logged, logged_cut = _clip(ctx.stderr(), cap)
+            conn.send(("error", "", logged, _exc_text(e), _clip(traceback.format_exc(), cap)[0],
+                       permanent, logged_cut or ctx._log_cut))
     finally:
         conn.close()
 
@@ -1185,6 +1188,7 @@ class Worker:
             return (TaskResult(n, cmd, 1, "", stderr, ms, False, cut),
                     f"task {n} ({cmd}) failed: {what}", isinstance(exc, PermanentFailure))
         stdout, out_cut = _clip(_output_text(box.get("value")), cap)
+        out_cut |= bool(box.get("cut"))
         stderr, err_cut = _clip(ctx.stderr(), cap)
         err_cut |= ctx._log_cut
         if stopped:
@@ -1256,8 +1260,10 @@ class Worker:
         kind, text, logged = msg[0], msg[1], msg[2]
         with ctx._lock:
             ctx._log.append(logged)
+            ctx._log_cut |= bool(msg[-1])
         if kind == "value":
             box["value"] = text
+            box["cut"] = bool(msg[3])
         else:
             what, trace, permanent = msg[3], msg[4], msg[5]
             box["error"] = _ChildFailure(what, permanent, 1)
