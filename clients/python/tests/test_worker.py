@@ -739,3 +739,46 @@ def test_a_process_task_output_over_the_cap_is_flagged_truncated(
     result = stub.finals[0].task_results[0]
     assert result.stdout == "y" * 1000 and result.stdout_truncated
     assert 0 < len(result.stderr) <= 1000 and result.stderr_truncated
+
+
+class _DrainStub(_RecordingStub):
+    """Also DrainWorker, answering UNAVAILABLE ``fail`` times first, and a
+    RegisterWorker that is always UNAVAILABLE (the store is down)."""
+
+    def __init__(self, failing: threading.Event | None = None, fail: int = 0) -> None:
+        super().__init__(failing)
+        self.drains = 0
+        self._fail = fail
+
+    def DrainWorker(
+        self, req: worker_service_pb2.DrainWorkerRequest, timeout: float | None = None,
+        metadata: Any = None,
+    ) -> worker_service_pb2.DrainWorkerResponse:
+        self.drains += 1
+        if self.drains <= self._fail:
+            raise _Unavailable()
+        return worker_service_pb2.DrainWorkerResponse()
+
+    def RegisterWorker(
+        self, req: worker_service_pb2.RegisterWorkerRequest, timeout: float | None = None,
+        metadata: Any = None,
+    ) -> worker_service_pb2.RegisterWorkerResponse:
+        raise _Unavailable()
+
+
+def test_a_drain_the_server_could_not_record_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DrainWorker answered UNAVAILABLE (the store cannot commit) is sent
+    again with backoff: otherwise, with the connection still up, the
+    server never learns of the drain and keeps leasing jobs to a worker
+    that kills them at the drain timeout."""
+    w = agq.Worker("127.0.0.1:9", "py-drain-retry")
+    stub = _DrainStub(fail=2)
+    monkeypatch.setattr(w, "_stub", stub)
+    t = threading.Thread(target=w._drain_self, daemon=True)
+    t.start()
+    t.join(timeout=WAIT)
+    assert not t.is_alive()
+    assert stub.drains == 3
+

@@ -667,17 +667,35 @@ class Worker:
         except grpc.RpcError as e:
             raise AgqError.from_rpc(method, e) from e
 
-    def _drain_self(self) -> None:
-        try:
-            self._call_unary(
-                "DrainWorker", self._stub.DrainWorker,
-                worker_service_pb2.DrainWorkerRequest(worker_id=self.worker_id),
-            )
-            log.info("server set %s DRAINING", self.worker_id)
-        except AgqError as e:
-            log.warning("DrainWorker failed (a reconnect repeats it): %s", e)
-        except ValueError:
-            pass  # the channel is closed: the worker has left
+    def _drain_self(self, retry: bool = True) -> None:
+        """Tells the server that this worker drains (DrainWorker). With
+        ``retry`` a transient failure (UNAVAILABLE: the server is down or
+        its store cannot commit, ...) is retried with backoff until the
+        server takes it or the worker leaves: while the connection stays
+        up no reconnect repeats it, and the server would keep sending
+        leases that the drain timeout kills. Other refusals (NOT_FOUND
+        before the first registration) are left to the next reconnect,
+        which repeats the call once."""
+        delays = _backoff(0.25, 5.0)
+        while True:
+            try:
+                self._call_unary(
+                    "DrainWorker", self._stub.DrainWorker,
+                    worker_service_pb2.DrainWorkerRequest(worker_id=self.worker_id),
+                )
+                log.info("server set %s DRAINING", self.worker_id)
+                return
+            except AgqError as e:
+                if retry and e.code in _TRANSIENT and not self._leaving.is_set():
+                    d = next(delays)
+                    log.warning("DrainWorker failed: %s; retrying in %.2f s", e, d)
+                    if self._leaving.wait(d):
+                        return
+                    continue
+                log.warning("DrainWorker failed (a reconnect repeats it): %s", e)
+                return
+            except ValueError:
+                return  # the channel is closed: the worker has left
 
     def _unregister(self) -> None:
         deadline = time.monotonic() + UNREGISTER_TIMEOUT
@@ -788,7 +806,7 @@ class Worker:
         with self._lock:
             draining = self._draining
         if draining:
-            self._drain_self()
+            self._drain_self(retry=False)  # the heartbeats must not wait
 
         events: queue.Queue[tuple[str, object]] = queue.Queue()
         done = threading.Event()
