@@ -782,3 +782,36 @@ def test_a_drain_the_server_could_not_record_is_sent_again(
     assert not t.is_alive()
     assert stub.drains == 3
 
+
+def test_a_drain_waits_for_finished_jobs_results_past_the_drain_timeout(
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """As agw: a job that finished has a result that must not be thrown
+    away. While the server cannot take it (UNAVAILABLE), the drain waits
+    for it past the drain timeout and the killed jobs' report grace; the
+    worker leaves once it is acknowledged."""
+    import agq.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "KILLED_REPORT_GRACE", 0.3)
+    w = agq.Worker("127.0.0.1:9", "py-drain-wait", drain_timeout=0.3)
+    w.register(lambda ctx: "done", "ok")
+    failing = threading.Event()
+    failing.set()
+    stub = _DrainStub(failing)
+    monkeypatch.setattr(w, "_stub", stub)
+    w._start_job(_lease("lease-1", "j", "ok"))
+    wait_until(lambda: len(stub.finals) >= 1, "the first try of the report")
+    t = start_worker(w)
+    w.stop()
+    time.sleep(2.0)  # past the drain timeout and the report grace
+    assert t.thread.is_alive(), "the worker left with a result not acknowledged"
+    assert w._jobs.get("j") is not None
+    failing.clear()
+    t.thread.join(timeout=WAIT)
+    assert not t.thread.is_alive()
+    assert t.exit is agq.WorkerExit.DRAINED
+    assert stub.finals[-1].status == common_pb2.JOB_STATUS_COMPLETED
+    assert stub.finals[-1].task_results[0].stdout == "done"
+    assert not w._jobs
+
+

@@ -18,7 +18,8 @@ lease's expiry too, until the server acknowledges or fences it); cancel and
 drain commands from the heartbeat stream;
 reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
 (or :meth:`Worker.stop`) a drain: DRAINING, no new leases, running jobs get
-``drain_timeout`` seconds, then UnregisterWorker.
+``drain_timeout`` seconds, then UnregisterWorker once every finished job's
+result is acknowledged (as agw).
 
 Python cannot kill a thread: a cancelled, timed-out or drain-killed task is
 told through :attr:`TaskContext.cancelled` and reported at once; a function
@@ -257,6 +258,9 @@ class _Running:
     lease_id: str
     cancel: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
+    #: Its final report is being sent (under Worker._lock): its result
+    #: stands, and a drain waits for it (see Worker._supervise).
+    reporting: bool = False
 
     def stop(self, reason: str) -> None:
         if not self.cancel.is_set():
@@ -612,6 +616,9 @@ class Worker:
         session.start()
         drain_deadline: float | None = None
         report_deadline: float | None = None
+        # Jobs stopped at the drain timeout: their reports get
+        # KILLED_REPORT_GRACE; a finished job's report is waited for.
+        stopped: set[str] = set()
         signals_seen = 0
         while True:
             self._wake.wait(0.2)
@@ -645,11 +652,18 @@ class Worker:
                 drain_deadline = now + self.drain_timeout
             if drain_deadline is not None and report_deadline is None and now >= drain_deadline:
                 log.warning("drain timeout: stopping %d running jobs", running)
-                self._abort_all(f"drain timeout ({self.drain_timeout:g} s)")
+                stopped = self._abort_running(f"drain timeout ({self.drain_timeout:g} s)")
                 report_deadline = now + KILLED_REPORT_GRACE
             if report_deadline is not None and now >= report_deadline:
-                log.warning("stopped jobs did not report in time; unregistering anyway")
-                break
+                with self._lock:
+                    pending = any(j not in stopped for j in self._jobs)
+                if not pending:
+                    log.warning("stopped jobs did not report in time; unregistering anyway")
+                    break
+                # As agw: a finished job's result must not be thrown away.
+                log.warning("results of finished jobs still wait for the server; waiting for "
+                            "it (kill() or another signal exits at once)")
+                report_deadline = math.inf
         self._leaving.set()
         if self._ever_connected:
             self._unregister()
@@ -660,6 +674,15 @@ class Worker:
         with self._lock:
             for r in self._jobs.values():
                 r.stop(reason)
+
+    def _abort_running(self, reason: str) -> set[str]:
+        """Stops the jobs still running, not those whose final report is
+        on its way (their result stands); returns the ids of those stopped."""
+        with self._lock:
+            running = {j: r for j, r in self._jobs.items() if not r.reporting}
+            for r in running.values():
+                r.stop(reason)
+        return set(running)
 
     def _call_unary(self, method: str, fn: Callable[..., object], req: object) -> object:
         try:
@@ -962,6 +985,8 @@ class Worker:
                 log.exception("job %s: the worker failed to run it", job_id)
                 req = self._update(lease, common_pb2.JOB_STATUS_FAILED)
                 req.error = f"the worker failed to run the job: {_exc_text(e)}"
+            with self._lock:
+                running.reporting = True
             self._report_final(lease, req, aborted=running.cancel.is_set())
         except ValueError:
             log.warning("job %s: result not reported: the worker has stopped", job_id)
@@ -1320,8 +1345,10 @@ class Worker:
         only the server can say the attempt is over, and the job stays held
         (listed in ``held_leases`` on reconnect) meanwhile, as agw does. It
         gives up only when the worker is killed (a second signal,
-        :meth:`Worker.kill`) or has left (the drain's report grace passed):
-        the server then re-queues the lease."""
+        :meth:`Worker.kill`) or has left (a drain leaves once every report
+        is acknowledged, except those of jobs stopped at the drain timeout,
+        which get :data:`KILLED_REPORT_GRACE`): the server then re-queues
+        the lease."""
         if self._killed:
             return  # left without reporting: the server re-queues the lease
         expires = timestamp(lease.expires_at).timestamp() if lease.HasField("expires_at") else None
