@@ -815,3 +815,29 @@ def test_a_drain_waits_for_finished_jobs_results_past_the_drain_timeout(
     assert not w._jobs
 
 
+def test_an_error_in_the_session_reconnects_instead_of_ending_it(
+    server: Server, client: agq.Client, monkeypatch: pytest.MonkeyPatch,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """An unexpected exception on the session thread (here: no thread can
+    be started for a lease, as when the process is at its thread limit)
+    does not end the worker's sessions for good while run() goes on: the
+    worker reconnects, the lease comes again and the job completes."""
+    failed: list[str] = []
+
+    class Thread(threading.Thread):
+        def start(self) -> None:
+            if self.name.startswith("agq-job-") and not failed:
+                failed.append(self.name)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Thread)
+    w = agq.Worker(server.address, "py-session-error", reconnect_backoff=(0.1, 0.5))
+    w.register(lambda ctx: "done", "ok")
+    start_worker(w).wait_connected()
+    client.submit_plan(agq.Plan("py-session-error", [agq.Task("ok", timeout_secs=30)]))
+    sub = client.submit_action("py-session-error", [{}])
+    assert client.wait_action(sub.action_id, timeout=20).completed == 1
+    assert failed
+    assert client.get_job(sub.job_ids[0]).result == "done"

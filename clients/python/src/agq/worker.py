@@ -748,12 +748,16 @@ class Worker:
         while not self._leaving.is_set():
             try:
                 established = self._session(registered_once)
-            except ValueError:
+            except Exception:  # noqa: BLE001 - a session must not end the worker's sessions
                 # grpc raises ValueError for calls on a closed channel: the
                 # worker is leaving (run() closed it).
                 if self._leaving.is_set():
                     return
-                raise
+                # Anything else (no thread for a lease, say) ends this
+                # session only: the streams are closed (the leases not yet
+                # started come again) and the worker reconnects.
+                log.exception("session failed; reconnecting")
+                established = self.connected.is_set()
             self.connected.clear()
             if self._fatal is not None:
                 self._wake.set()
@@ -958,9 +962,18 @@ class Worker:
             running = _Running(lease.lease_id)
             self._jobs[job_id] = running
         log.info("lease %s: job %s attempt %d", lease.lease_id, job_id, lease.attempt)
-        threading.Thread(
-            target=self._run_job, args=(lease, running), name=f"agq-job-{job_id}", daemon=True
-        ).start()
+        try:
+            threading.Thread(
+                target=self._run_job, args=(lease, running), name=f"agq-job-{job_id}",
+                daemon=True,
+            ).start()
+        except BaseException:
+            # Not held: the session ends and the lease comes again (or is
+            # re-queued) once the worker has reconnected without it.
+            with self._lock:
+                if self._jobs.get(job_id) is running:
+                    del self._jobs[job_id]
+            raise
 
     def _update(
         self, lease: worker_service_pb2.JobLease, status: common_pb2.JobStatus.ValueType
