@@ -277,3 +277,24 @@ def test_forget_worker_retried_after_a_lost_reply_succeeds(
         with pytest.raises(agq.AgqError) as e:
             call()
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_submit_action_retried_does_not_take_another_action_with_its_id_for_its_own(
+    client: agq.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry after a first try that never reached the server is answered
+    ALREADY_EXISTS because the caller's action_id was taken already, by an
+    action of another plan: that is raised, not returned as if this call
+    had created it."""
+    client.retry = FAST
+    client.submit_plan(agq.Plan("py-taken-first", [agq.Task("nobody")]))
+    client.submit_plan(agq.Plan("py-taken-second", [agq.Task("nobody")]))
+    client.submit_action("py-taken-first", [{"i": "1"}], action_id="py-taken")
+    calls: list[Any] = []
+    monkeypatch.setattr(client._actions, "SubmitAction",
+                        dropped(client._actions.SubmitAction, calls))
+    with pytest.raises(agq.AgqError) as e:
+        client.submit_action("py-taken-second", [{"i": "1"}, {"i": "2"}], action_id="py-taken")
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert len(calls) == 2
+    assert client.get_action("py-taken").plan_id == "py-taken-first"

@@ -334,7 +334,9 @@ class Client:
 
         ``action_id`` defaults to a fresh ``py-<uuid>`` made here, so that a
         retry after UNAVAILABLE cannot create the action twice (a retry that
-        finds it created returns its jobs). ``run_at`` (aware datetime)
+        finds it created returns its jobs; one that finds an action of
+        another plan, job count or fleet options under a caller's
+        ``action_id`` raises ALREADY_EXISTS). ``run_at`` (aware datetime)
         schedules the jobs; ``max_attempts`` 0 means the server's 3.
 
         Fleet scheduling: ``priority`` (-1000..=1000, higher leases first;
@@ -377,8 +379,14 @@ class Client:
             )
         except AgqError as e:
             if e.code == grpc.StatusCode.ALREADY_EXISTS and tries > 1:
-                # An earlier try went through before the connection failed.
-                return SubmittedAction(aid, tuple(self.iter_jobs(aid, timeout=timeout)))
+                # An earlier try went through before the connection failed,
+                # or the id was taken already (a caller's action_id): only
+                # an action as this call asked for is taken for its own.
+                a = self.get_action(aid, timeout=timeout)
+                if (a.plan_id, a.total_jobs, a.priority, a.concurrency_key, a.max_running) == (
+                    plan_id, len(req.inputs), priority, concurrency_key, max_running,
+                ):
+                    return SubmittedAction(aid, tuple(self.iter_jobs(aid, timeout=timeout)))
             raise
         return SubmittedAction(resp.action_id, tuple(resp.job_ids))
 
