@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 import agq
-from agq.v1 import plan_service_pb2
+from agq.v1 import action_service_pb2, common_pb2, plan_service_pb2
 
 from conftest import WAIT, Server, WorkerThread, wait_until
 
@@ -405,3 +406,47 @@ def test_idle_worker_keeps_heartbeating(
     # worker stays fresh (younger than 3 x the interval) throughout.
     wait_until(new_beat, "three heartbeats after the first")
     assert client.queue_stats().workers_idle == 1
+
+
+class _EndedEarly:
+    """A WatchAction call that sends ``statuses`` and ends without an
+    error (as a proxy's or a server's stream cut may)."""
+
+    def __init__(self, statuses: list[common_pb2.ActionStatus]) -> None:
+        self._statuses = statuses
+
+    def __iter__(self) -> Iterator[action_service_pb2.WatchActionResponse]:
+        for a in self._statuses:
+            yield action_service_pb2.WatchActionResponse(action=a)
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_watch_stream_that_ends_before_the_action_is_done_is_reopened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """wait_action returns only a status in which every job is terminal: a
+    stream that ends cleanly before that is reopened (per the retry
+    policy), not taken for the end of the action."""
+    running = common_pb2.ActionStatus(action_id="a", plan_id="p", total_jobs=1, running=1)
+    done = common_pb2.ActionStatus(action_id="a", plan_id="p", total_jobs=1, completed=1)
+    streams = [[running], [running, done]]
+    opened: list[float | None] = []
+
+    def watch(req: Any, timeout: float | None = None, metadata: Any = None) -> _EndedEarly:
+        opened.append(timeout)
+        return _EndedEarly(streams[len(opened) - 1])
+
+    with agq.Client("127.0.0.1:9", retry=agq.RetryPolicy(initial_backoff=0.01)) as c:
+        monkeypatch.setattr(c._actions, "WatchAction", watch)
+        last = c.wait_action("a", timeout=WAIT)
+        assert last.done and last.completed == 1
+        assert len(opened) == 2
+        streams[:] = [[]] * 10  # nothing sent: the retry budget is not renewed
+        opened.clear()
+        with pytest.raises(agq.AgqError) as e:
+            c.wait_action("a", timeout=WAIT)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "ended" in e.value.details
+        assert len(opened) == 5  # the policy's attempts

@@ -409,7 +409,9 @@ class Client:
         ``timeout`` bounds the whole watch in seconds (None: no limit); when
         it passes, AgqError DEADLINE_EXCEEDED is raised. A stream broken by
         UNAVAILABLE is reopened per the retry policy (the server sends the
-        current status first, so nothing is missed). Errors: INVALID_ARGUMENT,
+        current status first, so nothing is missed), as is one that ends
+        without an error before every job is terminal (UNAVAILABLE once the
+        retries are spent). Errors: INVALID_ARGUMENT,
         NOT_FOUND. Closing the iterator early cancels the stream.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -430,7 +432,16 @@ class Client:
                     yield status
                     if status.done:
                         return
-                return
+                # Ended without an error before every job was terminal (a
+                # proxy or the server cut it): reopened as after UNAVAILABLE.
+                d = next(delays, None)
+                if d is None:
+                    raise AgqError(
+                        "WatchAction", grpc.StatusCode.UNAVAILABLE,
+                        f"the stream of action {action_id} ended before every job was terminal",
+                    )
+                time.sleep(d)
+                continue
             except grpc.RpcError as e:
                 code, _ = status_of(e)
                 if code == grpc.StatusCode.UNAVAILABLE:
