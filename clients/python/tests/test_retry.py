@@ -298,3 +298,29 @@ def test_submit_action_retried_does_not_take_another_action_with_its_id_for_its_
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert len(calls) == 2
     assert client.get_action("py-taken").plan_id == "py-taken-first"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("attempts", 0),
+        ("initial_backoff", -1.0),
+        ("initial_backoff", float("nan")),
+        ("max_backoff", -0.5),
+        ("max_backoff", float("inf")),
+        ("multiplier", 0.5),
+    ],
+)
+def test_a_retry_policy_out_of_range_is_refused_by_name(field: str, value: float) -> None:
+    """A negative backoff failed only at the first retry, inside the call,
+    with time.sleep's "sleep length must be non-negative"; attempts=0
+    silently meant 1."""
+    with pytest.raises(ValueError, match=field):
+        agq.RetryPolicy(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
+def test_a_client_timeout_out_of_range_is_refused(timeout: float) -> None:
+    """A timeout that is not > 0 made every call fail with DEADLINE_EXCEEDED."""
+    with pytest.raises(ValueError, match="timeout"):
+        agq.Client("127.0.0.1:9", timeout=timeout)

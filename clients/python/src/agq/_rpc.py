@@ -3,6 +3,7 @@ metadata, the error type and retries with backoff on UNAVAILABLE."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -55,13 +56,26 @@ class RetryPolicy:
     ``attempts`` is the total number of tries (1 disables retries); the
     delay before try n+1 is ``initial_backoff * multiplier**(n-1)`` seconds,
     capped at ``max_backoff`` seconds, with +-20 % jitter. Each try has its
-    own deadline (the call's timeout).
+    own deadline (the call's timeout). Raises ValueError naming a field out
+    of range: ``attempts`` under 1, a backoff negative or not finite, a
+    ``multiplier`` under 1 or not finite.
     """
 
     attempts: int = 5
     initial_backoff: float = 0.2
     max_backoff: float = 5.0
     multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1 (1: no retry), got {self.attempts!r}")
+        for name in ("initial_backoff", "max_backoff"):
+            value = getattr(self, name)
+            # `not value >= 0` rather than `value < 0`: NaN is refused too.
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.multiplier >= 1 or math.isinf(self.multiplier):
+            raise ValueError(f"multiplier must be a finite number >= 1, got {self.multiplier!r}")
 
     def delays(self) -> Iterator[float]:
         """The jittered delays in seconds between tries (``attempts - 1`` of them)."""

@@ -4,6 +4,7 @@ token and retries."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -89,7 +90,8 @@ class Client:
     system roots, or ``grpc.ChannelCredentials`` (see
     :func:`agq.tls_credentials`). ``timeout`` is the default deadline of
     each unary call in seconds; every method takes ``timeout=`` to override
-    it. Calls failing with UNAVAILABLE are retried per ``retry``.
+    it (ValueError unless it is finite and > 0). Calls failing with
+    UNAVAILABLE are retried per ``retry``.
 
     A call that is not idempotent may have been applied by a try whose
     reply was lost (the connection dropped): each such method says how its
@@ -120,6 +122,8 @@ class Client:
         retry: RetryPolicy | None = None,
         tls_server_name: str | None = None,
     ) -> None:
+        if not timeout > 0 or math.isinf(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
