@@ -841,3 +841,33 @@ def test_an_error_in_the_session_reconnects_instead_of_ending_it(
     assert client.wait_action(sub.action_id, timeout=20).completed == 1
     assert failed
     assert client.get_job(sub.job_ids[0]).result == "done"
+
+
+def test_kill_while_unregistering_exits_at_once(
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """kill() (or another signal) while the drained worker retries
+    UnregisterWorker (the store is down: UNAVAILABLE) exits at once with
+    FORCED, as agw does, not after the 10 s of unregister retries."""
+    unregisters: list[float] = []
+
+    class Stub(_DrainStub):
+        def UnregisterWorker(
+            self, req: worker_service_pb2.UnregisterWorkerRequest,
+            timeout: float | None = None, metadata: Any = None,
+        ) -> worker_service_pb2.UnregisterWorkerResponse:
+            unregisters.append(time.monotonic())
+            raise _Unavailable()
+
+    w = agq.Worker("127.0.0.1:9", "py-unregister")
+    w.register(lambda ctx: "x", "ok")
+    monkeypatch.setattr(w, "_stub", Stub())
+    w._ever_connected = True  # as after a session: a drain ends by unregistering
+    t = start_worker(w)
+    w.stop()
+    wait_until(lambda: len(unregisters) >= 2, "UnregisterWorker to be retried")
+    t0 = time.monotonic()
+    w.kill()
+    t.thread.join(timeout=WAIT)
+    assert time.monotonic() - t0 < 3, "kill() waited for the unregister retries"
+    assert t.exit is agq.WorkerExit.FORCED

@@ -666,7 +666,14 @@ class Worker:
                 report_deadline = math.inf
         self._leaving.set()
         if self._ever_connected:
-            self._unregister()
+            # As agw: kill() or a signal while unregistering exits at once.
+            seen = self._signals
+            if self._unregister(lambda: self._killed or self._signals > seen):
+                log.warning("exiting now, without unregistering")
+                with self._lock:
+                    self._killed = True
+                self._channel.close()
+                return WorkerExit.FORCED
         self._channel.close()
         return WorkerExit.DRAINED
 
@@ -720,10 +727,15 @@ class Worker:
             except ValueError:
                 return  # the channel is closed: the worker has left
 
-    def _unregister(self) -> None:
+    def _unregister(self, give_up: Callable[[], bool]) -> bool:
+        """Unregisters, retrying transient failures for up to
+        :data:`UNREGISTER_TIMEOUT`; True (not unregistered) as soon as
+        ``give_up`` says so between tries."""
         deadline = time.monotonic() + UNREGISTER_TIMEOUT
         delays = _backoff(0.25, 2.0)
         while True:
+            if give_up():
+                return True
             try:
                 resp = self._stub.UnregisterWorker(
                     worker_service_pb2.UnregisterWorkerRequest(worker_id=self.worker_id),
@@ -731,14 +743,18 @@ class Worker:
                     metadata=self._metadata,
                 )
                 log.info("unregistered (%d jobs re-queued)", resp.requeued_jobs)
-                return
+                return False
             except grpc.RpcError as e:
                 code, details = status_of(e)
                 if code in _TRANSIENT and time.monotonic() < deadline:
-                    time.sleep(min(next(delays), max(0.0, deadline - time.monotonic())))
+                    until = time.monotonic() + min(
+                        next(delays), max(0.0, deadline - time.monotonic()))
+                    while not give_up() and time.monotonic() < until:
+                        self._wake.wait(min(0.1, max(0.0, until - time.monotonic())))
+                        self._wake.clear()
                     continue
                 log.warning("UnregisterWorker failed: %s: %s", code.name, details)
-                return
+                return False
 
     # -- sessions ------------------------------------------------------------
 
