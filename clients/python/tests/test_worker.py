@@ -871,3 +871,15 @@ def test_kill_while_unregistering_exits_at_once(
     t.thread.join(timeout=WAIT)
     assert time.monotonic() - t0 < 3, "kill() waited for the unregister retries"
     assert t.exit is agq.WorkerExit.FORCED
+
+
+@pytest.mark.parametrize(
+    "tags",
+    [{"gpu": True}, {1: "x"}, {f"k{i}": "v" for i in range(65)}],
+)
+def test_bad_tags_are_refused_at_construction(tags: Any) -> None:
+    """Tags that are not text (or more than 64) are refused by the
+    constructor, naming them; they failed building every RegisterWorker
+    request, so the worker never connected."""
+    with pytest.raises(ValueError, match="tags"):
+        agq.Worker("127.0.0.1:9", "py-tags", tags=tags)

@@ -461,6 +461,12 @@ class Worker:
             raise ValueError(f"call_timeout must be a finite number > 0, got {call_timeout!r}")
         if output_cap_bytes < 0:
             raise ValueError(f"output_cap_bytes must be >= 0, got {output_cap_bytes!r}")
+        tags = dict(tags or {})
+        if len(tags) > 64:
+            raise ValueError(f"tags: at most 64, got {len(tags)}")
+        for k, v in tags.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(f"tags must map text to text, got {k!r}: {v!r}")
         first, most = reconnect_backoff
         if not 0 < first <= most or math.isinf(most):
             raise ValueError(
@@ -473,7 +479,7 @@ class Worker:
         self._instance_id = uuid.uuid4().hex
         self.address = address
         self.max_concurrent_jobs = max_concurrent_jobs
-        self.tags = dict(tags or {})
+        self.tags = tags
         host = hostname or socket.gethostname() or "localhost"
         self.hostname = "".join(c for c in host if " " <= c <= "~")[:255] or "localhost"
         self.drain_timeout = drain_timeout
