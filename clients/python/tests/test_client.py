@@ -450,3 +450,16 @@ def test_a_watch_stream_that_ends_before_the_action_is_done_is_reopened(
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         assert "ended" in e.value.details
         assert len(opened) == 5  # the policy's attempts
+
+
+def test_a_string_for_a_sequence_is_refused() -> None:
+    """A str where a sequence of them is expected is not split into its
+    characters: Task(args="x y") and submit_action(inputs={...}) (one
+    mapping, not a sequence of them) raise TypeError naming the field."""
+    with pytest.raises(TypeError, match="args"):
+        agq.Task("echo", args="hello world")
+    with agq.Client("127.0.0.1:9") as c:
+        with pytest.raises(TypeError, match="inputs"):
+            c.submit_action("p", {"text": "hi"})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="inputs"):
+            c.create_schedule("s", "p", "0 * * * *", {"text": "hi"})  # type: ignore[arg-type]

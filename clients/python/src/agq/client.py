@@ -354,6 +354,7 @@ class Client:
         input, bad max_attempts, priority, selector, key or max_running),
         NOT_FOUND (unknown plan), ALREADY_EXISTS (the action id is taken).
         """
+        _check_inputs(inputs)
         aid = action_id or f"py-{uuid.uuid4().hex}"
         req = action_service_pb2.SubmitActionRequest(
             action_id=aid,
@@ -872,6 +873,7 @@ class Client:
         after UNAVAILABLE that finds a schedule with this id and the same
         plan, cron, time zone, inputs and options returns it: the lost try
         created it)."""
+        _check_inputs(inputs)
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {sorted(CATCH_UP)}, got {catch_up!r}")
         schedule = schedule_service_pb2.Schedule(
@@ -997,6 +999,15 @@ class Client:
             timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
         )
         return resp.body
+
+
+def _check_inputs(inputs: Sequence[Mapping[str, str]]) -> None:
+    """Raises TypeError for one mapping (or a string) given as ``inputs``."""
+    if isinstance(inputs, (str, bytes, Mapping)):
+        raise TypeError(
+            "inputs is a sequence of mappings, one per job (e.g. [{\"file\": \"a\"}]), "
+            f"got {type(inputs).__name__}"
+        )
 
 
 def _same_schedule(want: schedule_service_pb2.Schedule, got: schedule_service_pb2.Schedule) -> bool:

@@ -145,6 +145,8 @@ class Task:
     allow_option_values: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.args, (str, bytes)):
+            raise TypeError(f"args is a sequence of strings, got the string {self.args!r}")
         object.__setattr__(self, "args", tuple(self.args))
 
     def to_pb(self, task_number: int) -> common_pb2.Task:
