@@ -531,11 +531,19 @@ def test_a_process_task_that_holds_the_gil_does_not_stop_heartbeats(
     w.register(isolated_tasks.hog, isolation="process")
     start_worker(w).wait_connected()
     client.submit_plan(agq.Plan("py-iso-hog", [agq.Task("hog", timeout_secs=120)]))
-    sub = client.submit_action("py-iso-hog", [{"n": str(n)}], max_attempts=1)
-    assert client.wait_action(sub.action_id, timeout=120).completed == 1
-    job = client.get_job(sub.job_ids[0])
-    assert job.attempt == 1
-    took_s = float(job.task_results[0].stdout.split(" in ")[1].removesuffix(" s"))
+    # The calibration above may have run under more load than the task: a
+    # match that came out shorter than the staleness bound proves nothing,
+    # so it runs again, four times as long (three tries at most).
+    took_s = 0.0
+    for _ in range(3):
+        sub = client.submit_action("py-iso-hog", [{"n": str(n)}], max_attempts=1)
+        assert client.wait_action(sub.action_id, timeout=120).completed == 1
+        job = client.get_job(sub.job_ids[0])
+        assert job.attempt == 1
+        took_s = float(job.task_results[0].stdout.split(" in ")[1].removesuffix(" s"))
+        if took_s >= 1.5:
+            break
+        n += 2
     assert took_s >= 1.5, f"the match took only {took_s} s: not a GIL hold past the staleness bound"
     info = client.get_worker("py-iso-gil")
     assert info.state == agq.WorkerState.ACTIVE and info.fresh
