@@ -61,6 +61,17 @@ pub struct RequestBudget {
     max_message: usize,
 }
 
+/// The trailer of a refusal for a full request buffer that tells the
+/// client to send the same request again after this many milliseconds
+/// (gRPC's retry pushback): the request was refused for now only, not
+/// for what it holds. agw retries such a report as it is, outputs
+/// included.
+pub const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+
+/// The wait [`RETRY_PUSHBACK_HEADER`] asks for, ms: about the time the
+/// store takes to commit what holds the buffer.
+pub const RETRY_PUSHBACK_MS: u64 = 100;
+
 impl RequestBudget {
     /// A budget of `total` bytes for messages of at most `max_message`
     /// bytes (a message larger than `total` always fails with
@@ -88,9 +99,16 @@ impl RequestBudget {
         let n = u32::try_from(len).unwrap_or(u32::MAX);
         match Arc::clone(&self.bytes).try_acquire_many_owned(n) {
             Ok(permit) => Ok(Some(permit)),
-            Err(_) => Err(Status::resource_exhausted(format!(
-                "the server is receiving too many large messages at once: a {len}-byte message does not fit its request buffer now; retry later"
-            ))),
+            Err(_) => {
+                let mut st = Status::resource_exhausted(format!(
+                    "the server is receiving too many large messages at once: a {len}-byte message does not fit its request buffer now; retry later"
+                ));
+                st.metadata_mut().insert(
+                    RETRY_PUSHBACK_HEADER,
+                    tonic::metadata::MetadataValue::from(RETRY_PUSHBACK_MS),
+                );
+                Err(st)
+            }
         }
     }
 }

@@ -4,6 +4,7 @@
 //! tries to report another worker's lease, checked by the job's state.
 
 mod common;
+mod process;
 
 use agq::{
     auth::{AuthFile, Authenticator, Role, TokenEntry},
@@ -842,37 +843,9 @@ async fn submit_raw(ch: Channel, len: usize) -> Status {
 /// calls go on, and the buffer is free again once the first call is gone.
 #[tokio::test]
 async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
-    use futures_util::StreamExt;
-    use http_body_util::BodyExt;
-    use tower::Service;
     let dir = tempfile::tempdir().unwrap();
     let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
-    // A SubmitPlan announcing a 900 KiB message that sends 100 KiB of it.
-    let mut first = vec![0u8];
-    first.extend_from_slice(&(900u32 * 1024).to_be_bytes());
-    first.extend_from_slice(&[0u8; 100 * 1024]);
-    let frames = futures_util::stream::iter([Ok::<_, Status>(http_body::Frame::data(
-        bytes::Bytes::from(first),
-    ))])
-    .chain(futures_util::stream::pending());
-    let req = http::Request::builder()
-        .method("POST")
-        .uri(format!("{}/agq.v1.PlanService/SubmitPlan", server.url()))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(tonic::body::Body::new(http_body_util::StreamBody::new(
-            frames,
-        )))
-        .unwrap();
-    let mut raw = ch.clone();
-    let holder = tokio::spawn(async move {
-        std::future::poll_fn(|cx| raw.poll_ready(cx)).await.unwrap();
-        let resp = raw.call(req).await;
-        // Never answered while its message is incomplete.
-        if let Ok(r) = resp {
-            let _ = r.into_body().collect().await;
-        }
-    });
+    let holder = hold_900_kib(&server, &ch);
     // A 200 KiB message does not fit beside it.
     let mut refused = None;
     for _ in 0..100 {
@@ -885,6 +858,15 @@ async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     }
     let refused = refused.expect("a message over the free request buffer was refused");
     assert!(refused.message().contains("retry"), "{refused:?}");
+    // Refused for now only: the trailers say when to send it again.
+    assert_eq!(
+        refused
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok()),
+        Some("100"),
+        "{refused:?}"
+    );
     // Small messages still go through.
     let small = submit_raw(ch.clone(), 16).await;
     assert_ne!(small.code(), Code::ResourceExhausted, "{small:?}");
@@ -908,6 +890,199 @@ async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     // Received whole and decoded: refused as what it is, not a plan.
     assert_ne!(after.code(), Code::ResourceExhausted);
     server.stop().await.unwrap();
+}
+
+/// A report refused for a full request buffer is refused for now only:
+/// the ReportJobs stream ends with RESOURCE_EXHAUSTED and a retry
+/// pushback, which agw takes as "send it again as it is" (a refusal
+/// without one, a report too large, makes agw send it again without its
+/// outputs).
+#[tokio::test]
+async fn a_report_refused_for_a_full_request_buffer_carries_a_retry_pushback() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    let holder = hold_900_kib(&server, &ch);
+    // The reports go over a connection of their own.
+    let other = Channel::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut workers = worker_service_client::WorkerServiceClient::new(other);
+    let mut refused = None;
+    for _ in 0..100 {
+        let report = ReportJobsRequest {
+            worker_id: "w1".into(),
+            requests: vec![UpdateJobRequest {
+                job_id: "j".into(),
+                worker_id: "w1".into(),
+                lease_id: "l".into(),
+                status: JobStatus::Completed as i32,
+                error: "x".repeat(200 * 1024),
+                ..Default::default()
+            }],
+        };
+        let st = match workers.report_jobs(tokio_stream::iter([report])).await {
+            Err(st) => st,
+            Ok(answers) => match answers.into_inner().message().await {
+                Err(st) => st,
+                // Answered: the holding call had not taken the buffer yet.
+                Ok(_) => Status::ok(""),
+            },
+        };
+        if st.code() == Code::ResourceExhausted {
+            refused = Some(st);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let refused = refused.expect("a report over the free request buffer was refused");
+    assert_eq!(
+        refused
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok()),
+        Some("100"),
+        "{refused:?}"
+    );
+    holder.abort();
+    server.stop().await.unwrap();
+}
+
+/// agw sends a report that the server refused for a full request buffer
+/// again as it is, its outputs included, once there is room: the refusal's
+/// retry pushback says it was refused for now only. Before, agw sent it
+/// again without its outputs (as for a report too large), so a busy
+/// server lost every output it refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agw_sends_a_report_refused_for_a_full_buffer_again_with_its_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ch) = budget_server(dir.path(), 1024 * 1024).await;
+    let other = Channel::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    plan_service_client::PlanServiceClient::new(other.clone())
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(Plan {
+                plan_id: "count".into(),
+                tasks: vec![Task {
+                    task_number: 1,
+                    command: "seq".into(),
+                    args: vec!["1".into(), "40000".into()],
+                    timeout_secs: 30,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            replace: false,
+        })
+        .await
+        .expect("SubmitPlan");
+    // 900 KiB of the 1 MiB buffer held: the 229 kB report cannot fit.
+    let holder = hold_900_kib(&server, &ch);
+    let mut held = false;
+    for _ in 0..100 {
+        if submit_raw(other.clone(), 200 * 1024).await.code() == Code::ResourceExhausted {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(held, "the request buffer was never held");
+    let mut agw = process::Agw::new(&server.url(), "w-busy")
+        .args(["--tools", "seq", "--output-cap-bytes", "262144"])
+        .env("RUST_LOG", "warn")
+        .kill_on_drop()
+        .spawn();
+    agw.wait_registered_async().await;
+    let job_id = action_service_client::ActionServiceClient::new(other.clone())
+        .submit_action(SubmitActionRequest {
+            plan_id: "count".into(),
+            inputs: vec![ActionInput::default()],
+            ..Default::default()
+        })
+        .await
+        .expect("SubmitAction")
+        .into_inner()
+        .job_ids
+        .remove(0);
+    // The report was refused once (agw says how it goes on), then room.
+    let mut refused = false;
+    for _ in 0..300 {
+        let log = agw.log();
+        if log.contains("result not acknowledged yet") || log.contains("without outputs") {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(refused, "the report was never refused: {}", agw.log());
+    holder.abort();
+    let mut jobs = job_service_client::JobServiceClient::new(other);
+    let mut job = None;
+    for _ in 0..300 {
+        let j = jobs
+            .get_job(GetJobRequest {
+                job_id: job_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("GetJob")
+            .into_inner()
+            .job
+            .expect("the job");
+        if j.status == JobStatus::Completed as i32 {
+            job = Some(j);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let job = job.unwrap_or_else(|| panic!("the job never completed: {}", agw.log()));
+    let out = &job.task_results[0];
+    assert_eq!(
+        (out.stdout.len(), out.stdout_truncated),
+        (228_894, false),
+        "the outputs were dropped: {}",
+        agw.log()
+    );
+    server.stop().await.unwrap();
+}
+
+/// Holds 900 KiB of `server`'s request buffer: a SubmitPlan over `ch`
+/// announcing a 900 KiB message and sending 100 KiB of it, never
+/// answered while the returned task runs.
+fn hold_900_kib(server: &agq::local::LocalServer, ch: &Channel) -> tokio::task::JoinHandle<()> {
+    use futures_util::StreamExt;
+    use http_body_util::BodyExt;
+    use tower::Service;
+    // A SubmitPlan announcing a 900 KiB message that sends 100 KiB of it.
+    let mut first = vec![0u8];
+    first.extend_from_slice(&(900u32 * 1024).to_be_bytes());
+    first.extend_from_slice(&[0u8; 100 * 1024]);
+    let frames = futures_util::stream::iter([Ok::<_, Status>(http_body::Frame::data(
+        bytes::Bytes::from(first),
+    ))])
+    .chain(futures_util::stream::pending());
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(format!("{}/agq.v1.PlanService/SubmitPlan", server.url()))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(http_body_util::StreamBody::new(
+            frames,
+        )))
+        .unwrap();
+    let mut raw = ch.clone();
+    tokio::spawn(async move {
+        std::future::poll_fn(|cx| raw.poll_ready(cx)).await.unwrap();
+        let resp = raw.call(req).await;
+        // Never answered while its message is incomplete.
+        if let Ok(r) = resp {
+            let _ = r.into_body().collect().await;
+        }
+    })
 }
 
 /// A server on a fresh database with a request buffer of `bytes`, and a

@@ -201,6 +201,19 @@ fn transient(code: Code) -> bool {
     )
 }
 
+/// The wait the server asked for before the same request is sent again
+/// (the `grpc-retry-pushback-ms` trailer), when it refused the request for
+/// now only (its request buffer was full), not for what it holds.
+fn pushback(st: &Status) -> Option<Duration> {
+    st.metadata()
+        .get(crate::request_budget::RETRY_PUSHBACK_HEADER)?
+        .to_str()
+        .ok()?
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_millis)
+}
+
 /// `CODE: message` of a status, for logs.
 fn describe(s: &Status) -> String {
     format!("{:?}: {}", s.code(), s.message())
@@ -684,9 +697,11 @@ async fn report_progress(
 
 /// Sends the final result until the server acknowledges it (stored, or
 /// already stored by an earlier try whose reply was lost) or fences it
-/// (the lease is no longer ours). While the server is unreachable or its
+/// (the lease is no longer ours). While the server is unreachable, its
 /// store cannot commit (`UNAVAILABLE`, and `RESOURCE_EXHAUSTED` once the
-/// outputs are stripped), it retries with backoff, past the lease's expiry
+/// outputs are stripped) or it is too busy to take the report now (a
+/// refusal with a retry pushback: sent again as it is, outputs included,
+/// no sooner than the pushback), it retries with backoff, past the lease's expiry
 /// too: only the server can say the attempt is over, and the job stays
 /// held (listed in `held_leases`) meanwhile. `aborted` jobs (cancelled,
 /// lease lost) are expected to be fenced: logged at debug.
@@ -712,12 +727,16 @@ async fn report_final(
             }
             Err(st) => st,
         };
-        if transient(st.code()) || (stripped && st.code() == Code::ResourceExhausted) {
+        let pushed = pushback(&st);
+        if transient(st.code())
+            || pushed.is_some()
+            || (stripped && st.code() == Code::ResourceExhausted)
+        {
             if !told_expired && expires_at.is_some_and(|t| SystemTime::now() > t) {
                 told_expired = true;
                 info!(job_id = %ids.job_id, "the lease expired before the server acknowledged the result; reporting until it acknowledges or fences it");
             }
-            let d = backoff.next_delay();
+            let d = backoff.next_delay().max(pushed.unwrap_or_default());
             warn!(job_id = %ids.job_id, status = %describe(&st), retry_in_ms = d.as_millis() as u64, "result not acknowledged yet; retrying");
             tokio::time::sleep(d).await;
             continue;

@@ -287,6 +287,69 @@ def test_a_final_report_is_retried_past_the_lease_expiry_until_acknowledged(
     assert list(w._heartbeat(first=True).held_leases.lease_ids) == []
 
 
+class _Busy(grpc.RpcError):
+    """What the server answers while its request buffer is full: refused
+    for now only, with a retry pushback."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "the server is receiving too many large messages at once (test); retry later"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", "100"),)
+
+
+def test_a_report_refused_with_a_retry_pushback_is_sent_again_with_its_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A report the server refused for now only (RESOURCE_EXHAUSTED with a
+    retry pushback: its request buffer was full) is sent again as it is,
+    outputs included, no sooner than the pushback; a RESOURCE_EXHAUSTED
+    without one (a report too large) would send it without its outputs."""
+    from agq.worker import _Running
+
+    w = agq.Worker("127.0.0.1:9", "py-busy", call_timeout=1.0)
+    w.register(lambda ctx: "done", "ok")
+    finals: list[tuple[float, worker_service_pb2.UpdateJobRequest]] = []
+
+    class Stub:
+        def UpdateJob(
+            self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
+            metadata: Any = None,
+        ) -> worker_service_pb2.UpdateJobResponse:
+            if req.status != common_pb2.JOB_STATUS_RUNNING:
+                sent = worker_service_pb2.UpdateJobRequest()
+                sent.CopyFrom(req)
+                finals.append((time.monotonic(), sent))
+                if len(finals) == 1:
+                    raise _Busy()
+            return worker_service_pb2.UpdateJobResponse(status=req.status)
+
+    monkeypatch.setattr(w, "_stub", Stub())
+    lease = worker_service_pb2.JobLease(
+        lease_id="lease-1",
+        job=common_pb2.Job(job_id="j", action_id="a", plan_id="p"),
+        plan=common_pb2.Plan(
+            plan_id="p", tasks=[common_pb2.Task(task_number=1, command="ok", timeout_secs=10)]
+        ),
+        attempt=1,
+    )
+    running = _Running("lease-1")
+    w._jobs["j"] = running
+    t = threading.Thread(target=w._run_job, args=(lease, running), daemon=True)
+    t.start()
+    t.join(timeout=WAIT)
+    assert not t.is_alive()
+    assert len(finals) == 2
+    (first_at, first), (again_at, again) = finals
+    assert again.task_results[0].stdout == "done"
+    assert not again.task_results[0].stdout_truncated
+    assert again == first
+    assert again_at - first_at >= 0.1
+
+
 def test_task_threads_that_ignore_cancel_hold_their_slot(
     server: Server, client: agq.Client,
     start_worker: Callable[[agq.Worker], WorkerThread],

@@ -342,6 +342,24 @@ def _clip(text: str, cap: int) -> tuple[str, bool]:
     return data[:cap].decode("utf-8", "ignore"), True
 
 
+def _pushback(err: grpc.RpcError) -> float | None:
+    """Seconds the server asked to wait before the same request is sent
+    again (its ``grpc-retry-pushback-ms`` trailer): it refused the request
+    for now only (its request buffer was full), not for what it holds, so
+    a report is sent again as it is, outputs included. None without one."""
+    trailing = getattr(err, "trailing_metadata", None)
+    if not callable(trailing):
+        return None
+    try:
+        for key, value in trailing() or ():
+            if key == "grpc-retry-pushback-ms":
+                ms = int(value)
+                return ms / 1000.0 if ms >= 0 else None
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
 def _text(text: str) -> str:
     """``text`` with each character UTF-8 cannot encode as "?"."""
     return text.encode("utf-8", "replace").decode("utf-8")
@@ -1374,9 +1392,12 @@ class Worker:
         """Sends the final report until the server acknowledges it (a report
         already applied by a try whose reply was lost is acknowledged again)
         or fences it (FAILED_PRECONDITION, PERMISSION_DENIED, NOT_FOUND: the
-        lease is no longer ours). While the server is unreachable or its
-        store cannot commit (UNAVAILABLE, DEADLINE_EXCEEDED, ...), it retries
-        with backoff (:data:`REPORT_BACKOFF`), past the lease's expiry too:
+        lease is no longer ours). While the server is unreachable, its
+        store cannot commit (UNAVAILABLE, DEADLINE_EXCEEDED, ...) or it is
+        too busy to take the report now (a refusal with a retry pushback:
+        sent again as it is, outputs included, no sooner than the
+        pushback), it retries with backoff (:data:`REPORT_BACKOFF`), past
+        the lease's expiry too:
         only the server can say the attempt is over, and the job stays held
         (listed in ``held_leases`` on reconnect) meanwhile, as agw does. It
         gives up only when the worker is killed (a second signal,
@@ -1399,7 +1420,9 @@ class Worker:
                 return
             except grpc.RpcError as e:
                 code, details = status_of(e)
-            if code in _TRANSIENT or (stripped and code == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                pushed = _pushback(e)
+            if (code in _TRANSIENT or pushed is not None
+                    or (stripped and code == grpc.StatusCode.RESOURCE_EXHAUSTED)):
                 if self._killed or self._leaving.is_set():
                     log.warning("job %s: result not reported (%s: %s): the worker is leaving",
                                 job_id, code.name, details)
@@ -1408,7 +1431,7 @@ class Worker:
                     told_expired = True
                     log.info("job %s: the lease expired before the server acknowledged the "
                              "result; reporting until it acknowledges or fences it", job_id)
-                d = next(delays)
+                d = max(next(delays), pushed or 0.0)
                 log.warning("job %s: result not acknowledged yet (%s: %s); retrying in %.2f s",
                             job_id, code.name, details, d)
                 self._leaving.wait(d)
