@@ -1026,7 +1026,6 @@ async fn agw_sends_a_report_refused_for_a_full_buffer_again_with_its_outputs() {
         let j = jobs
             .get_job(GetJobRequest {
                 job_id: job_id.clone(),
-                ..Default::default()
             })
             .await
             .expect("GetJob")
