@@ -297,7 +297,7 @@ class _Busy(grpc.RpcError):
     def details(self) -> str:
         return "the server is receiving too many large messages at once (test); retry later"
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    def trailing_metadata(self) -> Any:
         return (("grpc-retry-pushback-ms", "100"),)
 
 
