@@ -367,6 +367,23 @@ async fn tokens_grant_exactly_their_roles_and_state_changes_need_the_console() {
     assert_eq!(filter.status, 400, "{}", filter.body);
     let page = http(&c, "GET", "/no/such/page", &[]).await;
     assert_eq!(page.status, 404);
+    // A page of an id nothing can have is not shown: a link cannot put
+    // its own words in the page's title.
+    for path in [
+        "/actions/Your%20account%20is%20locked",
+        "/jobs/call%20%2B1%20555",
+        "/plans/..",
+    ] {
+        let spoof = http(&c, "GET", path, &[(k, &client)]).await;
+        assert_eq!(spoof.status, 404, "{path}: {}", spoof.body);
+        assert!(
+            !spoof.body.contains("locked") && !spoof.body.contains("555"),
+            "{}",
+            spoof.body
+        );
+    }
+    let real = http(&c, "GET", "/actions/some-action.1", &[(k, &client)]).await;
+    assert_eq!(real.status, 200, "{}", real.body);
     s.stop().await;
 }
 

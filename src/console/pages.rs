@@ -87,8 +87,17 @@ pub async fn actions_page(State(c): Con, RawQuery(q): RawQuery) -> Page {
     shell(&c, "Actions", "actions", "/fragments/actions".into(), q)
 }
 
-/// `GET /actions/{id}`: one action and its jobs.
+/// Refuses with 404 a path id that no plan, action or job can have: the
+/// page would show it as its title, so a link could put any words there.
+fn known_form(what: &'static str, id: &str) -> Result<(), Refusal> {
+    crate::core::validate::object_id(what, id)
+        .map_err(|_| Refusal::new(StatusCode::NOT_FOUND, "no such page"))
+}
+
+/// `GET /actions/{id}`: one action and its jobs; 404 for an id no action
+/// can have.
 pub async fn action_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQuery) -> Page {
+    known_form("action_id", &id)?;
     let title = format!("Action {id}");
     let path = enc(&id);
     let buttons = [
@@ -118,8 +127,9 @@ pub async fn action_page(State(c): Con, Path(id): Path<String>, RawQuery(q): Raw
     shell_with(&c, &title, "actions", fragment, q, &buttons)
 }
 
-/// `GET /jobs/{id}`: one job.
+/// `GET /jobs/{id}`: one job; 404 for an id no job can have.
 pub async fn job_page(State(c): Con, Path(id): Path<String>) -> Page {
+    known_form("job_id", &id)?;
     let title = format!("Job {id}");
     let path = enc(&id);
     let buttons = [
@@ -152,8 +162,10 @@ pub async fn plans_page(State(c): Con, RawQuery(q): RawQuery) -> Page {
     shell(&c, "Plans", "plans", "/fragments/plans".into(), q)
 }
 
-/// `GET /plans/{id}`: one plan as a pipeline diagram.
+/// `GET /plans/{id}`: one plan as a pipeline diagram; 404 for an id no
+/// plan can have.
 pub async fn plan_page(State(c): Con, Path(id): Path<String>, RawQuery(q): RawQuery) -> Page {
+    known_form("plan_id", &id)?;
     let title = format!("Plan {id}");
     shell(
         &c,
