@@ -26,6 +26,7 @@ store_tests! {
     a_classic_five_field_expression_numbers_days_of_the_week_as_crontab_does,
     a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fire,
     a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got,
+    a_client_cannot_take_the_action_id_of_a_future_tick,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -849,4 +850,57 @@ async fn ticks_fire_exactly_once_across_a_kill_9() {
         t.len(),
         "the recorded runs are the actions"
     );
+}
+
+/// A client cannot submit an action under the id of a future tick of an
+/// existing schedule (`<schedule_id>-<unix seconds>`): it would take the
+/// tick's id ahead of it, and the tick would be refused. The refusal is
+/// INVALID_ARGUMENT and stores nothing; ids of other forms, and of that
+/// form for no existing schedule, are taken as before.
+async fn a_client_cannot_take_the_action_id_of_a_future_tick(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    let mut nightly = every_second("nightly", "p");
+    nightly.cron = "0 0 3 * * *".into();
+    create(&s, nightly).await.expect("create the schedule");
+    let tick = format!("nightly-{}", 2_000_000_000);
+    let st = submit_as(&s, &tick).await.expect_err("a future tick's id");
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    assert!(
+        st.message()
+            .contains("reserved for the ticks of schedule \"nightly\""),
+        "{st:?}"
+    );
+    let missing = s
+        .actions()
+        .await
+        .get_action(pb::GetActionRequest {
+            action_id: tick.clone(),
+        })
+        .await
+        .expect_err("nothing stored");
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+    for free in ["nightly-2024", "other-2000000000", "nightly"] {
+        submit_as(&s, free)
+            .await
+            .unwrap_or_else(|e| panic!("{free}: {e:?}"));
+    }
+    s.stop().await;
+}
+
+/// Submits an action of one empty input on plan `p` under `action_id`.
+async fn submit_as(
+    s: &TestServer,
+    action_id: &str,
+) -> Result<tonic::Response<pb::SubmitActionResponse>, tonic::Status> {
+    s.actions()
+        .await
+        .submit_action(pb::SubmitActionRequest {
+            action_id: action_id.into(),
+            plan_id: "p".into(),
+            inputs: vec![ActionInput::default()],
+            ..Default::default()
+        })
+        .await
 }

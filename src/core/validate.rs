@@ -260,6 +260,25 @@ pub fn object_id(what: &str, id: &str) -> Result<()> {
     Ok(())
 }
 
+/// The schedule an action id of the form `<schedule_id>-<unix seconds>`
+/// (10 digits or more) names, the form of a schedule's tick: a client may
+/// not submit such an id while that schedule exists, or it could take a
+/// tick's id ahead of it and so suppress the tick.
+pub fn tick_schedule(action_id: &str) -> Option<&str> {
+    let (schedule_id, secs) = action_id.rsplit_once('-')?;
+    (!schedule_id.is_empty() && secs.len() >= 10 && secs.bytes().all(|b| b.is_ascii_digit()))
+        .then_some(schedule_id)
+}
+
+/// The refusal of a client's action id reserved for the ticks of
+/// schedule `schedule_id` (see [`tick_schedule`]).
+pub fn reserved_for_ticks(action_id: &str, schedule_id: &str) -> Error {
+    Error::invalid(format!(
+        "action_id {action_id:?} is reserved for the ticks of schedule {schedule_id:?} \
+         (<schedule_id>-<unix seconds>): choose another"
+    ))
+}
+
 /// Bytes a task result counts for besides its text: its numbers, flags
 /// and framing.
 const TASK_RESULT_FIXED_BYTES: usize = 32;

@@ -76,9 +76,15 @@ impl Engine for PgEngine {
     }
 
     async fn submit_action(&self, action: ActionRequest) -> Result<SubmittedAction> {
+        // A client's id in the form of a schedule's tick is checked
+        // against the schedules (an id the engine makes never is).
+        let chosen = !action.action_id.is_empty();
         let v = validate::action(action, &self.cfg, now_ms())?;
         let action_id = v.action_id.clone();
-        let r = self.pg_submit_action(v).await;
+        let reserved = chosen
+            .then(|| validate::tick_schedule(&action_id).map(str::to_owned))
+            .flatten();
+        let r = self.pg_submit_action(v, reserved).await;
         let job_ids = self.observe(r)?;
         Ok(SubmittedAction { action_id, job_ids })
     }

@@ -471,9 +471,29 @@ impl PgEngine {
         Ok(())
     }
 
-    pub(super) async fn pg_submit_action(&self, v: ValidAction) -> Result<Vec<String>> {
+    /// Submits a client's validated action (the ACTION.SUBMIT command);
+    /// `reserved`: the schedule whose tick its id has the form of
+    /// ([`validate::tick_schedule`]), refused while that schedule exists.
+    /// Returns the job ids.
+    ///
+    /// Errors: `InvalidArgument` (an id reserved for a schedule's ticks),
+    /// those of [`Self::insert_action`].
+    pub(super) async fn pg_submit_action(
+        &self,
+        v: ValidAction,
+        reserved: Option<String>,
+    ) -> Result<Vec<String>> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
+        if let Some(sid) = &reserved {
+            let found = tx
+                .query_opt("SELECT 1 FROM schedules WHERE schedule_id = $1", &[sid])
+                .await
+                .map_err(db_err)?;
+            if found.is_some() {
+                return Err(validate::reserved_for_ticks(&v.action_id, sid));
+            }
+        }
         let ids = self.insert_action(&tx, &v).await?;
         tx.commit().await.map_err(db_err)?;
         for _ in 0..ids.len() {

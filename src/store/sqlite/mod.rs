@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 use self::{
     jobs::{NewAction, NewJob},
-    sql::{jobs as jstore, plans as pstore, ReadPool},
+    sql::{jobs as jstore, plans as pstore, schedules as sched_store, ReadPool},
     state::State,
     writer::{StoreHealth, Writer},
 };
@@ -265,7 +265,13 @@ impl Engine for SqliteEngine {
     }
 
     async fn submit_action(&self, req: ActionRequest) -> Result<SubmittedAction> {
+        // A client's id in the form of a schedule's tick is checked
+        // against the schedules (an id the engine makes never is).
+        let chosen = !req.action_id.is_empty();
         let v = validate::action(req, &self.cfg, now_ms())?;
+        let reserved = chosen
+            .then(|| validate::tick_schedule(&v.action_id).map(str::to_owned))
+            .flatten();
         let a = NewAction {
             action_id: v.action_id.clone(),
             plan_id: v.plan_id,
@@ -282,7 +288,14 @@ impl Engine for SqliteEngine {
         let rows = a.jobs.len();
         let job_ids = self
             .writer
-            .write_direct_rows(rows, move |s, c| s.submit_action(c, a))
+            .write_direct_rows(rows, move |s, c| {
+                if let Some(sid) = &reserved {
+                    if sched_store::exists(c, sid)? {
+                        return Err(validate::reserved_for_ticks(&a.action_id, sid));
+                    }
+                }
+                s.submit_action(c, a)
+            })
             .await?;
         Ok(SubmittedAction {
             action_id: v.action_id,

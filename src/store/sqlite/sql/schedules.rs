@@ -130,6 +130,15 @@ pub fn get(conn: &Connection, id: &str) -> Result<Option<Schedule>> {
         .map(decode_view))
 }
 
+/// Whether schedule `id` exists.
+///
+/// Errors: storage errors.
+pub fn exists(conn: &Connection, id: &str) -> Result<bool> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM schedules WHERE schedule_id = ?1")?
+        .exists([id])?)
+}
+
 /// Up to `limit` schedules with ids after `after` (all when `None`), by id
 /// (with empty inputs where the stored ones do not parse: see
 /// [`decode_view`]).

@@ -65,7 +65,11 @@ class SubmitActionRequest(_message.Message):
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_FIELD_NUMBER: _builtins.int
     action_id: _builtins.str
-    """Id for the Action, [A-Za-z0-9._-]{1,128}; empty: the server makes one."""
+    """Id for the Action, [A-Za-z0-9._-]{1,128}; empty: the server makes one.
+    An id of the form of a schedule's tick, <schedule_id>-<unix seconds>
+    (10 digits or more) of an existing schedule, is INVALID_ARGUMENT: it
+    is reserved for that schedule's ticks.
+    """
     plan_id: _builtins.str
     """The Plan to run."""
     max_attempts: _builtins.int
