@@ -859,14 +859,7 @@ async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     let refused = refused.expect("a message over the free request buffer was refused");
     assert!(refused.message().contains("retry"), "{refused:?}");
     // Refused for now only: the trailers say when to send it again.
-    assert_eq!(
-        refused
-            .metadata()
-            .get("grpc-retry-pushback-ms")
-            .and_then(|v| v.to_str().ok()),
-        Some("100"),
-        "{refused:?}"
-    );
+    assert_pushback(&refused);
     // Small messages still go through.
     let small = submit_raw(ch.clone(), 16).await;
     assert_ne!(small.code(), Code::ResourceExhausted, "{small:?}");
@@ -937,14 +930,7 @@ async fn a_report_refused_for_a_full_request_buffer_carries_a_retry_pushback() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     let refused = refused.expect("a report over the free request buffer was refused");
-    assert_eq!(
-        refused
-            .metadata()
-            .get("grpc-retry-pushback-ms")
-            .and_then(|v| v.to_str().ok()),
-        Some("100"),
-        "{refused:?}"
-    );
+    assert_pushback(&refused);
     holder.abort();
     server.stop().await.unwrap();
 }
@@ -1047,6 +1033,19 @@ async fn agw_sends_a_report_refused_for_a_full_buffer_again_with_its_outputs() {
         agw.log()
     );
     server.stop().await.unwrap();
+}
+
+/// Asserts that `refused` carries the retry pushback of a refusal for a
+/// full request buffer: 100 ms.
+fn assert_pushback(refused: &Status) {
+    assert_eq!(
+        refused
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok()),
+        Some("100"),
+        "{refused:?}"
+    );
 }
 
 /// Holds 900 KiB of `server`'s request buffer: a SubmitPlan over `ch`

@@ -1648,26 +1648,9 @@ async fn a_stream_closed_while_the_store_cannot_commit_is_let_go() {
     // the store refusing writes; the heartbeat stream's end (its
     // receiver dropped on the writer thread, after the rollback); and
     // the stream's close event, which thus runs while writes are refused.
-    let busy = sqlite.writer.clone();
-    let hold = tokio::spawn(async move {
-        busy.write(|_, _| {
-            std::thread::sleep(Duration::from_millis(300));
-            Ok(())
-        })
-        .await
-    });
+    let hold = hold_writer(&sqlite, Duration::from_millis(300));
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let breaker = sqlite.writer.clone();
-    let broken = tokio::spawn(async move {
-        breaker
-            .write_direct(|_, _| -> crate::error::Result<()> {
-                Err(Error::from(rusqlite::Error::SqliteFailure(
-                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
-                    None,
-                )))
-            })
-            .await
-    });
+    let broken = break_with_disk_full(&sqlite);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let ender = sqlite.writer.clone();
     let ended = tokio::spawn(async move {
@@ -1702,27 +1685,12 @@ async fn a_heartbeat_in_a_batch_that_fails_to_commit_is_answered() {
     let sqlite = open(&dir, quick()).await;
     let e = shared(&sqlite);
     let _w = Worker::start(&e, "w", &["cat"], 1).await;
-    let busy = sqlite.writer.clone();
-    let hold = tokio::spawn(async move {
-        busy.write(|_, _| {
-            std::thread::sleep(Duration::from_millis(200));
-            Ok(())
-        })
-        .await
-    });
+    let hold = hold_writer(&sqlite, Duration::from_millis(200));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let beater = e.clone();
     let beat = tokio::spawn(async move { beater.heartbeat("w".into(), None, None).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let broken = sqlite
-        .writer
-        .write_direct(|_, _| -> crate::error::Result<()> {
-            Err(Error::from(rusqlite::Error::SqliteFailure(
-                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
-                None,
-            )))
-        })
-        .await;
+    let broken = break_with_disk_full(&sqlite).await.unwrap();
     assert!(
         broken.as_ref().is_err_and(|e| e.store_fault().is_some()),
         "{broken:?}"
@@ -1730,4 +1698,36 @@ async fn a_heartbeat_in_a_batch_that_fails_to_commit_is_answered() {
     hold.await.unwrap().unwrap();
     let beat = beat.await.unwrap();
     assert!(beat.is_ok(), "{beat:?}");
+}
+
+/// Keeps `e`'s writer busy for `busy` in an operation of its own, so the
+/// operations queued meanwhile go into the next batch together.
+fn hold_writer(
+    e: &SqliteEngine,
+    busy: Duration,
+) -> tokio::task::JoinHandle<crate::error::Result<()>> {
+    let w = e.writer.clone();
+    tokio::spawn(async move {
+        w.write(move |_, _| {
+            std::thread::sleep(busy);
+            Ok(())
+        })
+        .await
+    })
+}
+
+/// Queues on `e`'s writer an operation that storage breaks as a full
+/// disk would: its batch rolls back and the store refuses writes until a
+/// probe commits.
+fn break_with_disk_full(e: &SqliteEngine) -> tokio::task::JoinHandle<crate::error::Result<()>> {
+    let w = e.writer.clone();
+    tokio::spawn(async move {
+        w.write_direct(|_, _| -> crate::error::Result<()> {
+            Err(Error::from(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+                None,
+            )))
+        })
+        .await
+    })
 }
