@@ -37,6 +37,10 @@
 //!   jobs are submitted on one replica for a worker on the other: each is
 //!   leased within the 500 ms poll interval plus slack, and the listeners
 //!   come back.
+//! - `a_silent_listener_connection_is_replaced`: the replicas' LISTEN
+//!   connections go silent without an error (their server processes
+//!   stopped with SIGSTOP): each replica opens another, and a WatchAction
+//!   on B reports a job completed through A.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1225,6 +1229,120 @@ async fn a_killed_listener_connection_still_leases() {
             .map(|d| d.as_millis() as u64)
             .collect::<Vec<_>>()
     );
+}
+
+/// Server processes stopped with SIGSTOP, resumed (SIGCONT) when dropped.
+struct Stopped(Vec<i32>);
+
+impl Stopped {
+    fn stop(pids: Vec<i32>) -> Stopped {
+        for pid in &pids {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGSTOP)
+                .expect("SIGSTOP a PostgreSQL server process");
+        }
+        Stopped(pids)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGCONT);
+        }
+    }
+}
+
+/// A LISTEN connection that went silent, without an error (its server
+/// process stopped with SIGSTOP here, as a half-open TCP connection or a
+/// stalled server behaves), is replaced: a WatchAction on replica B still
+/// reports a job completed through replica A. B's watchers learn of
+/// another replica's changes only through its listener; a listener that
+/// waited on a silent connection for good left them waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_listener_connection_is_replaced() {
+    if std::env::var("AGQ_TEST_DATABASE_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        eprintln!("skipped: AGQ_TEST_DATABASE_URL names a server these tests do not own");
+        return;
+    }
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    put_plan(&urls[0]).await;
+    let db = pg::connect(&cluster.url).await;
+    let listeners = || async {
+        db.query(
+            "SELECT pid FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get::<_, i32>(0))
+        .collect::<Vec<i32>>()
+    };
+    eventually(10, "one listener connection per replica", || async {
+        listeners().await.len() == 2
+    })
+    .await;
+    let mut w = HandWorker::start(&urls[0], "w", "instance-w", &["cat"]).await;
+    let (action, job) = submit_action_of(&urls[0], "p", 1, None).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("W leases the job")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.as_ref().unwrap().job_id, job);
+    // Both listeners go silent.
+    let stopped = Stopped::stop(listeners().await);
+    assert_eq!(stopped.0.len(), 2, "one listener connection per replica");
+    let mut watch =
+        action_service_client::ActionServiceClient::new(channel(&urls[1]).await.unwrap())
+            .watch_action(WatchActionRequest {
+                action_id: action.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    let first = timeout(CALL, watch.next())
+        .await
+        .expect("the watch's first message")
+        .unwrap()
+        .unwrap()
+        .action
+        .unwrap();
+    assert_eq!(first.running, 1, "{first:?}");
+    w.client
+        .update_job(UpdateJobRequest {
+            job_id: job.clone(),
+            worker_id: "w".into(),
+            lease_id: l.lease_id.clone(),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("W completes the job through A");
+    let seen = timeout(Duration::from_secs(15), async {
+        while let Some(Ok(m)) = watch.next().await {
+            let a = m.action.unwrap();
+            if a.completed == 1 {
+                return Some(a);
+            }
+        }
+        None
+    })
+    .await;
+    drop(stopped);
+    assert!(
+        matches!(seen, Ok(Some(_))),
+        "the watch on replica B did not report the job completed through A within 15 s of its \
+         listener connection going silent: {seen:?}"
+    );
+    eventually(10, "both replicas listen again", || async {
+        listeners().await.len() >= 2
+    })
+    .await;
+    cluster.assert_no_panic();
 }
 
 /// A submit sends `NOTIFY agq_ready` at its commit: the dispatchers wake
