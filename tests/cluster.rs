@@ -41,6 +41,9 @@
 //!   connections go silent without an error (their server processes
 //!   stopped with SIGSTOP): each replica opens another, and a WatchAction
 //!   on B reports a job completed through A.
+//! - `departed_workers_leave_no_entry_on_their_replica`: workers that
+//!   unregistered through B, whose streams A ended, leave no entry in A's
+//!   memory (`agq_replica_workers` back at 0).
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1340,6 +1343,66 @@ async fn a_silent_listener_connection_is_replaced() {
     );
     eventually(10, "both replicas listen again", || async {
         listeners().await.len() >= 2
+    })
+    .await;
+    cluster.assert_no_panic();
+}
+
+/// The value of the sample `name` in the `GetMetrics` text of the replica
+/// at `url`; `None` when it cannot be read.
+async fn metric_of(url: &str, name: &str) -> Option<f64> {
+    let body = queue_service_client::QueueServiceClient::new(channel(url).await?)
+        .get_metrics(GetMetricsRequest {
+            format: "prometheus".into(),
+        })
+        .await
+        .ok()?
+        .into_inner()
+        .body;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Workers whose streams a replica ended (here: they unregistered through
+/// another replica, and the replica holding their streams delivered the
+/// End command; the same path serves workers declared DEAD, taken over by
+/// a new instance, or moved to another replica) leave no entry in that
+/// replica's memory (`agq_replica_workers`). Such entries were kept for
+/// good, one per departed worker id: with agw pods coming and going under
+/// new names, a replica's memory only grew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn departed_workers_leave_no_entry_on_their_replica() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let (a, b) = (&urls[0], &urls[1]);
+    let mut workers = Vec::new();
+    for n in 0..2 {
+        workers
+            .push(HandWorker::start(a, &format!("w{n}"), &format!("instance-{n}"), &["cat"]).await);
+    }
+    eventually(10, "A holds both workers' streams", || async {
+        metric_of(a, "agq_replica_workers").await == Some(2.0)
+    })
+    .await;
+    let mut admin = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
+    for w in &mut workers {
+        admin
+            .unregister_worker(UnregisterWorkerRequest {
+                worker_id: w.id.clone(),
+            })
+            .await
+            .expect("unregister through B");
+        // A ends the worker's streams.
+        timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = w.leases.next().await {}
+        })
+        .await
+        .expect("A ends the lease stream of a worker that unregistered");
+    }
+    drop(workers);
+    eventually(10, "A keeps no entry for the departed workers", || async {
+        metric_of(a, "agq_replica_workers").await == Some(0.0)
     })
     .await;
     cluster.assert_no_panic();

@@ -115,6 +115,21 @@ struct Local {
     touched: HashSet<String>,
 }
 
+impl Local {
+    /// Forgets worker `id`'s entry once this replica holds neither of its
+    /// streams: an entry lives only as long as a stream it holds, or every
+    /// worker id that ever connected here would stay in memory.
+    fn forget_streamless(&mut self, id: &str) {
+        if self
+            .workers
+            .get(id)
+            .is_some_and(|w| w.heartbeat.is_none() && w.lease.is_none())
+        {
+            self.workers.remove(id);
+        }
+    }
+}
+
 /// A cached plan version with its stamp ([`rows::PLAN_STAMP`]).
 type StampedPlan = (String, Arc<Plan>);
 
@@ -414,13 +429,18 @@ impl PgEngine {
         self.me.upgrade()
     }
 
-    /// Refreshes the job, queue and worker gauges from the database. The
+    /// Refreshes the job, queue and worker gauges from the database (and
+    /// `agq_replica_workers` from this replica's memory). The
     /// job counts are the sums of `job_counts` (kept by triggers in the
     /// transactions that change jobs; migration 0002), not a count of the
     /// rows: a scrape costs the same with a week of history.
     ///
     /// Errors: storage errors.
     async fn refresh_gauges(&self) -> Result<()> {
+        let held = lock(&self.local).workers.len();
+        self.metrics
+            .replica_workers
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
         let c = self.client().await?;
         let counts: HashMap<i32, i64> = c
             .query(

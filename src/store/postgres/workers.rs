@@ -557,9 +557,11 @@ impl PgEngine {
             .map_err(db_err)?;
         if updated.is_none() {
             let e = self.explain_worker(&tx, &id).await;
-            if let Some(w) = lock(&self.local).workers.get_mut(&id) {
+            let mut local = lock(&self.local);
+            if let Some(w) = local.workers.get_mut(&id) {
                 w.heartbeat = None;
             }
+            local.forget_streamless(&id);
             return Err(e);
         }
         let mut revoked = Vec::new();
@@ -647,9 +649,7 @@ impl PgEngine {
                 }
                 _ => return Ok(()),
             }
-            if w.lease.is_none() && w.heartbeat.is_none() {
-                local.workers.remove(&id);
-            }
+            local.forget_streamless(&id);
             epoch
         };
         let mut client = self.client().await?;
@@ -1064,6 +1064,7 @@ impl PgEngine {
                     ))));
                 }
                 w.lease = None;
+                local.forget_streamless(id);
                 tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere");
             }
         }
@@ -1109,6 +1110,7 @@ impl PgEngine {
                     let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(reason)));
                     w.heartbeat = None;
                     w.lease = None;
+                    local.forget_streamless(&worker);
                 }
                 None => tracing::warn!(worker_id = %worker, "unknown queued command skipped"),
             }
