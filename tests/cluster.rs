@@ -44,6 +44,9 @@
 //! - `departed_workers_leave_no_entry_on_their_replica`: workers that
 //!   unregistered through B, whose streams A ended, leave no entry in A's
 //!   memory (`agq_replica_workers` back at 0).
+//! - `a_replica_whose_database_stops_answering_turns_not_serving`: every
+//!   server process of the replica's database stopped (SIGSTOP): its
+//!   health turns NOT_SERVING, and SERVING again once they resume.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1345,6 +1348,66 @@ async fn a_silent_listener_connection_is_replaced() {
         listeners().await.len() >= 2
     })
     .await;
+    cluster.assert_no_panic();
+}
+
+/// A replica whose database stops answering without an error (every
+/// server process of its database stopped with SIGSTOP, new ones too, as
+/// behind a network partition that drops packets) turns NOT_SERVING, so
+/// that probes take it out of the Service, and SERVING again once the
+/// database answers. Its health refresh waited on the silent connection
+/// for good, and readiness stayed SERVING while every call hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_database_stops_answering_turns_not_serving() {
+    if std::env::var("AGQ_TEST_DATABASE_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        eprintln!("skipped: AGQ_TEST_DATABASE_URL names a server these tests do not own");
+        return;
+    }
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    eventually(10, "the replica serves", || serving(&url)).await;
+    let db = pg::connect(&cluster.url).await;
+    let (done_tx, mut done) = watch::channel(false);
+    // Every server process of the database but this test's, stopped, and
+    // those the replica opens meanwhile as they appear.
+    let stopper = tokio::spawn(async move {
+        let mut stopped = Stopped(Vec::new());
+        while !*done.borrow() {
+            let pids: Vec<i32> = db
+                .query(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.get(0))
+                .collect();
+            for pid in pids {
+                if !stopped.0.contains(&pid) {
+                    stopped.0.extend(Stopped::stop(vec![pid]).0.drain(..));
+                }
+            }
+            let _ = timeout(Duration::from_millis(50), done.changed()).await;
+        }
+        stopped.0.len()
+    });
+    let turned = timeout(Duration::from_secs(20), async {
+        while serving(&url).await {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let _ = done_tx.send(true);
+    let stopped = stopper.await.unwrap();
+    assert!(stopped > 0, "no server process of the database was stopped");
+    assert!(
+        turned.is_ok(),
+        "the replica still reported SERVING 20 s after its database stopped answering"
+    );
+    eventually(20, "the replica serves again", || serving(&url)).await;
     cluster.assert_no_panic();
 }
 

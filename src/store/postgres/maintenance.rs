@@ -87,12 +87,19 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
     }
 }
 
+/// How long a replica's refresh of its row ([`replica_heartbeat`]) may
+/// take before the database counts as not answering (health NOT_SERVING):
+/// a connection gone silent (a partition that drops packets, a stalled
+/// server) reports no error, and the refresh would wait on it for good,
+/// reporting SERVING meanwhile while every call hangs.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Refreshes this replica's row every second and the health it reports:
-/// SERVING while the database answers.
+/// SERVING while the database answers, within [`REFRESH_TIMEOUT`].
 pub(super) async fn replica_heartbeat(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     loop {
-        let up = async {
+        let refresh = async {
             let c = engine.client().await?;
             let n = c
                 .execute(
@@ -111,9 +118,16 @@ pub(super) async fn replica_heartbeat(engine: Arc<PgEngine>) {
                 .map_err(db_err)?;
             }
             Ok::<(), crate::error::Error>(())
-        }
-        .await
-        .is_ok();
+        };
+        let up = match tokio::time::timeout(REFRESH_TIMEOUT, refresh).await {
+            Ok(r) => r.is_ok(),
+            Err(_) => {
+                tracing::warn!(
+                    "the PostgreSQL database did not answer within {REFRESH_TIMEOUT:?}; not serving"
+                );
+                false
+            }
+        };
         engine.metrics.store_up.set(i64::from(up));
         let _ = engine
             .health
