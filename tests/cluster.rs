@@ -47,6 +47,9 @@
 //! - `a_replica_whose_database_stops_answering_turns_not_serving`: every
 //!   server process of the replica's database stopped (SIGSTOP): its
 //!   health turns NOT_SERVING, and SERVING again once they resume.
+//! - `selectors_of_finished_actions_are_dropped`: the worker selectors
+//!   the dispatchers read keep only those of open jobs; a job retried
+//!   after its selector was dropped brings it back and is leased.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1411,6 +1414,88 @@ async fn a_replica_whose_database_stops_answering_turns_not_serving() {
     cluster.assert_no_panic();
 }
 
+/// The worker selectors of stored actions (`selectors`, which every
+/// dispatcher round reads whole and matches against its workers' tags)
+/// keep only those of open jobs: the selector of an action whose jobs
+/// all ended is dropped by the leader, so distinct selectors used once
+/// (a selector per batch, say) do not pile up and slow every round of
+/// every replica for good. A job retried after its selector was dropped
+/// brings it back, and is leased to a worker that matches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn selectors_of_finished_actions_are_dropped() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let db = pg::connect(&cluster.url).await;
+    let kept = || async {
+        db.query(
+            "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<String>>()
+    };
+    let mut actions = action_service_client::ActionServiceClient::new(channel(&url).await.unwrap());
+    let mut submitted = Vec::new();
+    for batch in ["batch=1", "batch=2"] {
+        let r = actions
+            .submit_action(SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![ActionInput::default()],
+                max_attempts: 1,
+                worker_selector: batch.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("submit")
+            .into_inner();
+        submitted.push((r.action_id, r.job_ids[0].clone()));
+    }
+    assert_eq!(kept().await, ["batch=1", "batch=2"]);
+    // Both end: the first cancelled, the second dead (its one attempt
+    // failed).
+    actions
+        .cancel_action(CancelActionRequest {
+            action_id: submitted[0].0.clone(),
+        })
+        .await
+        .expect("cancel");
+    db.execute(
+        "UPDATE jobs SET status = 5, completed_at_ms = agq_now_ms(), error = 'failed'
+         WHERE job_id = $1 AND status = 1",
+        &[&submitted[1].1],
+    )
+    .await
+    .unwrap();
+    eventually(10, "the selectors of ended jobs are dropped", || async {
+        kept().await.is_empty()
+    })
+    .await;
+    // The dead job is retried: its selector is back, and a worker with a
+    // matching tag leases it.
+    job_service_client::JobServiceClient::new(channel(&url).await.unwrap())
+        .retry_job(RetryJobRequest {
+            job_id: submitted[1].1.clone(),
+            priority: None,
+        })
+        .await
+        .expect("retry");
+    assert_eq!(kept().await, ["batch=2"]);
+    let mut w =
+        HandWorker::start_tagged(&url, "w", "instance-w", &["cat"], &[("batch", "2")]).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("the retried job is leased to the worker that matches its selector")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.unwrap().job_id, submitted[1].1);
+    cluster.assert_no_panic();
+}
+
 /// The value of the sample `name` in the `GetMetrics` text of the replica
 /// at `url`; `None` when it cannot be read.
 async fn metric_of(url: &str, name: &str) -> Option<f64> {
@@ -2264,6 +2349,29 @@ impl HandWorker {
         tools: &[&str],
         slots: u32,
     ) -> HandWorker {
+        Self::start_as(url, id, instance, tools, slots, &[]).await
+    }
+
+    /// [`HandWorker::start`] with `tags`.
+    async fn start_tagged(
+        url: &str,
+        id: &str,
+        instance: &str,
+        tools: &[&str],
+        tags: &[(&str, &str)],
+    ) -> HandWorker {
+        Self::start_as(url, id, instance, tools, 1, tags).await
+    }
+
+    /// [`HandWorker::start`] with `slots` concurrent jobs and `tags`.
+    async fn start_as(
+        url: &str,
+        id: &str,
+        instance: &str,
+        tools: &[&str],
+        slots: u32,
+        tags: &[(&str, &str)],
+    ) -> HandWorker {
         let mut client =
             worker_service_client::WorkerServiceClient::new(channel(url).await.unwrap());
         client
@@ -2277,6 +2385,10 @@ impl HandWorker {
                 }),
                 max_concurrent_jobs: slots,
                 instance_id: instance.into(),
+                tags: tags
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 ..Default::default()
             })
             .await

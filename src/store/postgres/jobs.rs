@@ -29,7 +29,12 @@
 //!   what they update next is only what they locked.
 //!
 //! Rows of other tables are locked before job rows (plan, action, then
-//! jobs; a worker's row before its jobs), never after.
+//! jobs; a worker's row before its jobs), never after, with one exception:
+//! a retry writes the worker selectors of the jobs it made pending
+//! (`KEEP_SELECTORS`) after locking them. No transaction waits for a job
+//! row while it holds a selector's row (a submit writes its selector and
+//! then inserts new jobs; the leader's drop of unused selectors reads the
+//! jobs without locking them), so this cannot close a circle.
 
 use deadpool_postgres::{GenericClient, Transaction};
 use rand::Rng;
@@ -48,6 +53,15 @@ use crate::{
     error::{Error, Result},
     store::sqlite::sql::jobs::encode_task_results,
 };
+
+/// Stores the worker selectors `$1` (`text[]`) for the dispatchers, each
+/// row written (and so locked to the commit) even when it is stored
+/// already: the leader drops selectors no open job uses
+/// (`drop_unused_selectors`), and must not drop one whose jobs a
+/// transaction is making open.
+const KEEP_SELECTORS: &str = "INSERT INTO selectors (selector)
+     SELECT DISTINCT s FROM unnest($1::text[]) AS t(s) WHERE s <> '' ORDER BY s
+     ON CONFLICT (selector) DO UPDATE SET selector = EXCLUDED.selector";
 
 /// Job status numbers as stored.
 pub(super) const RUNNING: i16 = JobStatus::Running as i16;
@@ -551,13 +565,13 @@ impl PgEngine {
             )));
         }
         if !sched.worker_selector.is_empty() {
+            // Written even when stored already: the row stays locked to
+            // the commit, so the leader's drop of unused selectors cannot
+            // drop it before these jobs are visible (see
+            // `drop_unused_selectors`).
             tx.execute(
-                &cached(
-                    tx,
-                    "INSERT INTO selectors (selector) VALUES ($1) ON CONFLICT DO NOTHING",
-                )
-                .await?,
-                &[&sched.worker_selector],
+                &cached(tx, KEEP_SELECTORS).await?,
+                &[&vec![sched.worker_selector.clone()]],
             )
             .await
             .map_err(db_err)?;
@@ -736,11 +750,19 @@ impl PgEngine {
                  UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(), delayed = false,
                         completed_at_ms = NULL, lease_id = NULL, error = '', current_task = 0,
                         progress_percent = 0, priority = coalesce($2, j.priority)
-                 FROM old WHERE j.id = old.id RETURNING old.status",
+                 FROM old WHERE j.id = old.id RETURNING old.status, j.worker_selector",
                 &[&ids, &priority],
             )
             .await
             .map_err(db_err)?;
+        // Pending again: their selectors, dropped maybe since they ended,
+        // are needed by the dispatchers again.
+        let selectors: Vec<String> = rows.iter().map(|r| r.get(1)).collect();
+        if selectors.iter().any(|s| !s.is_empty()) {
+            tx.execute(&cached(tx, KEEP_SELECTORS).await?, &[&selectors])
+                .await
+                .map_err(db_err)?;
+        }
         tx.execute(
             "UPDATE actions SET finished_at_ms = NULL WHERE action_id = $1",
             &[&action_id],

@@ -48,6 +48,11 @@ const FOLD_EVERY: Duration = Duration::from_secs(2);
 /// the previous pass's window, wrapping around at the end.
 const FINISH_SCAN: i64 = 1000;
 
+/// How many maintenance ticks pass between two drops of unused worker
+/// selectors ([`PgEngine::drop_unused_selectors`]): 50 s at the default
+/// heartbeat interval.
+const SELECTOR_DROP_TICKS: u32 = 50;
+
 /// The maintenance tick: half the heartbeat interval, between 50 ms and
 /// 1 s.
 fn tick(engine: &PgEngine) -> Duration {
@@ -60,6 +65,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     let period = tick(&engine);
     let mut last_fold: Option<std::time::Instant> = None;
+    let mut last_selector_drop: Option<std::time::Instant> = None;
     // Where the next finish-stamp pass starts (`actions.seq`), in memory:
     // a replica that takes the leadership over starts from the beginning.
     let mut finish_cursor = 0;
@@ -74,6 +80,13 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                 if r.is_ok() && last_fold.is_none_or(|t| t.elapsed() >= FOLD_EVERY) {
                     r = engine.fold_job_counts().await;
                     last_fold = Some(std::time::Instant::now());
+                }
+                if r.is_ok()
+                    && last_selector_drop
+                        .is_none_or(|t| t.elapsed() >= period * SELECTOR_DROP_TICKS)
+                {
+                    r = engine.drop_unused_selectors().await;
+                    last_selector_drop = Some(std::time::Instant::now());
                 }
                 if let Err(e) = engine.observe(r) {
                     tracing::warn!(error = %e, "maintenance pass failed");
@@ -217,6 +230,60 @@ impl PgEngine {
         let kept = c.execute(FOLD_JOB_COUNTS, &[]).await.map_err(db_err)?;
         tracing::trace!(statuses = kept, "job counts folded");
         Ok(())
+    }
+
+    /// Drops the worker selectors (`selectors`, which every dispatcher
+    /// round reads whole) that no open job (pending, running, failed)
+    /// uses any more, 1000 at most: the selectors of finished actions
+    /// would otherwise pile up for good, each one more to read and match
+    /// in every round of every replica. The empty selector stays.
+    ///
+    /// It runs at REPEATABLE READ: a submit or a retry that stores jobs
+    /// with a selector locks its row (an upsert that writes it) in its
+    /// transaction, so the drop skips a selector such a transaction holds,
+    /// and one it wrote after the drop's snapshot fails the drop with a
+    /// serialization failure (at READ COMMITTED the drop would delete it,
+    /// checked against the jobs as they were before that transaction's
+    /// commit, and its jobs would never be claimed). The next pass tries
+    /// again.
+    ///
+    /// Errors: storage errors other than that conflict.
+    pub(super) async fn drop_unused_selectors(&self) -> Result<()> {
+        let mut c = self.client().await?;
+        let tx = c
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .await
+            .map_err(db_err)?;
+        let dropped = tx
+            .execute(
+                "DELETE FROM selectors WHERE selector IN (
+                     SELECT s.selector FROM selectors s
+                     WHERE s.selector <> ''
+                       AND NOT EXISTS (SELECT 1 FROM jobs j
+                                       WHERE j.worker_selector = s.selector
+                                         AND j.status IN (1, 2, 4))
+                     LIMIT 1000 FOR UPDATE OF s SKIP LOCKED)",
+                &[],
+            )
+            .await
+            .map_err(db_err);
+        let r = match dropped {
+            Ok(n) => tx.commit().await.map_err(db_err).map(|()| n),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(n) => {
+                tracing::debug!(dropped = n, "unused worker selectors dropped");
+                Ok(())
+            }
+            Err(crate::error::Error::StoreBusy(e)) => {
+                tracing::debug!(error = %e, "unused worker selectors kept for the next pass");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Failed jobs whose backoff ended are pending again.
