@@ -1244,12 +1244,20 @@ async fn a_killed_listener_connection_still_leases() {
 struct Stopped(Vec<i32>);
 
 impl Stopped {
+    /// Stops `pids`.
     fn stop(pids: Vec<i32>) -> Stopped {
-        for pid in &pids {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGSTOP)
-                .expect("SIGSTOP a PostgreSQL server process");
+        let mut stopped = Stopped(Vec::new());
+        for pid in pids {
+            stopped.add(pid);
         }
-        Stopped(pids)
+        stopped
+    }
+
+    /// Stops `pid` too.
+    fn add(&mut self, pid: i32) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGSTOP)
+            .expect("SIGSTOP a PostgreSQL server process");
+        self.0.push(pid);
     }
 }
 
@@ -1390,7 +1398,7 @@ async fn a_replica_whose_database_stops_answering_turns_not_serving() {
                 .collect();
             for pid in pids {
                 if !stopped.0.contains(&pid) {
-                    stopped.0.extend(Stopped::stop(vec![pid]).0.drain(..));
+                    stopped.add(pid);
                 }
             }
             let _ = timeout(Duration::from_millis(50), done.changed()).await;
