@@ -238,52 +238,49 @@ impl PgEngine {
     /// would otherwise pile up for good, each one more to read and match
     /// in every round of every replica. The empty selector stays.
     ///
-    /// It runs at REPEATABLE READ: a submit or a retry that stores jobs
-    /// with a selector locks its row (an upsert that writes it) in its
-    /// transaction, so the drop skips a selector such a transaction holds,
-    /// and one it wrote after the drop's snapshot fails the drop with a
-    /// serialization failure (at READ COMMITTED the drop would delete it,
-    /// checked against the jobs as they were before that transaction's
-    /// commit, and its jobs would never be claimed). The next pass tries
-    /// again.
+    /// A submit or a retry that makes jobs with a selector open holds its
+    /// row share-locked to its commit (`jobs::keep_selectors`). The drop
+    /// first locks the candidates (`FOR UPDATE SKIP LOCKED`: a selector
+    /// such a transaction holds is skipped), then deletes those that no
+    /// open job uses in a statement of its own, whose snapshot sees every
+    /// transaction that held one of them before: one checked in the first
+    /// statement's snapshot only could be dropped under the jobs of a
+    /// submit that committed in between, and those jobs would never be
+    /// claimed. A transaction that asks for a selector the drop holds
+    /// waits for it, and stores it again when it was dropped.
     ///
-    /// Errors: storage errors other than that conflict.
+    /// Errors: storage errors.
     pub(super) async fn drop_unused_selectors(&self) -> Result<()> {
         let mut c = self.client().await?;
-        let tx = c
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-            .start()
-            .await
-            .map_err(db_err)?;
-        let dropped = tx
-            .execute(
-                "DELETE FROM selectors WHERE selector IN (
-                     SELECT s.selector FROM selectors s
-                     WHERE s.selector <> ''
-                       AND NOT EXISTS (SELECT 1 FROM jobs j
-                                       WHERE j.worker_selector = s.selector
-                                         AND j.status IN (1, 2, 4))
-                     LIMIT 1000 FOR UPDATE OF s SKIP LOCKED)",
+        let tx = c.transaction().await.map_err(db_err)?;
+        let unused = "NOT EXISTS (SELECT 1 FROM jobs j
+                                  WHERE j.worker_selector = s.selector AND j.status IN (1, 2, 4))";
+        let locked: Vec<String> = tx
+            .query(
+                &format!(
+                    "SELECT s.selector FROM selectors s WHERE s.selector <> '' AND {unused}
+                     LIMIT 1000 FOR UPDATE OF s SKIP LOCKED"
+                ),
                 &[],
             )
             .await
-            .map_err(db_err);
-        let r = match dropped {
-            Ok(n) => tx.commit().await.map_err(db_err).map(|()| n),
-            Err(e) => Err(e),
-        };
-        match r {
-            Ok(n) => {
-                tracing::debug!(dropped = n, "unused worker selectors dropped");
-                Ok(())
-            }
-            Err(crate::error::Error::StoreBusy(e)) => {
-                tracing::debug!(error = %e, "unused worker selectors kept for the next pass");
-                Ok(())
-            }
-            Err(e) => Err(e),
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        if locked.is_empty() {
+            return Ok(());
         }
+        let dropped = tx
+            .execute(
+                &format!("DELETE FROM selectors s WHERE s.selector = ANY($1) AND {unused}"),
+                &[&locked],
+            )
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::debug!(dropped, "unused worker selectors dropped");
+        Ok(())
     }
 
     /// Failed jobs whose backoff ended are pending again.
