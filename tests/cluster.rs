@@ -50,6 +50,9 @@
 //! - `selectors_of_finished_actions_are_dropped`: the worker selectors
 //!   the dispatchers read keep only those of open jobs; a job retried
 //!   after its selector was dropped brings it back and is leased.
+//! - `a_refused_heartbeat_stream_is_closed`: a heartbeat stream refused
+//!   after the worker was taken over (a statement after the takeover
+//!   failed) is closed like one that ended.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1419,6 +1422,96 @@ async fn a_replica_whose_database_stops_answering_turns_not_serving() {
         "the replica still reported SERVING 20 s after its database stopped answering"
     );
     eventually(20, "the replica serves again", || serving(&url)).await;
+    cluster.assert_no_panic();
+}
+
+/// A heartbeat stream the replica refuses after it took the worker over
+/// (here: one of the statements that follow the takeover fails, its
+/// connection cut while it waits for a lock the test holds) is closed
+/// like one that ended: the worker is suspect (`heartbeat_open` false,
+/// its leases re-queued after the grace) and the replica keeps no entry
+/// for it (`agq_replica_workers`). The refused stream was left open in
+/// the database and in the replica's memory for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_heartbeat_stream_is_closed() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    let probe = pg::connect(&cluster.url).await;
+    // No maintenance pass declares the silent worker DEAD meanwhile (its
+    // End command would end what the replica holds for it).
+    let leader = hold_maintenance(&cluster.url).await;
+    let mut client = worker_service_client::WorkerServiceClient::new(channel(&url).await.unwrap());
+    client
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "w".into(),
+            hostname: "cluster-test".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["cat".into()],
+                ..Default::default()
+            }),
+            max_concurrent_jobs: 1,
+            instance_id: "instance-w".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // The statements after the takeover read the worker's challenges.
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE worker_challenges IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    tx.send(first_heartbeat("w")).await.unwrap();
+    let opening = tokio::spawn(async move { client.heartbeat(ReceiverStream::new(rx)).await });
+    eventually(10, "the opening waits for the challenges", || async {
+        lock_waiters(&probe, "%worker_challenges%").await == 1
+    })
+    .await;
+    let cut: i64 = probe
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE '%worker_challenges%') t",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cut, 1, "one statement waited");
+    lock.rollback().await.unwrap();
+    let opened = timeout(CALL, opening)
+        .await
+        .expect("the opening ends")
+        .unwrap();
+    assert!(opened.is_err(), "the stream was refused");
+    drop(tx);
+    let closed = timeout(Duration::from_secs(5), async {
+        loop {
+            let open: bool = probe
+                .query_one(
+                    "SELECT heartbeat_open FROM workers WHERE worker_id = 'w'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            let held = metric_of(&url, "agq_replica_workers").await;
+            if !open && held == Some(0.0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        closed.is_ok(),
+        "5 s after the replica refused W's heartbeat stream, the stream is still open in the \
+         database or in the replica's memory"
+    );
     cluster.assert_no_panic();
 }
 

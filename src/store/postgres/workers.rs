@@ -395,12 +395,28 @@ impl PgEngine {
         // queued) is harmless: the worker drains once. A DrainWorker
         // committed after the UPDATE above queues its own command, which
         // this stream (its epoch now the current one) receives.
-        if draining {
-            queue_command(&c, &id, &WorkerCommand::drain_requested()).await?;
+        let rest = async {
+            if draining {
+                queue_command(&c, &id, &WorkerCommand::drain_requested()).await?;
+            }
+            resend_pending(&c, &id).await?;
+            self.challenge_missing(&c, std::slice::from_ref(&id)).await
         }
-        resend_pending(&c, &id).await?;
-        self.challenge_missing(&c, std::slice::from_ref(&id))
-            .await?;
+        .await;
+        if let Err(e) = rest {
+            // The stream is refused after it took the worker over: closed
+            // here as if it had ended (the worker suspect, this replica's
+            // entry for it gone), since the caller, refused, never closes
+            // it; else it would stay open in the database and in memory.
+            drop(c);
+            if let Err(close) = self
+                .pg_close_stream(id.clone(), StreamKind::Heartbeat, sid)
+                .await
+            {
+                tracing::warn!(worker_id = %id, error = %close, "closing a refused heartbeat stream was not recorded");
+            }
+            return Err(e);
+        }
         Ok(sid)
     }
 
