@@ -53,6 +53,8 @@
 //! - `a_refused_heartbeat_stream_is_closed`: a heartbeat stream refused
 //!   after the worker was taken over (a statement after the takeover
 //!   failed) is closed like one that ended.
+//! - `a_refused_lease_stream_is_closed`: the same for a lease stream
+//!   refused after it was attached.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1511,6 +1513,84 @@ async fn a_refused_heartbeat_stream_is_closed() {
         closed.is_ok(),
         "5 s after the replica refused W's heartbeat stream, the stream is still open in the \
          database or in the replica's memory"
+    );
+    cluster.assert_no_panic();
+}
+
+/// The same for a lease stream: one refused after it was attached (here:
+/// reading back the leases still in flight to the worker fails, its
+/// connection cut while it waits for a lock the test holds) is closed
+/// like one that ended (`lease_stream_open` false), not left open in the
+/// database and in the replica's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_lease_stream_is_closed() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let probe = pg::connect(&cluster.url).await;
+    let leader = hold_maintenance(&cluster.url).await;
+    let mut w = HandWorker::start(&url, "w", "instance-w", &["cat"]).await;
+    submit_one(&url).await;
+    next_lease(&mut w, Duration::from_secs(5))
+        .await
+        .expect("W leases the job");
+    // The lease stream reconnects: the lease just pushed is read back.
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE actions IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut client = w.client.clone();
+    let opening = tokio::spawn(async move {
+        client
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: "w".into(),
+            })
+            .await
+    });
+    eventually(10, "the opening waits for the actions", || async {
+        lock_waiters(&probe, "%JOIN actions%").await == 1
+    })
+    .await;
+    let cut: i64 = probe
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE '%JOIN actions%') t",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cut, 1, "one statement waited");
+    lock.rollback().await.unwrap();
+    let opened = timeout(CALL, opening)
+        .await
+        .expect("the opening ends")
+        .unwrap();
+    assert!(opened.is_err(), "the stream was refused");
+    let closed = timeout(Duration::from_secs(5), async {
+        loop {
+            let open: bool = probe
+                .query_one(
+                    "SELECT lease_stream_open FROM workers WHERE worker_id = 'w'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if !open {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        closed.is_ok(),
+        "5 s after the replica refused W's new lease stream, it is still open in the database"
     );
     cluster.assert_no_panic();
 }

@@ -477,7 +477,23 @@ impl PgEngine {
         };
         if !unsent.is_empty() {
             let ids: Vec<String> = unsent.iter().cloned().collect();
-            let again = self.leases_again(&c, &id, &ids).await?;
+            let again = match self.leases_again(&c, &id, &ids).await {
+                Ok(again) => again,
+                Err(e) => {
+                    // Refused after it was attached: closed here as if it
+                    // had ended, since the caller, refused, never closes
+                    // it; else it would stay open in the database and in
+                    // memory, with nobody reading it.
+                    drop(c);
+                    if let Err(close) = self
+                        .pg_close_stream(id.clone(), StreamKind::Lease, sid)
+                        .await
+                    {
+                        tracing::warn!(worker_id = %id, error = %close, "closing a refused lease stream was not recorded");
+                    }
+                    return Err(e);
+                }
+            };
             let mut local = lock(&self.local);
             if let Some(w) = local.workers.get_mut(&id) {
                 // Those no longer running under that lease are done with.
