@@ -1469,7 +1469,7 @@ async fn a_refused_heartbeat_stream_is_closed() {
     tx.send(first_heartbeat("w")).await.unwrap();
     let opening = tokio::spawn(async move { client.heartbeat(ReceiverStream::new(rx)).await });
     eventually(10, "the opening waits for the challenges", || async {
-        lock_waiters(&probe, "%worker_challenges%").await == 1
+        lock_waiters(&probe, "%worker_challenges%").await >= 1
     })
     .await;
     let cut: i64 = probe
@@ -1482,7 +1482,7 @@ async fn a_refused_heartbeat_stream_is_closed() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(cut, 1, "one statement waited");
+    assert!(cut >= 1, "no statement waited");
     lock.rollback().await.unwrap();
     let opened = timeout(CALL, opening)
         .await
@@ -1550,7 +1550,7 @@ async fn a_refused_lease_stream_is_closed() {
             .await
     });
     eventually(10, "the opening waits for the actions", || async {
-        lock_waiters(&probe, "%JOIN actions%").await == 1
+        lock_waiters(&probe, "%JOIN actions%").await >= 1
     })
     .await;
     let cut: i64 = probe
@@ -1563,7 +1563,7 @@ async fn a_refused_lease_stream_is_closed() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(cut, 1, "one statement waited");
+    assert!(cut >= 1, "no statement waited");
     lock.rollback().await.unwrap();
     let opened = timeout(CALL, opening)
         .await
