@@ -518,6 +518,16 @@ fn tls_connector(
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
+/// Gives back pooled connection `c` after `e` failed an operation on it:
+/// a connection lost (`StoreUnavailable`) leaves the pool, where the next
+/// caller (often the one cleaning up after `e`) would get it and fail too
+/// before the pool noticed.
+fn release(c: deadpool_postgres::Object, e: &Error) {
+    if matches!(e, Error::StoreUnavailable(_)) {
+        drop(deadpool_postgres::Object::take(c));
+    }
+}
+
 /// Maps a pool error to `StoreUnavailable`.
 fn pool_err(e: deadpool_postgres::PoolError) -> Error {
     tracing::warn!(error = %e, "no PostgreSQL connection");

@@ -408,7 +408,7 @@ impl PgEngine {
             // here as if it had ended (the worker suspect, this replica's
             // entry for it gone), since the caller, refused, never closes
             // it; else it would stay open in the database and in memory.
-            drop(c);
+            super::release(c, &e);
             if let Err(close) = self
                 .pg_close_stream(id.clone(), StreamKind::Heartbeat, sid)
                 .await
@@ -484,7 +484,7 @@ impl PgEngine {
                     // had ended, since the caller, refused, never closes
                     // it; else it would stay open in the database and in
                     // memory, with nobody reading it.
-                    drop(c);
+                    super::release(c, &e);
                     if let Err(close) = self
                         .pg_close_stream(id.clone(), StreamKind::Lease, sid)
                         .await
