@@ -151,6 +151,10 @@ pub struct Metrics {
     /// Open WatchAction streams (gauge, `agq_watch_streams`): each holds one
     /// subscription, released when its stream ends.
     pub watch_streams: Gauge,
+    /// Workers whose streams this replica holds, each an entry in its
+    /// memory (gauge, `agq_replica_workers`; set by the PostgreSQL engine
+    /// when the metrics are read, 0 on the embedded store).
+    pub replica_workers: Gauge,
 }
 
 impl Default for Metrics {
@@ -303,6 +307,12 @@ impl Metrics {
             "Open WatchAction streams",
             watch_streams.clone(),
         );
+        let replica_workers = Gauge::default();
+        registry.register(
+            "replica_workers",
+            "Workers whose streams this replica holds in memory (clustered mode)",
+            replica_workers.clone(),
+        );
         let jobs_total_by_status = crate::core::model::JobStatus::ALL
             .iter()
             .map(|s| {
@@ -318,6 +328,7 @@ impl Metrics {
             store_write_errors,
             store_up,
             watch_streams,
+            replica_workers,
             jobs_total,
             jobs_total_by_status,
             jobs,

@@ -37,6 +37,24 @@
 //!   jobs are submitted on one replica for a worker on the other: each is
 //!   leased within the 500 ms poll interval plus slack, and the listeners
 //!   come back.
+//! - `a_silent_listener_connection_is_replaced`: the replicas' LISTEN
+//!   connections go silent without an error (their server processes
+//!   stopped with SIGSTOP): each replica opens another, and a WatchAction
+//!   on B reports a job completed through A.
+//! - `departed_workers_leave_no_entry_on_their_replica`: workers that
+//!   unregistered through B, whose streams A ended, leave no entry in A's
+//!   memory (`agq_replica_workers` back at 0).
+//! - `a_replica_whose_database_stops_answering_turns_not_serving`: every
+//!   server process of the replica's database stopped (SIGSTOP): its
+//!   health turns NOT_SERVING, and SERVING again once they resume.
+//! - `selectors_of_finished_actions_are_dropped`: the worker selectors
+//!   the dispatchers read keep only those of open jobs; a job retried
+//!   after its selector was dropped brings it back and is leased.
+//! - `a_refused_heartbeat_stream_is_closed`: a heartbeat stream refused
+//!   after the worker was taken over (a statement after the takeover
+//!   failed) is closed like one that ended.
+//! - `a_refused_lease_stream_is_closed`: the same for a lease stream
+//!   refused after it was attached.
 //! - `a_submit_notifies_the_dispatchers`: a SubmitAction's commit sends
 //!   `NOTIFY agq_ready` (a test connection LISTENs).
 //! - `work_crosses_replicas`: a job submitted on B runs on a worker
@@ -1227,6 +1245,498 @@ async fn a_killed_listener_connection_still_leases() {
     );
 }
 
+/// Server processes stopped with SIGSTOP, resumed (SIGCONT) when dropped.
+struct Stopped(Vec<i32>);
+
+impl Stopped {
+    /// Stops `pids`.
+    fn stop(pids: Vec<i32>) -> Stopped {
+        let mut stopped = Stopped(Vec::new());
+        for pid in pids {
+            stopped.add(pid);
+        }
+        stopped
+    }
+
+    /// Stops `pid` too.
+    fn add(&mut self, pid: i32) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGSTOP)
+            .expect("SIGSTOP a PostgreSQL server process");
+        self.0.push(pid);
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGCONT);
+        }
+    }
+}
+
+/// A LISTEN connection that went silent, without an error (its server
+/// process stopped with SIGSTOP here, as a half-open TCP connection or a
+/// stalled server behaves), is replaced: a WatchAction on replica B still
+/// reports a job completed through replica A. B's watchers learn of
+/// another replica's changes only through its listener; a listener that
+/// waited on a silent connection for good left them waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_listener_connection_is_replaced() {
+    if std::env::var("AGQ_TEST_DATABASE_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        eprintln!("skipped: AGQ_TEST_DATABASE_URL names a server these tests do not own");
+        return;
+    }
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    put_plan(&urls[0]).await;
+    let db = pg::connect(&cluster.url).await;
+    let listeners = || async {
+        db.query(
+            "SELECT pid FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get::<_, i32>(0))
+        .collect::<Vec<i32>>()
+    };
+    eventually(10, "one listener connection per replica", || async {
+        listeners().await.len() == 2
+    })
+    .await;
+    let mut w = HandWorker::start(&urls[0], "w", "instance-w", &["cat"]).await;
+    let (action, job) = submit_action_of(&urls[0], "p", 1, None).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("W leases the job")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.as_ref().unwrap().job_id, job);
+    // Both listeners go silent.
+    let stopped = Stopped::stop(listeners().await);
+    assert_eq!(stopped.0.len(), 2, "one listener connection per replica");
+    let mut watch =
+        action_service_client::ActionServiceClient::new(channel(&urls[1]).await.unwrap())
+            .watch_action(WatchActionRequest {
+                action_id: action.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    let first = timeout(CALL, watch.next())
+        .await
+        .expect("the watch's first message")
+        .unwrap()
+        .unwrap()
+        .action
+        .unwrap();
+    assert_eq!(first.running, 1, "{first:?}");
+    w.client
+        .update_job(UpdateJobRequest {
+            job_id: job.clone(),
+            worker_id: "w".into(),
+            lease_id: l.lease_id.clone(),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("W completes the job through A");
+    let seen = timeout(Duration::from_secs(15), async {
+        while let Some(Ok(m)) = watch.next().await {
+            let a = m.action.unwrap();
+            if a.completed == 1 {
+                return Some(a);
+            }
+        }
+        None
+    })
+    .await;
+    drop(stopped);
+    assert!(
+        matches!(seen, Ok(Some(_))),
+        "the watch on replica B did not report the job completed through A within 15 s of its \
+         listener connection going silent: {seen:?}"
+    );
+    eventually(10, "both replicas listen again", || async {
+        listeners().await.len() >= 2
+    })
+    .await;
+    cluster.assert_no_panic();
+}
+
+/// A replica whose database stops answering without an error (every
+/// server process of its database stopped with SIGSTOP, new ones too, as
+/// behind a network partition that drops packets) turns NOT_SERVING, so
+/// that probes take it out of the Service, and SERVING again once the
+/// database answers. Its health refresh waited on the silent connection
+/// for good, and readiness stayed SERVING while every call hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_database_stops_answering_turns_not_serving() {
+    if std::env::var("AGQ_TEST_DATABASE_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        eprintln!("skipped: AGQ_TEST_DATABASE_URL names a server these tests do not own");
+        return;
+    }
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    eventually(10, "the replica serves", || serving(&url)).await;
+    let db = pg::connect(&cluster.url).await;
+    let (done_tx, mut done) = watch::channel(false);
+    // Every server process of the database but this test's, stopped, and
+    // those the replica opens meanwhile as they appear.
+    let stopper = tokio::spawn(async move {
+        let mut stopped = Stopped(Vec::new());
+        while !*done.borrow() {
+            let pids: Vec<i32> = db
+                .query(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.get(0))
+                .collect();
+            for pid in pids {
+                if !stopped.0.contains(&pid) {
+                    stopped.add(pid);
+                }
+            }
+            let _ = timeout(Duration::from_millis(50), done.changed()).await;
+        }
+        stopped.0.len()
+    });
+    let turned = timeout(Duration::from_secs(20), async {
+        while serving(&url).await {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    let _ = done_tx.send(true);
+    let stopped = stopper.await.unwrap();
+    assert!(stopped > 0, "no server process of the database was stopped");
+    assert!(
+        turned.is_ok(),
+        "the replica still reported SERVING 20 s after its database stopped answering"
+    );
+    eventually(20, "the replica serves again", || serving(&url)).await;
+    cluster.assert_no_panic();
+}
+
+/// A heartbeat stream the replica refuses after it took the worker over
+/// (here: one of the statements that follow the takeover fails, its
+/// connection cut while it waits for a lock the test holds) is closed
+/// like one that ended: the worker is suspect (`heartbeat_open` false,
+/// its leases re-queued after the grace) and the replica keeps no entry
+/// for it (`agq_replica_workers`). The refused stream was left open in
+/// the database and in the replica's memory for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_heartbeat_stream_is_closed() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    let probe = pg::connect(&cluster.url).await;
+    // No maintenance pass declares the silent worker DEAD meanwhile (its
+    // End command would end what the replica holds for it).
+    let leader = hold_maintenance(&cluster.url).await;
+    let mut client = worker_service_client::WorkerServiceClient::new(channel(&url).await.unwrap());
+    client
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "w".into(),
+            hostname: "cluster-test".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["cat".into()],
+                ..Default::default()
+            }),
+            max_concurrent_jobs: 1,
+            instance_id: "instance-w".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // The statements after the takeover read the worker's challenges.
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE worker_challenges IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    tx.send(first_heartbeat("w")).await.unwrap();
+    let opening = tokio::spawn(async move { client.heartbeat(ReceiverStream::new(rx)).await });
+    eventually(10, "the opening waits for the challenges", || async {
+        lock_waiters(&probe, "%worker_challenges%").await >= 1
+    })
+    .await;
+    let cut: i64 = probe
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE '%worker_challenges%') t",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(cut >= 1, "no statement waited");
+    lock.rollback().await.unwrap();
+    let opened = timeout(CALL, opening)
+        .await
+        .expect("the opening ends")
+        .unwrap();
+    assert!(opened.is_err(), "the stream was refused");
+    drop(tx);
+    let closed = timeout(Duration::from_secs(5), async {
+        loop {
+            let open: bool = probe
+                .query_one(
+                    "SELECT heartbeat_open FROM workers WHERE worker_id = 'w'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            let held = metric_of(&url, "agq_replica_workers").await;
+            if !open && held == Some(0.0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        closed.is_ok(),
+        "5 s after the replica refused W's heartbeat stream, the stream is still open in the \
+         database or in the replica's memory"
+    );
+    cluster.assert_no_panic();
+}
+
+/// The same for a lease stream: one refused after it was attached (here:
+/// reading back the leases still in flight to the worker fails, its
+/// connection cut while it waits for a lock the test holds) is closed
+/// like one that ended (`lease_stream_open` false), not left open in the
+/// database and in the replica's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_lease_stream_is_closed() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let probe = pg::connect(&cluster.url).await;
+    let leader = hold_maintenance(&cluster.url).await;
+    let mut w = HandWorker::start(&url, "w", "instance-w", &["cat"]).await;
+    submit_one(&url).await;
+    next_lease(&mut w, Duration::from_secs(5))
+        .await
+        .expect("W leases the job");
+    // The lease stream reconnects: the lease just pushed is read back.
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE actions IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut client = w.client.clone();
+    let opening = tokio::spawn(async move {
+        client
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: "w".into(),
+            })
+            .await
+    });
+    eventually(10, "the opening waits for the actions", || async {
+        lock_waiters(&probe, "%JOIN actions%").await >= 1
+    })
+    .await;
+    let cut: i64 = probe
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE '%JOIN actions%') t",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(cut >= 1, "no statement waited");
+    lock.rollback().await.unwrap();
+    let opened = timeout(CALL, opening)
+        .await
+        .expect("the opening ends")
+        .unwrap();
+    assert!(opened.is_err(), "the stream was refused");
+    let closed = timeout(Duration::from_secs(5), async {
+        loop {
+            let open: bool = probe
+                .query_one(
+                    "SELECT lease_stream_open FROM workers WHERE worker_id = 'w'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if !open {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        closed.is_ok(),
+        "5 s after the replica refused W's new lease stream, it is still open in the database"
+    );
+    cluster.assert_no_panic();
+}
+
+/// The worker selectors of stored actions (`selectors`, which every
+/// dispatcher round reads whole and matches against its workers' tags)
+/// keep only those of open jobs: the selector of an action whose jobs
+/// all ended is dropped by the leader, so distinct selectors used once
+/// (a selector per batch, say) do not pile up and slow every round of
+/// every replica for good. A job retried after its selector was dropped
+/// brings it back, and is leased to a worker that matches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn selectors_of_finished_actions_are_dropped() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let db = pg::connect(&cluster.url).await;
+    let kept = || async {
+        db.query(
+            "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<String>>()
+    };
+    let mut actions = action_service_client::ActionServiceClient::new(channel(&url).await.unwrap());
+    let mut submitted = Vec::new();
+    for batch in ["batch=1", "batch=2"] {
+        let r = actions
+            .submit_action(SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: vec![ActionInput::default()],
+                max_attempts: 1,
+                worker_selector: batch.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("submit")
+            .into_inner();
+        submitted.push((r.action_id, r.job_ids[0].clone()));
+    }
+    assert_eq!(kept().await, ["batch=1", "batch=2"]);
+    // Both end: the first cancelled, the second dead (its one attempt
+    // failed).
+    actions
+        .cancel_action(CancelActionRequest {
+            action_id: submitted[0].0.clone(),
+        })
+        .await
+        .expect("cancel");
+    db.execute(
+        "UPDATE jobs SET status = 5, completed_at_ms = agq_now_ms(), error = 'failed'
+         WHERE job_id = $1 AND status = 1",
+        &[&submitted[1].1],
+    )
+    .await
+    .unwrap();
+    eventually(10, "the selectors of ended jobs are dropped", || async {
+        kept().await.is_empty()
+    })
+    .await;
+    // The dead job is retried: its selector is back, and a worker with a
+    // matching tag leases it.
+    job_service_client::JobServiceClient::new(channel(&url).await.unwrap())
+        .retry_job(RetryJobRequest {
+            job_id: submitted[1].1.clone(),
+            priority: None,
+        })
+        .await
+        .expect("retry");
+    assert_eq!(kept().await, ["batch=2"]);
+    let mut w =
+        HandWorker::start_tagged(&url, "w", "instance-w", &["cat"], &[("batch", "2")]).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("the retried job is leased to the worker that matches its selector")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.unwrap().job_id, submitted[1].1);
+    cluster.assert_no_panic();
+}
+
+/// The value of the sample `name` in the `GetMetrics` text of the replica
+/// at `url`; `None` when it cannot be read.
+async fn metric_of(url: &str, name: &str) -> Option<f64> {
+    let body = queue_service_client::QueueServiceClient::new(channel(url).await?)
+        .get_metrics(GetMetricsRequest {
+            format: "prometheus".into(),
+        })
+        .await
+        .ok()?
+        .into_inner()
+        .body;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Workers whose streams a replica ended (here: they unregistered through
+/// another replica, and the replica holding their streams delivered the
+/// End command; the same path serves workers declared DEAD, taken over by
+/// a new instance, or moved to another replica) leave no entry in that
+/// replica's memory (`agq_replica_workers`). Such entries were kept for
+/// good, one per departed worker id: with agw pods coming and going under
+/// new names, a replica's memory only grew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn departed_workers_leave_no_entry_on_their_replica() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let (a, b) = (&urls[0], &urls[1]);
+    let mut workers = Vec::new();
+    for n in 0..2 {
+        workers
+            .push(HandWorker::start(a, &format!("w{n}"), &format!("instance-{n}"), &["cat"]).await);
+    }
+    eventually(10, "A holds both workers' streams", || async {
+        metric_of(a, "agq_replica_workers").await == Some(2.0)
+    })
+    .await;
+    let mut admin = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
+    for w in &mut workers {
+        admin
+            .unregister_worker(UnregisterWorkerRequest {
+                worker_id: w.id.clone(),
+            })
+            .await
+            .expect("unregister through B");
+        // A ends the worker's streams.
+        timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = w.leases.next().await {}
+        })
+        .await
+        .expect("A ends the lease stream of a worker that unregistered");
+    }
+    drop(workers);
+    eventually(10, "A keeps no entry for the departed workers", || async {
+        metric_of(a, "agq_replica_workers").await == Some(0.0)
+    })
+    .await;
+    cluster.assert_no_panic();
+}
+
 /// A submit sends `NOTIFY agq_ready` at its commit: the dispatchers wake
 /// on it at once, the poll being only the fallback for a lost one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2020,6 +2530,29 @@ impl HandWorker {
         tools: &[&str],
         slots: u32,
     ) -> HandWorker {
+        Self::start_as(url, id, instance, tools, slots, &[]).await
+    }
+
+    /// [`HandWorker::start`] with `tags`.
+    async fn start_tagged(
+        url: &str,
+        id: &str,
+        instance: &str,
+        tools: &[&str],
+        tags: &[(&str, &str)],
+    ) -> HandWorker {
+        Self::start_as(url, id, instance, tools, 1, tags).await
+    }
+
+    /// [`HandWorker::start`] with `slots` concurrent jobs and `tags`.
+    async fn start_as(
+        url: &str,
+        id: &str,
+        instance: &str,
+        tools: &[&str],
+        slots: u32,
+        tags: &[(&str, &str)],
+    ) -> HandWorker {
         let mut client =
             worker_service_client::WorkerServiceClient::new(channel(url).await.unwrap());
         client
@@ -2033,6 +2566,10 @@ impl HandWorker {
                 }),
                 max_concurrent_jobs: slots,
                 instance_id: instance.into(),
+                tags: tags
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 ..Default::default()
             })
             .await

@@ -29,7 +29,12 @@
 //!   what they update next is only what they locked.
 //!
 //! Rows of other tables are locked before job rows (plan, action, then
-//! jobs; a worker's row before its jobs), never after.
+//! jobs; a worker's row before its jobs), never after, with one exception:
+//! a retry share-locks the worker selectors of the jobs it made pending
+//! ([`keep_selectors`]) after locking them. No transaction waits for a job
+//! row while it holds a selector's row (a submit locks its selector and
+//! then inserts new jobs; the leader's drop of unused selectors reads the
+//! jobs without locking them), so this cannot close a circle.
 
 use deadpool_postgres::{GenericClient, Transaction};
 use rand::Rng;
@@ -48,6 +53,56 @@ use crate::{
     error::{Error, Result},
     store::sqlite::sql::jobs::encode_task_results,
 };
+
+/// Stores the worker selectors `selectors` for the dispatchers (the
+/// empty one is always there) and share-locks their rows (`FOR KEY
+/// SHARE`) to the commit of `tx`, which makes jobs with them open: the
+/// leader drops the selectors no open job uses
+/// (`maintenance::drop_unused_selectors`), locking each before it checks
+/// again, so it skips one locked here, and one it holds is locked here only
+/// once it is dropped or kept, and stored again when dropped. Concurrent
+/// transactions with the same selector do not wait for each other.
+///
+/// Errors: storage errors; `StoreBusy` when the rows keep being dropped
+/// under it (never, short of a leader dropping them in a loop).
+async fn keep_selectors(tx: &Transaction<'_>, selectors: &[String]) -> Result<()> {
+    let mut wanted: Vec<&str> = selectors
+        .iter()
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let insert = cached(
+        tx,
+        "INSERT INTO selectors (selector) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING",
+    )
+    .await?;
+    let hold = cached(
+        tx,
+        "SELECT count(*) FROM (SELECT 1 FROM selectors WHERE selector = ANY($1)
+                               ORDER BY selector FOR KEY SHARE) t",
+    )
+    .await?;
+    for _ in 0..10 {
+        tx.execute(&insert, &[&wanted]).await.map_err(db_err)?;
+        let held: i64 = tx
+            .query_one(&hold, &[&wanted])
+            .await
+            .map_err(db_err)?
+            .get(0);
+        // Fewer: one was dropped between the two statements; stored again.
+        if held == wanted.len() as i64 {
+            return Ok(());
+        }
+    }
+    Err(Error::StoreBusy(
+        "the worker selectors of this change kept being dropped; retry".into(),
+    ))
+}
 
 /// Job status numbers as stored.
 pub(super) const RUNNING: i16 = JobStatus::Running as i16;
@@ -570,18 +625,9 @@ impl PgEngine {
                 v.action_id
             )));
         }
-        if !sched.worker_selector.is_empty() {
-            tx.execute(
-                &cached(
-                    tx,
-                    "INSERT INTO selectors (selector) VALUES ($1) ON CONFLICT DO NOTHING",
-                )
-                .await?,
-                &[&sched.worker_selector],
-            )
-            .await
-            .map_err(db_err)?;
-        }
+        // Locked to the commit: the leader's drop of unused selectors
+        // cannot drop it before these jobs are visible.
+        keep_selectors(tx, std::slice::from_ref(&sched.worker_selector)).await?;
         let mut ids = Vec::with_capacity(v.inputs.len());
         let mut inputs = Vec::with_capacity(v.inputs.len());
         for input in &v.inputs {
@@ -756,11 +802,15 @@ impl PgEngine {
                  UPDATE jobs j SET status = 1, attempt = 0, ready_at_ms = agq_now_ms(), delayed = false,
                         completed_at_ms = NULL, lease_id = NULL, error = '', current_task = 0,
                         progress_percent = 0, priority = coalesce($2, j.priority)
-                 FROM old WHERE j.id = old.id RETURNING old.status",
+                 FROM old WHERE j.id = old.id RETURNING old.status, j.worker_selector",
                 &[&ids, &priority],
             )
             .await
             .map_err(db_err)?;
+        // Pending again: their selectors, dropped maybe since they ended,
+        // are needed by the dispatchers again.
+        let selectors: Vec<String> = rows.iter().map(|r| r.get(1)).collect();
+        keep_selectors(tx, &selectors).await?;
         tx.execute(
             "UPDATE actions SET finished_at_ms = NULL WHERE action_id = $1",
             &[&action_id],

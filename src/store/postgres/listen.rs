@@ -4,8 +4,11 @@
 //! WatchAction subscribers and the challenge loop. A
 //! lost connection is re-opened with backoff; after each (re)connect
 //! everything is woken once (a full fetch), since notifications sent
-//! meanwhile are lost. The watch notifier sends the actions this replica
-//! changed, batched.
+//! meanwhile are lost. A connection that went silent (a half-open TCP
+//! connection, a stalled server process) reports no error: the listener
+//! probes it every [`PROBE_EVERY`] and re-opens it when it does not answer
+//! within [`PROBE_TIMEOUT`]. The watch notifier sends the actions this
+//! replica changed, batched.
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
@@ -17,6 +20,18 @@ use super::{
     WATCH_CHANNEL,
 };
 
+/// How often the listener checks that its connection still answers (its
+/// `LISTEN` statement again, which changes nothing on a session that
+/// listens already): notifications arrive only on a live connection,
+/// and one that went silent never reports an error, so without the probe
+/// the replica would never hear another notification (watchers of changes
+/// made on other replicas would wait forever).
+const PROBE_EVERY: Duration = Duration::from_secs(2);
+
+/// How long the listener's probe, and its connect and `LISTEN`, may take
+/// before the connection is given up and opened anew.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// The listener loop.
 pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
@@ -25,8 +40,12 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
         if *stop.borrow() {
             return;
         }
-        match engine.pg_config.connect(engine.tls.clone()).await {
-            Ok((client, mut connection)) => {
+        // A server that accepts the connection and then says nothing
+        // would hold the listener here for good.
+        match tokio::time::timeout(PROBE_TIMEOUT, engine.pg_config.connect(engine.tls.clone()))
+            .await
+        {
+            Ok(Ok((client, mut connection))) => {
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 let pump = tokio::spawn(async move {
                     let mut messages =
@@ -46,39 +65,55 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                         }
                     }
                 });
-                let listened = client
-                    .batch_execute(&format!(
-                        "LISTEN {READY_CHANNEL}; LISTEN {COMMAND_CHANNEL}; LISTEN {WATCH_CHANNEL}; \
-                         LISTEN {VERIFY_CHANNEL}"
-                    ))
-                    .await;
-                if let Err(e) = listened {
-                    tracing::warn!(error = %e, "LISTEN failed");
-                    pump.abort();
-                } else {
-                    backoff = Duration::from_millis(100);
-                    // Whatever was notified while not listening: fetch it all.
-                    engine.dispatch_wake.notify_one();
-                    engine.commands_wake.notify_one();
-                    engine.watchers.notify_all();
-                    engine.verify_wake.notify_one();
-                    loop {
-                        tokio::select! {
-                            n = rx.recv() => match n {
-                                Some(n) => engine.notified(n.channel(), n.payload()),
-                                None => break,
-                            },
-                            _ = stop.changed() => {
-                                pump.abort();
-                                return;
+                let listen = format!(
+                    "LISTEN {READY_CHANNEL}; LISTEN {COMMAND_CHANNEL}; LISTEN {WATCH_CHANNEL}; \
+                     LISTEN {VERIFY_CHANNEL}"
+                );
+                let listened =
+                    tokio::time::timeout(PROBE_TIMEOUT, client.batch_execute(&listen)).await;
+                match listened {
+                    Ok(Ok(())) => {
+                        backoff = Duration::from_millis(100);
+                        // Whatever was notified while not listening: fetch it all.
+                        engine.dispatch_wake.notify_one();
+                        engine.commands_wake.notify_one();
+                        engine.watchers.notify_all();
+                        engine.verify_wake.notify_one();
+                        let mut probe = tokio::time::interval(PROBE_EVERY);
+                        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        probe.tick().await;
+                        loop {
+                            tokio::select! {
+                                n = rx.recv() => match n {
+                                    Some(n) => engine.notified(n.channel(), n.payload()),
+                                    None => break,
+                                },
+                                // Notifications that arrive meanwhile wait in `rx`.
+                                _ = probe.tick() => if !answers(&client, &listen).await {
+                                    break;
+                                },
+                                _ = stop.changed() => {
+                                    pump.abort();
+                                    return;
+                                }
                             }
                         }
                     }
+                    Ok(Err(e)) => tracing::warn!(error = %e, "LISTEN failed"),
+                    Err(_) => tracing::warn!("LISTEN did not answer within {PROBE_TIMEOUT:?}"),
                 }
+                // The connection is given up: closed here, not left to a
+                // server that may never answer again.
+                pump.abort();
                 drop(client);
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "PostgreSQL listener cannot connect");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "PostgreSQL listener connection not opened within {PROBE_TIMEOUT:?}"
+                );
             }
         }
         tokio::select! {
@@ -86,6 +121,25 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
             _ = stop.changed() => return,
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Whether the listener's connection answers `listen` (its `LISTEN`
+/// statement again) within [`PROBE_TIMEOUT`]; a connection that does not
+/// is given up.
+async fn answers(client: &tokio_postgres::Client, listen: &str) -> bool {
+    match tokio::time::timeout(PROBE_TIMEOUT, client.batch_execute(listen)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "PostgreSQL listener connection failed its probe; reconnecting");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                "PostgreSQL listener connection did not answer within {PROBE_TIMEOUT:?}; reconnecting"
+            );
+            false
+        }
     }
 }
 

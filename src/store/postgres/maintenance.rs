@@ -48,6 +48,11 @@ const FOLD_EVERY: Duration = Duration::from_secs(2);
 /// the previous pass's window, wrapping around at the end.
 const FINISH_SCAN: i64 = 1000;
 
+/// How many maintenance ticks pass between two drops of unused worker
+/// selectors ([`PgEngine::drop_unused_selectors`]): 50 s at the default
+/// heartbeat interval.
+const SELECTOR_DROP_TICKS: u32 = 50;
+
 /// The maintenance tick: half the heartbeat interval, between 50 ms and
 /// 1 s.
 fn tick(engine: &PgEngine) -> Duration {
@@ -60,6 +65,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     let period = tick(&engine);
     let mut last_fold: Option<std::time::Instant> = None;
+    let mut last_selector_drop: Option<std::time::Instant> = None;
     // Where the next finish-stamp pass starts (`actions.seq`), in memory:
     // a replica that takes the leadership over starts from the beginning.
     let mut finish_cursor = 0;
@@ -75,6 +81,13 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                     r = engine.fold_job_counts().await;
                     last_fold = Some(std::time::Instant::now());
                 }
+                if r.is_ok()
+                    && last_selector_drop
+                        .is_none_or(|t| t.elapsed() >= period * SELECTOR_DROP_TICKS)
+                {
+                    r = engine.drop_unused_selectors().await;
+                    last_selector_drop = Some(std::time::Instant::now());
+                }
                 if let Err(e) = engine.observe(r) {
                     tracing::warn!(error = %e, "maintenance pass failed");
                 }
@@ -87,12 +100,19 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
     }
 }
 
+/// How long a replica's refresh of its row ([`replica_heartbeat`]) may
+/// take before the database counts as not answering (health NOT_SERVING):
+/// a connection gone silent (a partition that drops packets, a stalled
+/// server) reports no error, and the refresh would wait on it for good,
+/// reporting SERVING meanwhile while every call hangs.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Refreshes this replica's row every second and the health it reports:
-/// SERVING while the database answers.
+/// SERVING while the database answers, within [`REFRESH_TIMEOUT`].
 pub(super) async fn replica_heartbeat(engine: Arc<PgEngine>) {
     let mut stop = engine.stopping();
     loop {
-        let up = async {
+        let refresh = async {
             let c = engine.client().await?;
             let n = c
                 .execute(
@@ -111,9 +131,16 @@ pub(super) async fn replica_heartbeat(engine: Arc<PgEngine>) {
                 .map_err(db_err)?;
             }
             Ok::<(), crate::error::Error>(())
-        }
-        .await
-        .is_ok();
+        };
+        let up = match tokio::time::timeout(REFRESH_TIMEOUT, refresh).await {
+            Ok(r) => r.is_ok(),
+            Err(_) => {
+                tracing::warn!(
+                    "the PostgreSQL database did not answer within {REFRESH_TIMEOUT:?}; not serving"
+                );
+                false
+            }
+        };
         engine.metrics.store_up.set(i64::from(up));
         let _ = engine
             .health
@@ -202,6 +229,57 @@ impl PgEngine {
         let c = self.client().await?;
         let kept = c.execute(FOLD_JOB_COUNTS, &[]).await.map_err(db_err)?;
         tracing::trace!(statuses = kept, "job counts folded");
+        Ok(())
+    }
+
+    /// Drops the worker selectors (`selectors`, which every dispatcher
+    /// round reads whole) that no open job (pending, running, failed)
+    /// uses any more, 1000 at most: the selectors of finished actions
+    /// would otherwise pile up for good, each one more to read and match
+    /// in every round of every replica. The empty selector stays.
+    ///
+    /// A submit or a retry that makes jobs with a selector open holds its
+    /// row share-locked to its commit (`jobs::keep_selectors`). The drop
+    /// first locks the candidates (`FOR UPDATE SKIP LOCKED`: a selector
+    /// such a transaction holds is skipped), then deletes those that no
+    /// open job uses in a statement of its own, whose snapshot sees every
+    /// transaction that held one of them before: one checked in the first
+    /// statement's snapshot only could be dropped under the jobs of a
+    /// submit that committed in between, and those jobs would never be
+    /// claimed. A transaction that asks for a selector the drop holds
+    /// waits for it, and stores it again when it was dropped.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn drop_unused_selectors(&self) -> Result<()> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await.map_err(db_err)?;
+        let unused = "NOT EXISTS (SELECT 1 FROM jobs j
+                                  WHERE j.worker_selector = s.selector AND j.status IN (1, 2, 4))";
+        let locked: Vec<String> = tx
+            .query(
+                &format!(
+                    "SELECT s.selector FROM selectors s WHERE s.selector <> '' AND {unused}
+                     LIMIT 1000 FOR UPDATE OF s SKIP LOCKED"
+                ),
+                &[],
+            )
+            .await
+            .map_err(db_err)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        if locked.is_empty() {
+            return Ok(());
+        }
+        let dropped = tx
+            .execute(
+                &format!("DELETE FROM selectors s WHERE s.selector = ANY($1) AND {unused}"),
+                &[&locked],
+            )
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        tracing::debug!(dropped, "unused worker selectors dropped");
         Ok(())
     }
 

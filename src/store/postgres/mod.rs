@@ -115,6 +115,21 @@ struct Local {
     touched: HashSet<String>,
 }
 
+impl Local {
+    /// Forgets worker `id`'s entry once this replica holds neither of its
+    /// streams: an entry lives only as long as a stream it holds, or every
+    /// worker id that ever connected here would stay in memory.
+    fn forget_streamless(&mut self, id: &str) {
+        if self
+            .workers
+            .get(id)
+            .is_some_and(|w| w.heartbeat.is_none() && w.lease.is_none())
+        {
+            self.workers.remove(id);
+        }
+    }
+}
+
 /// A cached plan version with its stamp ([`rows::PLAN_STAMP`]).
 type StampedPlan = (String, Arc<Plan>);
 
@@ -414,13 +429,18 @@ impl PgEngine {
         self.me.upgrade()
     }
 
-    /// Refreshes the job, queue and worker gauges from the database. The
+    /// Refreshes the job, queue and worker gauges from the database (and
+    /// `agq_replica_workers` from this replica's memory). The
     /// job counts are the sums of `job_counts` (kept by triggers in the
     /// transactions that change jobs; migration 0002), not a count of the
     /// rows: a scrape costs the same with a week of history.
     ///
     /// Errors: storage errors.
     async fn refresh_gauges(&self) -> Result<()> {
+        let held = lock(&self.local).workers.len();
+        self.metrics
+            .replica_workers
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
         let c = self.client().await?;
         let counts: HashMap<i32, i64> = c
             .query(
@@ -496,6 +516,16 @@ fn tls_connector(
     .with_root_certificates(roots)
     .with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+
+/// Gives back pooled connection `c` after `e` failed an operation on it:
+/// a connection lost (`StoreUnavailable`) leaves the pool, where the next
+/// caller (often the one cleaning up after `e`) would get it and fail too
+/// before the pool noticed.
+fn release(c: deadpool_postgres::Object, e: &Error) {
+    if matches!(e, Error::StoreUnavailable(_)) {
+        drop(deadpool_postgres::Object::take(c));
+    }
 }
 
 /// Maps a pool error to `StoreUnavailable`.

@@ -395,12 +395,28 @@ impl PgEngine {
         // queued) is harmless: the worker drains once. A DrainWorker
         // committed after the UPDATE above queues its own command, which
         // this stream (its epoch now the current one) receives.
-        if draining {
-            queue_command(&c, &id, &WorkerCommand::drain_requested()).await?;
+        let rest = async {
+            if draining {
+                queue_command(&c, &id, &WorkerCommand::drain_requested()).await?;
+            }
+            resend_pending(&c, &id).await?;
+            self.challenge_missing(&c, std::slice::from_ref(&id)).await
         }
-        resend_pending(&c, &id).await?;
-        self.challenge_missing(&c, std::slice::from_ref(&id))
-            .await?;
+        .await;
+        if let Err(e) = rest {
+            // The stream is refused after it took the worker over: closed
+            // here as if it had ended (the worker suspect, this replica's
+            // entry for it gone), since the caller, refused, never closes
+            // it; else it would stay open in the database and in memory.
+            super::release(c, &e);
+            if let Err(close) = self
+                .pg_close_stream(id.clone(), StreamKind::Heartbeat, sid)
+                .await
+            {
+                tracing::warn!(worker_id = %id, error = %close, "closing a refused heartbeat stream was not recorded");
+            }
+            return Err(e);
+        }
         Ok(sid)
     }
 
@@ -461,7 +477,23 @@ impl PgEngine {
         };
         if !unsent.is_empty() {
             let ids: Vec<String> = unsent.iter().cloned().collect();
-            let again = self.leases_again(&c, &id, &ids).await?;
+            let again = match self.leases_again(&c, &id, &ids).await {
+                Ok(again) => again,
+                Err(e) => {
+                    // Refused after it was attached: closed here as if it
+                    // had ended, since the caller, refused, never closes
+                    // it; else it would stay open in the database and in
+                    // memory, with nobody reading it.
+                    super::release(c, &e);
+                    if let Err(close) = self
+                        .pg_close_stream(id.clone(), StreamKind::Lease, sid)
+                        .await
+                    {
+                        tracing::warn!(worker_id = %id, error = %close, "closing a refused lease stream was not recorded");
+                    }
+                    return Err(e);
+                }
+            };
             let mut local = lock(&self.local);
             if let Some(w) = local.workers.get_mut(&id) {
                 // Those no longer running under that lease are done with.
@@ -557,9 +589,11 @@ impl PgEngine {
             .map_err(db_err)?;
         if updated.is_none() {
             let e = self.explain_worker(&tx, &id).await;
-            if let Some(w) = lock(&self.local).workers.get_mut(&id) {
+            let mut local = lock(&self.local);
+            if let Some(w) = local.workers.get_mut(&id) {
                 w.heartbeat = None;
             }
+            local.forget_streamless(&id);
             return Err(e);
         }
         let mut revoked = Vec::new();
@@ -647,9 +681,7 @@ impl PgEngine {
                 }
                 _ => return Ok(()),
             }
-            if w.lease.is_none() && w.heartbeat.is_none() {
-                local.workers.remove(&id);
-            }
+            local.forget_streamless(&id);
             epoch
         };
         let mut client = self.client().await?;
@@ -1064,6 +1096,7 @@ impl PgEngine {
                     ))));
                 }
                 w.lease = None;
+                local.forget_streamless(id);
                 tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere");
             }
         }
@@ -1109,6 +1142,7 @@ impl PgEngine {
                     let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(reason)));
                     w.heartbeat = None;
                     w.lease = None;
+                    local.forget_streamless(&worker);
                 }
                 None => tracing::warn!(worker_id = %worker, "unknown queued command skipped"),
             }
