@@ -1468,21 +1468,7 @@ async fn a_refused_heartbeat_stream_is_closed() {
     let (tx, rx) = mpsc::channel(16);
     tx.send(first_heartbeat("w")).await.unwrap();
     let opening = tokio::spawn(async move { client.heartbeat(ReceiverStream::new(rx)).await });
-    eventually(10, "the opening waits for the challenges", || async {
-        lock_waiters(&probe, "%worker_challenges%").await >= 1
-    })
-    .await;
-    let cut: i64 = probe
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'
-               AND query LIKE '%worker_challenges%') t",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(cut >= 1, "no statement waited");
+    cut_statements_waiting_on(&probe, "%worker_challenges%").await;
     lock.rollback().await.unwrap();
     let opened = timeout(CALL, opening)
         .await
@@ -1490,31 +1476,59 @@ async fn a_refused_heartbeat_stream_is_closed() {
         .unwrap();
     assert!(opened.is_err(), "the stream was refused");
     drop(tx);
-    let closed = timeout(Duration::from_secs(5), async {
+    let closed = closes_within_5_s(&probe, "heartbeat_open", || async {
+        metric_of(&url, "agq_replica_workers").await == Some(0.0)
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        closed,
+        "5 s after the replica refused W's heartbeat stream, the stream is still open in the \
+         database or in the replica's memory"
+    );
+    cluster.assert_no_panic();
+}
+
+/// Waits until a statement waits for a lock the test holds, its text
+/// matching `pattern` (LIKE), then terminates every such backend: the
+/// connection under a replica's statement is lost mid-call.
+async fn cut_statements_waiting_on(probe: &tokio_postgres::Client, pattern: &str) {
+    eventually(10, "a statement waits for the lock", || async {
+        lock_waiters(probe, pattern).await >= 1
+    })
+    .await;
+    let cut: i64 = probe
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE $1) t",
+            &[&pattern],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(cut >= 1, "no statement waited");
+}
+
+/// Whether, within 5 s, worker `w`'s stream flag `column` of `workers`
+/// turns false and `also` holds.
+async fn closes_within_5_s<F, Fut>(probe: &tokio_postgres::Client, column: &str, also: F) -> bool
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let sql = format!("SELECT {column} FROM workers WHERE worker_id = 'w'");
+    timeout(Duration::from_secs(5), async {
         loop {
-            let open: bool = probe
-                .query_one(
-                    "SELECT heartbeat_open FROM workers WHERE worker_id = 'w'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            let held = metric_of(&url, "agq_replica_workers").await;
-            if !open && held == Some(0.0) {
+            let open: bool = probe.query_one(&sql, &[]).await.unwrap().get(0);
+            if !open && also().await {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     })
-    .await;
-    leader.batch_execute("ROLLBACK").await.unwrap();
-    assert!(
-        closed.is_ok(),
-        "5 s after the replica refused W's heartbeat stream, the stream is still open in the \
-         database or in the replica's memory"
-    );
-    cluster.assert_no_panic();
+    .await
+    .is_ok()
 }
 
 /// The same for a lease stream: one refused after it was attached (here:
@@ -1549,47 +1563,17 @@ async fn a_refused_lease_stream_is_closed() {
             })
             .await
     });
-    eventually(10, "the opening waits for the actions", || async {
-        lock_waiters(&probe, "%JOIN actions%").await >= 1
-    })
-    .await;
-    let cut: i64 = probe
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'
-               AND query LIKE '%JOIN actions%') t",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(cut >= 1, "no statement waited");
+    cut_statements_waiting_on(&probe, "%JOIN actions%").await;
     lock.rollback().await.unwrap();
     let opened = timeout(CALL, opening)
         .await
         .expect("the opening ends")
         .unwrap();
     assert!(opened.is_err(), "the stream was refused");
-    let closed = timeout(Duration::from_secs(5), async {
-        loop {
-            let open: bool = probe
-                .query_one(
-                    "SELECT lease_stream_open FROM workers WHERE worker_id = 'w'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if !open {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
+    let closed = closes_within_5_s(&probe, "lease_stream_open", || async { true }).await;
     leader.batch_execute("ROLLBACK").await.unwrap();
     assert!(
-        closed.is_ok(),
+        closed,
         "5 s after the replica refused W's new lease stream, it is still open in the database"
     );
     cluster.assert_no_panic();
