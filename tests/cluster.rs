@@ -1318,21 +1318,7 @@ async fn a_silent_listener_connection_is_replaced() {
     // Both listeners go silent.
     let stopped = Stopped::stop(listeners().await);
     assert_eq!(stopped.0.len(), 2, "one listener connection per replica");
-    let mut watch =
-        action_service_client::ActionServiceClient::new(channel(&urls[1]).await.unwrap())
-            .watch_action(WatchActionRequest {
-                action_id: action.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-    let first = timeout(CALL, watch.next())
-        .await
-        .expect("the watch's first message")
-        .unwrap()
-        .unwrap()
-        .action
-        .unwrap();
+    let (mut watch, first) = watch_on(&urls[1], &action).await;
     assert_eq!(first.running, 1, "{first:?}");
     w.client
         .update_job(UpdateJobRequest {
@@ -1487,6 +1473,29 @@ async fn a_refused_heartbeat_stream_is_closed() {
          database or in the replica's memory"
     );
     cluster.assert_no_panic();
+}
+
+/// A WatchAction stream of `action` opened on the replica at `url`, and
+/// its first message (the action as it is).
+async fn watch_on(
+    url: &str,
+    action: &str,
+) -> (tonic::Streaming<WatchActionResponse>, ActionStatus) {
+    let mut watch = action_service_client::ActionServiceClient::new(channel(url).await.unwrap())
+        .watch_action(WatchActionRequest {
+            action_id: action.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = timeout(CALL, watch.next())
+        .await
+        .expect("the watch's first message")
+        .unwrap()
+        .unwrap()
+        .action
+        .unwrap();
+    (watch, first)
 }
 
 /// Waits until a statement waits for a lock the test holds, its text
@@ -2741,21 +2750,7 @@ async fn a_watch_sees_jobs_lost_by_a_transaction_after_its_commit() {
         .unwrap()
         .unwrap();
     assert_eq!(l.job.unwrap().job_id, job);
-    let mut watch =
-        action_service_client::ActionServiceClient::new(channel(&urls[1]).await.unwrap())
-            .watch_action(WatchActionRequest {
-                action_id: action.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-    let first = timeout(CALL, watch.next())
-        .await
-        .expect("the watch's first message")
-        .unwrap()
-        .unwrap()
-        .action
-        .unwrap();
+    let (mut watch, first) = watch_on(&urls[1], &action).await;
     assert_eq!(first.running, 1, "{first:?}");
     // W's process is gone (its heartbeat stream closed): a new instance
     // may take the id over.
