@@ -227,11 +227,7 @@ impl State {
             .leases
             .iter()
             .copied()
-            .filter(|row| {
-                self.leases
-                    .get(row)
-                    .is_some_and(|l| !l.acknowledged && l.stream_id != sid)
-            })
+            .filter(|row| self.leases.get(row).is_some_and(|l| !l.acknowledged))
             .collect();
         let mut again = Vec::with_capacity(unsent.len());
         for row in unsent {
