@@ -404,18 +404,11 @@ impl PgEngine {
         }
         .await;
         if let Err(e) = rest {
-            // The stream is refused after it took the worker over: closed
-            // here as if it had ended (the worker suspect, this replica's
-            // entry for it gone), since the caller, refused, never closes
-            // it; else it would stay open in the database and in memory.
-            super::release(c, &e);
-            if let Err(close) = self
-                .pg_close_stream(id.clone(), StreamKind::Heartbeat, sid)
-                .await
-            {
-                tracing::warn!(worker_id = %id, error = %close, "closing a refused heartbeat stream was not recorded");
-            }
-            return Err(e);
+            // Refused after it took the worker over: the worker is then
+            // suspect and this replica's entry for it gone.
+            return Err(self
+                .close_refused(c, e, &id, StreamKind::Heartbeat, sid)
+                .await);
         }
         Ok(sid)
     }
@@ -479,20 +472,7 @@ impl PgEngine {
             let ids: Vec<String> = unsent.iter().cloned().collect();
             let again = match self.leases_again(&c, &id, &ids).await {
                 Ok(again) => again,
-                Err(e) => {
-                    // Refused after it was attached: closed here as if it
-                    // had ended, since the caller, refused, never closes
-                    // it; else it would stay open in the database and in
-                    // memory, with nobody reading it.
-                    super::release(c, &e);
-                    if let Err(close) = self
-                        .pg_close_stream(id.clone(), StreamKind::Lease, sid)
-                        .await
-                    {
-                        tracing::warn!(worker_id = %id, error = %close, "closing a refused lease stream was not recorded");
-                    }
-                    return Err(e);
-                }
+                Err(e) => return Err(self.close_refused(c, e, &id, StreamKind::Lease, sid).await),
             };
             let mut local = lock(&self.local);
             if let Some(w) = local.workers.get_mut(&id) {
@@ -513,6 +493,26 @@ impl PgEngine {
         }
         self.dispatch_wake.notify_one();
         Ok(sid)
+    }
+
+    /// Closes stream `sid` of worker `id`, refused with `e` after it was
+    /// attached, as if it had ended: the caller, refused, never closes it,
+    /// and it would stay open in the database and in memory with nobody
+    /// reading it. `c` goes back to the pool unless `e` says it was lost
+    /// (the close then takes another). Returns `e`.
+    async fn close_refused(
+        &self,
+        c: deadpool_postgres::Object,
+        e: Error,
+        id: &str,
+        kind: StreamKind,
+        sid: u64,
+    ) -> Error {
+        super::release(c, &e);
+        if let Err(close) = self.pg_close_stream(id.to_string(), kind, sid).await {
+            tracing::warn!(worker_id = %id, ?kind, error = %close, "closing a refused stream was not recorded");
+        }
+        e
     }
 
     /// The leases among `lease_ids` that worker `id` still holds (their
