@@ -1670,6 +1670,104 @@ async fn selectors_of_finished_actions_are_dropped() {
     cluster.assert_no_panic();
 }
 
+/// A submit that reuses a selector no open job uses, while the leader
+/// drops unused selectors, keeps it: the submit holds its selector's row
+/// until it commits, so the drop passes that row over (and drops the
+/// other unused one), and the submitted job is leased to a worker that
+/// matches it. Dropped under the submit, the job would never be claimed:
+/// a dispatcher matches only stored selectors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_selector_reused_while_unused_ones_are_dropped_is_kept() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let db = pg::connect(&cluster.url).await;
+    let kept = || async {
+        db.query(
+            "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<String>>()
+    };
+    let actions = action_service_client::ActionServiceClient::new(channel(&url).await.unwrap());
+    let submit = |selector: &'static str| {
+        let mut actions = actions.clone();
+        async move {
+            actions
+                .submit_action(SubmitActionRequest {
+                    plan_id: "p".into(),
+                    inputs: vec![ActionInput::default()],
+                    worker_selector: selector.into(),
+                    ..Default::default()
+                })
+                .await
+                .map(|r| r.into_inner())
+        }
+    };
+    // Both selectors stored, then unused: their actions are cancelled.
+    for selector in ["batch=old", "batch=other"] {
+        let r = submit(selector).await.expect("submit");
+        actions
+            .clone()
+            .cancel_action(CancelActionRequest {
+                action_id: r.action_id,
+            })
+            .await
+            .expect("cancel");
+    }
+    // A submit reusing "batch=old" waits in the insert of its job (a
+    // trigger waits for an advisory lock the test holds); nothing else
+    // waits.
+    db.batch_execute(
+        "CREATE FUNCTION agq_test_stall() RETURNS trigger AS $$
+         BEGIN
+           IF NEW.worker_selector = 'batch=old' THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+           RETURN NEW;
+         END $$ LANGUAGE plpgsql;
+         CREATE TRIGGER agq_test_stall BEFORE INSERT ON jobs
+           FOR EACH ROW EXECUTE FUNCTION agq_test_stall();",
+    )
+    .await
+    .unwrap();
+    let mut locker = pg::connect(&cluster.url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("SELECT pg_advisory_xact_lock(4242)")
+        .await
+        .unwrap();
+    let reuse = tokio::spawn(submit("batch=old"));
+    eventually(10, "the submit waits to insert its job", || async {
+        lock_waiters(&db, "%INSERT INTO jobs%").await >= 1
+    })
+    .await;
+    eventually(
+        20,
+        "a drop pass drops the other unused selector",
+        || async { kept().await == ["batch=old"] },
+    )
+    .await;
+    lock.rollback().await.unwrap();
+    let r = timeout(CALL, reuse)
+        .await
+        .expect("the submit ends")
+        .unwrap()
+        .expect("the submit is taken");
+    assert_eq!(kept().await, ["batch=old"]);
+    let mut w =
+        HandWorker::start_tagged(&url, "w", "instance-w", &["cat"], &[("batch", "old")]).await;
+    let l = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("the job is leased to the worker that matches its selector")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.job.unwrap().job_id, r.job_ids[0]);
+    cluster.assert_no_panic();
+}
+
 /// The value of the sample `name` in the `GetMetrics` text of the replica
 /// at `url`; `None` when it cannot be read.
 async fn metric_of(url: &str, name: &str) -> Option<f64> {
