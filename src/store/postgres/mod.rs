@@ -218,6 +218,61 @@ fn db_err(e: tokio_postgres::Error) -> Error {
     }
 }
 
+/// TCP keepalive idle time of a database connection unless the URL sets
+/// `keepalives_idle`: an idle connection whose peer is gone (a NAT entry
+/// dropped, a failover) is found after this plus
+/// [`KEEPALIVE_INTERVAL`] × [`KEEPALIVE_RETRIES`].
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+/// Interval between TCP keepalive probes, unless the URL sets
+/// `keepalives_interval`.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Unanswered keepalive probes before the connection is dropped, unless
+/// the URL sets `keepalives_retries`.
+pub const KEEPALIVE_RETRIES: u32 = 3;
+/// Longest time data sent on a database connection may stay
+/// unacknowledged by the peer's TCP before the connection is dropped
+/// (`TCP_USER_TIMEOUT`), unless the URL sets `tcp_user_timeout`: a
+/// statement sent into a silently dropped connection fails after this, not
+/// after the kernel's retransmissions (about 15 minutes).
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest time to open a database connection, unless the URL sets
+/// `connect_timeout`.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Applies the connection settings every replica connection gets: a
+/// session idle in a transaction ends after 60 s (a replica paused mid-way
+/// must not hold row locks for long), TCP keepalive and a TCP user timeout
+/// (a connection silently dropped by the network fails within about 30 s
+/// instead of stalling the replica's dispatcher and calls), and a connect
+/// timeout. A value the URL sets itself is kept; TCP keepalive stays off
+/// when the URL says `keepalives=0`. tokio-postgres' default keepalive
+/// idle time (2 hours) cannot be told from one the URL sets to the same
+/// value, and is replaced.
+fn connection_settings(c: &mut tokio_postgres::Config) {
+    let options = format!(
+        "{} -c idle_in_transaction_session_timeout=60000",
+        c.get_options().unwrap_or_default()
+    );
+    c.options(options.trim());
+    if c.get_keepalives() {
+        if c.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+            c.keepalives_idle(KEEPALIVE_IDLE);
+        }
+        if c.get_keepalives_interval().is_none() {
+            c.keepalives_interval(KEEPALIVE_INTERVAL);
+        }
+        if c.get_keepalives_retries().is_none() {
+            c.keepalives_retries(KEEPALIVE_RETRIES);
+        }
+    }
+    if c.get_tcp_user_timeout().is_none() {
+        c.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+    if c.get_connect_timeout().is_none() {
+        c.connect_timeout(CONNECT_TIMEOUT);
+    }
+}
+
 impl PgEngine {
     /// Connects to the database at `url` (a `postgres://` URL or a libpq
     /// key=value string), runs the migrations under a transaction-level
@@ -238,13 +293,7 @@ impl PgEngine {
             .parse()
             .map_err(|e| Error::invalid(format!("--store: not a PostgreSQL URL: {e}")))?;
         let mut pg_config = pg_config;
-        // A session stuck idle in a transaction (a replica paused mid-way)
-        // must not hold row locks for long.
-        let options = format!(
-            "{} -c idle_in_transaction_session_timeout=60000",
-            pg_config.get_options().unwrap_or_default()
-        );
-        pg_config.options(options.trim());
+        connection_settings(&mut pg_config);
         let tls = tls_connector(ca_file)?;
         let manager = Manager::from_config(
             pg_config.clone(),
@@ -585,3 +634,50 @@ async fn notify_names(
 }
 
 mod engine_impl;
+
+#[cfg(test)]
+mod connection_tests {
+    use super::*;
+
+    fn settings_of(url: &str) -> tokio_postgres::Config {
+        let mut c: tokio_postgres::Config = url.parse().expect("a valid URL");
+        connection_settings(&mut c);
+        c
+    }
+
+    #[test]
+    fn a_connection_gets_keepalive_and_timeouts_by_default() {
+        let c = settings_of("postgres://agq@127.0.0.1/agq");
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), KEEPALIVE_IDLE);
+        assert_eq!(c.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(c.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+        assert_eq!(c.get_connect_timeout(), Some(&CONNECT_TIMEOUT));
+        assert_eq!(
+            c.get_options(),
+            Some("-c idle_in_transaction_session_timeout=60000")
+        );
+    }
+
+    #[test]
+    fn settings_the_url_gives_are_kept() {
+        let c = settings_of(
+            "postgres://agq@127.0.0.1/agq?keepalives_idle=60&keepalives_interval=7\
+             &keepalives_retries=9&tcp_user_timeout=90&connect_timeout=3&options=-c%20search_path%3Dq",
+        );
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(7)));
+        assert_eq!(c.get_keepalives_retries(), Some(9));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&Duration::from_secs(90)));
+        assert_eq!(c.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        assert_eq!(
+            c.get_options(),
+            Some("-c search_path=q -c idle_in_transaction_session_timeout=60000")
+        );
+        let off = settings_of("postgres://agq@127.0.0.1/agq?keepalives=0");
+        assert!(!off.get_keepalives());
+        assert_eq!(off.get_keepalives_interval(), None);
+        assert_eq!(off.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+    }
+}
