@@ -3206,6 +3206,67 @@ async fn a_claim_reads_no_job_scheduled_for_later() {
     cluster.assert_no_panic();
 }
 
+/// The leader's drop of unused worker selectors does not read the
+/// backlog: with 20,000 open jobs of one selector (scheduled for later,
+/// so none runs) and one selector no job uses, its first statement
+/// (EXPLAIN ANALYZEd on the test's database) finds the unused one and
+/// reads a few job rows, not one per open job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_selector_drop_does_not_read_the_backlog() {
+    use agq::store::postgres::SELECTOR_DROP_CANDIDATES;
+    const OPEN: usize = 20_000;
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let hour_ahead = timestamp_ms(now_ms() + 3_600_000);
+    let mut actions =
+        action_service_client::ActionServiceClient::new(channel(&url).await.expect("connect"));
+    for _ in 0..OPEN / 10_000 {
+        actions
+            .submit_action(SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: (0..10_000)
+                    .map(|n| ActionInput {
+                        values: [("n".to_string(), n.to_string())].into(),
+                    })
+                    .collect(),
+                max_attempts: 1,
+                run_at: Some(hour_ahead),
+                worker_selector: "busy=1".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("submit the open jobs");
+    }
+    let db = pg::connect(&cluster.url).await;
+    db.batch_execute("ANALYZE jobs").await.unwrap();
+    // The unused selector exists only in the explaining transaction: the
+    // leader cannot drop it before the statement runs.
+    let plan = explain(
+        &db,
+        "BEGIN; INSERT INTO selectors VALUES ('gone=1')",
+        &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {SELECTOR_DROP_CANDIDATES}"),
+    )
+    .await;
+    let (rows, buffers) = (rows_read(&plan[0]["Plan"], "jobs"), buffers(&plan));
+    println!(
+        "with {OPEN} open jobs of one selector: the selector drop read {rows} job rows, \
+         {buffers} buffers"
+    );
+    assert_eq!(
+        plan[0]["Plan"]["Actual Rows"].as_f64(),
+        Some(1.0),
+        "the drop finds the unused selector, and only it: {plan:#}"
+    );
+    // Without an index of the open jobs by selector it read all 20,000.
+    assert!(
+        rows <= 10.0 && buffers <= 50.0,
+        "the selector drop reads the open jobs: {plan:#}"
+    );
+    cluster.assert_no_panic();
+}
+
 /// Scans of table `relation` in plan node `node` and below.
 fn scans(node: &serde_json::Value, relation: &str) -> usize {
     usize::from(

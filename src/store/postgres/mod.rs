@@ -23,7 +23,7 @@ mod schema;
 mod workers;
 
 pub use dispatch::{CLAIM, CLAIM_SETTINGS, READY_CHECK};
-pub use maintenance::FOLD_JOB_COUNTS;
+pub use maintenance::{FOLD_JOB_COUNTS, SELECTOR_DROP_CANDIDATES};
 pub use workers::QUEUE_STATS;
 
 use std::{

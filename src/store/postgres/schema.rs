@@ -13,6 +13,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0002_job_counts.sql"),
     include_str!("migrations/0003_id_collation.sql"),
     include_str!("migrations/0004_delayed_jobs.sql"),
+    include_str!("migrations/0005_jobs_open_by_selector.sql"),
 ];
 
 /// Key of the advisory lock the migrations run under ("agq schema").
