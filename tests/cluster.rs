@@ -1353,6 +1353,46 @@ async fn a_silent_listener_connection_is_replaced() {
     cluster.assert_no_panic();
 }
 
+/// A watch learns of a change whose notification never came (the replica
+/// that committed it died before its `NOTIFY`): a replica's WatchAction
+/// streams re-read their action every 10 s without one. A re-read that
+/// finds the action unchanged sends nothing. The change here is made in
+/// the database directly, so no replica notifies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_watch_learns_of_a_change_whose_notification_was_lost() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    let (action, job) = submit_action_of(&url, "p", 1, None).await;
+    let (mut watch, first) = watch_on(&url, &action).await;
+    assert_eq!((first.pending, first.dead), (1, 0), "{first:?}");
+    let quiet = timeout(Duration::from_secs(11), watch.next()).await;
+    assert!(
+        quiet.is_err(),
+        "the watch sent a message with nothing changed: {quiet:?}"
+    );
+    let db = pg::connect(&cluster.url).await;
+    let changed = db
+        .execute(
+            "UPDATE jobs SET status = 5, completed_at_ms = agq_now_ms(), error = 'failed'
+             WHERE job_id = $1 AND status = 1",
+            &[&job],
+        )
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
+    let seen = timeout(Duration::from_secs(15), watch.next())
+        .await
+        .expect("the watch re-read the action within 15 s of the unnotified change")
+        .expect("a message")
+        .expect("not an error")
+        .action
+        .unwrap();
+    assert_eq!((seen.pending, seen.dead), (0, 1), "{seen:?}");
+    cluster.assert_no_panic();
+}
+
 /// A replica whose database stops answering without an error (every
 /// server process of its database stopped with SIGSTOP, new ones too, as
 /// behind a network partition that drops packets) turns NOT_SERVING, so

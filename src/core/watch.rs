@@ -22,6 +22,7 @@ pub struct Watchers {
     max_total: usize,
     max_per_connection: usize,
     gauge: prometheus_client::metrics::gauge::Gauge,
+    reread: Option<std::time::Duration>,
 }
 
 #[derive(Default)]
@@ -54,7 +55,17 @@ impl Watchers {
             max_total,
             max_per_connection,
             gauge,
+            reread: None,
         }
+    }
+
+    /// The same, whose subscriptions also wake every `period` without a
+    /// notification ([`WatchSubscription::changed`]): for an engine whose
+    /// change notifications can be lost (another process's, sent after
+    /// its commit), so a watcher re-reads its action at least that often.
+    pub fn with_reread(mut self, period: std::time::Duration) -> Self {
+        self.reread = Some(period);
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, WatchersInner> {
@@ -99,6 +110,7 @@ impl Watchers {
             .subscribe();
         Ok(WatchSubscription {
             rx,
+            reread: self.reread,
             action_id: action_id.to_string(),
             connection,
             owner: self.clone(),
@@ -164,16 +176,24 @@ impl Watchers {
 /// once nobody watches it.
 pub struct WatchSubscription {
     rx: watch::Receiver<u64>,
+    reread: Option<std::time::Duration>,
     action_id: String,
     connection: Option<std::net::SocketAddr>,
     owner: Arc<Watchers>,
 }
 
 impl WatchSubscription {
-    /// Waits for the next change. Errors when the channel is gone (never,
-    /// while the subscription lives).
+    /// Waits for the next change, or for the watchers' re-read period
+    /// ([`Watchers::with_reread`]) to pass without one, after which the
+    /// caller re-reads its action all the same. Errors when the channel is
+    /// gone (never, while the subscription lives).
     pub async fn changed(&mut self) -> std::result::Result<(), watch::error::RecvError> {
-        self.rx.changed().await
+        match self.reread {
+            None => self.rx.changed().await,
+            Some(period) => tokio::time::timeout(period, self.rx.changed())
+                .await
+                .unwrap_or(Ok(())),
+        }
     }
 
     /// Marks the current value seen.

@@ -144,24 +144,32 @@ impl ActionService for ActionApi {
                 let mut current = first;
                 loop {
                     let done = all_terminal(&current);
-                    if tx.send(Ok(pb::WatchActionResponse { action: Some(current.into()) })).await.is_err() || done {
+                    if tx.send(Ok(pb::WatchActionResponse { action: Some(current.clone().into()) })).await.is_err() || done {
                         return;
                     }
-                    let stopping = tokio::select! {
-                        changed = changes.changed() => if changed.is_err() { return } else { false },
-                        r = shutdown.wait_for(|s| *s) => r.is_ok(),
-                        // The client went away: end now, not at the next change.
-                        () = tx.closed() => return,
-                    };
-                    if stopping {
-                        let _ = tx.send(Err(Status::unavailable("the server is shutting down"))).await;
-                        return;
-                    }
-                    match engine.get_action(action_id.clone()).await {
-                        Ok(a) => current = a,
-                        Err(e) => {
-                            let _ = tx.send(Err(e.into())).await;
+                    // A re-read that finds the action as it was last sent
+                    // sends nothing.
+                    loop {
+                        let stopping = tokio::select! {
+                            changed = changes.changed() => if changed.is_err() { return } else { false },
+                            r = shutdown.wait_for(|s| *s) => r.is_ok(),
+                            // The client went away: end now, not at the next change.
+                            () = tx.closed() => return,
+                        };
+                        if stopping {
+                            let _ = tx.send(Err(Status::unavailable("the server is shutting down"))).await;
                             return;
+                        }
+                        match engine.get_action(action_id.clone()).await {
+                            Ok(a) if a == current => {}
+                            Ok(a) => {
+                                current = a;
+                                break;
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(e.into())).await;
+                                return;
+                            }
                         }
                     }
                 }

@@ -56,6 +56,11 @@ use crate::{
 const READY_CHANNEL: &str = "agq_ready";
 /// Channel of `NOTIFY` naming workers with new commands (comma-separated).
 const COMMAND_CHANNEL: &str = "agq_commands";
+/// How often a WatchAction stream re-reads its action when no change was
+/// notified: a replica that dies between a commit and its watch `NOTIFY`
+/// (sent within about 10 ms) takes the notification with it, and the
+/// watchers of that change learn of it by this re-read at the latest.
+const WATCH_REREAD: Duration = Duration::from_secs(10);
 /// Channel of `NOTIFY` naming actions whose jobs changed (comma-separated,
 /// or `*` for all).
 const WATCH_CHANNEL: &str = "agq_watch";
@@ -319,11 +324,14 @@ impl PgEngine {
         }
         let host = sysinfo::System::host_name().unwrap_or_else(|| "agq".into());
         let replica_id = format!("{host}-{}", uuid::Uuid::new_v4().simple());
-        let watchers = Arc::new(Watchers::new(
-            cfg.max_watch_streams,
-            cfg.max_watch_streams_per_connection,
-            metrics.watch_streams.clone(),
-        ));
+        let watchers = Arc::new(
+            Watchers::new(
+                cfg.max_watch_streams,
+                cfg.max_watch_streams_per_connection,
+                metrics.watch_streams.clone(),
+            )
+            .with_reread(WATCH_REREAD),
+        );
         let (completions_tx, completions_rx) = tokio::sync::mpsc::channel(completions::QUEUE);
         let engine = Arc::new_cyclic(|me| PgEngine {
             tls,

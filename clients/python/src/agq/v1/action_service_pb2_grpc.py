@@ -106,8 +106,9 @@ class ActionServiceServicer:
 
     def WatchAction(self, request, context):
         """Streams the Action's status now and after every change of a job's
-        status; the stream ends after the message in which every job is
-        terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+        status; a status equal to the last one sent is not sent again. The
+        stream ends after the message in which every job is terminal
+        (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,8 +55,9 @@ class ActionServiceStub:
     """
     WatchAction: _grpc.UnaryStreamMultiCallable[_action_service_pb2.WatchActionRequest, _action_service_pb2.WatchActionResponse]
     """Streams the Action's status now and after every change of a job's
-    status; the stream ends after the message in which every job is
-    terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+    status; a status equal to the last one sent is not sent again. The
+    stream ends after the message in which every job is terminal
+    (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     ListActions: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]
     """Actions by plan, state and creation time, newest first, paginated (an
@@ -108,8 +109,9 @@ class ActionServiceAsyncStub(ActionServiceStub):
     """
     WatchAction: _aio.UnaryStreamMultiCallable[_action_service_pb2.WatchActionRequest, _action_service_pb2.WatchActionResponse]  # type: ignore[assignment]
     """Streams the Action's status now and after every change of a job's
-    status; the stream ends after the message in which every job is
-    terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+    status; a status equal to the last one sent is not sent again. The
+    stream ends after the message in which every job is terminal
+    (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     ListActions: _aio.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]  # type: ignore[assignment]
     """Actions by plan, state and creation time, newest first, paginated (an
@@ -176,8 +178,9 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_action_service_pb2.WatchActionResponse], _abc.AsyncIterator[_action_service_pb2.WatchActionResponse]]:
         """Streams the Action's status now and after every change of a job's
-        status; the stream ends after the message in which every job is
-        terminal (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
+        status; a status equal to the last one sent is not sent again. The
+        stream ends after the message in which every job is terminal
+        (completed, dead or cancelled). Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
