@@ -417,7 +417,15 @@ impl PgEngine {
                 (now - ready_at_ms).max(0),
             ));
         }
-        tx.commit().await.map_err(db_err)?;
+        // The leases count as in flight before they are committed: a
+        // heartbeat with held leases that reads one of them from the
+        // database (so after this commit) then finds it in flight, not
+        // lost (see `pg_heartbeat`). A commit that fails takes them out.
+        self.mark_in_flight(out.iter().map(|(l, _)| l), true);
+        if let Err(e) = tx.commit().await {
+            self.mark_in_flight(out.iter().map(|(l, _)| l), false);
+            return Err(db_err(e));
+        }
         let n = out.len();
         let mut actions = Vec::with_capacity(n);
         {
@@ -451,5 +459,23 @@ impl PgEngine {
             .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         self.touch(actions.iter().map(String::as_str));
         Ok(n > 0)
+    }
+
+    /// Records `leases` as in flight to their workers connected here
+    /// (`add`), or forgets them (not `add`: their grant did not commit).
+    /// The push after the commit records them again, in case a new lease
+    /// stream of the worker let them go in between.
+    fn mark_in_flight<'a>(&self, leases: impl Iterator<Item = &'a JobLease>, add: bool) {
+        let mut local = lock(&self.local);
+        let now = std::time::Instant::now();
+        for lease in leases {
+            if let Some(l) = local.workers.get_mut(&lease.job.worker_id) {
+                if add {
+                    l.in_flight.insert(lease.lease_id.clone(), now);
+                } else {
+                    l.in_flight.remove(&lease.lease_id);
+                }
+            }
+        }
     }
 }

@@ -602,6 +602,11 @@ impl PgEngine {
             // Leases pushed within the staleness window may still be on
             // their way to the worker; older ones it has had time to name.
             let window = self.cfg.stale_after();
+            let running = super::jobs::running_on(&tx, &id).await?;
+            // Read after the running leases: a lease committed before that
+            // read was marked in flight before its commit (see the
+            // dispatcher's `mark_in_flight`), so it is in this set unless
+            // it has been on its way longer than the window.
             let in_flight: HashSet<String> = lock(&self.local)
                 .workers
                 .get(&id)
@@ -613,7 +618,6 @@ impl PgEngine {
                         .collect()
                 })
                 .unwrap_or_default();
-            let running = super::jobs::running_on(&tx, &id).await?;
             revoked = revoked_leases(&held, running.iter().map(|(_, l)| l.as_str()));
             let lost: Vec<(i64, String)> = running
                 .into_iter()
