@@ -1296,6 +1296,33 @@ mod tests {
         );
     }
 
+    /// The server sends a lease again on a worker's new lease stream when
+    /// the worker has not named it in `held_leases` since it went out on
+    /// an earlier stream: a lease id already running here is not run a
+    /// second time, and its attempt goes on undisturbed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lease_delivered_again_does_not_run_its_job_twice() {
+        let dir = shared_dir();
+        let d = dir.path().display();
+        let s = shared_with(&["--tools", "sh,sleep"]).await;
+        let script = format!("echo run >> {d}/runs; exec sleep 30");
+        s.start_job(sh_lease("j", "lease-1", &script));
+        appears(&dir.path().join("runs")).await;
+        s.start_job(sh_lease("j", "lease-1", &script));
+        // A second run, had it started, would have stopped the first
+        // (about 0.1 s) and appended its line by now.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let runs = std::fs::read_to_string(dir.path().join("runs")).unwrap();
+        assert_eq!(
+            runs, "run\n",
+            "the job ran again for a lease it already ran"
+        );
+        assert_eq!(s.active_jobs(), 1);
+        let stopped = s.jobs().get("j").map(|j| j.abort.borrow().is_some());
+        assert_eq!(stopped, Some(false), "the running attempt was stopped");
+        s.on_heartbeat_response(cancel("j", "lease-1"));
+    }
+
     /// A worker with one slot runs a second lease only once the first job
     /// is over, however many leases the server sends.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -388,6 +388,39 @@ def test_task_threads_that_ignore_cancel_hold_their_slot(
     wait_until(lambda: not w._leftover, "the stopped threads to release their slots")
 
 
+def test_a_lease_delivered_again_does_not_run_its_job_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server sends a lease again on a worker's new lease stream when
+    the worker has not named it in held_leases since: a lease id already
+    running here is not run a second time, and its attempt goes on."""
+
+    w = agq.Worker("127.0.0.1:9", "py-twice", max_concurrent_jobs=2)
+    calls = 0
+    release = threading.Event()
+
+    @w.task("once")
+    def once(ctx: agq.TaskContext) -> str:
+        nonlocal calls
+        calls += 1
+        release.wait(10)
+        return "done"
+
+    stub = _RecordingStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    w._start_job(_lease("lease-1", "j", "once"))
+    wait_until(lambda: calls == 1, "the function to start")
+    w._start_job(_lease("lease-1", "j", "once"))
+    time.sleep(0.5)
+    assert calls == 1, "the job ran again for a lease it already runs"
+    release.set()
+    wait_until(lambda: len(stub.finals) == 1 and not w._job_threads, "the attempt to finish")
+    time.sleep(0.2)
+    assert calls == 1
+    assert [(f.lease_id, f.status) for f in stub.finals] == [
+        ("lease-1", common_pb2.JOB_STATUS_COMPLETED)]
+
+
 def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -420,21 +453,9 @@ def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
     finals = stub.finals
     monkeypatch.setattr(w, "_stub", stub)
 
-    def lease(lease_id: str, attempt: int) -> worker_service_pb2.JobLease:
-        out = worker_service_pb2.JobLease(
-            lease_id=lease_id,
-            job=common_pb2.Job(job_id="j", action_id="a", plan_id="p",
-                               input={"attempt": str(attempt)}),
-            plan=common_pb2.Plan(plan_id="p", tasks=[
-                common_pb2.Task(task_number=1, command="stubborn", timeout_secs=60)]),
-            attempt=attempt,
-        )
-        out.expires_at.FromNanoseconds(int((time.time() + 60) * 1e9))
-        return out
-
-    w._start_job(lease("lease-1", 1))
+    w._start_job(_lease("lease-1", "j", "stubborn", {"attempt": "1"}))
     wait_until(lambda: live == 1, "the first attempt's function to start")
-    w._start_job(lease("lease-2", 2))
+    w._start_job(_lease("lease-2", "j", "stubborn", {"attempt": "2"}))
     wait_until(lambda: len(spans) == 2 and len(finals) == 2, "both attempts to finish")
     assert most == 1, "the second attempt's function ran beside the first's"
     (a1, _, end1), (a2, start2, _) = spans
