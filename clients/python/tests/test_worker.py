@@ -731,12 +731,14 @@ def test_worker_options_out_of_range_are_refused_by_name(option: str, value: obj
 
 
 def _lease(lease_id: str, job_id: str, command: str,
-           input: dict[str, str] | None = None) -> worker_service_pb2.JobLease:
+           input: dict[str, str] | None = None, tasks: int = 1) -> worker_service_pb2.JobLease:
+    """A lease of a job whose plan runs ``command`` ``tasks`` times."""
     out = worker_service_pb2.JobLease(
         lease_id=lease_id,
         job=common_pb2.Job(job_id=job_id, action_id="a", plan_id="p", input=input or {}),
         plan=common_pb2.Plan(plan_id="p", tasks=[
-            common_pb2.Task(task_number=1, command=command, timeout_secs=60)]),
+            common_pb2.Task(task_number=n, command=command, timeout_secs=60)
+            for n in range(1, tasks + 1)]),
         attempt=1,
     )
     out.expires_at.FromNanoseconds(int((time.time() + 60) * 1e9))
@@ -975,3 +977,226 @@ def test_bad_tags_are_refused_at_construction(tags: Any) -> None:
     request, so the worker never connected."""
     with pytest.raises(ValueError, match="tags"):
         agq.Worker("127.0.0.1:9", "py-tags", tags=tags)
+
+
+class _Refused(grpc.RpcError):
+    """An error answer of the server: ``code`` with ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _SlowProgressStub(_DrainStub):
+    """A server that answers RUNNING progress reports late: each waits until
+    ``release`` is set, or fails with DEADLINE_EXCEEDED once the call's
+    ``timeout`` has passed (as grpc does), then is accepted or, with
+    ``answer``, answered by raising it. Final reports are recorded in
+    ``finals`` and accepted at once. ``events`` lists, in order, each
+    RUNNING report as it is sent ("sent", task) and answered ("done",
+    task), and each final report ("final", its status), with the time."""
+
+    def __init__(self, answer: BaseException | None = None) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.answer = answer
+        self.events: list[tuple[str, int, float]] = []
+
+    def _note(self, what: str, n: int) -> None:
+        with self._lock:
+            self.events.append((what, n, time.monotonic()))
+
+    def UpdateJob(
+        self, req: worker_service_pb2.UpdateJobRequest, timeout: float | None = None,
+        metadata: Any = None,
+    ) -> worker_service_pb2.UpdateJobResponse:
+        if req.status != common_pb2.JOB_STATUS_RUNNING:
+            self._note("final", req.status)
+            return super().UpdateJob(req, timeout, metadata)
+        self._note("sent", req.current_task)
+        released = self.release.wait(WAIT if timeout is None else timeout)
+        self._note("done", req.current_task)
+        if not released:
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if self.answer is not None:
+            raise self.answer
+        return worker_service_pb2.UpdateJobResponse(status=req.status)
+
+    def running(self) -> list[int]:
+        """The tasks of the RUNNING reports sent so far."""
+        with self._lock:
+            return [n for what, n, _ in self.events if what == "sent"]
+
+    def kinds(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return [(what, n) for what, n, _ in self.events]
+
+
+def _progress_threads(job_id: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"agq-progress-{job_id}"]
+
+
+def test_a_task_starts_at_once_while_its_progress_report_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Progress reports are advisory and sent off the job's thread: a
+    RUNNING report the server does not answer (until the call's deadline
+    here) holds back no task function. The report of a task not sent yet
+    when the job ends is dropped, and the final report goes out only once
+    the RUNNING report in flight has ended (a RUNNING after the result
+    would be refused), no later than the call's deadline; no thread is
+    left behind."""
+    w = agq.Worker("127.0.0.1:9", "py-slow-progress", call_timeout=2.0)
+    started: list[float] = []
+
+    @w.task("quick")
+    def quick(ctx: agq.TaskContext) -> str:
+        started.append(time.monotonic())
+        return "done"
+
+    stub = _SlowProgressStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    t0 = time.monotonic()
+    w._start_job(_lease("lease-1", "j-slow", "quick", tasks=2))
+    wait_until(lambda: len(started) == 2, "both tasks to start")
+    # Before each task the report of its start was sent and waited for:
+    # 2 s (the call's deadline) per task.
+    assert started[0] - t0 < 1.0, "the first task waited for its progress report"
+    assert started[1] - t0 < 1.5, "the second task waited for a progress report"
+    wait_until(lambda: len(stub.finals) == 1, "the result")
+    assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
+    assert stub.kinds() == [("sent", 1), ("done", 1), ("final", common_pb2.JOB_STATUS_COMPLETED)]
+    final_at = stub.events[-1][2]
+    assert final_at - t0 < 2.0 + 1.5, "the result waited past the progress call's deadline"
+    wait_until(lambda: not _progress_threads("j-slow"), "the progress sender to end", timeout=5)
+    wait_until(lambda: not w._jobs and not w._job_threads and not w._leftover,
+               "the job to be let go", timeout=5)
+
+
+def test_progress_reports_waiting_to_be_sent_keep_only_the_latest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a RUNNING report is in flight, the tasks run on and only the
+    latest of the reports that wait is sent once it is answered: one is
+    held per job, whatever the number of tasks."""
+    w = agq.Worker("127.0.0.1:9", "py-latest-progress", call_timeout=10.0)
+    finish = threading.Event()
+    started: list[int] = []
+
+    @w.task("step")
+    def step(ctx: agq.TaskContext) -> str:
+        started.append(ctx.task_number)
+        if ctx.task_number == 4:
+            finish.wait(WAIT)
+        return "x"
+
+    stub = _SlowProgressStub()
+    monkeypatch.setattr(w, "_stub", stub)
+    try:
+        w._start_job(_lease("lease-1", "j-latest", "step", tasks=4))
+        wait_until(lambda: started == [1, 2, 3, 4], "the tasks to run on", timeout=3.0)
+        assert stub.running() == [1]
+        stub.release.set()
+        wait_until(lambda: stub.running() == [1, 4], "the latest report to be sent", timeout=5)
+        finish.set()
+        wait_until(lambda: len(stub.finals) == 1, "the result")
+    finally:
+        stub.release.set()
+        finish.set()
+    assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
+    assert stub.kinds() == [("sent", 1), ("done", 1), ("sent", 4), ("done", 4),
+                            ("final", common_pb2.JOB_STATUS_COMPLETED)]
+    wait_until(lambda: not _progress_threads("j-latest"), "the progress sender to end", timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (_Refused(grpc.StatusCode.FAILED_PRECONDITION, "lease superseded (test)"),
+         "lease lost: lease superseded (test)"),
+        (ValueError("Cannot invoke RPC on closed channel!"), "the worker has stopped"),
+    ],
+    ids=["lease-gone", "channel-closed"],
+)
+def test_a_refused_progress_report_stops_the_running_task(
+    monkeypatch: pytest.MonkeyPatch, answer: BaseException, reason: str,
+) -> None:
+    """A RUNNING report answered "the lease is no longer yours" (or that
+    fails because the channel is closed: the worker stopped) stops the job
+    although its task function started meanwhile: the function is told
+    through ctx.cancelled and the job is reported stopped, after the
+    refused report."""
+    w = agq.Worker("127.0.0.1:9", "py-refused-progress", call_timeout=10.0)
+    started = threading.Event()
+    told = threading.Event()
+
+    @w.task("wait")
+    def wait(ctx: agq.TaskContext) -> str:
+        started.set()
+        if ctx.cancelled.wait(WAIT):
+            told.set()
+        return "too late"
+
+    stub = _SlowProgressStub(answer)
+    monkeypatch.setattr(w, "_stub", stub)
+    try:
+        w._start_job(_lease("lease-1", "j-refused", "wait"))
+        assert started.wait(2.0), "the task waited for its progress report"
+        stub.release.set()
+        wait_until(lambda: len(stub.finals) == 1, "the result")
+    finally:
+        stub.release.set()
+    assert told.is_set()
+    final = stub.finals[0]
+    assert final.status == common_pb2.JOB_STATUS_FAILED
+    assert reason in final.error
+    assert stub.kinds() == [("sent", 1), ("done", 1), ("final", common_pb2.JOB_STATUS_FAILED)]
+    wait_until(lambda: not _progress_threads("j-refused"), "the progress sender to end",
+               timeout=5)
+
+
+def test_kill_ends_the_progress_sender(
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[[agq.Worker], WorkerThread],
+) -> None:
+    """kill() ends a job's progress reports with the worker: the report in
+    flight ends as the channel closes (grpc cancels its calls), the one
+    waiting is dropped and no thread is left."""
+    w = agq.Worker("127.0.0.1:9", "py-kill-progress", call_timeout=10.0)
+    started = threading.Event()
+
+    @w.task("wait")
+    def wait(ctx: agq.TaskContext) -> str:
+        started.set()
+        ctx.cancelled.wait(WAIT)
+        return "stopped"
+
+    stub = _SlowProgressStub(_Refused(grpc.StatusCode.CANCELLED, "Channel closed!"))
+    monkeypatch.setattr(w, "_stub", stub)
+    close = w._channel.close
+
+    def close_channel() -> None:
+        stub.release.set()  # the call in flight ends, CANCELLED
+        close()
+
+    monkeypatch.setattr(w._channel, "close", close_channel)
+    t = start_worker(w)
+    try:
+        w._start_job(_lease("lease-1", "j-kill", "wait", tasks=2))
+        assert started.wait(2.0), "the task waited for its progress report"
+        w.kill()
+        t.thread.join(timeout=WAIT)
+        assert t.exit is agq.WorkerExit.FORCED
+        wait_until(lambda: not _progress_threads("j-kill"), "the progress sender to end",
+                   timeout=5)
+        wait_until(lambda: not w._jobs, "the job to end", timeout=5)
+    finally:
+        stub.release.set()
+    assert stub.running() == [1]
+    assert not stub.finals

@@ -14,7 +14,11 @@ message lists the leases still running (``held_leases``) and that is fed at
 the interval the server returns; a LeaseJobs stream; UpdateJob reports fenced
 by the lease id (RUNNING as each task starts, then COMPLETED or FAILED with
 the task results; the final report is retried with backoff, past the
-lease's expiry too, until the server acknowledges or fences it); cancel and
+lease's expiry too, until the server acknowledges or fences it); the
+RUNNING reports are advisory and sent by a thread of the job's own, so a
+slow server never holds back a task: while one is in flight only the
+latest of the next ones is kept, and the final report waits for the one
+in flight (at most ``call_timeout``) and drops the one not sent; cancel and
 drain commands from the heartbeat stream;
 reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
 (or :meth:`Worker.stop`) a drain: DRAINING, no new leases, running jobs get
@@ -425,6 +429,96 @@ def _child_main(
         conn.close()
 
 
+class _Progress:
+    """A job's RUNNING progress reports, sent by a thread of their own
+    (started with the first report) so that a slow or unreachable server
+    never holds back the job's tasks: progress is advisory.
+
+    One report is sent at a time, once (its call bounded by the worker's
+    ``call_timeout``); while it is in flight only the latest of the
+    reports that follow is kept, replacing an older one not sent yet. A
+    reply saying the lease is no longer the worker's (or a closed channel:
+    the worker has stopped) stops the job and ends the reports.
+    :meth:`close` drops the report not sent yet and waits for the one in
+    flight: the job's final report is sent after it, never beside it."""
+
+    def __init__(self, worker: Worker, lease: worker_service_pb2.JobLease,
+                 running: _Running) -> None:
+        self._worker = worker
+        self._lease = lease
+        self._running = running
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: worker_service_pb2.UpdateJobRequest | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, task: int, percent: int) -> None:
+        """Reports that ``task`` starts, ``percent`` of the plan done."""
+        req = self._worker._update(self._lease, common_pb2.JOB_STATUS_RUNNING)
+        req.current_task = task
+        req.progress_percent = percent
+        with self._cond:
+            if self._closed or self._worker._leaving.is_set():
+                return
+            self._pending = req
+            if self._thread is None:
+                thread = threading.Thread(
+                    target=self._send_all, name=f"agq-progress-{self._lease.job.job_id}",
+                    daemon=True,
+                )
+                thread.start()
+                self._thread = thread
+            self._cond.notify()
+
+    def close(self, timeout: float) -> None:
+        """Ends the reports: the one not sent yet is dropped, and the one
+        in flight is waited for, up to ``timeout`` seconds."""
+        with self._cond:
+            self._closed = True
+            self._pending = None
+            self._cond.notify()
+            thread = self._thread
+        if thread is None or timeout <= 0:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("job %s: a progress report is still unanswered after %.1f s; "
+                        "reporting the result anyway", self._lease.job.job_id, timeout)
+
+    def _send_all(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                req, self._pending = self._pending, None
+                if self._closed or req is None:
+                    return
+            if not self._send(req):
+                with self._cond:
+                    self._closed = True
+                    self._pending = None
+                return
+
+    def _send(self, req: worker_service_pb2.UpdateJobRequest) -> bool:
+        """Sends one report; False once the job is stopped by its answer."""
+        w, job_id = self._worker, self._lease.job.job_id
+        try:
+            w._stub.UpdateJob(req, timeout=w.call_timeout, metadata=w._metadata)
+        except ValueError:
+            self._running.stop("the worker has stopped")
+            return False
+        except grpc.RpcError as e:
+            code, details = status_of(e)
+            if code in _LEASE_GONE:
+                log.warning("job %s: lease no longer ours (%s): stopping it", job_id, details)
+                self._running.stop(f"lease lost: {details}")
+                return False
+            log.debug("job %s: progress not reported: %s: %s", job_id, code.name, details)
+        except Exception:  # noqa: BLE001 - progress is advisory: the job runs on
+            log.exception("job %s: progress report failed", job_id)
+        return True
+
+
 class Worker:
     """A worker that runs AGQ jobs as Python functions.
 
@@ -511,6 +605,9 @@ class Worker:
         # Names of the functions run in a process of their own.
         self._isolated: set[str] = set()
         self._jobs: dict[str, _Running] = {}
+        # Progress senders of the running jobs (under _lock): ended when the
+        # worker leaves.
+        self._progress: set[_Progress] = set()
         self._lock = threading.Lock()
         # Slots: jobs running their tasks, plus the task threads of stopped
         # jobs whose functions ignored ctx.cancelled and still run; together
@@ -661,12 +758,12 @@ class Worker:
                 running = len(self._jobs)
             if killed:
                 self._abort_all("worker killed")
-                self._leaving.set()
+                self._leave()
                 self._channel.close()
                 return WorkerExit.FORCED
             if self._fatal is not None:
                 self._abort_all("worker stopped")
-                self._leaving.set()
+                self._leave()
                 self._channel.close()
                 raise self._fatal
             if draining and running == 0:
@@ -688,7 +785,7 @@ class Worker:
                 log.warning("results of finished jobs still wait for the server; waiting for "
                             "it (kill() or another signal exits at once)")
                 report_deadline = math.inf
-        self._leaving.set()
+        self._leave()
         if self._ever_connected:
             # As agw: kill() or a signal while unregistering exits at once.
             seen = self._signals
@@ -700,6 +797,14 @@ class Worker:
                 return WorkerExit.FORCED
         self._channel.close()
         return WorkerExit.DRAINED
+
+    def _leave(self) -> None:
+        """Marks the worker as leaving and ends the jobs' progress reports."""
+        self._leaving.set()
+        with self._lock:
+            senders = list(self._progress)
+        for p in senders:
+            p.close(0.0)
 
     def _abort_all(self, reason: str) -> None:
         with self._lock:
@@ -1031,13 +1136,25 @@ class Worker:
         here would leave the lease held, listed in ``held_leases``, never
         reported and counted by a drain until its timeout."""
         job_id = lease.job.job_id
+        progress = _Progress(self, lease, running)
+        with self._lock:
+            self._progress.add(progress)
         try:
             try:
-                req = self._attempt(lease, running)
+                req = self._attempt(lease, running, progress)
             except Exception as e:  # noqa: BLE001 - reported as the attempt's failure
                 log.exception("job %s: the worker failed to run it", job_id)
                 req = self._update(lease, common_pb2.JOB_STATUS_FAILED)
                 req.error = f"the worker failed to run the job: {_exc_text(e)}"
+            finally:
+                # The server refuses a RUNNING report after the final one:
+                # the report in flight is waited for (its call ends by its
+                # deadline, call_timeout after it started; the extra second
+                # is slack for the thread), unless nothing is reported
+                # (killed).
+                progress.close(0.0 if self._killed else self.call_timeout + 1.0)
+                with self._lock:
+                    self._progress.discard(progress)
             with self._lock:
                 running.reporting = True
             self._report_final(lease, req, aborted=running.cancel.is_set())
@@ -1050,9 +1167,10 @@ class Worker:
             self._wake.set()
 
     def _attempt(
-        self, lease: worker_service_pb2.JobLease, running: _Running
+        self, lease: worker_service_pb2.JobLease, running: _Running, progress: _Progress
     ) -> worker_service_pb2.UpdateJobRequest:
-        """Runs the leased job's tasks; returns its final report."""
+        """Runs the leased job's tasks, reporting each one's start to
+        ``progress``; returns its final report."""
         started = time.monotonic()
         job = lease.job
         results: list[TaskResult] = []
@@ -1085,7 +1203,7 @@ class Worker:
                              f"{{{{{e.args[0]}}}}}")
                     results.append(TaskResult(n, task.command, -1, stderr=error + "\n"))
                     break
-                self._report_progress(lease, running, n, (n - 1) * 100 // len(tasks))
+                progress.submit(n, (n - 1) * 100 // len(tasks))
                 stdin = (outputs.get(task.input_from_task, "")
                          if task.HasField("input_from_task") else "")
                 ctx = TaskContext(
@@ -1364,23 +1482,6 @@ class Worker:
             what, trace, permanent = msg[3], msg[4], msg[5]
             box["error"] = _ChildFailure(what, permanent, 1)
             box["trace"] = trace
-
-    def _report_progress(
-        self, lease: worker_service_pb2.JobLease, running: _Running, task: int, percent: int
-    ) -> None:
-        req = self._update(lease, common_pb2.JOB_STATUS_RUNNING)
-        req.current_task = task
-        req.progress_percent = percent
-        try:
-            self._stub.UpdateJob(req, timeout=self.call_timeout, metadata=self._metadata)
-        except ValueError:
-            running.stop("the worker has stopped")
-        except grpc.RpcError as e:
-            code, details = status_of(e)
-            if code in _LEASE_GONE:
-                log.warning("job %s: lease no longer ours (%s): stopping it", lease.job.job_id,
-                            details)
-                running.stop(f"lease lost: {details}")
 
     def _report_final(
         self,
