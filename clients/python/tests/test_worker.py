@@ -1056,12 +1056,16 @@ def test_a_task_starts_at_once_while_its_progress_report_hangs(
     w = agq.Worker("127.0.0.1:9", "py-slow-progress", call_timeout=2.0)
     started: list[float] = []
 
+    stub = _SlowProgressStub()
+
     @w.task("quick")
     def quick(ctx: agq.TaskContext) -> str:
         started.append(time.monotonic())
+        if ctx.task_number == 1:
+            # The first report is in flight before the second is made.
+            wait_until(lambda: stub.running() == [1], "the first report to be sent")
         return "done"
 
-    stub = _SlowProgressStub()
     monkeypatch.setattr(w, "_stub", stub)
     t0 = time.monotonic()
     w._start_job(_lease("lease-1", "j-slow", "quick", tasks=2))
@@ -1090,14 +1094,18 @@ def test_progress_reports_waiting_to_be_sent_keep_only_the_latest(
     finish = threading.Event()
     started: list[int] = []
 
+    stub = _SlowProgressStub()
+
     @w.task("step")
     def step(ctx: agq.TaskContext) -> str:
         started.append(ctx.task_number)
+        if ctx.task_number == 1:
+            # The first report is in flight before the next ones queue up.
+            wait_until(lambda: stub.running() == [1], "the first report to be sent")
         if ctx.task_number == 4:
             finish.wait(WAIT)
         return "x"
 
-    stub = _SlowProgressStub()
     monkeypatch.setattr(w, "_stub", stub)
     try:
         w._start_job(_lease("lease-1", "j-latest", "step", tasks=4))
