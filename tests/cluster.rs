@@ -3118,6 +3118,53 @@ async fn complete(w: &HandWorker, l: &JobLease) {
         .unwrap();
 }
 
+/// A job whose plan version cannot be read (its stored body no longer
+/// decodes) is dead, naming why, instead of failing every grant that
+/// claims it: the job queued behind it, of another plan, is leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_whose_plan_cannot_be_read_is_dead_and_stops_no_other() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let url = cluster.urls()[0].clone();
+    put_plan(&url).await;
+    plan_service_client::PlanServiceClient::new(channel(&url).await.expect("connect"))
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("q", &["cat"])),
+            replace: false,
+        })
+        .await
+        .expect("plan q");
+    let (_, broken) = submit_action_of(&url, "p", 3, None).await;
+    let (_, sound) = submit_action_of(&url, "q", 3, None).await;
+    let db = pg::connect(&cluster.url).await;
+    let changed = db
+        .execute(
+            "UPDATE plan_versions SET body = '\\xffff'::bytea WHERE plan_id = 'p'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
+    let mut w = HandWorker::start(&url, "w", "instance-w", &["cat"]).await;
+    let l = next_lease(&mut w, Duration::from_secs(10))
+        .await
+        .expect("the job of the sound plan is leased");
+    assert_eq!(l.job.as_ref().unwrap().job_id, sound);
+    let job = job_of(&url, &broken).await.expect("the broken job");
+    assert_eq!(job.status, JobStatus::Dead as i32, "{job:?}");
+    assert!(
+        job.error.contains("permanent failure")
+            && job.error.contains("its plan p version 1 cannot be read"),
+        "{}",
+        job.error
+    );
+    assert!(
+        next_lease(&mut w, Duration::from_secs(1)).await.is_none(),
+        "the job of the broken plan was leased"
+    );
+    cluster.assert_no_panic();
+}
+
 /// Jobs scheduled for later (20,000 an hour ahead) cost the dispatcher
 /// nothing: with one ready job behind them (a later row id, same
 /// priority), the dispatcher's readiness check and its claim (the

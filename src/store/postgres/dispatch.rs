@@ -393,13 +393,32 @@ impl PgEngine {
             .await
             .map_err(db_err)?;
         let mut out = Vec::with_capacity(granted.len());
+        let mut unreadable = Vec::new();
         for r in &granted {
             let job = rows::job(r)?;
             let stamp: Option<String> = r.get(24);
-            let plan = self
+            let plan = match self
                 .plan_version(&tx, &job.plan_id, job.plan_version, stamp.as_deref())
-                .await?
-                .ok_or_else(|| Error::Internal(format!("plan {} vanished", job.plan_id)))?;
+                .await
+            {
+                Ok(Some(plan)) => plan,
+                // A plan version that cannot be read (a body that does not
+                // decode, a row gone) would fail this grant, and every
+                // later one that claims the job: the replica would lease
+                // nothing more. The job alone is dead instead.
+                Ok(None) | Err(Error::Internal(_)) => {
+                    let id: i64 = r.get(18);
+                    let why = format!(
+                        "its plan {} version {} cannot be read from the database",
+                        job.plan_id, job.plan_version
+                    );
+                    tracing::error!(job_id = %job.job_id, "{why}: the job is dead");
+                    self.end_attempt(&tx, id, None, &why, true, true).await?;
+                    unreadable.push(job.action_id);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let traceparent: Option<String> = r.get(20);
             let lease_id: String = r.get(21);
             let expires_at_ms: i64 = r.get(22);
@@ -427,7 +446,7 @@ impl PgEngine {
             return Err(db_err(e));
         }
         let n = out.len();
-        let mut actions = Vec::with_capacity(n);
+        let mut actions = unreadable;
         {
             let mut local = lock(&self.local);
             let pushed = std::time::Instant::now();
