@@ -2,8 +2,9 @@
 //! K times within the window, while it keeps heartbeating, gets no new
 //! lease, is listed as QUARANTINED with a reason, is counted in the
 //! metrics, stays quarantined when it registers again, and takes work again
-//! once an admin releases it. A task longer than the job timeout is refused
-//! at plan submit.
+//! once an admin releases it (ForgetWorker, which a worker token may call,
+//! cannot end it). A task longer than the job timeout is refused at plan
+//! submit.
 
 mod common;
 
@@ -12,7 +13,10 @@ use std::time::Duration;
 use agq::{
     auth::{AuthFile, Authenticator, Role, TokenEntry},
     config::EngineConfig,
-    pb::{self, JobStatus, ReleaseWorkerRequest, SubmitPlanRequest, WorkerState},
+    pb::{
+        self, ForgetWorkerRequest, JobStatus, ReleaseWorkerRequest, SubmitPlanRequest,
+        UnregisterWorkerRequest, WorkerState,
+    },
 };
 use common::{
     eventually, fast_config, job, metric, plan, store_tests, submit, worker, Backing, SimWorker,
@@ -24,6 +28,7 @@ store_tests! {
     a_worker_whose_leases_time_out_is_quarantined_until_released,
     only_an_admin_releases_and_zero_never_quarantines,
     a_task_longer_than_the_job_timeout_is_refused,
+    forgetting_a_quarantined_worker_is_refused_until_it_is_released,
 }
 
 /// A 1 s job timeout and quarantine after 2 timeouts within an hour.
@@ -237,5 +242,85 @@ async fn a_task_longer_than_the_job_timeout_is_refused(store: TestStore) {
         .await
         .expect_err("nothing stored");
     assert_eq!(stored.code(), Code::NotFound);
+    s.stop().await;
+}
+
+/// Unregisters `id` and forgets it (both calls a worker token bound to
+/// `id` may make); returns ForgetWorker's answer.
+async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::Status> {
+    let mut c = s.workers().await;
+    c.unregister_worker(UnregisterWorkerRequest {
+        worker_id: id.into(),
+    })
+    .await
+    .expect("unregister");
+    c.forget_worker(ForgetWorkerRequest {
+        worker_id: id.into(),
+    })
+    .await
+    .map(|_| ())
+}
+
+/// ForgetWorker takes the worker's own token, ReleaseWorker an admin's: a
+/// quarantined worker that unregistered cannot forget its record (and so
+/// its quarantine) and come back ACTIVE. The refusal changes nothing, in
+/// memory as on disk; once an admin releases it, it can be forgotten.
+async fn forgetting_a_quarantined_worker_is_refused_until_it_is_released(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let backing = Backing::new(store, &dir.path().join("agq.db")).await;
+    let s = TestServer::start_on(&backing, cfg()).await;
+    submit(&s, short_plan("hang"), 3, 5).await;
+    let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+    hung.lease().await;
+    hung.lease_within(5_000).await.expect("a second lease");
+    eventually(10, "quarantined after 2 timeouts", || async {
+        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
+    })
+    .await;
+    let reason = worker(&s, "w-hung").await.quarantine_reason;
+    hung.disconnect();
+
+    let err = unregister_and_forget(&s, "w-hung")
+        .await
+        .expect_err("a quarantined worker is not forgotten");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("quarantined"), "{err:?}");
+    let w = worker(&s, "w-hung").await;
+    assert_eq!(w.state, WorkerState::Unregistered as i32);
+    assert_eq!(w.quarantine_reason, reason, "the record is kept whole");
+
+    // Nor on disk: after a restart it registers QUARANTINED.
+    s.stop().await;
+    let s = TestServer::start_on(&backing, cfg()).await;
+    assert_eq!(worker(&s, "w-hung").await.quarantine_reason, reason);
+    let mut again = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+    assert_eq!(
+        worker(&s, "w-hung").await.state,
+        WorkerState::Quarantined as i32,
+        "still quarantined after the refused forget"
+    );
+    assert!(again.lease_within(800).await.is_none());
+    again.disconnect();
+
+    // Released by an admin, it can be forgotten.
+    s.workers()
+        .await
+        .release_worker(ReleaseWorkerRequest {
+            worker_id: "w-hung".into(),
+        })
+        .await
+        .expect("release");
+    unregister_and_forget(&s, "w-hung")
+        .await
+        .expect("a released worker is forgotten");
+    let err = s
+        .workers()
+        .await
+        .get_worker(pb::GetWorkerRequest {
+            worker_id: "w-hung".into(),
+        })
+        .await
+        .expect_err("forgotten");
+    assert_eq!(err.code(), Code::NotFound);
     s.stop().await;
 }

@@ -281,10 +281,11 @@ impl WorkerRow {
             },
             stale: w.last_heartbeat_at.is_none() || age > stale_ms,
             drainable: state == Some(pb::WorkerState::Active),
+            // ForgetWorker refuses a worker whose quarantine holds.
             forgettable: matches!(
                 state,
                 Some(pb::WorkerState::Dead | pb::WorkerState::Unregistered)
-            ),
+            ) && w.quarantine_reason.is_empty(),
             releasable: !w.quarantine_reason.is_empty()
                 || state == Some(pb::WorkerState::Quarantined),
             quarantine_reason: w.quarantine_reason.clone(),

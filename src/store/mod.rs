@@ -6,3 +6,18 @@
 
 pub mod postgres;
 pub mod sqlite;
+
+use crate::error::Error;
+
+/// The refusal of ForgetWorker for worker `id` whose quarantine no admin
+/// has released: the record holds the quarantine, and ForgetWorker takes
+/// the worker's own token, so forgetting it would let the worker end its
+/// quarantine, which only ReleaseWorker (an admin token) may.
+///
+/// The error is `FailedPrecondition`.
+pub(crate) fn quarantined_forget(id: &str) -> Error {
+    Error::precondition(format!(
+        "worker {id} is quarantined; an admin must release it (ReleaseWorker) before it can \
+         be forgotten"
+    ))
+}

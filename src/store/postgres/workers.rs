@@ -782,7 +782,7 @@ impl PgEngine {
         let tx = client.transaction().await.map_err(db_err)?;
         let Some(r) = tx
             .query_opt(
-                "SELECT state FROM workers WHERE worker_id = $1 FOR UPDATE",
+                "SELECT state, quarantine_reason FROM workers WHERE worker_id = $1 FOR UPDATE",
                 &[&id],
             )
             .await
@@ -797,6 +797,12 @@ impl PgEngine {
                 "worker {id} is {name}; only a DEAD or UNREGISTERED worker can be forgotten \
                  (drain and unregister it first)"
             )));
+        }
+        // The row holds the quarantine, which only an admin ends
+        // (ReleaseWorker); ForgetWorker takes the worker's own token.
+        let reason: String = r.get(1);
+        if !reason.is_empty() {
+            return Err(crate::store::quarantined_forget(id));
         }
         tx.execute("DELETE FROM workers WHERE worker_id = $1", &[&id])
             .await

@@ -542,8 +542,8 @@ impl State {
     /// Deletes the record of a DEAD or UNREGISTERED worker now, as
     /// [`State::tick`] does after [`DEPARTED_RETENTION_MS`] (ForgetWorker).
     ///
-    /// Errors: `NotFound`, `FailedPrecondition` while ACTIVE or DRAINING,
-    /// storage errors.
+    /// Errors: `NotFound`, `FailedPrecondition` while ACTIVE or DRAINING
+    /// or while its quarantine has not been released, storage errors.
     pub(super) fn forget(&mut self, conn: &Connection, id: &str) -> Result<()> {
         let w = self
             .workers
@@ -555,6 +555,11 @@ impl State {
                  (drain and unregister it first)",
                 w.state.name()
             )));
+        }
+        // The record holds the quarantine, which only an admin ends
+        // (ReleaseWorker); ForgetWorker takes the worker's own token.
+        if !w.info.quarantine_reason.is_empty() {
+            return Err(crate::store::quarantined_forget(id));
         }
         wstore::delete(conn, id)?;
         if let Some(w) = self.workers.remove(id) {

@@ -243,7 +243,9 @@ class WorkerServiceServicer:
         after the 24 hours departed workers stay listed (an AGQ addition). The
         id may register again later. Takes the same token as DrainWorker.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
-        while the worker is ACTIVE or DRAINING (unregister or drain it first).
+        while the worker is ACTIVE or DRAINING (unregister or drain it first)
+        or quarantined (the record holds the quarantine: an admin releases it
+        first with ReleaseWorker).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

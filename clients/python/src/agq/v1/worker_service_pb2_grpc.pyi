@@ -126,7 +126,9 @@ class WorkerServiceStub:
     after the 24 hours departed workers stay listed (an AGQ addition). The
     id may register again later. Takes the same token as DrainWorker.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
-    while the worker is ACTIVE or DRAINING (unregister or drain it first).
+    while the worker is ACTIVE or DRAINING (unregister or drain it first)
+    or quarantined (the record holds the quarantine: an admin releases it
+    first with ReleaseWorker).
     """
     ReleaseWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseWorkerRequest, _worker_service_pb2.ReleaseWorkerResponse]
     """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
@@ -248,7 +250,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     after the 24 hours departed workers stay listed (an AGQ addition). The
     id may register again later. Takes the same token as DrainWorker.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
-    while the worker is ACTIVE or DRAINING (unregister or drain it first).
+    while the worker is ACTIVE or DRAINING (unregister or drain it first)
+    or quarantined (the record holds the quarantine: an admin releases it
+    first with ReleaseWorker).
     """
     ReleaseWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ReleaseWorkerRequest, _worker_service_pb2.ReleaseWorkerResponse]  # type: ignore[assignment]
     """Ends a worker's quarantine (WORKER_STATE_QUARANTINED): it is ACTIVE
@@ -433,7 +437,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         after the 24 hours departed workers stay listed (an AGQ addition). The
         id may register again later. Takes the same token as DrainWorker.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
-        while the worker is ACTIVE or DRAINING (unregister or drain it first).
+        while the worker is ACTIVE or DRAINING (unregister or drain it first)
+        or quarantined (the record holds the quarantine: an admin releases it
+        first with ReleaseWorker).
         """
 
     @_abc_1.abstractmethod
