@@ -27,6 +27,7 @@ store_tests! {
     a_schedule_whose_stored_row_cannot_be_used_is_paused_and_the_others_fire,
     a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got,
     a_client_cannot_take_the_action_id_of_a_future_tick,
+    a_schedule_id_past_its_limit_is_invalid_in_every_call,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -903,4 +904,81 @@ async fn submit_as(
             ..Default::default()
         })
         .await
+}
+
+/// A schedule id is at most 100 bytes (the tick's action id appends
+/// `-<unix seconds>` to it): one of 101 to 128 bytes, which no schedule can
+/// have, is INVALID_ARGUMENT in every call that names a schedule, as at
+/// create, not NOT_FOUND, and the message gives the schedule id's rule.
+async fn a_schedule_id_past_its_limit_is_invalid_in_every_call(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    create(&s, every_second(&"x".repeat(100), "p"))
+        .await
+        .expect("100 bytes is the limit");
+    for len in [101, 128] {
+        let id = "x".repeat(len);
+        let mut c = s.schedules().await;
+        let answers = [
+            create(&s, every_second(&id, "p")).await.map(|_| ()),
+            c.get_schedule(pb::GetScheduleRequest {
+                schedule_id: id.clone(),
+            })
+            .await
+            .map(|_| ()),
+            c.pause_schedule(pb::PauseScheduleRequest {
+                schedule_id: id.clone(),
+            })
+            .await
+            .map(|_| ()),
+            c.resume_schedule(pb::ResumeScheduleRequest {
+                schedule_id: id.clone(),
+            })
+            .await
+            .map(|_| ()),
+            c.delete_schedule(pb::DeleteScheduleRequest {
+                schedule_id: id.clone(),
+            })
+            .await
+            .map(|_| ()),
+        ];
+        for (call, answer) in ["create", "get", "pause", "resume", "delete"]
+            .iter()
+            .zip(answers)
+        {
+            let err = answer.expect_err(call);
+            assert_eq!(err.code(), Code::InvalidArgument, "{call} {len}: {err:?}");
+            assert!(err.message().contains("{1,100}"), "{call} {len}: {err:?}");
+        }
+    }
+    for call in ["get", "delete"] {
+        let mut c = s.schedules().await;
+        let err = match call {
+            "get" => c
+                .get_schedule(pb::GetScheduleRequest {
+                    schedule_id: String::new(),
+                })
+                .await
+                .map(|_| ()),
+            _ => c
+                .delete_schedule(pb::DeleteScheduleRequest {
+                    schedule_id: String::new(),
+                })
+                .await
+                .map(|_| ()),
+        }
+        .expect_err("empty id");
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().contains("{1,100}"), "{call}: {err:?}");
+    }
+    let listed = s
+        .schedules()
+        .await
+        .list_schedules(pb::ListSchedulesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .schedules;
+    assert_eq!(listed.len(), 1, "only the 100-byte one");
 }

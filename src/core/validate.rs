@@ -260,6 +260,26 @@ pub fn object_id(what: &str, id: &str) -> Result<()> {
     Ok(())
 }
 
+/// Longest schedule id, in bytes: a tick's action id appends
+/// `-<unix seconds>` to it and must stay within an object id's 128.
+pub const MAX_SCHEDULE_ID_BYTES: usize = 100;
+
+/// Checks a schedule id, `[A-Za-z0-9._-]{1,100}`, not "." or "..": at
+/// create and in every call that names a schedule, so an id no schedule
+/// can have is refused alike everywhere.
+///
+/// Errors: `InvalidArgument` giving the rule.
+pub fn schedule_id(id: &str) -> Result<()> {
+    if id.is_empty() || id.len() > MAX_SCHEDULE_ID_BYTES || !id_chars(id, &['.', '_', '-']) {
+        return Err(Error::invalid(format!(
+            "schedule_id must match [A-Za-z0-9._-]{{1,{MAX_SCHEDULE_ID_BYTES}}}, got {:?} ({} bytes)",
+            truncate(id, 64),
+            id.len()
+        )));
+    }
+    object_id("schedule_id", id)
+}
+
 /// The schedule an action id of the form `<schedule_id>-<unix seconds>`
 /// (10 digits or more) names, the form of a schedule's tick: a client may
 /// not submit such an id while that schedule exists, or it could take a
@@ -805,13 +825,7 @@ pub fn peek_count(count: u32) -> Result<usize> {
 ///
 /// Errors: `InvalidArgument` naming the rule.
 pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule> {
-    if s.schedule_id.len() > 100 {
-        return Err(Error::invalid(format!(
-            "schedule_id must match [A-Za-z0-9._-]{{1,100}}, got {} bytes",
-            s.schedule_id.len()
-        )));
-    }
-    object_id("schedule_id", &s.schedule_id)?;
+    schedule_id(&s.schedule_id)?;
     if s.time_zone.chars().any(|c| !c.is_ascii_graphic()) {
         return Err(Error::invalid(format!(
             "time_zone must be an IANA name of printable ASCII (e.g. Europe/Paris), got {:?}",

@@ -430,7 +430,7 @@ impl Engine for PgEngine {
     }
 
     async fn get_schedule(&self, schedule_id: String) -> Result<Schedule> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         let r = self.pg_get_schedule(&schedule_id).await;
         self.observe(r)
     }
@@ -441,13 +441,13 @@ impl Engine for PgEngine {
     }
 
     async fn set_schedule_paused(&self, schedule_id: String, paused: bool) -> Result<Schedule> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         let r = self.pg_set_schedule_paused(&schedule_id, paused).await;
         self.observe(r)
     }
 
     async fn delete_schedule(&self, schedule_id: String) -> Result<()> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         let r = self.pg_delete_schedule(&schedule_id).await;
         self.observe(r)
     }

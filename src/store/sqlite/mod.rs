@@ -660,7 +660,7 @@ impl Engine for SqliteEngine {
     }
 
     async fn get_schedule(&self, schedule_id: String) -> Result<Schedule> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         self.read(move |c| {
             sql::schedules::get(c, &schedule_id)?
                 .ok_or_else(|| Error::not_found(format!("schedule {schedule_id} not found")))
@@ -683,7 +683,7 @@ impl Engine for SqliteEngine {
     }
 
     async fn set_schedule_paused(&self, schedule_id: String, paused: bool) -> Result<Schedule> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         let s = self
             .writer
             .write_direct(move |st, c| st.set_schedule_paused(c, &schedule_id, paused))
@@ -693,7 +693,7 @@ impl Engine for SqliteEngine {
     }
 
     async fn delete_schedule(&self, schedule_id: String) -> Result<()> {
-        validate::object_id("schedule_id", &schedule_id)?;
+        validate::schedule_id(&schedule_id)?;
         self.writer
             .write_direct(move |st, c| st.delete_schedule(c, &schedule_id))
             .await
