@@ -29,6 +29,7 @@ store_tests! {
     only_an_admin_releases_and_zero_never_quarantines,
     a_task_longer_than_the_job_timeout_is_refused,
     forgetting_a_quarantined_worker_is_refused_until_it_is_released,
+    a_quarantined_worker_outlives_the_departed_retention,
 }
 
 /// A 1 s job timeout and quarantine after 2 timeouts within an hour.
@@ -322,5 +323,67 @@ async fn forgetting_a_quarantined_worker_is_refused_until_it_is_released(store: 
         .await
         .expect_err("forgotten");
     assert_eq!(err.code(), Code::NotFound);
+    s.stop().await;
+}
+
+/// The 24 hours departed workers stay listed do not end a quarantine
+/// either: retention forgets a departed worker's record, but keeps one
+/// whose quarantine holds (only an admin ends it).
+async fn a_quarantined_worker_outlives_the_departed_retention(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let backing = Backing::new(store, &dir.path().join("agq.db")).await;
+    let s = TestServer::start_on(&backing, cfg()).await;
+    submit(&s, short_plan("hang"), 3, 5).await;
+    let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+    hung.lease().await;
+    hung.lease_within(5_000).await.expect("a second lease");
+    eventually(10, "quarantined after 2 timeouts", || async {
+        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
+    })
+    .await;
+    hung.disconnect();
+    // A departed worker beside it, which retention does forget.
+    let mut gone = SimWorker::start(&s, "w-gone", &["other"], 1).await;
+    gone.disconnect();
+    let mut c = s.workers().await;
+    for id in ["w-hung", "w-gone"] {
+        c.unregister_worker(UnregisterWorkerRequest {
+            worker_id: id.into(),
+        })
+        .await
+        .expect("unregister");
+    }
+    // Both last heard of long ago, as read at the next start.
+    s.stop().await;
+    let s = TestServer::start_on(&backing, cfg()).await;
+    s.exec_sql(
+        "UPDATE workers SET last_heartbeat_at_ms = 1000 \
+         WHERE worker_id IN ('w-hung', 'w-gone')",
+    )
+    .await;
+    s.stop().await;
+    let s = TestServer::start_on(&backing, cfg()).await;
+    eventually(10, "retention forgets w-gone", || async {
+        s.workers()
+            .await
+            .get_worker(pb::GetWorkerRequest {
+                worker_id: "w-gone".into(),
+            })
+            .await
+            .is_err_and(|e| e.code() == Code::NotFound)
+    })
+    .await;
+    assert!(
+        !worker(&s, "w-hung").await.quarantine_reason.is_empty(),
+        "the quarantined record is kept"
+    );
+    let mut again = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
+    assert_eq!(
+        worker(&s, "w-hung").await.state,
+        WorkerState::Quarantined as i32,
+        "still quarantined past the retention"
+    );
+    assert!(again.lease_within(800).await.is_none());
+    again.disconnect();
     s.stop().await;
 }

@@ -195,7 +195,9 @@ impl PgEngine {
         self.fire_schedules().await?;
         let c = self.client().await?;
         c.execute(
-            "DELETE FROM workers WHERE state IN (3, 4) AND last_heartbeat_at_ms < agq_now_ms() - $1",
+            // A quarantined worker's row is kept: only an admin ends it.
+            "DELETE FROM workers WHERE state IN (3, 4) AND last_heartbeat_at_ms < agq_now_ms() - $1 \
+             AND quarantine_reason = ''",
             &[&DEPARTED_RETENTION_MS],
         )
         .await

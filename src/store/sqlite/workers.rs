@@ -654,7 +654,8 @@ impl State {
     }
 
     /// Forgets DEAD and UNREGISTERED workers silent for longer than
-    /// [`DEPARTED_RETENTION_MS`], so restarts with new ids do not pile up.
+    /// [`DEPARTED_RETENTION_MS`], so restarts with new ids do not pile up;
+    /// a quarantined one is kept until an admin releases it.
     ///
     /// Errors: storage errors.
     fn forget_departed(&mut self, conn: &Connection, now_ms: i64) -> Result<()> {
@@ -664,6 +665,8 @@ impl State {
             .filter(|(_, w)| {
                 matches!(w.state, WorkerState::Dead | WorkerState::Unregistered)
                     && now_ms - w.last_heartbeat_ms > DEPARTED_RETENTION_MS
+                    // the record holds a quarantine only an admin ends
+                    && w.info.quarantine_reason.is_empty()
             })
             .map(|(id, _)| id.clone())
             .collect();

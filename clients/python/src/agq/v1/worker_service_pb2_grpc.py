@@ -240,8 +240,9 @@ class WorkerServiceServicer:
 
     def ForgetWorker(self, request, context):
         """Deletes the record of a DEAD or UNREGISTERED worker now rather than
-        after the 24 hours departed workers stay listed (an AGQ addition). The
-        id may register again later. Takes the same token as DrainWorker.
+        after the 24 hours departed workers stay listed (an AGQ addition; a
+        quarantined worker stays listed until released). The id may register
+        again later. Takes the same token as DrainWorker.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
         while the worker is ACTIVE or DRAINING (unregister or drain it first)
         or quarantined (the record holds the quarantine: an admin releases it

@@ -123,8 +123,9 @@ class WorkerServiceStub:
     """
     ForgetWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]
     """Deletes the record of a DEAD or UNREGISTERED worker now rather than
-    after the 24 hours departed workers stay listed (an AGQ addition). The
-    id may register again later. Takes the same token as DrainWorker.
+    after the 24 hours departed workers stay listed (an AGQ addition; a
+    quarantined worker stays listed until released). The id may register
+    again later. Takes the same token as DrainWorker.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     while the worker is ACTIVE or DRAINING (unregister or drain it first)
     or quarantined (the record holds the quarantine: an admin releases it
@@ -247,8 +248,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     ForgetWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]  # type: ignore[assignment]
     """Deletes the record of a DEAD or UNREGISTERED worker now rather than
-    after the 24 hours departed workers stay listed (an AGQ addition). The
-    id may register again later. Takes the same token as DrainWorker.
+    after the 24 hours departed workers stay listed (an AGQ addition; a
+    quarantined worker stays listed until released). The id may register
+    again later. Takes the same token as DrainWorker.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
     while the worker is ACTIVE or DRAINING (unregister or drain it first)
     or quarantined (the record holds the quarantine: an admin releases it
@@ -434,8 +436,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ForgetWorkerResponse, _abc.Awaitable[_worker_service_pb2.ForgetWorkerResponse]]:
         """Deletes the record of a DEAD or UNREGISTERED worker now rather than
-        after the 24 hours departed workers stay listed (an AGQ addition). The
-        id may register again later. Takes the same token as DrainWorker.
+        after the 24 hours departed workers stay listed (an AGQ addition; a
+        quarantined worker stays listed until released). The id may register
+        again later. Takes the same token as DrainWorker.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown id), FAILED_PRECONDITION
         while the worker is ACTIVE or DRAINING (unregister or drain it first)
         or quarantined (the record holds the quarantine: an admin releases it
