@@ -69,8 +69,9 @@ impl CronSchedule {
                 )))
             }
         };
+        // The crate's error only repeats the expression: name the field.
         let schedule = jiff_cron::Schedule::from_str(&full)
-            .map_err(|e| Error::invalid(format!("cron {expr:?}: {e}")))?;
+            .map_err(|_| Error::invalid(format!("cron {expr:?}: {}", field_at_fault(&full))))?;
         let tz = if time_zone.is_empty() {
             TimeZone::UTC
         } else {
@@ -119,6 +120,39 @@ impl CronSchedule {
         ticks.reverse();
         (ticks, more)
     }
+}
+
+/// The fields of the six- or seven-field form, in order, with what each
+/// takes besides `*`, lists, ranges and steps.
+const FIELDS: [(&str, &str); 7] = [
+    ("second", "0-59"),
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day-of-month", "1-31 or ?"),
+    ("month", "1-12 or Jan-Dec"),
+    ("day-of-week", "1-7 (Sunday 1) or Sun-Sat, or ?"),
+    ("year", "1970-2100"),
+];
+
+/// Why the six- or seven-field expression `full`, which does not parse,
+/// is refused: its first field that does not parse with `*` in every
+/// other one (as `"hour field \"5-1\" is not valid (0-23 ...)"`), or
+/// that the fields do not parse together.
+fn field_at_fault(full: &str) -> String {
+    let fields: Vec<&str> = full.split_whitespace().collect();
+    for (i, field) in fields.iter().enumerate() {
+        let alone: Vec<&str> = (0..fields.len())
+            .map(|j| if j == i { *field } else { "*" })
+            .collect();
+        if jiff_cron::Schedule::from_str(&alone.join(" ")).is_err() {
+            let (name, takes) = FIELDS[i.min(FIELDS.len() - 1)];
+            return format!(
+                "its {name} field {field:?} is not valid ({takes}; with `*`, lists a,b, \
+                 ranges a-b and steps */n or a-b/n)"
+            );
+        }
+    }
+    "its fields do not parse together".to_string()
 }
 
 /// The day-of-week field of a classic five-field expression, numbered as
@@ -189,6 +223,23 @@ fn crontab_days_of_week(field: &str) -> std::result::Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_expression_names_the_field_at_fault() {
+        for (expr, field) in [
+            ("*/0 * * * * *", "second field \"*/0\""),
+            ("0 0 5-1 * * *", "hour field \"5-1\""),
+            ("0 0 0 * * 8", "day-of-week field \"8\""),
+            ("0 0 0 L * *", "day-of-month field \"L\""),
+            ("0 0 0 1 13 *", "month field \"13\""),
+            ("0 0 0 1 1 * 1969", "year field \"1969\""),
+            ("60 * * * *", "minute field \"60\""),
+        ] {
+            let err = CronSchedule::read(expr, "").unwrap_err().to_string();
+            assert!(err.contains(field), "{expr}: {err}");
+            assert!(err.contains(&format!("{expr:?}")), "{expr}: {err}");
+        }
+    }
 
     #[test]
     fn ticks_in_the_time_zone() {
