@@ -1378,3 +1378,48 @@ fn untrusted_text_reaches_the_terminal_as_visible_text() {
         run.stderr
     );
 }
+
+/// `worker verify` waits up to `--wait-secs` for the worker's answer: an
+/// answer that does not come in time is no success (exit 1, the pending
+/// challenge printed and named on stderr); `--wait-secs 0` only sends the
+/// challenge (exit 0); an answer in time that passed exits 0.
+#[test]
+fn worker_verify_exits_1_when_the_answer_does_not_come_in_time() {
+    let mut s = Server::start();
+    s.start_worker("verify-w");
+    // agw answers after `sleep 5` ends: later than the one second waited.
+    let r = s.agq(&[
+        "worker",
+        "verify",
+        "verify-w",
+        "sleep",
+        "--wait-secs",
+        "1",
+        "--",
+        "5",
+    ]);
+    r.assert_err(
+        1,
+        "agq: worker verify-w did not answer the verification of sleep within --wait-secs 1",
+    );
+    assert!(r.stdout.contains("sleep 5: pending"), "{}", r.stdout);
+    let r = s.agq(&[
+        "worker",
+        "verify",
+        "verify-w",
+        "sleep",
+        "--wait-secs",
+        "0",
+        "--",
+        "5",
+    ]);
+    r.assert_ok();
+    assert!(r.stdout.contains("sleep 5: pending"), "{}", r.stdout);
+    let r = s.agq(&["worker", "verify", "verify-w", "sort", "--wait-secs", "30"]);
+    r.assert_ok();
+    assert!(
+        r.stdout.contains("sort --version: passed at "),
+        "{}",
+        r.stdout
+    );
+}
