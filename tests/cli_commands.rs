@@ -1019,6 +1019,33 @@ fn connection_errors_are_clear() {
     .assert_err(1, "TLS flags need an https:// server URL");
 }
 
+/// A server that takes the connection but never answers: the call ends at
+/// `--timeout` with `DEADLINE_EXCEEDED` naming the flag, not with a
+/// `CANCELLED` that reads as if someone cancelled it.
+#[test]
+fn a_call_past_its_timeout_is_deadline_exceeded() {
+    // Never accepted: the kernel completes the TCP handshake, nobody answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let start = std::time::Instant::now();
+    let r = run_agq(
+        &["--server", &url, "--timeout", "1s", "plan", "list"],
+        None,
+        &[],
+    );
+    r.assert_err(
+        1,
+        "agq: DEADLINE_EXCEEDED: no answer within --timeout 1s (AGQ_TIMEOUT)",
+    );
+    assert!(!r.stderr.contains("CANCELLED"), "{}", r.stderr);
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(silent);
+}
+
 #[test]
 fn tls_with_a_private_ca() {
     let dir = tempfile::tempdir().unwrap();
