@@ -51,6 +51,25 @@ fn help_lists_every_command_and_usage_errors_exit_2() {
     run_agq(&["plan", "get"], None, &[]).assert_err(2, "PLAN_ID");
     run_agq(&["job", "list", "a", "--status", "nope"], None, &[]).assert_err(2, "invalid value");
     run_agq(&["-o", "yaml", "plan", "list"], None, &[]).assert_err(2, "invalid value");
+    // Only pending, running and failed jobs can be cancelled: another
+    // status is a usage error, refused before any connection.
+    for status in ["completed", "dead", "cancelled"] {
+        run_agq(
+            &[
+                "--server",
+                "http://127.0.0.1:1",
+                "job",
+                "cancel",
+                "--action",
+                "a",
+                "--status",
+                status,
+            ],
+            None,
+            &[],
+        )
+        .assert_err(2, &format!("invalid value '{status}' for '--status"));
+    }
 }
 
 #[test]
@@ -1246,7 +1265,7 @@ fn action_list_cancel_retry_and_bulk_job_commands() {
         "--status",
         "completed",
     ])
-    .assert_err(1, "--status must be pending, running or failed");
+    .assert_err(2, "[possible values: pending, running, failed]");
     s.agq(&["job", "retry"]).assert_err(2, "Usage");
 }
 
