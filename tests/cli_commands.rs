@@ -162,9 +162,31 @@ fn plan_submit_get_list_delete() {
         del,
         serde_json::json!({"plan_id": "camel-plan", "deleted": true})
     );
+    // A job waiting for its run time keeps its Plan; once it is cancelled,
+    // deleting the Plan removes its Action and jobs too (docs/cli.md).
+    s.agq(&[
+        "action",
+        "submit",
+        "--plan",
+        "copy-plan",
+        "--input",
+        "file=/x",
+        "--action-id",
+        "copy-run",
+        "--run-at",
+        "+1h",
+    ])
+    .assert_ok();
+    s.agq(&["plan", "delete", "copy-plan"])
+        .assert_err(1, "agq: FAILED_PRECONDITION: ");
+    s.agq(&["action", "cancel", "copy-run"]).assert_ok();
     let deleted = s.agq(&["plan", "delete", "copy-plan"]);
     deleted.assert_ok();
     assert_eq!(deleted.stdout.trim(), "deleted plan copy-plan");
+    s.agq(&["action", "status", "copy-run"])
+        .assert_err(1, "agq: NOT_FOUND: action copy-run not found");
+    s.agq(&["action", "retry", "copy-run"])
+        .assert_err(1, "agq: NOT_FOUND: ");
     s.agq(&["plan", "get", "camel-plan"])
         .assert_err(1, "agq: NOT_FOUND: ");
     s.agq(&["plan", "delete", "camel-plan"])
