@@ -51,6 +51,25 @@ fn help_lists_every_command_and_usage_errors_exit_2() {
     run_agq(&["plan", "get"], None, &[]).assert_err(2, "PLAN_ID");
     run_agq(&["job", "list", "a", "--status", "nope"], None, &[]).assert_err(2, "invalid value");
     run_agq(&["-o", "yaml", "plan", "list"], None, &[]).assert_err(2, "invalid value");
+    // Only pending, running and failed jobs can be cancelled: another
+    // status is a usage error, refused before any connection.
+    for status in ["completed", "dead", "cancelled"] {
+        run_agq(
+            &[
+                "--server",
+                "http://127.0.0.1:1",
+                "job",
+                "cancel",
+                "--action",
+                "a",
+                "--status",
+                status,
+            ],
+            None,
+            &[],
+        )
+        .assert_err(2, &format!("invalid value '{status}' for '--status"));
+    }
 }
 
 #[test]
@@ -143,9 +162,31 @@ fn plan_submit_get_list_delete() {
         del,
         serde_json::json!({"plan_id": "camel-plan", "deleted": true})
     );
+    // A job waiting for its run time keeps its Plan; once it is cancelled,
+    // deleting the Plan removes its Action and jobs too (docs/cli.md).
+    s.agq(&[
+        "action",
+        "submit",
+        "--plan",
+        "copy-plan",
+        "--input",
+        "file=/x",
+        "--action-id",
+        "copy-run",
+        "--run-at",
+        "+1h",
+    ])
+    .assert_ok();
+    s.agq(&["plan", "delete", "copy-plan"])
+        .assert_err(1, "agq: FAILED_PRECONDITION: ");
+    s.agq(&["action", "cancel", "copy-run"]).assert_ok();
     let deleted = s.agq(&["plan", "delete", "copy-plan"]);
     deleted.assert_ok();
     assert_eq!(deleted.stdout.trim(), "deleted plan copy-plan");
+    s.agq(&["action", "status", "copy-run"])
+        .assert_err(1, "agq: NOT_FOUND: action copy-run not found");
+    s.agq(&["action", "retry", "copy-run"])
+        .assert_err(1, "agq: NOT_FOUND: ");
     s.agq(&["plan", "get", "camel-plan"])
         .assert_err(1, "agq: NOT_FOUND: ");
     s.agq(&["plan", "delete", "camel-plan"])
@@ -1019,6 +1060,33 @@ fn connection_errors_are_clear() {
     .assert_err(1, "TLS flags need an https:// server URL");
 }
 
+/// A server that takes the connection but never answers: the call ends at
+/// `--timeout` with `DEADLINE_EXCEEDED` naming the flag, not with a
+/// `CANCELLED` that reads as if someone cancelled it.
+#[test]
+fn a_call_past_its_timeout_is_deadline_exceeded() {
+    // Never accepted: the kernel completes the TCP handshake, nobody answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let start = std::time::Instant::now();
+    let r = run_agq(
+        &["--server", &url, "--timeout", "1s", "plan", "list"],
+        None,
+        &[],
+    );
+    r.assert_err(
+        1,
+        "agq: DEADLINE_EXCEEDED: no answer within --timeout 1s (AGQ_TIMEOUT)",
+    );
+    assert!(!r.stderr.contains("CANCELLED"), "{}", r.stderr);
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(silent);
+}
+
 #[test]
 fn tls_with_a_private_ca() {
     let dir = tempfile::tempdir().unwrap();
@@ -1219,7 +1287,7 @@ fn action_list_cancel_retry_and_bulk_job_commands() {
         "--status",
         "completed",
     ])
-    .assert_err(1, "--status must be pending, running or failed");
+    .assert_err(2, "[possible values: pending, running, failed]");
     s.agq(&["job", "retry"]).assert_err(2, "Usage");
 }
 
@@ -1376,5 +1444,50 @@ fn untrusted_text_reaches_the_terminal_as_visible_text() {
         run.stderr.contains(r"\x1b]52;c;cHduZWQ=\x07"),
         "{:?}",
         run.stderr
+    );
+}
+
+/// `worker verify` waits up to `--wait-secs` for the worker's answer: an
+/// answer that does not come in time is no success (exit 1, the pending
+/// challenge printed and named on stderr); `--wait-secs 0` only sends the
+/// challenge (exit 0); an answer in time that passed exits 0.
+#[test]
+fn worker_verify_exits_1_when_the_answer_does_not_come_in_time() {
+    let mut s = Server::start();
+    s.start_worker("verify-w");
+    // agw answers after `sleep 5` ends: later than the one second waited.
+    let r = s.agq(&[
+        "worker",
+        "verify",
+        "verify-w",
+        "sleep",
+        "--wait-secs",
+        "1",
+        "--",
+        "5",
+    ]);
+    r.assert_err(
+        1,
+        "agq: worker verify-w did not answer the verification of sleep within --wait-secs 1",
+    );
+    assert!(r.stdout.contains("sleep 5: pending"), "{}", r.stdout);
+    let r = s.agq(&[
+        "worker",
+        "verify",
+        "verify-w",
+        "sleep",
+        "--wait-secs",
+        "0",
+        "--",
+        "5",
+    ]);
+    r.assert_ok();
+    assert!(r.stdout.contains("sleep 5: pending"), "{}", r.stdout);
+    let r = s.agq(&["worker", "verify", "verify-w", "sort", "--wait-secs", "30"]);
+    r.assert_ok();
+    assert!(
+        r.stdout.contains("sort --version: passed at "),
+        "{}",
+        r.stdout
     );
 }

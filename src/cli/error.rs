@@ -55,6 +55,29 @@ impl CliError {
         matches!(self, CliError::BrokenPipe)
     }
 
+    /// Names `--timeout` in a call that ran past it. tonic reports the
+    /// client's own deadline as `CANCELLED: Timeout expired`, which reads
+    /// as if someone cancelled the call; this turns it into
+    /// `DEADLINE_EXCEEDED: no answer within --timeout 30s ...`, the code
+    /// gRPC specifies for a deadline. Every other error is returned as it is.
+    #[must_use]
+    pub fn explain_timeout(self, timeout: std::time::Duration) -> Self {
+        match self {
+            CliError::Rpc(s) if is_client_timeout(&s) => {
+                let shown = if timeout.subsec_nanos() == 0 {
+                    super::time::clock(timeout)
+                } else {
+                    super::time::human_duration(timeout)
+                };
+                CliError::Rpc(Box::new(Status::deadline_exceeded(format!(
+                    "no answer within --timeout {shown} (AGQ_TIMEOUT): the server is slow or \
+                     does not answer"
+                ))))
+            }
+            other => other,
+        }
+    }
+
     /// The gRPC code, when the server returned one.
     pub fn code(&self) -> Option<Code> {
         match self {
@@ -62,6 +85,22 @@ impl CliError {
             _ => None,
         }
     }
+}
+
+/// True when `status` is tonic's report of the client-side deadline
+/// (`Endpoint::timeout`): `CANCELLED` caused by [`tonic::TimeoutExpired`].
+fn is_client_timeout(status: &Status) -> bool {
+    if status.code() != Code::Cancelled {
+        return false;
+    }
+    let mut source = status.source();
+    while let Some(s) = source {
+        if s.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = s.source();
+    }
+    status.message() == tonic::TimeoutExpired(()).to_string()
 }
 
 /// The canonical upper-case name of a gRPC code, as in `NOT_FOUND`: tonic's

@@ -317,11 +317,12 @@ pub enum ClientCommand {
 /// # Errors
 ///
 /// [`CliError`] when the connection fails, the server answers with an
-/// error status, or a local input (file, JSON) is invalid.
+/// error status (`DEADLINE_EXCEEDED` for a call that got no answer within
+/// `--timeout`), or a local input (file, JSON) is invalid.
 pub async fn run(opts: &ClientOptions, cmd: ClientCommand) -> Result<(), CliError> {
     let clients = Clients::connect(opts).await?;
     let out = opts.output;
-    match cmd {
+    let result = match cmd {
         ClientCommand::Plan(c) => plan::run(&clients, out, c).await,
         ClientCommand::Action(c) => action::run(&clients, out, c).await,
         ClientCommand::Job(c) => job::run(&clients, out, c).await,
@@ -329,7 +330,8 @@ pub async fn run(opts: &ClientOptions, cmd: ClientCommand) -> Result<(), CliErro
         ClientCommand::Queue(c) => queue::run(&clients, out, c).await,
         ClientCommand::Metrics(a) => queue::metrics(&clients, out, a).await,
         ClientCommand::Schedule(c) => schedule::run(&clients, out, c).await,
-    }
+    };
+    result.map_err(|e| e.explain_timeout(opts.timeout))
 }
 
 /// Prints `value` as pretty JSON on stdout.

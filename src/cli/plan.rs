@@ -40,8 +40,8 @@ pub enum PlanCommand {
     List(PlanListArgs),
     /// List the versions of one Plan, newest first.
     Versions(PlanVersionsArgs),
-    /// Delete a Plan with all its versions (refused while pending or
-    /// running jobs use it).
+    /// Delete a Plan with all its versions and its finished Actions and
+    /// jobs (refused while pending, running or failed jobs use it).
     Delete {
         /// Plan id.
         plan_id: String,

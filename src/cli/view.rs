@@ -512,6 +512,28 @@ impl From<RetryStatusArg> for JobStatus {
     }
 }
 
+/// A job status of `agq job cancel --action --status`: the statuses a job
+/// can be cancelled from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CancelStatusArg {
+    /// Waiting to be leased.
+    Pending,
+    /// Leased to a worker (its worker is told to kill it).
+    Running,
+    /// Waiting for its next attempt.
+    Failed,
+}
+
+impl From<CancelStatusArg> for JobStatus {
+    fn from(s: CancelStatusArg) -> Self {
+        match s {
+            CancelStatusArg::Pending => JobStatus::Pending,
+            CancelStatusArg::Running => JobStatus::Running,
+            CancelStatusArg::Failed => JobStatus::Failed,
+        }
+    }
+}
+
 /// An Action state of `agq action list --state`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ActionStateArg {

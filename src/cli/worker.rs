@@ -50,7 +50,8 @@ pub enum WorkerCommand {
         /// Arguments [default: --describe for a unit, --version for a tool].
         #[arg(last = true)]
         args: Vec<String>,
-        /// Seconds to wait for the answer (0: do not wait).
+        /// Seconds to wait for the answer; no answer by then exits 1 (0: send
+        /// the challenge and exit 0 without waiting).
         #[arg(long, default_value_t = 30)]
         wait_secs: u64,
     },
@@ -158,6 +159,14 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
             if view.answered_at.is_some() && !view.passed {
                 return Err(CliError::Failed(format!(
                     "worker {worker_id} failed the verification of {}",
+                    view.tool
+                )));
+            }
+            if wait_secs > 0 && view.answered_at.is_none() {
+                return Err(CliError::Failed(format!(
+                    "worker {worker_id} did not answer the verification of {} within \
+                     --wait-secs {wait_secs}; it stays pending (`agq worker get {worker_id}` \
+                     shows the answer when it comes)",
                     view.tool
                 )));
             }
