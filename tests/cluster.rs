@@ -3165,6 +3165,32 @@ async fn a_job_whose_plan_cannot_be_read_is_dead_and_stops_no_other() {
     cluster.assert_no_panic();
 }
 
+/// Submits `n` (a multiple of 10,000) jobs of plan `p` to `url`, due an
+/// hour from now, with worker selector `selector`, in actions of 10,000
+/// (max_inputs_per_action).
+async fn submit_for_later(url: &str, n: usize, selector: &str) {
+    let hour_ahead = timestamp_ms(now_ms() + 3_600_000);
+    let mut actions =
+        action_service_client::ActionServiceClient::new(channel(url).await.expect("connect"));
+    for _ in 0..n / 10_000 {
+        actions
+            .submit_action(SubmitActionRequest {
+                plan_id: "p".into(),
+                inputs: (0..10_000)
+                    .map(|n| ActionInput {
+                        values: [("n".to_string(), n.to_string())].into(),
+                    })
+                    .collect(),
+                max_attempts: 1,
+                run_at: Some(hour_ahead),
+                worker_selector: selector.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("submit the jobs due later");
+    }
+}
+
 /// Jobs scheduled for later (20,000 an hour ahead) cost the dispatcher
 /// nothing: with one ready job behind them (a later row id, same
 /// priority), the dispatcher's readiness check and its claim (the
@@ -3182,26 +3208,7 @@ async fn a_claim_reads_no_job_scheduled_for_later() {
     let cluster = Cluster::start(1).await;
     let url = cluster.urls()[0].clone();
     put_plan(&url).await;
-    let hour_ahead = timestamp_ms(now_ms() + 3_600_000);
-    let mut actions =
-        action_service_client::ActionServiceClient::new(channel(&url).await.expect("connect"));
-    // 10,000 inputs at most per action (max_inputs_per_action).
-    for _ in 0..LATER / 10_000 {
-        actions
-            .submit_action(SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: (0..10_000)
-                    .map(|n| ActionInput {
-                        values: [("n".to_string(), n.to_string())].into(),
-                    })
-                    .collect(),
-                max_attempts: 1,
-                run_at: Some(hour_ahead),
-                ..Default::default()
-            })
-            .await
-            .expect("submit the scheduled jobs");
-    }
+    submit_for_later(&url, LATER, "").await;
     let (_, ready) = submit_action_of(&url, "p", 1, None).await;
     // No worker yet: the dispatcher claims nothing while the test looks.
     let db = pg::connect(&cluster.url).await;
@@ -3306,26 +3313,7 @@ async fn the_selector_drop_does_not_read_the_backlog() {
     let cluster = Cluster::start(1).await;
     let url = cluster.urls()[0].clone();
     put_plan(&url).await;
-    let hour_ahead = timestamp_ms(now_ms() + 3_600_000);
-    let mut actions =
-        action_service_client::ActionServiceClient::new(channel(&url).await.expect("connect"));
-    for _ in 0..OPEN / 10_000 {
-        actions
-            .submit_action(SubmitActionRequest {
-                plan_id: "p".into(),
-                inputs: (0..10_000)
-                    .map(|n| ActionInput {
-                        values: [("n".to_string(), n.to_string())].into(),
-                    })
-                    .collect(),
-                max_attempts: 1,
-                run_at: Some(hour_ahead),
-                worker_selector: "busy=1".into(),
-                ..Default::default()
-            })
-            .await
-            .expect("submit the open jobs");
-    }
+    submit_for_later(&url, OPEN, "busy=1").await;
     let db = pg::connect(&cluster.url).await;
     db.batch_execute("ANALYZE jobs").await.unwrap();
     // The unused selector exists only in the explaining transaction: the

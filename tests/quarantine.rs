@@ -262,6 +262,21 @@ async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::St
     .map(|_| ())
 }
 
+/// Quarantines worker `w-hung` of `s`: two of its leases of a hanging
+/// plan time out; then it disconnects. Returns its quarantine reason.
+async fn quarantine_hung_worker(s: &TestServer) -> String {
+    submit(s, short_plan("hang"), 3, 5).await;
+    let mut hung = SimWorker::start(s, "w-hung", &["sleep"], 1).await;
+    hung.lease().await;
+    hung.lease_within(5_000).await.expect("a second lease");
+    eventually(10, "quarantined after 2 timeouts", || async {
+        worker(s, "w-hung").await.state == WorkerState::Quarantined as i32
+    })
+    .await;
+    hung.disconnect();
+    worker(s, "w-hung").await.quarantine_reason
+}
+
 /// ForgetWorker takes the worker's own token, ReleaseWorker an admin's: a
 /// quarantined worker that unregistered cannot forget its record (and so
 /// its quarantine) and come back ACTIVE. The refusal changes nothing, in
@@ -270,16 +285,7 @@ async fn forgetting_a_quarantined_worker_is_refused_until_it_is_released(store: 
     let dir = tempfile::tempdir().unwrap();
     let backing = Backing::new(store, &dir.path().join("agq.db")).await;
     let s = TestServer::start_on(&backing, cfg()).await;
-    submit(&s, short_plan("hang"), 3, 5).await;
-    let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
-    hung.lease().await;
-    hung.lease_within(5_000).await.expect("a second lease");
-    eventually(10, "quarantined after 2 timeouts", || async {
-        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
-    })
-    .await;
-    let reason = worker(&s, "w-hung").await.quarantine_reason;
-    hung.disconnect();
+    let reason = quarantine_hung_worker(&s).await;
 
     let err = unregister_and_forget(&s, "w-hung")
         .await
@@ -333,15 +339,7 @@ async fn a_quarantined_worker_outlives_the_departed_retention(store: TestStore) 
     let dir = tempfile::tempdir().unwrap();
     let backing = Backing::new(store, &dir.path().join("agq.db")).await;
     let s = TestServer::start_on(&backing, cfg()).await;
-    submit(&s, short_plan("hang"), 3, 5).await;
-    let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
-    hung.lease().await;
-    hung.lease_within(5_000).await.expect("a second lease");
-    eventually(10, "quarantined after 2 timeouts", || async {
-        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
-    })
-    .await;
-    hung.disconnect();
+    quarantine_hung_worker(&s).await;
     // A departed worker beside it, which retention does forget.
     let mut gone = SimWorker::start(&s, "w-gone", &["other"], 1).await;
     gone.disconnect();
