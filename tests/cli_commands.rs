@@ -51,6 +51,9 @@ fn help_lists_every_command_and_usage_errors_exit_2() {
     run_agq(&["plan", "get"], None, &[]).assert_err(2, "PLAN_ID");
     run_agq(&["job", "list", "a", "--status", "nope"], None, &[]).assert_err(2, "invalid value");
     run_agq(&["-o", "yaml", "plan", "list"], None, &[]).assert_err(2, "invalid value");
+    run_agq(&["--timeout", "0s", "plan", "list"], None, &[])
+        .assert_err(2, "a zero deadline fails every call");
+    run_agq(&["--timeout", "soon", "plan", "list"], None, &[]).assert_err(2, "invalid value");
     // Only pending, running and failed jobs can be cancelled: another
     // status is a usage error, refused before any connection.
     for status in ["completed", "dead", "cancelled"] {

@@ -152,10 +152,23 @@ struct ClientFlags {
     /// the URL's host.
     #[arg(long, global = true, env = "AGQ_TLS_DOMAIN")]
     tls_domain: Option<String>,
-    /// Deadline of each call (not of `--watch` streams), e.g. 30s, 2m.
+    /// Deadline of each call (not of `--watch` streams), e.g. 30s, 2m;
+    /// more than zero.
     #[arg(long, global = true, env = "AGQ_TIMEOUT", default_value = "30s",
-          value_parser = humantime::parse_duration)]
+          value_parser = call_timeout)]
     timeout: Duration,
+}
+
+/// Parses `--timeout`: a duration (`30s`, `2m`, `1h 30m`) above zero, as a
+/// zero deadline fails every call.
+///
+/// Errors: the text does not parse, or is zero (a usage error, exit 2).
+fn call_timeout(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("a zero deadline fails every call: give more than 0".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl clap::Args for ClientOptions {

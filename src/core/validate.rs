@@ -281,13 +281,16 @@ pub fn schedule_id(id: &str) -> Result<()> {
 }
 
 /// The schedule an action id of the form `<schedule_id>-<unix seconds>`
-/// (10 digits or more) names, the form of a schedule's tick: a client may
-/// not submit such an id while that schedule exists, or it could take a
-/// tick's id ahead of it and so suppress the tick.
+/// (10 digits or more, no leading zero) names, the form of a schedule's
+/// tick: a client may not submit such an id while that schedule exists,
+/// or it could take a tick's id ahead of it and so suppress the tick.
 pub fn tick_schedule(action_id: &str) -> Option<&str> {
     let (schedule_id, secs) = action_id.rsplit_once('-')?;
-    (!schedule_id.is_empty() && secs.len() >= 10 && secs.bytes().all(|b| b.is_ascii_digit()))
-        .then_some(schedule_id)
+    (!schedule_id.is_empty()
+        && secs.len() >= 10
+        && !secs.starts_with('0')
+        && secs.bytes().all(|b| b.is_ascii_digit()))
+    .then_some(schedule_id)
 }
 
 /// The refusal of a client's action id reserved for the ticks of
@@ -867,6 +870,22 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
 mod tests {
     use super::*;
     use crate::core::model::Task;
+
+    #[test]
+    fn only_the_form_of_a_tick_is_reserved_for_ticks() {
+        assert_eq!(tick_schedule("nightly-1795818182"), Some("nightly"));
+        assert_eq!(tick_schedule("a-b-17958181820"), Some("a-b"));
+        // No tick has fewer than 10 digits, a leading zero or no schedule.
+        for id in [
+            "report-2024",
+            "s1-0000000001",
+            "-1795818182",
+            "s1-179581818x",
+            "plain",
+        ] {
+            assert_eq!(tick_schedule(id), None, "{id}");
+        }
+    }
 
     fn task(n: u32, cmd: &str) -> Task {
         Task {

@@ -67,8 +67,8 @@ class SubmitActionRequest(_message.Message):
     action_id: _builtins.str
     """Id for the Action, [A-Za-z0-9._-]{1,128}; empty: the server makes one.
     An id of the form of a schedule's tick, <schedule_id>-<unix seconds>
-    (10 digits or more) of an existing schedule, is INVALID_ARGUMENT: it
-    is reserved for that schedule's ticks.
+    (10 digits or more, no leading zero) of an existing schedule, is
+    INVALID_ARGUMENT: it is reserved for that schedule's ticks.
     """
     plan_id: _builtins.str
     """The Plan to run."""
