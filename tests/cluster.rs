@@ -1628,6 +1628,20 @@ async fn a_refused_lease_stream_is_closed() {
     cluster.assert_no_panic();
 }
 
+/// The worker selectors stored in `db` (`selectors`) but the empty one,
+/// in order.
+async fn stored_selectors(db: &tokio_postgres::Client) -> Vec<String> {
+    db.query(
+        "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
+        &[],
+    )
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|r| r.get::<_, String>(0))
+    .collect()
+}
+
 /// The worker selectors of stored actions (`selectors`, which every
 /// dispatcher round reads whole and matches against its workers' tags)
 /// keep only those of open jobs: the selector of an action whose jobs
@@ -1642,17 +1656,7 @@ async fn selectors_of_finished_actions_are_dropped() {
     let url = cluster.urls()[0].clone();
     put_plan(&url).await;
     let db = pg::connect(&cluster.url).await;
-    let kept = || async {
-        db.query(
-            "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
-            &[],
-        )
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.get::<_, String>(0))
-        .collect::<Vec<String>>()
-    };
+    let kept = || stored_selectors(&db);
     let mut actions = action_service_client::ActionServiceClient::new(channel(&url).await.unwrap());
     let mut submitted = Vec::new();
     for batch in ["batch=1", "batch=2"] {
@@ -1723,17 +1727,7 @@ async fn a_selector_reused_while_unused_ones_are_dropped_is_kept() {
     let url = cluster.urls()[0].clone();
     put_plan(&url).await;
     let db = pg::connect(&cluster.url).await;
-    let kept = || async {
-        db.query(
-            "SELECT selector FROM selectors WHERE selector <> '' ORDER BY selector",
-            &[],
-        )
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.get::<_, String>(0))
-        .collect::<Vec<String>>()
-    };
+    let kept = || stored_selectors(&db);
     let actions = action_service_client::ActionServiceClient::new(channel(&url).await.unwrap());
     let submit = |selector: &'static str| {
         let mut actions = actions.clone();
