@@ -1198,6 +1198,7 @@ def test_kill_ends_the_progress_sender(
     try:
         w._start_job(_lease("lease-1", "j-kill", "wait", tasks=2))
         assert started.wait(2.0), "the task waited for its progress report"
+        wait_until(lambda: stub.running() == [1], "the first report to be in flight")
         w.kill()
         t.thread.join(timeout=WAIT)
         assert t.exit is agq.WorkerExit.FORCED
