@@ -306,15 +306,49 @@ impl PgEngine {
 
     /// Running jobs past their lease's expiry fail their attempt; a worker
     /// with too many timeouts in the window is quarantined.
+    ///
+    /// The expiry and the quarantine commit together: were the quarantine
+    /// a transaction of its own, a dispatch round between the two would
+    /// see the worker ACTIVE with the slot just freed and lease it the
+    /// retried job again. So the workers are locked first, in id order
+    /// like the dispatcher's round (registrations and heartbeats lock one
+    /// worker, then its jobs), and then their expired jobs with `SKIP
+    /// LOCKED`: the transaction never waits for a job row while it holds a
+    /// worker's. A job that expired after the first read is the next
+    /// pass's.
     async fn expire_leases(&self) -> Result<()> {
         let mut client = self.client().await?;
+        let holders = client
+            .query(
+                "SELECT DISTINCT worker_id FROM (
+                     SELECT worker_id FROM jobs
+                     WHERE status = 2 AND lease_expires_at_ms <= agq_now_ms()
+                     ORDER BY lease_expires_at_ms LIMIT 1000) e",
+                &[],
+            )
+            .await
+            .map_err(db_err)?;
+        if holders.is_empty() {
+            return Ok(());
+        }
+        let workers: Vec<String> = holders
+            .into_iter()
+            .filter_map(|r| r.get::<_, Option<String>>(0))
+            .collect();
         let tx = client.transaction().await.map_err(db_err)?;
+        tx.query(
+            "SELECT 1 FROM workers WHERE worker_id = ANY($1) ORDER BY worker_id FOR UPDATE",
+            &[&workers],
+        )
+        .await
+        .map_err(db_err)?;
         let expired: Vec<(i64, String, String)> = tx
             .query(
                 "SELECT id, lease_id, worker_id FROM jobs
                  WHERE status = 2 AND lease_expires_at_ms <= agq_now_ms()
+                   AND (worker_id = ANY($1) OR worker_id IS NULL)
                  ORDER BY lease_expires_at_ms LIMIT 1000 FOR UPDATE SKIP LOCKED",
-                &[],
+                &[&workers],
             )
             .await
             .map_err(db_err)?
@@ -351,27 +385,30 @@ impl PgEngine {
             actions.push(e.action_id);
             timed_out.push(worker);
         }
+        timed_out.sort();
+        let mut quarantined = Vec::new();
+        for worker in &timed_out {
+            if let Some(reason) = self.count_timeout(&tx, worker).await? {
+                quarantined.push((worker, reason));
+            }
+        }
         tx.commit().await.map_err(db_err)?;
         self.touch(actions.iter().map(String::as_str));
-        // The timeouts count in a transaction of their own: this one locked
-        // job rows, and registrations and heartbeats lock a worker before
-        // its jobs, so locking workers here could wait on them in a circle
-        // (PostgreSQL would abort one side). A crash right here loses the
-        // count of these timeouts, not their expiry.
-        timed_out.sort();
-        if !timed_out.is_empty() {
-            let tx = client.transaction().await.map_err(db_err)?;
-            for worker in &timed_out {
-                self.count_timeout(&tx, worker).await?;
-            }
-            tx.commit().await.map_err(db_err)?;
+        for (id, reason) in quarantined {
+            self.metrics.worker_quarantines.inc();
+            tracing::warn!(worker_id = %id, reason, "worker quarantined");
         }
         Ok(())
     }
 
-    /// Records a lease timeout of worker `id`; quarantines it when the
-    /// window holds `quarantine_after_timeouts` of them.
-    async fn count_timeout(&self, tx: &deadpool_postgres::Transaction<'_>, id: &str) -> Result<()> {
+    /// Records a lease timeout of worker `id` (whose row `tx` holds);
+    /// quarantines it when the window holds `quarantine_after_timeouts` of
+    /// them, and then returns the reason.
+    async fn count_timeout(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        id: &str,
+    ) -> Result<Option<String>> {
         let window = i64::try_from(self.cfg.quarantine_window.as_millis()).unwrap_or(i64::MAX / 4);
         let Some(r) = tx
             .query_opt(
@@ -384,13 +421,13 @@ impl PgEngine {
             .await
             .map_err(db_err)?
         else {
-            return Ok(());
+            return Ok(None);
         };
         let n: i32 = r.get(0);
         let state: i16 = r.get(1);
         let limit = self.cfg.quarantine_after_timeouts;
         if limit == 0 || (n as u32) < limit || state != WorkerState::Active as i16 {
-            return Ok(());
+            return Ok(None);
         }
         let reason = format!(
             "{n} leases hit the job timeout ({} s) within {} s, the last at {}; the worker \
@@ -405,9 +442,7 @@ impl PgEngine {
         )
         .await
         .map_err(db_err)?;
-        self.metrics.worker_quarantines.inc();
-        tracing::warn!(worker_id = %id, reason, "worker quarantined");
-        Ok(())
+        Ok(Some(reason))
     }
 
     /// Live workers without a heartbeat for 3 x the interval are DEAD;
