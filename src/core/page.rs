@@ -3,7 +3,9 @@
 //! kind names the listing and its filters (`JobQuery::page_kind` and the
 //! like) and the value is the last key of the page (a plan id, a job's
 //! row); a token of another kind (another listing, or the same one with
-//! other filters), or not made by this codec, is refused.
+//! other filters), or not made by this codec, is refused. A token is not
+//! signed: one written by hand is a cursor like any other, and shows no
+//! more than the listing itself does.
 
 use crate::error::{Error, Result};
 
@@ -31,7 +33,7 @@ pub fn encode_token(kind: &str, value: &str) -> String {
 }
 
 fn bad_token() -> Error {
-    Error::invalid("page_token is not a token this server issued")
+    Error::invalid("page_token is malformed or was made for another listing or other filters")
 }
 
 /// The value in `token`, a token of `kind`; `None` for the empty token

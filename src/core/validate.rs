@@ -524,8 +524,11 @@ fn short_text(what: &str, s: &str, min: usize, max: usize) -> Result<()> {
 }
 
 /// Validates a registration (the WORKER.REGISTER command) and returns it
-/// with defaults applied (max_concurrent_jobs 0 → 1, tools sorted and
-/// deduplicated).
+/// with defaults applied (max_concurrent_jobs 0 → 1, tools and unit names
+/// sorted and deduplicated).
+///
+/// Errors: `InvalidArgument` for a field out of its rules, a name both a
+/// tool and an agentic unit, or two descriptions of one agentic unit.
 pub fn registration(mut req: Registration) -> Result<Registration> {
     worker_id(&req.worker_id)?;
     short_text("hostname", &req.hostname, 1, 255)?;
@@ -557,6 +560,16 @@ pub fn registration(mut req: Registration) -> Result<Registration> {
     }
     if caps.units.len() > MAX_UNITS {
         return Err(Error::invalid(format!("at most {MAX_UNITS} agentic units")));
+    }
+    // Two descriptions of one unit: which one runs is not the server's
+    // guess to make.
+    let mut described: Vec<&str> = caps.units.iter().map(|u| u.name.as_str()).collect();
+    described.sort_unstable();
+    if let Some(w) = described.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::invalid(format!(
+            "capabilities.units: agentic unit {:?} is described twice",
+            truncate(w[0], 64)
+        )));
     }
     // A name in agentic_units without its description is a unit all the same.
     for name in std::mem::take(&mut caps.agentic_units) {
@@ -870,6 +883,44 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
 mod tests {
     use super::*;
     use crate::core::model::Task;
+
+    fn registering(tools: &[&str], names: &[&str], described: &[&str]) -> Result<Registration> {
+        registration(Registration {
+            worker_id: "w1".into(),
+            hostname: "h".into(),
+            agw_version: "1".into(),
+            capabilities: crate::core::model::WorkerCapabilities {
+                tools: tools.iter().map(|t| t.to_string()).collect(),
+                agentic_units: names.iter().map(|t| t.to_string()).collect(),
+                units: described
+                    .iter()
+                    .map(|n| AgenticUnit {
+                        name: n.to_string(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            },
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_name_listed_twice_counts_once_and_a_unit_described_twice_is_refused() {
+        let r = registering(&["sort", "jq", "sort"], &["u", "u", "v"], &["v"]).unwrap();
+        assert_eq!(r.capabilities.tools, ["jq", "sort"]);
+        assert_eq!(r.capabilities.agentic_units, ["u", "v"]);
+        assert_eq!(r.capabilities.units.len(), 2);
+        let e = registering(&["sort"], &[], &["u", "v", "u"]).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("\"u\" is described twice")),
+            "{e:?}"
+        );
+        let e = registering(&["u"], &["u"], &[]).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("both a tool")),
+            "{e:?}"
+        );
+    }
 
     #[test]
     fn only_the_form_of_a_tick_is_reserved_for_ticks() {

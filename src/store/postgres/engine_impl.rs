@@ -32,7 +32,7 @@ fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
     let Some(v) = page::decode_token("plan_version", token)? else {
         return Ok(i64::from(u32::MAX) + 1);
     };
-    let bad = || Error::invalid("page_token is not a token this server issued for this plan");
+    let bad = || Error::invalid("page_token is malformed or was made for another plan");
     let (version, id) = v.split_once(':').ok_or_else(bad)?;
     if id != plan_id {
         return Err(bad());
@@ -110,7 +110,11 @@ impl Engine for PgEngine {
         let after = match page::decode_token(&query.page_kind(), &query.page_token)? {
             None => None,
             Some(v) => {
-                let bad = || Error::invalid("page_token is not a token this server issued");
+                let bad = || {
+                    Error::invalid(
+                        "page_token is malformed or was made for another listing or other filters",
+                    )
+                };
                 let (t, s) = v.split_once(':').ok_or_else(bad)?;
                 Some((
                     t.parse::<i64>().map_err(|_| bad())?,

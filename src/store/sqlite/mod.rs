@@ -160,13 +160,13 @@ impl SqliteEngine {
 /// a token's value is `version:plan_id` (the versions of another plan are
 /// refused); past the newest version for the first page.
 ///
-/// Errors: `InvalidArgument` for a token this server did not issue for
-/// this plan.
+/// Errors: `InvalidArgument` for a malformed token or one made for another
+/// plan.
 fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
     let Some(v) = page::decode_token("plan_version", token)? else {
         return Ok(i64::from(u32::MAX) + 1);
     };
-    let bad = || Error::invalid("page_token is not a token this server issued for this plan");
+    let bad = || Error::invalid("page_token is malformed or was made for another plan");
     let (version, id) = v.split_once(':').ok_or_else(bad)?;
     if id != plan_id {
         return Err(bad());
@@ -178,7 +178,9 @@ fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
 ///
 /// Errors: `InvalidArgument` for any other value.
 fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
-    let bad = || Error::invalid("page_token is not a token this server issued");
+    let bad = || {
+        Error::invalid("page_token is malformed or was made for another listing or other filters")
+    };
     let (t, r) = v.split_once(':').ok_or_else(bad)?;
     Ok(jstore::ActionCursor {
         created_at_ms: t.parse().map_err(|_| bad())?,

@@ -117,9 +117,8 @@ class ActionServiceServicer:
     def ListActions(self, request, context):
         """Actions by plan, state and creation time, newest first, paginated (an
         AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
-        plan id, unknown state, page_size over 1000, a page_token this server
-        did not issue for these filters, created_after not before
-        created_before).
+        plan id, unknown state, page_size over 1000, a malformed page_token or
+        one of other filters, created_after not before created_before).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,9 +62,8 @@ class ActionServiceStub:
     ListActions: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]
     """Actions by plan, state and creation time, newest first, paginated (an
     AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
-    plan id, unknown state, page_size over 1000, a page_token this server
-    did not issue for these filters, created_after not before
-    created_before).
+    plan id, unknown state, page_size over 1000, a malformed page_token or
+    one of other filters, created_after not before created_before).
     """
     CancelAction: _grpc.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]
     """Cancels every open job (pending, running or failed and waiting) of an
@@ -116,9 +115,8 @@ class ActionServiceAsyncStub(ActionServiceStub):
     ListActions: _aio.UnaryUnaryMultiCallable[_action_service_pb2.ListActionsRequest, _action_service_pb2.ListActionsResponse]  # type: ignore[assignment]
     """Actions by plan, state and creation time, newest first, paginated (an
     AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
-    plan id, unknown state, page_size over 1000, a page_token this server
-    did not issue for these filters, created_after not before
-    created_before).
+    plan id, unknown state, page_size over 1000, a malformed page_token or
+    one of other filters, created_after not before created_before).
     """
     CancelAction: _aio.UnaryUnaryMultiCallable[_action_service_pb2.CancelActionRequest, _action_service_pb2.CancelActionResponse]  # type: ignore[assignment]
     """Cancels every open job (pending, running or failed and waiting) of an
@@ -191,9 +189,8 @@ class ActionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_action_service_pb2.ListActionsResponse, _abc.Awaitable[_action_service_pb2.ListActionsResponse]]:
         """Actions by plan, state and creation time, newest first, paginated (an
         AGQ addition, not in the specification). Errors: INVALID_ARGUMENT (bad
-        plan id, unknown state, page_size over 1000, a page_token this server
-        did not issue for these filters, created_after not before
-        created_before).
+        plan id, unknown state, page_size over 1000, a malformed page_token or
+        one of other filters, created_after not before created_before).
         """
 
     @_abc_1.abstractmethod

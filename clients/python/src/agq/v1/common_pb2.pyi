@@ -592,19 +592,23 @@ class WorkerCapabilities(_message.Message):
     UNITS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Executable names the worker has and allows, e.g. ["sort", "jq"]."""
+        """Executable names the worker has and allows, e.g. ["sort", "jq"]; a
+        name listed twice counts once.
+        """
 
     @_builtins.property
     def agentic_units(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Names of the agentic units the worker offers (those of units). A
-        task whose command is one of them runs that unit; the server treats
-        them as tools when it matches Plans to workers.
+        """Names of the agentic units the worker offers (those of units; a name
+        listed twice counts once). A task whose command is one of them runs
+        that unit; the server treats them as tools when it matches Plans to
+        workers.
         """
 
     @_builtins.property
     def units(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgenticUnit]:
         """The agentic units the worker offers, as each described itself
-        (`UNIT --describe`), at most 256.
+        (`UNIT --describe`), at most 256; two with one name are
+        INVALID_ARGUMENT.
         """
 
     def __init__(

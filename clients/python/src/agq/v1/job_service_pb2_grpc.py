@@ -88,8 +88,8 @@ class JobServiceServicer:
     def SearchJobs(self, request, context):
         """Job ids across Actions by status, plan and creation time, in creation
         order (implements the specification's JOBS.SEARCH command). Errors:
-        INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-        server did not issue for these filters, created_after not before
+        INVALID_ARGUMENT (bad plan id, page_size over 1000, a malformed
+        page_token or one of other filters, created_after not before
         created_before).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -47,8 +47,8 @@ class JobServiceStub:
     SearchJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SearchJobsRequest, _job_service_pb2.SearchJobsResponse]
     """Job ids across Actions by status, plan and creation time, in creation
     order (implements the specification's JOBS.SEARCH command). Errors:
-    INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-    server did not issue for these filters, created_after not before
+    INVALID_ARGUMENT (bad plan id, page_size over 1000, a malformed
+    page_token or one of other filters, created_after not before
     created_before).
     """
     RetryJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]
@@ -82,8 +82,8 @@ class JobServiceAsyncStub(JobServiceStub):
     SearchJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SearchJobsRequest, _job_service_pb2.SearchJobsResponse]  # type: ignore[assignment]
     """Job ids across Actions by status, plan and creation time, in creation
     order (implements the specification's JOBS.SEARCH command). Errors:
-    INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-    server did not issue for these filters, created_after not before
+    INVALID_ARGUMENT (bad plan id, page_size over 1000, a malformed
+    page_token or one of other filters, created_after not before
     created_before).
     """
     RetryJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.RetryJobRequest, _job_service_pb2.RetryJobResponse]  # type: ignore[assignment]
@@ -132,8 +132,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_job_service_pb2.SearchJobsResponse, _abc.Awaitable[_job_service_pb2.SearchJobsResponse]]:
         """Job ids across Actions by status, plan and creation time, in creation
         order (implements the specification's JOBS.SEARCH command). Errors:
-        INVALID_ARGUMENT (bad plan id, page_size over 1000, a page_token this
-        server did not issue for these filters, created_after not before
+        INVALID_ARGUMENT (bad plan id, page_size over 1000, a malformed
+        page_token or one of other filters, created_after not before
         created_before).
         """
 

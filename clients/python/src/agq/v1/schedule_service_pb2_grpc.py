@@ -106,7 +106,7 @@ class ScheduleServiceServicer:
 
     def ListSchedules(self, request, context):
         """Every schedule by id, paginated. Errors: INVALID_ARGUMENT (page_size
-        over 1000, a page_token this server did not issue).
+        over 1000, a malformed page_token or one of another listing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

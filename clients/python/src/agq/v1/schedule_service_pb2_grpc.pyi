@@ -54,7 +54,7 @@ class ScheduleServiceStub:
     """One schedule. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListSchedules: _grpc.UnaryUnaryMultiCallable[_schedule_service_pb2.ListSchedulesRequest, _schedule_service_pb2.ListSchedulesResponse]
     """Every schedule by id, paginated. Errors: INVALID_ARGUMENT (page_size
-    over 1000, a page_token this server did not issue).
+    over 1000, a malformed page_token or one of another listing).
     """
     PauseSchedule: _grpc.UnaryUnaryMultiCallable[_schedule_service_pb2.PauseScheduleRequest, _schedule_service_pb2.PauseScheduleResponse]
     """Pauses a schedule: no tick fires until ResumeSchedule; the ticks of a
@@ -96,7 +96,7 @@ class ScheduleServiceAsyncStub(ScheduleServiceStub):
     """One schedule. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListSchedules: _aio.UnaryUnaryMultiCallable[_schedule_service_pb2.ListSchedulesRequest, _schedule_service_pb2.ListSchedulesResponse]  # type: ignore[assignment]
     """Every schedule by id, paginated. Errors: INVALID_ARGUMENT (page_size
-    over 1000, a page_token this server did not issue).
+    over 1000, a malformed page_token or one of another listing).
     """
     PauseSchedule: _aio.UnaryUnaryMultiCallable[_schedule_service_pb2.PauseScheduleRequest, _schedule_service_pb2.PauseScheduleResponse]  # type: ignore[assignment]
     """Pauses a schedule: no tick fires until ResumeSchedule; the ticks of a
@@ -153,7 +153,7 @@ class ScheduleServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_schedule_service_pb2.ListSchedulesResponse, _abc.Awaitable[_schedule_service_pb2.ListSchedulesResponse]]:
         """Every schedule by id, paginated. Errors: INVALID_ARGUMENT (page_size
-        over 1000, a page_token this server did not issue).
+        over 1000, a malformed page_token or one of another listing).
         """
 
     @_abc_1.abstractmethod
