@@ -220,7 +220,7 @@ async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing(store: 
     put_plan(&s, "p").await;
     let daily = pb::Schedule {
         cron: "0 30 9 * * Mon-Fri".into(),
-        time_zone: "Europe/Paris".into(),
+        time_zone: "europe/paris".into(),
         priority: 5,
         worker_selector: "region in (eu)".into(),
         catch_up: CatchUp::Latest as i32,
@@ -228,6 +228,7 @@ async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing(store: 
     };
     let stored = create(&s, daily).await.unwrap();
     assert_eq!(stored.worker_selector, "region in (eu)");
+    assert_eq!(stored.time_zone, "Europe/Paris", "as the database spells it");
     assert_eq!(stored.max_attempts, 3, "the default applied");
     assert_eq!(stored.catch_up, CatchUp::Latest as i32);
     let next = stored.next_run_at.unwrap().seconds;

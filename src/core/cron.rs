@@ -87,6 +87,13 @@ impl CronSchedule {
         Ok(CronSchedule { schedule, tz })
     }
 
+    /// The time zone's name as the time zone database spells it
+    /// (`europe/paris` reads as `Europe/Paris`); empty for a schedule
+    /// given none (UTC).
+    pub fn zone_name(&self) -> &str {
+        self.tz.iana_name().unwrap_or("")
+    }
+
     /// The first tick strictly after `after_ms` (ms since the epoch), in
     /// ms; `None` when there is none (a past year, say).
     pub fn next_after_ms(&self, after_ms: i64) -> Option<i64> {
@@ -250,6 +257,12 @@ mod tests {
         let every = CronSchedule::parse("* * * * * *", "").unwrap();
         assert_eq!(every.next_after_ms(t0), Some(t0 + 1000));
         assert_eq!(every.next_after_ms(t0 + 1), Some(t0 + 1000));
+        assert_eq!(
+            CronSchedule::parse("* * * * * *", "europe/PARIS")
+                .unwrap()
+                .zone_name(),
+            "Europe/Paris"
+        );
         let classic = CronSchedule::parse("*/15 * * * *", "UTC").unwrap();
         assert_eq!(classic.next_after_ms(t0), Some(t0 + 15 * 60_000));
         assert_eq!(

@@ -848,7 +848,14 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
             truncate(&s.time_zone, 64)
         )));
     }
-    super::cron::CronSchedule::parse(&s.cron, &s.time_zone)?;
+    let parsed = super::cron::CronSchedule::parse(&s.cron, &s.time_zone)?;
+    // Stored as the time zone database spells it (`utc` reads as `UTC`);
+    // none stays none (UTC).
+    let time_zone = if s.time_zone.is_empty() {
+        String::new()
+    } else {
+        parsed.zone_name().to_string()
+    };
     let v = action(
         ActionRequest {
             action_id: format!("{}-{}", s.schedule_id, now_ms / 1000),
@@ -869,7 +876,7 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
         schedule_id: s.schedule_id,
         plan_id: v.plan_id,
         cron: s.cron,
-        time_zone: s.time_zone,
+        time_zone,
         inputs: v.inputs,
         max_attempts: v.max_attempts,
         scheduling: v.scheduling,

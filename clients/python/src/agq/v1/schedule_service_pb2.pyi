@@ -97,7 +97,9 @@ class Schedule(_message.Message):
     time_zone: _builtins.str
     """IANA time zone the expression is read in, e.g. "Europe/Paris";
     daylight saving gaps and folds are handled. Empty: UTC. Printable
-    ASCII only (INVALID_ARGUMENT otherwise).
+    ASCII only (INVALID_ARGUMENT otherwise). A name is matched without
+    regard to case and stored as the time zone database spells it ("utc"
+    is stored as "UTC").
     """
     max_attempts: _builtins.int
     """Attempts per job of each Action, 1..=100; 0 means 3."""
