@@ -228,7 +228,10 @@ async fn schedules_are_listed_got_and_deleted_and_bad_ones_store_nothing(store: 
     };
     let stored = create(&s, daily).await.unwrap();
     assert_eq!(stored.worker_selector, "region in (eu)");
-    assert_eq!(stored.time_zone, "Europe/Paris", "as the database spells it");
+    assert_eq!(
+        stored.time_zone, "Europe/Paris",
+        "as the database spells it"
+    );
     assert_eq!(stored.max_attempts, 3, "the default applied");
     assert_eq!(stored.catch_up, CatchUp::Latest as i32);
     let next = stored.next_run_at.unwrap().seconds;

@@ -210,7 +210,8 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: JobCommand) -> Result<(), 
 ///
 /// # Errors
 ///
-/// The first server error other than a job that ended meanwhile.
+/// The first server error other than a job that ended meanwhile; the jobs
+/// cancelled before it are counted on stderr.
 async fn cancel_by_status(
     c: &Clients,
     out: OutputFormat,
@@ -246,7 +247,16 @@ async fn cancel_by_status(
                         s.code(),
                         tonic::Code::FailedPrecondition | tonic::Code::NotFound
                     ) => {}
-                Err(s) => return Err(s.into()),
+                Err(s) => {
+                    if cancelled > 0 {
+                        // The cancels before it stand: say how many.
+                        eprintln!(
+                            "agq: cancelled {cancelled} job(s) of action {action_id} before this \
+                             error; run the command again for the rest"
+                        );
+                    }
+                    return Err(s.into());
+                }
             }
         }
         if r.next_page_token.is_empty() {
