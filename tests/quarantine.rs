@@ -390,16 +390,16 @@ async fn a_quarantined_worker_outlives_the_departed_retention(store: TestStore) 
 /// causes it. Were it a transaction of its own, a dispatch round between
 /// the two would see the worker ACTIVE with the slot the expiry just
 /// freed, and lease it the retried job again. A statement trigger stalls
-/// every update of the workers' timeout counts by 1.5 s before it locks
-/// a row, which holds such a window open far longer than the retry's
-/// backoff and the dispatcher's poll.
+/// the update that counts a timeout by 1.5 s before it locks the row,
+/// which holds such a window open far longer than the retry's backoff
+/// and the dispatcher's poll.
 #[tokio::test]
 async fn postgres_the_quarantine_commits_with_the_timeout_that_causes_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = EngineConfig {
-        // Stale after 3 s: a heartbeat waiting for the stalled sweep's
+        // Stale after 6 s: a heartbeat waiting for the stalled sweep's
         // lock on the worker stays fresh.
-        heartbeat_interval: Duration::from_secs(1),
+        heartbeat_interval: Duration::from_secs(2),
         ..cfg()
     };
     let s = TestServer::start_store(TestStore::Postgres, &dir.path().join("agq.db"), cfg).await;
@@ -407,7 +407,10 @@ async fn postgres_the_quarantine_commits_with_the_timeout_that_causes_it() {
     let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
     s.exec_sql(
         "CREATE FUNCTION stall() RETURNS trigger LANGUAGE plpgsql AS
-             $$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
+             $$ BEGIN
+                 IF current_query() LIKE '%array_append%' THEN PERFORM pg_sleep(1.5); END IF;
+                 RETURN NULL;
+             END $$;
          CREATE TRIGGER stall_timeout_count BEFORE UPDATE OF timeouts_ms ON workers
              FOR EACH STATEMENT EXECUTE FUNCTION stall();",
     )
