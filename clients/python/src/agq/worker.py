@@ -265,11 +265,14 @@ class _Running:
     #: Its final report is being sent (under Worker._lock): its result
     #: stands, and a drain waits for it (see Worker._supervise).
     reporting: bool = False
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def stop(self, reason: str) -> None:
-        if not self.cancel.is_set():
-            self.reason = reason
-            self.cancel.set()
+        """Stops the attempt; the first reason given is the one kept."""
+        with self._stop_lock:
+            if not self.cancel.is_set():
+                self.reason = reason
+                self.cancel.set()
 
 
 class _Stats:
