@@ -81,19 +81,24 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub heartbeat_interval_ms: Option<u64>,
     /// Grace period in milliseconds after a worker's heartbeat stream drops
-    /// before its leases are re-queued (it keeps them if it reconnects).
-    #[arg(long, env = "AGQ_LEASE_GRACE_MS", default_value_t = 10_000)]
+    /// before its leases are re-queued (it keeps them if it reconnects),
+    /// 0..=86400000 (a day).
+    #[arg(long, env = "AGQ_LEASE_GRACE_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
     pub lease_grace_ms: u64,
     /// A running job whose lease is older than this many seconds fails its attempt.
     #[arg(long, env = "AGQ_JOB_TIMEOUT_SECS", default_value_t = 3600,
           value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub job_timeout_secs: u64,
-    /// First retry backoff in milliseconds; doubles per attempt, with jitter.
-    /// 0 re-queues at once.
-    #[arg(long, env = "AGQ_RETRY_BACKOFF_BASE_MS", default_value_t = 1000)]
+    /// First retry backoff in milliseconds, 0..=86400000 (a day); doubles
+    /// per attempt, with jitter. 0 re-queues at once.
+    #[arg(long, env = "AGQ_RETRY_BACKOFF_BASE_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
     pub retry_backoff_base_ms: u64,
-    /// Upper bound of the retry backoff in milliseconds.
-    #[arg(long, env = "AGQ_RETRY_BACKOFF_MAX_MS", default_value_t = 60_000)]
+    /// Upper bound of the retry backoff in milliseconds, 0..=604800000 (a
+    /// week).
+    #[arg(long, env = "AGQ_RETRY_BACKOFF_MAX_MS", default_value_t = 60_000,
+          value_parser = clap::value_parser!(u64).range(0..=604_800_000))]
     pub retry_backoff_max_ms: u64,
     /// Most inputs (jobs) one SubmitAction may carry.
     #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000)]
@@ -134,8 +139,9 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
     /// Seconds in-flight calls may run after SIGTERM/SIGINT before open
-    /// streams are cut and the database is closed.
-    #[arg(long, env = "AGQ_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
+    /// streams are cut and the database is closed, 0..=86400 (a day).
+    #[arg(long, env = "AGQ_SHUTDOWN_GRACE_SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub shutdown_grace_secs: u64,
     /// MiB of request messages the server holds at once, over all calls,
     /// from their arrival until they are handled (16..=65536): a message
@@ -342,5 +348,26 @@ mod tests {
         let normal = Cli::try_parse_from(["agq", "--sqlite-synchronous", "normal"]).unwrap();
         assert_eq!(normal.serve.sqlite_synchronous, SyncMode::Normal);
         assert!(Cli::try_parse_from(["agq", "--sqlite-synchronous", "off"]).is_err());
+    }
+
+    /// Durations past their ranges are usage errors: a backoff of u64::MAX
+    /// ms once overflowed the job's ready time.
+    #[test]
+    fn durations_past_their_ranges_are_refused() {
+        for (flag, top) in [
+            ("--lease-grace-ms", "86400000"),
+            ("--retry-backoff-base-ms", "86400000"),
+            ("--retry-backoff-max-ms", "604800000"),
+            ("--shutdown-grace-secs", "86400"),
+        ] {
+            assert!(
+                Cli::try_parse_from(["agq", flag, top]).is_ok(),
+                "{flag} {top}"
+            );
+            let over = (top.parse::<u64>().unwrap() + 1).to_string();
+            for n in [over.as_str(), "18446744073709551615"] {
+                assert!(Cli::try_parse_from(["agq", flag, n]).is_err(), "{flag} {n}");
+            }
+        }
     }
 }

@@ -93,8 +93,9 @@ pub struct AgwArgs {
     pub agentic_unit_dir: Option<PathBuf>,
 
     /// Seconds running jobs get to finish after SIGTERM/SIGINT before they
-    /// are killed.
-    #[arg(long, env = "AGW_DRAIN_TIMEOUT_SECS", default_value_t = 60)]
+    /// are killed, 0..=2592000 (30 days).
+    #[arg(long, env = "AGW_DRAIN_TIMEOUT_SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(0..=2_592_000))]
     pub drain_timeout_secs: u64,
 
     /// Bytes of stdout and of stderr kept per task; the rest is dropped and
@@ -555,5 +556,12 @@ mod tests {
         assert!(bad.into_config().is_err());
         assert!(AgwArgs::try_parse_from(["agw", "--tag", "novalue"]).is_err());
         assert!(AgwArgs::try_parse_from(["agw", "--max-concurrent-jobs", "0"]).is_err());
+        // A drain deadline past what a clock can add is refused, not a
+        // panic at the first signal.
+        let longest = AgwArgs::try_parse_from(["agw", "--drain-timeout-secs", "2592000"]).unwrap();
+        assert_eq!(longest.drain_timeout_secs, 2_592_000);
+        for n in ["2592001", "18446744073709551615"] {
+            assert!(AgwArgs::try_parse_from(["agw", "--drain-timeout-secs", n]).is_err());
+        }
     }
 }

@@ -429,12 +429,11 @@ impl State {
     ) -> Result<JobStatus> {
         let now_ms = now_ms();
         let dead = permanent || lease.attempt >= lease.max_attempts;
-        let ready_at = now_ms
-            + if dead {
-                0
-            } else {
-                self.backoff_ms(lease.attempt)
-            };
+        let ready_at = now_ms.saturating_add(if dead {
+            0
+        } else {
+            self.backoff_ms(lease.attempt)
+        });
         let error = if permanent {
             format!(
                 "attempt {} of {}: permanent failure, not retried: {error}",
