@@ -25,8 +25,10 @@
 //!   in id order (`running_on` lists them by id);
 //! - a single report or cancel locks one job row;
 //! - `FOR UPDATE SKIP LOCKED` claims (the dispatcher, backoff promotion,
-//!   lease expiry) never wait for a row, so they may lock in any order;
-//!   what they update next is only what they locked.
+//!   lease expiry) never wait for a job row, so they may lock in any
+//!   order; what they update next is only what they locked. The
+//!   dispatcher and lease expiry first lock the workers concerned, in
+//!   worker id order, and wait for those rows only.
 //!
 //! Rows of other tables are locked before job rows (plan, action, then
 //! jobs; a worker's row before its jobs), never after, with one exception:
