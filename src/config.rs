@@ -100,9 +100,10 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_RETRY_BACKOFF_MAX_MS", default_value_t = 60_000,
           value_parser = clap::value_parser!(u64).range(0..=604_800_000))]
     pub retry_backoff_max_ms: u64,
-    /// Most inputs (jobs) one SubmitAction may carry.
-    #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000)]
-    pub max_inputs_per_action: usize,
+    /// Most inputs (jobs) one SubmitAction may carry, 1..=1000000.
+    #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_inputs_per_action: u64,
     /// Seconds a finished action (every job completed, dead or cancelled)
     /// is kept before it is deleted with its jobs and task results; 0 keeps
     /// everything forever. Default: 7 days.
@@ -226,7 +227,8 @@ impl ServeArgs {
             job_timeout: Duration::from_secs(self.job_timeout_secs),
             retry_backoff_base: Duration::from_millis(self.retry_backoff_base_ms),
             retry_backoff_max: Duration::from_millis(self.retry_backoff_max_ms),
-            max_inputs_per_action: self.max_inputs_per_action,
+            max_inputs_per_action: usize::try_from(self.max_inputs_per_action)
+                .unwrap_or(usize::MAX),
             job_retention: (self.job_retention_secs > 0)
                 .then(|| Duration::from_secs(self.job_retention_secs)),
             max_watch_streams: usize::try_from(self.max_watch_streams).unwrap_or(usize::MAX),
@@ -350,11 +352,14 @@ mod tests {
         assert!(Cli::try_parse_from(["agq", "--sqlite-synchronous", "off"]).is_err());
     }
 
-    /// Durations past their ranges are usage errors: a backoff of u64::MAX
-    /// ms once overflowed the job's ready time.
+    /// Durations and limits past their ranges are usage errors: a backoff
+    /// of u64::MAX ms once overflowed the job's ready time, and a limit of
+    /// 0 inputs started a server that refused every action.
     #[test]
     fn durations_past_their_ranges_are_refused() {
+        assert!(Cli::try_parse_from(["agq", "--max-inputs-per-action", "0"]).is_err());
         for (flag, top) in [
+            ("--max-inputs-per-action", "1000000"),
             ("--lease-grace-ms", "86400000"),
             ("--retry-backoff-base-ms", "86400000"),
             ("--retry-backoff-max-ms", "604800000"),

@@ -54,6 +54,22 @@ fn help_lists_every_command_and_usage_errors_exit_2() {
     run_agq(&["--timeout", "0s", "plan", "list"], None, &[])
         .assert_err(2, "a zero deadline fails every call");
     run_agq(&["--timeout", "soon", "plan", "list"], None, &[]).assert_err(2, "invalid value");
+    // A wait no clock can add is refused before any connection.
+    run_agq(
+        &[
+            "--server",
+            "http://127.0.0.1:1",
+            "worker",
+            "verify",
+            "w",
+            "sort",
+            "--wait-secs",
+            "18446744073709551615",
+        ],
+        None,
+        &[],
+    )
+    .assert_err(2, "is not in 0..=86400");
     // Only pending, running and failed jobs can be cancelled: another
     // status is a usage error, refused before any connection.
     for status in ["completed", "dead", "cancelled"] {

@@ -50,9 +50,10 @@ pub enum WorkerCommand {
         /// Arguments [default: --describe for a unit, --version for a tool].
         #[arg(last = true)]
         args: Vec<String>,
-        /// Seconds to wait for the answer; no answer by then exits 1 (0: send
-        /// the challenge and exit 0 without waiting).
-        #[arg(long, default_value_t = 30)]
+        /// Seconds to wait for the answer, 0..=86400; no answer by then
+        /// exits 1 (0: send the challenge and exit 0 without waiting).
+        #[arg(long, default_value_t = 30,
+              value_parser = clap::value_parser!(u64).range(0..=86_400))]
         wait_secs: u64,
     },
 }
