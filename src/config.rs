@@ -321,10 +321,31 @@ impl Default for EngineConfig {
     }
 }
 
+/// Longest retry backoff, in ms, whatever the configuration says (a week,
+/// the top of `--retry-backoff-max-ms`): a job's ready time stays far from
+/// overflow.
+pub const MAX_RETRY_BACKOFF_MS: u64 = 604_800_000;
+
 impl EngineConfig {
     /// Age of the last heartbeat at which a worker stops being fresh (3 x interval).
     pub fn stale_after(&self) -> Duration {
         self.heartbeat_interval * 3
+    }
+
+    /// Backoff before the attempt after failed attempt `attempt` (1-based),
+    /// in ms: `retry_backoff_base` doubled per attempt, at most
+    /// `retry_backoff_max` and [`MAX_RETRY_BACKOFF_MS`], with ±25 % jitter;
+    /// 0 when the base is 0. Both engines use it.
+    pub fn retry_backoff_ms(&self, attempt: u32) -> i64 {
+        use rand::Rng;
+        let base = self.retry_backoff_base.as_millis() as f64;
+        if base <= 0.0 {
+            return 0;
+        }
+        let max = (self.retry_backoff_max.as_millis() as f64).min(MAX_RETRY_BACKOFF_MS as f64);
+        let exp = base * 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
+        let jitter = rand::rng().random_range(0.75..=1.25);
+        (exp.min(max) * jitter) as i64
     }
 }
 
@@ -350,6 +371,39 @@ mod tests {
         let normal = Cli::try_parse_from(["agq", "--sqlite-synchronous", "normal"]).unwrap();
         assert_eq!(normal.serve.sqlite_synchronous, SyncMode::Normal);
         assert!(Cli::try_parse_from(["agq", "--sqlite-synchronous", "off"]).is_err());
+    }
+
+    /// A backoff configured past every bound (a library caller's
+    /// EngineConfig skips the flags' ranges) is held to a week, jitter
+    /// included, so a job's ready time cannot overflow.
+    #[test]
+    fn the_retry_backoff_is_bounded_whatever_the_configuration() {
+        let huge = EngineConfig {
+            retry_backoff_base: Duration::MAX,
+            retry_backoff_max: Duration::MAX,
+            ..EngineConfig::default()
+        };
+        for attempt in [0, 1, 2, 40, u32::MAX] {
+            let ms = huge.retry_backoff_ms(attempt);
+            assert!(
+                ms >= (MAX_RETRY_BACKOFF_MS as f64 * 0.75) as i64
+                    && ms <= (MAX_RETRY_BACKOFF_MS as f64 * 1.25) as i64,
+                "{attempt}: {ms}"
+            );
+        }
+        let plain = EngineConfig::default();
+        for (attempt, expected) in [(1, 1000.0), (2, 2000.0), (3, 4000.0), (10, 60_000.0)] {
+            let ms = plain.retry_backoff_ms(attempt) as f64;
+            assert!(
+                ms >= expected * 0.75 && ms <= expected * 1.25,
+                "{attempt}: {ms}"
+            );
+        }
+        let none = EngineConfig {
+            retry_backoff_base: Duration::ZERO,
+            ..EngineConfig::default()
+        };
+        assert_eq!(none.retry_backoff_ms(3), 0);
     }
 
     /// Durations and limits past their ranges are usage errors: a backoff

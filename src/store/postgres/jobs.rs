@@ -39,7 +39,6 @@
 //! jobs without locking them), so this cannot close a circle.
 
 use deadpool_postgres::{GenericClient, Transaction};
-use rand::Rng;
 
 use super::{cached, db_err, notify_names, rows, PgEngine, COMMAND_CHANNEL, READY_CHANNEL};
 use crate::{
@@ -160,19 +159,6 @@ pub(super) struct Ended {
 }
 
 impl PgEngine {
-    /// Backoff before attempt `attempt + 1`, in ms: the base doubled per
-    /// attempt, at most the maximum, with ±25 % jitter.
-    pub(super) fn backoff_ms(&self, attempt: i32) -> i64 {
-        let base = self.cfg.retry_backoff_base.as_millis() as f64;
-        if base <= 0.0 {
-            return 0;
-        }
-        let max = self.cfg.retry_backoff_max.as_millis() as f64;
-        let exp = base * 2f64.powi((attempt.max(1) - 1).min(30));
-        let jitter = rand::rng().random_range(0.75..=1.25);
-        (exp.min(max) * jitter) as i64
-    }
-
     /// Ends the running attempt of the job at `id` as failed: it backs off
     /// (or is pending at once with no backoff) while attempts remain, else
     /// it is dead. `fence` re-checks the lease; `reported` keeps the lease
@@ -211,7 +197,12 @@ impl PgEngine {
         let job_id: String = r.get(5);
         let lease_id: String = r.get::<_, Option<String>>(6).unwrap_or_default();
         let dead = permanent || attempt >= max_attempts;
-        let backoff = if dead { 0 } else { self.backoff_ms(attempt) };
+        let backoff = if dead {
+            0
+        } else {
+            self.cfg
+                .retry_backoff_ms(u32::try_from(attempt).unwrap_or(0))
+        };
         let status = if dead {
             JobStatus::Dead
         } else if backoff == 0 {

@@ -21,7 +21,6 @@
 
 use std::{collections::HashSet, sync::Arc, time::Instant};
 
-use rand::Rng;
 use rusqlite::Connection;
 
 use super::{
@@ -368,19 +367,6 @@ impl State {
         self.refresh_available(worker_id);
     }
 
-    /// Backoff before attempt `attempt + 1` after attempt `attempt` failed:
-    /// base x 2^(attempt-1), capped, with up to 25% jitter either way.
-    pub(super) fn backoff_ms(&self, attempt: u32) -> i64 {
-        let base = self.cfg.retry_backoff_base.as_millis() as f64;
-        if base <= 0.0 {
-            return 0;
-        }
-        let max = self.cfg.retry_backoff_max.as_millis() as f64;
-        let exp = base * 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
-        let jitter = rand::rng().random_range(0.75..=1.25);
-        (exp.min(max) * jitter) as i64
-    }
-
     /// Ends the lease of the job at `row` as a failed attempt: the job waits
     /// out its backoff (Failed) while attempts remain, else goes Dead. The
     /// holder's slot is freed. `reason` goes to the job's error, `label` to
@@ -429,11 +415,12 @@ impl State {
     ) -> Result<JobStatus> {
         let now_ms = now_ms();
         let dead = permanent || lease.attempt >= lease.max_attempts;
-        let ready_at = now_ms.saturating_add(if dead {
-            0
-        } else {
-            self.backoff_ms(lease.attempt)
-        });
+        let ready_at = now_ms
+            + if dead {
+                0
+            } else {
+                self.cfg.retry_backoff_ms(lease.attempt)
+            };
         let error = if permanent {
             format!(
                 "attempt {} of {}: permanent failure, not retried: {error}",
