@@ -88,8 +88,8 @@ impl CronSchedule {
     }
 
     /// The time zone's name as the time zone database spells it
-    /// (`europe/paris` reads as `Europe/Paris`); empty for a schedule
-    /// given none (UTC).
+    /// (`europe/paris` reads as `Europe/Paris`; `UTC` for a schedule given
+    /// none).
     pub fn zone_name(&self) -> &str {
         self.tz.iana_name().unwrap_or("")
     }
@@ -263,6 +263,7 @@ mod tests {
                 .zone_name(),
             "Europe/Paris"
         );
+        assert_eq!(every.zone_name(), "UTC");
         let classic = CronSchedule::parse("*/15 * * * *", "UTC").unwrap();
         assert_eq!(classic.next_after_ms(t0), Some(t0 + 15 * 60_000));
         assert_eq!(

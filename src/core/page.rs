@@ -32,8 +32,28 @@ pub fn encode_token(kind: &str, value: &str) -> String {
     hex::encode(format!("{kind}:{value}"))
 }
 
-fn bad_token() -> Error {
+/// The refusal of a page token that is malformed or was made for another
+/// listing or other filters (`InvalidArgument`).
+pub fn bad_token() -> Error {
     Error::invalid("page_token is malformed or was made for another listing or other filters")
+}
+
+/// The version before which a page of plan `plan_id`'s versions starts:
+/// a token's value is `version:plan_id` (the versions of another plan are
+/// refused); past the newest version for the first page.
+///
+/// Errors: `InvalidArgument` for a malformed token or one made for another
+/// plan.
+pub fn plan_version_cursor(plan_id: &str, token: &str) -> Result<i64> {
+    let Some(v) = decode_token("plan_version", token)? else {
+        return Ok(i64::from(u32::MAX) + 1);
+    };
+    let bad = || Error::invalid("page_token is malformed or was made for another plan");
+    let (version, id) = v.split_once(':').ok_or_else(bad)?;
+    if id != plan_id {
+        return Err(bad());
+    }
+    version.parse::<u32>().map(i64::from).map_err(|_| bad())
 }
 
 /// The value in `token`, a token of `kind`; `None` for the empty token

@@ -26,20 +26,6 @@ use crate::{
     time::now_ms,
 };
 
-/// The version before which a page of plan versions starts (see the
-/// SQLite engine's token of the same form, `version:plan_id`).
-fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
-    let Some(v) = page::decode_token("plan_version", token)? else {
-        return Ok(i64::from(u32::MAX) + 1);
-    };
-    let bad = || Error::invalid("page_token is malformed or was made for another plan");
-    let (version, id) = v.split_once(':').ok_or_else(bad)?;
-    if id != plan_id {
-        return Err(bad());
-    }
-    version.parse::<u32>().map(i64::from).map_err(|_| bad())
-}
-
 #[async_trait::async_trait]
 impl Engine for PgEngine {
     async fn submit_plan(&self, mut plan: Plan, replace: bool) -> Result<SubmittedPlan> {
@@ -64,7 +50,7 @@ impl Engine for PgEngine {
     async fn list_plan_versions(&self, query: PlanVersionQuery) -> Result<Page<PlanVersion>> {
         validate::object_id("plan_id", &query.plan_id)?;
         page::page_size(query.page_size)?;
-        let before = version_cursor(&query.plan_id, &query.page_token)?;
+        let before = page::plan_version_cursor(&query.plan_id, &query.page_token)?;
         let r = self.pg_list_plan_versions(query, before).await;
         self.observe(r)
     }
@@ -110,11 +96,7 @@ impl Engine for PgEngine {
         let after = match page::decode_token(&query.page_kind(), &query.page_token)? {
             None => None,
             Some(v) => {
-                let bad = || {
-                    Error::invalid(
-                        "page_token is malformed or was made for another listing or other filters",
-                    )
-                };
+                let bad = page::bad_token;
                 let (t, s) = v.split_once(':').ok_or_else(bad)?;
                 Some((
                     t.parse::<i64>().map_err(|_| bad())?,

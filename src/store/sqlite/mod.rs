@@ -156,31 +156,11 @@ impl SqliteEngine {
     }
 }
 
-/// The version before which a page of plan `plan_id`'s versions starts:
-/// a token's value is `version:plan_id` (the versions of another plan are
-/// refused); past the newest version for the first page.
-///
-/// Errors: `InvalidArgument` for a malformed token or one made for another
-/// plan.
-fn version_cursor(plan_id: &str, token: &str) -> Result<i64> {
-    let Some(v) = page::decode_token("plan_version", token)? else {
-        return Ok(i64::from(u32::MAX) + 1);
-    };
-    let bad = || Error::invalid("page_token is malformed or was made for another plan");
-    let (version, id) = v.split_once(':').ok_or_else(bad)?;
-    if id != plan_id {
-        return Err(bad());
-    }
-    version.parse::<u32>().map(i64::from).map_err(|_| bad())
-}
-
 /// The cursor in an action page token's value, `created_at_ms:rowid`.
 ///
 /// Errors: `InvalidArgument` for any other value.
 fn action_cursor(v: &str) -> Result<jstore::ActionCursor> {
-    let bad = || {
-        Error::invalid("page_token is malformed or was made for another listing or other filters")
-    };
+    let bad = page::bad_token;
     let (t, r) = v.split_once(':').ok_or_else(bad)?;
     Ok(jstore::ActionCursor {
         created_at_ms: t.parse().map_err(|_| bad())?,
@@ -235,7 +215,7 @@ impl Engine for SqliteEngine {
     async fn list_plan_versions(&self, q: PlanVersionQuery) -> Result<Page<PlanVersion>> {
         validate::object_id("plan_id", &q.plan_id)?;
         let limit = page::page_size(q.page_size)?;
-        let before = version_cursor(&q.plan_id, &q.page_token)?;
+        let before = page::plan_version_cursor(&q.plan_id, &q.page_token)?;
         let plan_id = q.plan_id;
         let versions = self
             .read(move |c| {
