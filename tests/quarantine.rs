@@ -54,16 +54,7 @@ async fn a_worker_whose_leases_time_out_is_quarantined_until_released(store: Tes
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg()).await;
     let (_, ids) = submit(&s, short_plan("hang"), 3, 5).await;
     let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
-
-    // It takes a lease and never reports: the lease times out, the job
-    // is retried, and it takes the next one (it still heartbeats).
-    let first = hung.lease().await;
-    let second = hung.lease_within(5_000).await.expect("a second lease");
-    assert_ne!(first.lease_id, second.lease_id);
-    eventually(10, "quarantined after 2 timeouts", || async {
-        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
-    })
-    .await;
+    hang_until_quarantined(&s, &mut hung).await;
     let w = worker(&s, "w-hung").await;
     assert!(w.fresh, "it kept heartbeating: hung, not gone");
     assert!(
@@ -262,17 +253,25 @@ async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::St
     .map(|_| ())
 }
 
+/// `hung` (worker `w-hung`, one slot) takes a lease and never reports:
+/// the lease times out, the job is retried, and it takes the next one (it
+/// still heartbeats). That one times out too, and it is quarantined.
+async fn hang_until_quarantined(s: &TestServer, hung: &mut SimWorker) {
+    let first = hung.lease().await;
+    let second = hung.lease_within(8_000).await.expect("a second lease");
+    assert_ne!(first.lease_id, second.lease_id);
+    eventually(15, "quarantined after 2 timeouts", || async {
+        worker(s, "w-hung").await.state == WorkerState::Quarantined as i32
+    })
+    .await;
+}
+
 /// Quarantines worker `w-hung` of `s`: two of its leases of a hanging
 /// plan time out; then it disconnects. Returns its quarantine reason.
 async fn quarantine_hung_worker(s: &TestServer) -> String {
     submit(s, short_plan("hang"), 3, 5).await;
     let mut hung = SimWorker::start(s, "w-hung", &["sleep"], 1).await;
-    hung.lease().await;
-    hung.lease_within(5_000).await.expect("a second lease");
-    eventually(10, "quarantined after 2 timeouts", || async {
-        worker(s, "w-hung").await.state == WorkerState::Quarantined as i32
-    })
-    .await;
+    hang_until_quarantined(s, &mut hung).await;
     hung.disconnect();
     worker(s, "w-hung").await.quarantine_reason
 }
@@ -403,7 +402,7 @@ async fn postgres_the_quarantine_commits_with_the_timeout_that_causes_it() {
         ..cfg()
     };
     let s = TestServer::start_store(TestStore::Postgres, &dir.path().join("agq.db"), cfg).await;
-    let (_, _) = submit(&s, short_plan("hang"), 3, 5).await;
+    let (_, ids) = submit(&s, short_plan("hang"), 3, 5).await;
     let mut hung = SimWorker::start(&s, "w-hung", &["sleep"], 1).await;
     s.exec_sql(
         "CREATE FUNCTION stall() RETURNS trigger LANGUAGE plpgsql AS
@@ -415,15 +414,13 @@ async fn postgres_the_quarantine_commits_with_the_timeout_that_causes_it() {
              FOR EACH STATEMENT EXECUTE FUNCTION stall();",
     )
     .await;
-    let first = hung.lease().await;
-    let second = hung.lease_within(8_000).await.expect("a second lease");
-    assert_ne!(first.lease_id, second.lease_id);
-    eventually(15, "quarantined after 2 timeouts", || async {
-        worker(&s, "w-hung").await.state == WorkerState::Quarantined as i32
-    })
-    .await;
+    hang_until_quarantined(&s, &mut hung).await;
     assert!(
         hung.lease_within(2_000).await.is_none(),
         "the hung worker was leased the job its second timeout retried"
     );
+    // Nor is a lease recorded for it that the stream did not deliver.
+    for id in &ids {
+        assert_ne!(job(&s, id).await.status, JobStatus::Running as i32, "{id}");
+    }
 }
