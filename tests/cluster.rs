@@ -43,7 +43,9 @@
 //!   on B reports a job completed through A.
 //! - `departed_workers_leave_no_entry_on_their_replica`: workers that
 //!   unregistered through B, whose streams A ended, leave no entry in A's
-//!   memory (`agq_replica_workers` back at 0).
+//!   memory (`agq_replica_workers` back at 0). The second one's beat
+//!   reaches A before A's command pump takes the unregistration's `end`
+//!   (held by a trigger): refusing the beat ends its lease stream too.
 //! - `a_replica_whose_database_stops_answering_turns_not_serving`: every
 //!   server process of the replica's database stopped (SIGSTOP): its
 //!   health turns NOT_SERVING, and SERVING again once they resume.
@@ -1840,13 +1842,50 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
     })
     .await;
     let mut admin = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
-    for w in &mut workers {
+    let db = pg::connect(&cluster.url).await;
+    let mut locker = pg::connect(&cluster.url).await;
+    for (n, w) in workers.iter_mut().enumerate() {
+        // The second worker's next beat reaches A before A's command pump
+        // delivers the unregistration's `end`: the pump's take of queued
+        // commands waits (a trigger waits for an advisory lock the test
+        // holds) until A has refused that beat.
+        let held = if n == 1 {
+            db.batch_execute(
+                "CREATE FUNCTION agq_test_stall() RETURNS trigger AS $$
+                 BEGIN PERFORM pg_advisory_xact_lock(4243); RETURN NULL; END $$ LANGUAGE plpgsql;
+                 CREATE TRIGGER agq_test_stall BEFORE DELETE ON worker_commands
+                   FOR EACH STATEMENT EXECUTE FUNCTION agq_test_stall();",
+            )
+            .await
+            .unwrap();
+            let lock = locker.transaction().await.unwrap();
+            lock.batch_execute("SELECT pg_advisory_xact_lock(4243)")
+                .await
+                .unwrap();
+            Some(lock)
+        } else {
+            None
+        };
         admin
             .unregister_worker(UnregisterWorkerRequest {
                 worker_id: w.id.clone(),
             })
             .await
             .expect("unregister through B");
+        if let Some(lock) = held {
+            // The heartbeat stream ends when A refuses a beat of the
+            // unregistered worker (the reader's channel closes).
+            timeout(Duration::from_secs(5), async {
+                while w.commands.recv().await.is_some() {}
+            })
+            .await
+            .expect("A refuses a beat of a worker that unregistered");
+            eventually(10, "A's command pump waits to take the `end`", || async {
+                lock_waiters(&db, "%DELETE FROM worker_commands%").await >= 1
+            })
+            .await;
+            lock.rollback().await.unwrap();
+        }
         // A ends the worker's streams.
         timeout(Duration::from_secs(5), async {
             while let Some(Ok(_)) = w.leases.next().await {}

@@ -588,10 +588,18 @@ impl PgEngine {
             .await
             .map_err(db_err)?;
         if updated.is_none() {
+            // The worker is no longer live, or no longer owned through
+            // this stream: both its streams here end, as the command pump
+            // ends them for a queued `end` or a worker that moved. The
+            // pump delivers only to a worker whose heartbeat stream is
+            // open, so a lease stream left open here would never be
+            // ended (a beat refused before the pump delivered an
+            // unregistration's `end`).
             let e = self.explain_worker(&tx, &id).await;
             let mut local = lock(&self.local);
             if let Some(w) = local.workers.get_mut(&id) {
                 w.heartbeat = None;
+                w.lease = None;
             }
             local.forget_streamless(&id);
             return Err(e);
