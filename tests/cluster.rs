@@ -146,9 +146,11 @@ static PG_SERVER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 /// `n` replicas on one fresh database.
 struct Cluster {
     url: String,
+    /// Dropped before `dir` (fields drop in order): a replica dropped
+    /// while a test panics prints its log, which must still be there.
+    replicas: Vec<AgqServe>,
     /// The replicas' logs, every process's (killed ones included).
     dir: tempfile::TempDir,
-    replicas: Vec<AgqServe>,
     addrs: Vec<String>,
     /// Processes started so far (names the logs).
     started: AtomicU64,
@@ -160,8 +162,8 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut c = Cluster {
             url,
-            dir,
             replicas: Vec::new(),
+            dir,
             addrs: Vec::new(),
             started: AtomicU64::new(0),
         };
@@ -1745,17 +1747,26 @@ async fn a_selector_reused_while_unused_ones_are_dropped_is_kept() {
                 .map(|r| r.into_inner())
         }
     };
-    // Both selectors stored, then unused: their actions are cancelled.
-    for selector in ["batch=old", "batch=other"] {
-        let r = submit(selector).await.expect("submit");
-        actions
-            .clone()
-            .cancel_action(CancelActionRequest {
-                action_id: r.action_id,
-            })
-            .await
-            .expect("cancel");
-    }
+    // "batch=old" stored, then unused: its action is cancelled. The test
+    // holds its row (as a submit does) from before the cancel until the
+    // reuse below holds it: a drop pass in between would drop it, and the
+    // reuse would store it again, so no drop would run under the reuse.
+    let old = submit("batch=old").await.expect("submit");
+    let mut guard_conn = pg::connect(&cluster.url).await;
+    let guard = guard_conn.transaction().await.unwrap();
+    guard
+        .batch_execute("SELECT 1 FROM selectors WHERE selector = 'batch=old' FOR KEY SHARE")
+        .await
+        .unwrap();
+    actions
+        .clone()
+        .cancel_action(CancelActionRequest {
+            action_id: old.action_id,
+        })
+        .await
+        .expect("cancel");
+    // "batch=other" stays in use until the reuse holds "batch=old".
+    let other = submit("batch=other").await.expect("submit");
     // A submit reusing "batch=old" waits in the insert of its job (a
     // trigger waits for an advisory lock the test holds); nothing else
     // waits.
@@ -1780,6 +1791,15 @@ async fn a_selector_reused_while_unused_ones_are_dropped_is_kept() {
         lock_waiters(&db, "%INSERT INTO jobs%").await >= 1
     })
     .await;
+    // Only the reuse holds "batch=old" now; "batch=other" becomes unused.
+    guard.commit().await.unwrap();
+    actions
+        .clone()
+        .cancel_action(CancelActionRequest {
+            action_id: other.action_id,
+        })
+        .await
+        .expect("cancel");
     eventually(
         20,
         "a drop pass drops the other unused selector",
