@@ -509,6 +509,32 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
         c.register_worker(r).await.unwrap_err().code(),
         Code::InvalidArgument
     );
+    // Two descriptions of one agentic unit: refused, and nothing stored.
+    let unit = |version: &str| AgenticUnit {
+        name: "u".into(),
+        version: version.into(),
+        ..Default::default()
+    };
+    let mut r = reg("twice");
+    r.capabilities = Some(WorkerCapabilities {
+        agentic_units: vec!["u".into()],
+        units: vec![unit("1"), unit("2")],
+        ..Default::default()
+    });
+    let e = c.register_worker(r).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("described twice"), "{e:?}");
+    let e = c
+        .get_worker(GetWorkerRequest {
+            worker_id: "twice".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::NotFound,
+        "a refused registration stores nothing"
+    );
     let resp = c.register_worker(reg("ok")).await.unwrap().into_inner();
     assert_eq!(
         (resp.heartbeat_interval_ms, resp.heartbeat_interval_secs),
