@@ -1051,9 +1051,9 @@ def test_a_task_starts_at_once_while_its_progress_report_hangs(
     here) holds back no task function. The report of a task not sent yet
     when the job ends is dropped, and the final report goes out only once
     the RUNNING report in flight has ended (a RUNNING after the result
-    would be refused), no later than the call's deadline; no thread is
-    left behind."""
-    w = agq.Worker("127.0.0.1:9", "py-slow-progress", call_timeout=2.0)
+    would be refused), no later than the call's deadline (1 s, under the
+    2 s bound on that wait); no thread is left behind."""
+    w = agq.Worker("127.0.0.1:9", "py-slow-progress", call_timeout=1.0)
     started: list[float] = []
 
     stub = _SlowProgressStub()
@@ -1070,16 +1070,51 @@ def test_a_task_starts_at_once_while_its_progress_report_hangs(
     t0 = time.monotonic()
     w._start_job(_lease("lease-1", "j-slow", "quick", tasks=2))
     wait_until(lambda: len(started) == 2, "both tasks to start")
-    # Before each task the report of its start was sent and waited for:
-    # 2 s (the call's deadline) per task.
-    assert started[0] - t0 < 1.0, "the first task waited for its progress report"
-    assert started[1] - t0 < 1.5, "the second task waited for a progress report"
+    # Had each task waited for the report of its start, it would have
+    # waited 1 s (the call's deadline).
+    assert started[0] - t0 < 0.5, "the first task waited for its progress report"
+    assert started[1] - t0 < 0.9, "the second task waited for a progress report"
     wait_until(lambda: len(stub.finals) == 1, "the result")
     assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
     assert stub.kinds() == [("sent", 1), ("done", 1), ("final", common_pb2.JOB_STATUS_COMPLETED)]
     final_at = stub.events[-1][2]
-    assert final_at - t0 < 2.0 + 1.5, "the result waited past the progress call's deadline"
+    assert final_at - t0 < 1.0 + 1.5, "the result waited past the progress call's deadline"
     wait_until(lambda: not _progress_threads("j-slow"), "the progress sender to end", timeout=5)
+    wait_until(lambda: not w._jobs and not w._job_threads and not w._leftover,
+               "the job to be let go", timeout=5)
+
+
+def test_a_hung_progress_report_holds_the_result_back_two_seconds_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a long call deadline (10 s), a RUNNING report the server does not
+    answer holds the job's final report back for PROGRESS_SETTLE_WAIT (2 s),
+    not for the deadline: the result goes out while the report still hangs
+    (the server refuses a RUNNING that arrives after it)."""
+    w = agq.Worker("127.0.0.1:9", "py-hung-progress", call_timeout=10.0)
+    stub = _SlowProgressStub()
+
+    @w.task("quick")
+    def quick(ctx: agq.TaskContext) -> str:
+        # The report is in flight before the job ends.
+        wait_until(lambda: stub.running() == [1], "the report to be sent")
+        return "done"
+
+    monkeypatch.setattr(w, "_stub", stub)
+    try:
+        t0 = time.monotonic()
+        w._start_job(_lease("lease-1", "j-hung", "quick", tasks=1))
+        wait_until(lambda: len(stub.finals) == 1, "the result", timeout=8.0)
+        final_at = stub.events[-1][2]
+        assert stub.kinds() == [("sent", 1), ("final", common_pb2.JOB_STATUS_COMPLETED)], \
+            "the result went out while the progress report hung"
+        assert stub.finals[0].status == common_pb2.JOB_STATUS_COMPLETED
+        waited = final_at - t0
+        assert agq.worker.PROGRESS_SETTLE_WAIT - 0.1 <= waited < \
+            agq.worker.PROGRESS_SETTLE_WAIT + 1.5, f"the result waited {waited:.2f} s"
+    finally:
+        stub.release.set()
+    wait_until(lambda: not _progress_threads("j-hung"), "the progress sender to end", timeout=5)
     wait_until(lambda: not w._jobs and not w._job_threads and not w._leftover,
                "the job to be let go", timeout=5)
 

@@ -18,7 +18,8 @@ lease's expiry too, until the server acknowledges or fences it); the
 RUNNING reports are advisory and sent by a thread of the job's own, so a
 slow server never holds back a task: while one is in flight only the
 latest of the next ones is kept, and the final report waits for the one
-in flight (at most ``call_timeout``) and drops the one not sent; cancel and
+in flight (at most 2 s, ``PROGRESS_SETTLE_WAIT``) and drops the one not
+sent; cancel and
 drain commands from the heartbeat stream;
 reconnects with backoff after any loss, keeping the jobs running; on SIGTERM
 (or :meth:`Worker.stop`) a drain: DRAINING, no new leases, running jobs get
@@ -108,6 +109,11 @@ DEFAULT_HEARTBEAT_INTERVAL = 5.0
 KILLED_REPORT_GRACE = 10.0
 #: How long the worker tries to unregister before leaving anyway, in seconds.
 UNREGISTER_TIMEOUT = 10.0
+#: Longest wait, in seconds, of a job's final report for the progress report
+#: in flight (as agw): the server refuses a RUNNING report after the final
+#: one, so a later one is harmless, and a hung server does not hold the
+#: result back for the call's whole deadline.
+PROGRESS_SETTLE_WAIT = 2.0
 #: Largest total of task output sent in one final report, in bytes.
 REPORT_BUDGET_BYTES = 3 * 1024 * 1024
 #: First and largest delay in seconds between tries of a final report
@@ -443,7 +449,9 @@ class _Progress:
     reply saying the lease is no longer the worker's (or a closed channel:
     the worker has stopped) stops the job and ends the reports.
     :meth:`close` drops the report not sent yet and waits for the one in
-    flight: the job's final report is sent after it, never beside it."""
+    flight, up to a bound: the job's final report is sent after it unless
+    it hangs past :data:`PROGRESS_SETTLE_WAIT` (the server then refuses
+    it, arriving after the result)."""
 
     def __init__(self, worker: Worker, lease: worker_service_pb2.JobLease,
                  running: _Running) -> None:
@@ -1150,12 +1158,15 @@ class Worker:
                 req = self._update(lease, common_pb2.JOB_STATUS_FAILED)
                 req.error = f"the worker failed to run the job: {_exc_text(e)}"
             finally:
-                # The server refuses a RUNNING report after the final one:
-                # the report in flight is waited for (its call ends by its
-                # deadline, call_timeout after it started; the extra second
-                # is slack for the thread), unless nothing is reported
-                # (killed).
-                progress.close(0.0 if self._killed else self.call_timeout + 1.0)
+                # The report in flight is waited for, so that it lands
+                # before the final one, but not past its call's deadline
+                # (call_timeout after it started; the extra second is slack
+                # for the thread) nor PROGRESS_SETTLE_WAIT: a RUNNING report
+                # that arrives after the final one is refused, and a hung
+                # server must not hold the result back. Nothing is waited
+                # for when nothing is reported (killed).
+                progress.close(0.0 if self._killed
+                               else min(self.call_timeout + 1.0, PROGRESS_SETTLE_WAIT))
                 with self._lock:
                     self._progress.discard(progress)
             with self._lock:
