@@ -2356,12 +2356,17 @@ async fn a_worker_drained_while_its_stream_is_closed_is_told_when_it_opens_one()
         .worker
         .unwrap();
     assert_eq!(drained.state, WorkerState::Draining as i32, "{drained:?}");
-    // The queued Drain command is lost.
+    // The queued Drain command is lost: here, unless A's command pump
+    // already took it (a pass that listed W's stream before it closed
+    // takes W's commands, and has no stream to send them on).
     let lost = probe
         .execute("DELETE FROM worker_commands WHERE worker_id = 'w'", &[])
         .await
         .unwrap();
-    assert_eq!(lost, 1, "DrainWorker queued one command for W");
+    assert!(
+        lost <= 1,
+        "DrainWorker queued one command for W, not {lost}"
+    );
     // W opens its heartbeat stream again, on B.
     let mut client = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
     let (hb_tx, mut hb) = open_heartbeat(&mut client, "w").await;
