@@ -1065,10 +1065,13 @@ async fn the_leader_killed_or_paused_hands_maintenance_over() {
             .work_ms(600_000, 600_000)
             .spawn(&stop);
         let job = submit_one(&urls[other]).await;
+        // Committed and received: a lease committed but still on its way
+        // when the worker is aborted below would never reach the ledger.
         eventually(10, "the silent worker holds the job", || async {
-            job_of(&urls[other], &job)
-                .await
-                .is_some_and(|j| j.status == JobStatus::Running as i32 && j.worker_id == silent)
+            ledger.leases_of(&job).iter().any(|(w, _)| *w == silent)
+                && job_of(&urls[other], &job)
+                    .await
+                    .is_some_and(|j| j.status == JobStatus::Running as i32 && j.worker_id == silent)
         })
         .await;
         let t0 = Instant::now();
