@@ -1849,6 +1849,11 @@ async fn metric_of(url: &str, name: &str) -> Option<f64> {
 /// replica's memory (`agq_replica_workers`). Such entries were kept for
 /// good, one per departed worker id: with agw pods coming and going under
 /// new names, a replica's memory only grew.
+///
+/// Their rows no longer read as connected: the stream flags are cleared
+/// by whichever path ended the streams (the delivered `end`, a refused
+/// beat, or, for a worker that had closed its heartbeat stream first, the
+/// pump finding its lone lease stream's worker gone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn departed_workers_leave_no_entry_on_their_replica() {
     let _shared = PG_SERVER.read().await;
@@ -1856,18 +1861,41 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
     let urls = cluster.urls();
     let (a, b) = (&urls[0], &urls[1]);
     let mut workers = Vec::new();
-    for n in 0..2 {
+    for n in 0..3 {
         workers
             .push(HandWorker::start(a, &format!("w{n}"), &format!("instance-{n}"), &["cat"]).await);
     }
-    eventually(10, "A holds both workers' streams", || async {
-        metric_of(a, "agq_replica_workers").await == Some(2.0)
+    eventually(10, "A holds the workers' streams", || async {
+        metric_of(a, "agq_replica_workers").await == Some(3.0)
     })
     .await;
     let mut admin = worker_service_client::WorkerServiceClient::new(channel(b).await.unwrap());
     let db = pg::connect(&cluster.url).await;
     let mut locker = pg::connect(&cluster.url).await;
+    let flags = |id: String| {
+        let db = &db;
+        async move {
+            let r = db
+                .query_one(
+                    "SELECT heartbeat_open, lease_stream_open FROM workers WHERE worker_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            (r.get::<_, bool>(0), r.get::<_, bool>(1))
+        }
+    };
     for (n, w) in workers.iter_mut().enumerate() {
+        assert_eq!(flags(w.id.clone()).await, (true, true), "{} connected", w.id);
+        // The third worker closes its heartbeat stream first: A holds
+        // only its lease stream, on which no `end` can be delivered.
+        if n == 2 {
+            w.close_heartbeat();
+            eventually(10, "A records the closed heartbeat stream", || async {
+                flags(w.id.clone()).await == (false, true)
+            })
+            .await;
+        }
         // The second worker's next beat reaches A before A's command pump
         // delivers the unregistration's `end`: the pump's take of queued
         // commands waits (a trigger waits for an advisory lock the test
@@ -1915,6 +1943,13 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
         })
         .await
         .expect("A ends the lease stream of a worker that unregistered");
+        eventually(10, "the row of a worker whose streams A ended reads closed", || async {
+            flags(w.id.clone()).await == (false, false)
+        })
+        .await;
+        let got = worker_of(b, &w.id).await.unwrap();
+        assert!(!got.connected, "{got:?}");
+        assert_eq!(got.state, WorkerState::Unregistered as i32, "{got:?}");
     }
     drop(workers);
     eventually(10, "A keeps no entry for the departed workers", || async {

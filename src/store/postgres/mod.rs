@@ -133,6 +133,20 @@ impl Local {
             self.workers.remove(id);
         }
     }
+
+    /// Ends every stream of worker `id` held here and forgets its entry:
+    /// the heartbeat stream gets `end` as its last event (or just closes,
+    /// for a caller that answers the worker itself), the lease stream
+    /// closes. Returns the entry's epoch (`None` without an entry), for
+    /// [`workers::clear_stream_flags`], which the caller runs once it has
+    /// let go of the lock.
+    fn end_streams(&mut self, id: &str, end: Option<Error>) -> Option<i64> {
+        let w = self.workers.remove(id)?;
+        if let (Some(hb), Some(end)) = (w.heartbeat, end) {
+            let _ = hb.tx.send(HeartbeatEvent::End(end));
+        }
+        Some(w.epoch)
+    }
 }
 
 /// A cached plan version with its stamp ([`rows::PLAN_STAMP`]).

@@ -595,13 +595,19 @@ impl PgEngine {
             // open, so a lease stream left open here would never be
             // ended (a beat refused before the pump delivered an
             // unregistration's `end`).
+            // The refusal is this call's answer; the stream closes.
             let e = self.explain_worker(&tx, &id).await;
-            let mut local = lock(&self.local);
-            if let Some(w) = local.workers.get_mut(&id) {
-                w.heartbeat = None;
-                w.lease = None;
+            let ended = lock(&self.local).end_streams(&id, None);
+            if let Some(epoch) = ended {
+                let cleared =
+                    clear_stream_flags(&tx, &self.replica_id, &[(id.clone(), epoch)]).await;
+                if let Err(c) = match cleared {
+                    Ok(()) => tx.commit().await.map_err(db_err),
+                    Err(c) => Err(c),
+                } {
+                    tracing::warn!(worker_id = %id, error = %c, "stream flags of a refused worker not cleared");
+                }
             }
-            local.forget_streamless(&id);
             return Err(e);
         }
         let mut revoked = Vec::new();
@@ -1068,56 +1074,67 @@ impl PgEngine {
     }
 
     /// Delivers queued commands to the workers whose heartbeat streams this
-    /// replica holds.
+    /// replica holds, and ends the streams it should no longer hold: those
+    /// of a worker owned elsewhere now, and a lease stream left without a
+    /// heartbeat stream whose worker is no longer live (no `end` reaches
+    /// it: commands go out on heartbeat streams).
     ///
     /// Errors: storage errors.
     async fn deliver_commands(&self) -> Result<()> {
-        let (ids, epochs): (Vec<String>, Vec<i64>) = lock(&self.local)
-            .workers
-            .iter()
-            .filter(|(_, w)| w.heartbeat.is_some())
-            .map(|(id, w)| (id.clone(), w.epoch))
-            .unzip();
+        let (mut ids, mut epochs, mut beating) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, w) in &lock(&self.local).workers {
+            ids.push(id.clone());
+            epochs.push(w.epoch);
+            beating.push(w.heartbeat.is_some());
+        }
         if ids.is_empty() {
             return Ok(());
         }
         let c = self.client().await?;
-        // Streams this replica holds but no longer owns (the worker
-        // reconnected elsewhere, or was declared DEAD while this replica
-        // was paused or partitioned): they are ended, and their commands
-        // wait for the owner.
-        let moved: Vec<(String, i64)> = c
+        // Heartbeat streams this replica holds but no longer owns (the
+        // worker reconnected elsewhere, or was declared DEAD while this
+        // replica was paused or partitioned): they are ended, and their
+        // commands wait for the owner. A lease stream alone is ended once
+        // its worker is gone or no longer live; one of a worker owned
+        // elsewhere stays (the dispatcher sends it nothing).
+        let stale: Vec<(String, i64)> = c
             .query(
-                "SELECT l.worker_id, l.epoch FROM unnest($1::text[], $2::bigint[]) AS l(worker_id, epoch)
+                "SELECT l.worker_id, l.epoch
+                 FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS l(worker_id, epoch, beating)
                  LEFT JOIN workers w ON w.worker_id = l.worker_id
-                 WHERE w.worker_id IS NULL OR w.replica_id IS DISTINCT FROM $3
-                    OR w.conn_epoch <> l.epoch",
-                &[&ids, &epochs, &self.replica_id],
+                 WHERE w.worker_id IS NULL
+                    OR (l.beating AND (w.replica_id IS DISTINCT FROM $4 OR w.conn_epoch <> l.epoch))
+                    OR (NOT l.beating AND NOT w.state = ANY($5))",
+                &[&ids, &epochs, &beating, &self.replica_id, &LIVE.to_vec()],
             )
             .await
             .map_err(db_err)?
             .into_iter()
             .map(|r| (r.get(0), r.get(1)))
             .collect();
-        if !moved.is_empty() {
+        let mut ended = Vec::new();
+        if !stale.is_empty() {
             let mut local = lock(&self.local);
-            for (id, epoch) in &moved {
-                let Some(w) = local.workers.get_mut(id) else {
-                    continue;
-                };
-                if w.epoch != *epoch {
+            for (id, epoch) in stale {
+                if local.workers.get(&id).is_none_or(|w| w.epoch != epoch) {
                     continue;
                 }
-                if let Some(hb) = w.heartbeat.take() {
-                    let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(format!(
-                        "worker {id}'s streams moved to another replica; reconnect"
-                    ))));
+                let end = Error::precondition(format!(
+                    "worker {id}'s streams moved to another replica; reconnect"
+                ));
+                if let Some(epoch) = local.end_streams(&id, Some(end)) {
+                    tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere or gone");
+                    ended.push((id, epoch));
                 }
-                w.lease = None;
-                local.forget_streamless(id);
-                tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere");
             }
         }
+        let (ids, epochs): (Vec<String>, Vec<i64>) = ids
+            .into_iter()
+            .zip(epochs)
+            .zip(beating)
+            .filter(|(_, beating)| *beating)
+            .map(|(held, _)| held)
+            .unzip();
         let rows = c
             .query(
                 "DELETE FROM worker_commands WHERE id IN (
@@ -1139,33 +1156,36 @@ impl PgEngine {
         rows.sort();
         let next_deadline_ms =
             crate::time::now_ms() + self.cfg.heartbeat_interval.as_millis() as i64;
-        let mut local = lock(&self.local);
-        for (_, worker, text) in rows {
-            let Some(w) = local.workers.get_mut(&worker) else {
-                continue;
-            };
-            let Some(hb) = &w.heartbeat else { continue };
-            match decode_command(&text) {
-                Some(Queued::Command(command)) => {
-                    let _ = hb.tx.send(HeartbeatEvent::Reply(HeartbeatReply {
-                        next_deadline_ms,
-                        command: Some(command),
-                        revoked_leases: Vec::new(),
-                    }));
-                }
-                Some(Queued::End(reason, epoch)) => {
-                    if epoch.is_some_and(|e| w.epoch > e) {
-                        continue;
+        {
+            let mut local = lock(&self.local);
+            for (_, worker, text) in rows {
+                let Some(w) = local.workers.get(&worker) else {
+                    continue;
+                };
+                let Some(hb) = &w.heartbeat else { continue };
+                match decode_command(&text) {
+                    Some(Queued::Command(command)) => {
+                        let _ = hb.tx.send(HeartbeatEvent::Reply(HeartbeatReply {
+                            next_deadline_ms,
+                            command: Some(command),
+                            revoked_leases: Vec::new(),
+                        }));
                     }
-                    let _ = hb.tx.send(HeartbeatEvent::End(Error::precondition(reason)));
-                    w.heartbeat = None;
-                    w.lease = None;
-                    local.forget_streamless(&worker);
+                    Some(Queued::End(reason, epoch)) => {
+                        if epoch.is_some_and(|e| w.epoch > e) {
+                            continue;
+                        }
+                        if let Some(epoch) =
+                            local.end_streams(&worker, Some(Error::precondition(reason)))
+                        {
+                            ended.push((worker, epoch));
+                        }
+                    }
+                    None => tracing::warn!(worker_id = %worker, "unknown queued command skipped"),
                 }
-                None => tracing::warn!(worker_id = %worker, "unknown queued command skipped"),
             }
         }
-        Ok(())
+        clear_stream_flags(&c, &self.replica_id, &ended).await
     }
 
     /// Waiting reason of the pending or failed job at row `id`.
@@ -1434,6 +1454,38 @@ impl PgEngine {
             .map(|r| r.get(0))
             .collect())
     }
+}
+
+/// Clears the stream flags of the workers `ended` (worker id, epoch)
+/// whose streams this replica ended from memory (a delivered `end`, a
+/// refused beat, a stale stream): the streams' close handlers then find no
+/// entry and write nothing, and the row would read `connected` until the
+/// worker registered again. Fenced by this replica and the epoch: a worker
+/// owned elsewhere since, or connected again, keeps its flags. A live
+/// worker whose heartbeat stream was open becomes suspect, as when the
+/// stream closes.
+///
+/// Errors: storage errors.
+pub(super) async fn clear_stream_flags(
+    c: &impl GenericClient,
+    replica_id: &str,
+    ended: &[(String, i64)],
+) -> Result<()> {
+    if ended.is_empty() {
+        return Ok(());
+    }
+    let (ids, epochs): (Vec<&str>, Vec<i64>) = ended.iter().map(|(i, e)| (i.as_str(), *e)).unzip();
+    c.execute(
+        "UPDATE workers w SET heartbeat_open = false, lease_stream_open = false,
+                suspect_since_ms = CASE WHEN w.heartbeat_open AND w.state = ANY($4)
+                                        THEN agq_now_ms() ELSE w.suspect_since_ms END
+         FROM unnest($1::text[], $2::bigint[]) AS l(worker_id, epoch)
+         WHERE w.worker_id = l.worker_id AND w.replica_id = $3 AND w.conn_epoch = l.epoch",
+        &[&ids, &epochs, &replica_id, &LIVE.to_vec()],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(())
 }
 
 /// Queues the end of worker `id`'s streams opened so far (those of its
