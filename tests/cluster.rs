@@ -1886,7 +1886,12 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
         }
     };
     for (n, w) in workers.iter_mut().enumerate() {
-        assert_eq!(flags(w.id.clone()).await, (true, true), "{} connected", w.id);
+        assert_eq!(
+            flags(w.id.clone()).await,
+            (true, true),
+            "{} connected",
+            w.id
+        );
         // The third worker closes its heartbeat stream first: A holds
         // only its lease stream, on which no `end` can be delivered.
         if n == 2 {
@@ -1943,9 +1948,11 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
         })
         .await
         .expect("A ends the lease stream of a worker that unregistered");
-        eventually(10, "the row of a worker whose streams A ended reads closed", || async {
-            flags(w.id.clone()).await == (false, false)
-        })
+        eventually(
+            10,
+            "the row of a worker whose streams A ended reads closed",
+            || async { flags(w.id.clone()).await == (false, false) },
+        )
         .await;
         let got = worker_of(b, &w.id).await.unwrap();
         assert!(!got.connected, "{got:?}");
@@ -1957,6 +1964,59 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
     })
     .await;
     cluster.assert_no_panic();
+}
+
+/// A replica that stops (SIGTERM) marks the streams it held closed: a
+/// worker that had both streams there is suspect (its leases re-queued
+/// after the grace unless it reconnects), and one that held only its
+/// lease stream there no longer reads as having one. Each is fenced by
+/// the replica and the worker's connection epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_replica_marks_its_streams_closed() {
+    let _shared = PG_SERVER.read().await;
+    let mut cluster = Cluster::start(1).await;
+    let a = cluster.urls()[0].clone();
+    let db = pg::connect(&cluster.url).await;
+    // Nothing declares the workers DEAD meanwhile.
+    let leader = hold_maintenance(&cluster.url).await;
+    let both = HandWorker::start(&a, "both", "instance-both", &["cat"]).await;
+    let mut lone = HandWorker::start(&a, "lone", "instance-lone", &["cat"]).await;
+    lone.close_heartbeat();
+    let row = |id: &'static str| {
+        let db = &db;
+        async move {
+            let r = db
+                .query_one(
+                    "SELECT heartbeat_open, lease_stream_open, suspect_since_ms IS NOT NULL
+                     FROM workers WHERE worker_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            (
+                r.get::<_, bool>(0),
+                r.get::<_, bool>(1),
+                r.get::<_, bool>(2),
+            )
+        }
+    };
+    eventually(10, "A records the lone lease stream", || async {
+        row("lone").await == (false, true, true)
+    })
+    .await;
+    assert_eq!(row("both").await, (true, true, false));
+    // A's last statement, its leadership's release, waits for the row
+    // the test holds: the streams are marked closed before it.
+    let pid = nix::unistd::Pid::from_raw(cluster.replicas[0].pid());
+    nix::sys::signal::kill(pid, Signal::SIGTERM).unwrap();
+    eventually(10, "A marks the streams it held closed", || async {
+        row("both").await == (false, false, true) && row("lone").await == (false, false, true)
+    })
+    .await;
+    leader.batch_execute("ROLLBACK").await.unwrap();
+    let stopped = tokio::task::block_in_place(|| cluster.replicas[0].terminate());
+    assert!(stopped.is_some_and(|s| s.success()), "A stops: {stopped:?}");
+    drop((both, lone));
 }
 
 /// A submit sends `NOTIFY agq_ready` at its commit: the dispatchers wake

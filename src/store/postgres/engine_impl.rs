@@ -377,20 +377,13 @@ impl Engine for PgEngine {
         }
         // This replica's workers lose their streams here; their leases
         // stay until they reconnect elsewhere or the grace ends.
-        let ids: Vec<String> = super::lock(&self.local)
+        let ended: Vec<(String, i64)> = super::lock(&self.local)
             .workers
             .drain()
-            .map(|(id, _)| id)
+            .map(|(id, w)| (id, w.epoch))
             .collect();
         if let Ok(c) = self.pool.get().await {
-            let _ = c
-                .execute(
-                    "UPDATE workers SET heartbeat_open = false, lease_stream_open = false,
-                            suspect_since_ms = agq_now_ms()
-                     WHERE replica_id = $1 AND worker_id = ANY($2) AND heartbeat_open",
-                    &[&self.replica_id, &ids],
-                )
-                .await;
+            let _ = super::workers::clear_stream_flags(&c, &self.replica_id, &ended).await;
             let _ = c
                 .execute(
                     "DELETE FROM leader WHERE name = 'maintenance' AND holder = $1",
