@@ -883,8 +883,9 @@ async fn run_bullmq_or_skip(args: &BenchArgs, nofile: u64) -> (Option<BullmqRun>
     }
 }
 
-/// Prints the issue's bars that the default mode measures, and AGQ's
-/// end-to-end throughput against the peers'.
+/// Prints the bars of issues 7 and 19 that the default mode measures:
+/// AGQ's end-to-end throughput against the peers' and its own, its
+/// latencies, its writer and (10,000 workers) its memory.
 fn print_bars(
     args: &BenchArgs,
     agq: &SystemRun,
@@ -903,10 +904,6 @@ fn print_bars(
     };
     if let Some(r) = redis {
         against("Redis", 1.0, r);
-        against("Redis", 1.3, r);
-    }
-    if let Some(b) = bullmq {
-        against("BullMQ", 3.0, b);
     }
     println!(
         "  e2e >= 20,000 jobs/s: {:.0} -> {}",
@@ -943,6 +940,56 @@ fn print_bars(
             );
             }
         }
+    }
+    print_issue_19_bars(agq, redis, bullmq, &against);
+}
+
+/// Prints issue 19's bars: the end-to-end throughput against the
+/// Redis-list design's (≥ 1.3×) and BullMQ's (≥ 3×) through `against`,
+/// the writer's CPU per job at peak, the half-peak enqueue-to-lease p99
+/// and the completion-ack p99 at peak against the Redis-list design's.
+/// Each line is printed only when the run measured what it compares.
+fn print_issue_19_bars(
+    agq: &SystemRun,
+    redis: Option<&SystemRun>,
+    bullmq: Option<&SystemRun>,
+    against: &dyn Fn(&str, f64, &SystemRun),
+) {
+    let peak = &agq.peak;
+    let writer = (peak.completed > 0 && peak.writer_cpu > 0.0)
+        .then(|| peak.writer_cpu * 1e6 / peak.completed as f64);
+    let half = agq.paced.as_ref();
+    if writer.is_none() && half.is_none() && redis.is_none() && bullmq.is_none() {
+        return;
+    }
+    println!("bars (issue 19):");
+    if let Some(r) = redis {
+        against("Redis", 1.3, r);
+    }
+    if let Some(b) = bullmq {
+        against("BullMQ", 3.0, b);
+    }
+    if let Some(us) = writer {
+        println!(
+            "  writer CPU <= 15 µs/job at peak: {us:.1} µs -> {}",
+            verdict(us <= 15.0)
+        );
+    }
+    if let Some(p) = half {
+        println!(
+            "  enqueue-to-lease p99 <= 3 ms at half peak ({:.0} jobs/s): {:.2} ms -> {}",
+            p.rate,
+            p.lease.p99,
+            verdict(p.lease.p99 <= 3.0)
+        );
+    }
+    if let Some(r) = redis {
+        println!(
+            "  completion-ack p99 at peak <= Redis's: {:.2} vs {:.2} ms -> {}",
+            peak.ack.p99,
+            r.peak.ack.p99,
+            verdict(peak.ack.p99 <= r.peak.ack.p99)
+        );
     }
 }
 
