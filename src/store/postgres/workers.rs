@@ -590,12 +590,10 @@ impl PgEngine {
         if updated.is_none() {
             // The worker is no longer live, or no longer owned through
             // this stream: both its streams here end, as the command pump
-            // ends them for a queued `end` or a worker that moved. The
-            // pump delivers only to a worker whose heartbeat stream is
-            // open, so a lease stream left open here would never be
-            // ended (a beat refused before the pump delivered an
-            // unregistration's `end`).
-            // The refusal is this call's answer; the stream closes.
+            // ends them for a queued `end` or a worker that moved, and the
+            // row's stream flags are cleared (fenced: a worker owned
+            // elsewhere keeps its own). The refusal is this call's answer,
+            // so the heartbeat stream gets no `end` of its own.
             let e = self.explain_worker(&tx, &id).await;
             let ended = lock(&self.local).end_streams(&id, None);
             if let Some(epoch) = ended {
@@ -1128,6 +1126,10 @@ impl PgEngine {
                 }
             }
         }
+        // Cleared now, not with the `end`s below: a failed take of the
+        // commands must not leave these flags set.
+        clear_stream_flags(&c, &self.replica_id, &ended).await?;
+        ended.clear();
         let (ids, epochs): (Vec<String>, Vec<i64>) = ids
             .into_iter()
             .zip(epochs)
