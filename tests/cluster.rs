@@ -1966,6 +1966,84 @@ async fn departed_workers_leave_no_entry_on_their_replica() {
     cluster.assert_no_panic();
 }
 
+/// A replica that holds the streams of a worker whose row is gone (the
+/// retention pass or ForgetWorker deleted it, and the `end` meant for the
+/// streams was lost) ends them, telling the worker to register again, and
+/// keeps no entry for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_streams_of_a_worker_whose_row_is_gone_are_ended() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(1).await;
+    let a = cluster.urls()[0].clone();
+    let db = pg::connect(&cluster.url).await;
+    let mut client = worker_service_client::WorkerServiceClient::new(channel(&a).await.unwrap());
+    client
+        .register_worker(RegisterWorkerRequest {
+            worker_id: "gone".into(),
+            hostname: "cluster-test".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["cat".into()],
+                ..Default::default()
+            }),
+            max_concurrent_jobs: 1,
+            instance_id: "instance-gone".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // One beat only: a refused beat would end the streams itself.
+    let (_hb_tx, mut hb) = open_heartbeat(&mut client, "gone").await;
+    timeout(CALL, hb.next())
+        .await
+        .expect("the first heartbeat is answered")
+        .unwrap()
+        .unwrap();
+    let mut leases = client
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "gone".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    eventually(10, "A holds the worker's streams", || async {
+        metric_of(&a, "agq_replica_workers").await == Some(1.0)
+    })
+    .await;
+    db.execute("DELETE FROM workers WHERE worker_id = 'gone'", &[])
+        .await
+        .unwrap();
+    let ended = timeout(Duration::from_secs(5), async {
+        loop {
+            match hb.next().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Some(e),
+                None => return None,
+            }
+        }
+    })
+    .await
+    .expect("A ends the heartbeat stream of a worker whose row is gone")
+    .expect("the heartbeat stream ends with a status");
+    assert_eq!(ended.code(), Code::FailedPrecondition, "{ended:?}");
+    assert!(
+        ended
+            .message()
+            .contains("is not registered; register again"),
+        "{ended:?}"
+    );
+    timeout(Duration::from_secs(5), async {
+        while let Some(Ok(_)) = leases.next().await {}
+    })
+    .await
+    .expect("A ends the lease stream of a worker whose row is gone");
+    eventually(10, "A keeps no entry for the worker", || async {
+        metric_of(&a, "agq_replica_workers").await == Some(0.0)
+    })
+    .await;
+    cluster.assert_no_panic();
+}
+
 /// A replica that stops (SIGTERM) marks the streams it held closed: a
 /// worker that had both streams there is suspect (its leases re-queued
 /// after the grace unless it reconnects), and one that held only its
@@ -2005,8 +2083,9 @@ async fn a_stopping_replica_marks_its_streams_closed() {
     })
     .await;
     assert_eq!(row("both").await, (true, true, false));
-    // A's last statement, its leadership's release, waits for the row
-    // the test holds: the streams are marked closed before it.
+    // A cannot finish stopping while the test holds the leader row (its
+    // maintenance loop and its release of the leadership wait for it):
+    // the streams must read closed while it is still there.
     let pid = nix::unistd::Pid::from_raw(cluster.replicas[0].pid());
     nix::sys::signal::kill(pid, Signal::SIGTERM).unwrap();
     eventually(10, "A marks the streams it held closed", || async {

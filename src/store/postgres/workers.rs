@@ -1095,9 +1095,9 @@ impl PgEngine {
         // commands wait for the owner. A lease stream alone is ended once
         // its worker is gone or no longer live; one of a worker owned
         // elsewhere stays (the dispatcher sends it nothing).
-        let stale: Vec<(String, i64)> = c
+        let stale: Vec<(String, i64, bool)> = c
             .query(
-                "SELECT l.worker_id, l.epoch
+                "SELECT l.worker_id, l.epoch, w.worker_id IS NULL
                  FROM unnest($1::text[], $2::bigint[], $3::bool[]) AS l(worker_id, epoch, beating)
                  LEFT JOIN workers w ON w.worker_id = l.worker_id
                  WHERE w.worker_id IS NULL
@@ -1108,18 +1108,22 @@ impl PgEngine {
             .await
             .map_err(db_err)?
             .into_iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
         let mut ended = Vec::new();
         if !stale.is_empty() {
             let mut local = lock(&self.local);
-            for (id, epoch) in stale {
+            for (id, epoch, gone) in stale {
                 if local.workers.get(&id).is_none_or(|w| w.epoch != epoch) {
                     continue;
                 }
-                let end = Error::precondition(format!(
-                    "worker {id}'s streams moved to another replica; reconnect"
-                ));
+                let end = if gone {
+                    Error::precondition(format!("worker {id} is not registered; register again"))
+                } else {
+                    Error::precondition(format!(
+                        "worker {id}'s streams moved to another replica; reconnect"
+                    ))
+                };
                 if let Some(epoch) = local.end_streams(&id, Some(end)) {
                     tracing::info!(worker_id = %id, "stale streams ended: the worker is owned elsewhere or gone");
                     ended.push((id, epoch));
