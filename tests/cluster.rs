@@ -1477,19 +1477,7 @@ async fn a_refused_heartbeat_stream_is_closed() {
     // End command would end what the replica holds for it).
     let leader = hold_maintenance(&cluster.url).await;
     let mut client = worker_service_client::WorkerServiceClient::new(channel(&url).await.unwrap());
-    client
-        .register_worker(RegisterWorkerRequest {
-            worker_id: "w".into(),
-            hostname: "cluster-test".into(),
-            agw_version: "sim".into(),
-            capabilities: Some(WorkerCapabilities {
-                tools: vec!["cat".into()],
-                ..Default::default()
-            }),
-            max_concurrent_jobs: 1,
-            instance_id: "instance-w".into(),
-            ..Default::default()
-        })
+    register_cat_worker(&mut client, "w", "instance-w", 1)
         .await
         .unwrap();
     // The statements after the takeover read the worker's challenges.
@@ -1976,36 +1964,8 @@ async fn the_streams_of_a_worker_whose_row_is_gone_are_ended() {
     let cluster = Cluster::start(1).await;
     let a = cluster.urls()[0].clone();
     let db = pg::connect(&cluster.url).await;
-    let mut client = worker_service_client::WorkerServiceClient::new(channel(&a).await.unwrap());
-    client
-        .register_worker(RegisterWorkerRequest {
-            worker_id: "gone".into(),
-            hostname: "cluster-test".into(),
-            agw_version: "sim".into(),
-            capabilities: Some(WorkerCapabilities {
-                tools: vec!["cat".into()],
-                ..Default::default()
-            }),
-            max_concurrent_jobs: 1,
-            instance_id: "instance-gone".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
     // One beat only: a refused beat would end the streams itself.
-    let (_hb_tx, mut hb) = open_heartbeat(&mut client, "gone").await;
-    timeout(CALL, hb.next())
-        .await
-        .expect("the first heartbeat is answered")
-        .unwrap()
-        .unwrap();
-    let mut leases = client
-        .lease_jobs(LeaseJobsRequest {
-            worker_id: "gone".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (_client, _hb_tx, mut hb, mut leases) = silent_cat_worker(&a, "gone", 1).await;
     eventually(10, "A holds the worker's streams", || async {
         metric_of(&a, "agq_replica_workers").await == Some(1.0)
     })
@@ -2251,20 +2211,9 @@ async fn commands_follow_a_worker_that_moved() {
     // The old session on A: registered, heartbeat stream open and answered,
     // then never used again (but not closed).
     let mut old = worker_service_client::WorkerServiceClient::new(channel(a).await.unwrap());
-    old.register_worker(RegisterWorkerRequest {
-        worker_id: "mover".into(),
-        hostname: "cluster-test".into(),
-        agw_version: "sim".into(),
-        capabilities: Some(WorkerCapabilities {
-            tools: vec!["cat".into()],
-            ..Default::default()
-        }),
-        max_concurrent_jobs: 4,
-        instance_id: "instance-mover".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    register_cat_worker(&mut old, "mover", "instance-mover", 4)
+        .await
+        .unwrap();
     let (old_tx, mut old_stream) = open_heartbeat(&mut old, "mover").await;
     timeout(CALL, old_stream.next())
         .await
@@ -2583,34 +2532,7 @@ async fn a_late_leader_statement_leaves_a_re_leased_job_alone() {
     let urls = cluster.urls();
     put_plan(&urls[0]).await;
     // W on replica 0, by hand: it will stop heartbeating, streams open.
-    let mut w = worker_service_client::WorkerServiceClient::new(channel(&urls[0]).await.unwrap());
-    w.register_worker(RegisterWorkerRequest {
-        worker_id: "w".into(),
-        hostname: "cluster-test".into(),
-        agw_version: "sim".into(),
-        capabilities: Some(WorkerCapabilities {
-            tools: vec!["cat".into()],
-            ..Default::default()
-        }),
-        max_concurrent_jobs: 2,
-        instance_id: "instance-w".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (hb_tx, mut hb) = open_heartbeat(&mut w, "w").await;
-    timeout(CALL, hb.next())
-        .await
-        .expect("W's first heartbeat is answered")
-        .unwrap()
-        .unwrap();
-    let mut leases = w
-        .lease_jobs(LeaseJobsRequest {
-            worker_id: "w".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (mut w, hb_tx, _hb, mut leases) = silent_cat_worker(&urls[0], "w", 2).await;
     let j1 = submit_one(&urls[1]).await;
     let j2 = submit_one(&urls[1]).await;
     let mut got = HashMap::new();
@@ -2852,6 +2774,72 @@ fn first_heartbeat(id: &str) -> HeartbeatRequest {
     }
 }
 
+/// Registers worker `id` (instance `instance`, advertising `cat`, `slots`
+/// concurrent jobs) through `client`, as a hand-made worker does.
+async fn register_cat_worker(
+    client: &mut worker_service_client::WorkerServiceClient<Channel>,
+    id: &str,
+    instance: &str,
+    slots: u32,
+) -> Result<tonic::Response<RegisterWorkerResponse>, tonic::Status> {
+    client
+        .register_worker(RegisterWorkerRequest {
+            worker_id: id.into(),
+            hostname: "cluster-test".into(),
+            agw_version: "sim".into(),
+            capabilities: Some(WorkerCapabilities {
+                tools: vec!["cat".into()],
+                ..Default::default()
+            }),
+            max_concurrent_jobs: slots,
+            instance_id: instance.into(),
+            ..Default::default()
+        })
+        .await
+}
+
+/// Registers worker `id` (instance `instance-ID`, advertising `cat`,
+/// `slots` concurrent jobs) on `url` and opens both its streams there,
+/// with one heartbeat sent and answered and no more: the client, the
+/// sender for more beats, the heartbeat replies and the lease stream.
+async fn silent_cat_worker(
+    url: &str,
+    id: &str,
+    slots: u32,
+) -> (
+    worker_service_client::WorkerServiceClient<Channel>,
+    mpsc::Sender<HeartbeatRequest>,
+    tonic::Streaming<HeartbeatResponse>,
+    tonic::Streaming<JobLease>,
+) {
+    let mut client = worker_service_client::WorkerServiceClient::new(channel(url).await.unwrap());
+    register_cat_worker(&mut client, id, &format!("instance-{id}"), slots)
+        .await
+        .unwrap();
+    let (hb_tx, mut hb) = open_heartbeat(&mut client, id).await;
+    timeout(CALL, hb.next())
+        .await
+        .expect("the first heartbeat is answered")
+        .unwrap()
+        .unwrap();
+    let leases = open_leases(&mut client, id).await;
+    (client, hb_tx, hb, leases)
+}
+
+/// Opens worker `id`'s lease stream on `client`.
+async fn open_leases(
+    client: &mut worker_service_client::WorkerServiceClient<Channel>,
+    id: &str,
+) -> tonic::Streaming<JobLease> {
+    client
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// Opens worker `id`'s heartbeat stream on `client` with its first
 /// heartbeat already sent; returns the sender for more and the replies.
 async fn open_heartbeat(
@@ -2969,13 +2957,7 @@ impl HandWorker {
                 }
             }
         });
-        let leases = client
-            .lease_jobs(LeaseJobsRequest {
-                worker_id: id.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let leases = open_leases(&mut client, id).await;
         HandWorker {
             id: id.into(),
             client,
@@ -3146,20 +3128,8 @@ async fn a_watch_sees_jobs_lost_by_a_transaction_after_its_commit() {
         .unwrap();
     let url0 = urls[0].clone();
     let takeover = tokio::spawn(async move {
-        worker_service_client::WorkerServiceClient::new(channel(&url0).await.unwrap())
-            .register_worker(RegisterWorkerRequest {
-                worker_id: "w".into(),
-                hostname: "cluster-test".into(),
-                agw_version: "sim".into(),
-                capabilities: Some(WorkerCapabilities {
-                    tools: vec!["cat".into()],
-                    ..Default::default()
-                }),
-                max_concurrent_jobs: 1,
-                instance_id: "instance-2".into(),
-                ..Default::default()
-            })
-            .await
+        let mut c = worker_service_client::WorkerServiceClient::new(channel(&url0).await.unwrap());
+        register_cat_worker(&mut c, "w", "instance-2", 1).await
     });
     eventually(10, "the takeover waits, its job lost", || async {
         lock_waiters(&probe, "%DELETE FROM worker_verifications%").await == 1
