@@ -2214,12 +2214,7 @@ async fn commands_follow_a_worker_that_moved() {
     register_cat_worker(&mut old, "mover", "instance-mover", 4)
         .await
         .unwrap();
-    let (old_tx, mut old_stream) = open_heartbeat(&mut old, "mover").await;
-    timeout(CALL, old_stream.next())
-        .await
-        .expect("the first heartbeat on A is answered")
-        .unwrap()
-        .unwrap();
+    let (old_tx, mut old_stream) = open_answered_heartbeat(&mut old, "mover").await;
     // The same worker (same instance) now on B.
     let ledger = Arc::new(Ledger::default());
     let (stop_tx, stop) = watch::channel(false);
@@ -2291,6 +2286,103 @@ async fn commands_follow_a_worker_that_moved() {
         "commands for the worker on B were delivered on its stale stream on A: \
          on B {got:?}, on A's stale stream {on_old:?}"
     );
+}
+
+/// A replica that ends the stale heartbeat stream of a worker that moved
+/// to another replica changes nothing for the worker there:
+/// - the stream flags it clears are its own only (fenced by replica and
+///   epoch): the new owner's row keeps both streams open and no suspect
+///   mark;
+/// - a beat still read from the ended stream, naming no held lease, is
+///   refused, not applied: applied, it re-queued the lease the worker
+///   holds through its current stream ("reconnected without it").
+///
+/// So the job the worker runs on B keeps its lease past the grace, and
+/// its completion under that lease counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ending_a_moved_workers_old_streams_leaves_the_new_owner_alone() {
+    let _shared = PG_SERVER.read().await;
+    let cluster = Cluster::start(2).await;
+    let urls = cluster.urls();
+    let (a, b) = (&urls[0], &urls[1]);
+    put_plan(a).await;
+    let db = pg::connect(&cluster.url).await;
+    // The old session on A, heartbeat stream only (a lease stream would
+    // let A's dispatcher demote the entry when it finds the worker moved,
+    // and end it without a flag to clear); then the same worker (same
+    // instance) on B.
+    let mut old = worker_service_client::WorkerServiceClient::new(channel(a).await.unwrap());
+    register_cat_worker(&mut old, "mover", "instance-mover", 1)
+        .await
+        .unwrap();
+    let (old_tx, mut old_stream) = open_answered_heartbeat(&mut old, "mover").await;
+    let mut w = HandWorker::start(b, "mover", "instance-mover", &["cat"]).await;
+    let job = submit_one(a).await;
+    let lease = timeout(Duration::from_secs(5), w.leases.next())
+        .await
+        .expect("the worker leases the job on B")
+        .unwrap()
+        .unwrap();
+    assert_eq!(lease.job.as_ref().unwrap().job_id, job);
+    // A's command pump finds the worker owned through B and ends the old
+    // stream (clearing the flags it holds at the old epoch).
+    timeout(Duration::from_secs(5), async {
+        while let Some(Ok(_)) = old_stream.next().await {}
+    })
+    .await
+    .expect("A ends the old heartbeat stream");
+    eventually(10, "A keeps no entry for the worker", || async {
+        metric_of(a, "agq_replica_workers").await == Some(0.0)
+    })
+    .await;
+    // One more beat on the ended stream, naming no held lease: A still
+    // reads it, and must not apply it.
+    old_tx.send(first_heartbeat("mover")).await.unwrap();
+    // Past the grace (400 ms) and several maintenance passes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = db
+        .query_one(
+            "SELECT heartbeat_open, lease_stream_open, suspect_since_ms IS NULL
+             FROM workers WHERE worker_id = 'mover'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<_, bool>(0),
+            r.get::<_, bool>(1),
+            r.get::<_, bool>(2)
+        ),
+        (true, true, true),
+        "the row of the worker on B: heartbeat_open, lease_stream_open, not suspect"
+    );
+    let v = worker_of(b, "mover").await.unwrap();
+    assert!(v.connected, "{v:?}");
+    let j = job_of(b, &job).await.unwrap();
+    assert_eq!(
+        (j.status, j.attempt, j.worker_id.as_str()),
+        (JobStatus::Running as i32, 1, "mover"),
+        "{j:?}"
+    );
+    // Its lease is still the one granted: the completion under it counts.
+    w.client
+        .update_job(UpdateJobRequest {
+            job_id: job.clone(),
+            worker_id: "mover".into(),
+            lease_id: lease.lease_id.clone(),
+            status: JobStatus::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("the completion under the lease granted on B is accepted");
+    let j = job_of(a, &job).await.unwrap();
+    assert_eq!(
+        (j.status, j.attempt),
+        (JobStatus::Completed as i32, 1),
+        "{j:?}"
+    );
+    cluster.assert_no_panic();
 }
 
 /// The group commit of completions locks its job rows in the engine's
@@ -2816,12 +2908,7 @@ async fn silent_cat_worker(
     register_cat_worker(&mut client, id, &format!("instance-{id}"), slots)
         .await
         .unwrap();
-    let (hb_tx, mut hb) = open_heartbeat(&mut client, id).await;
-    timeout(CALL, hb.next())
-        .await
-        .expect("the first heartbeat is answered")
-        .unwrap()
-        .unwrap();
+    let (hb_tx, hb) = open_answered_heartbeat(&mut client, id).await;
     let leases = open_leases(&mut client, id).await;
     (client, hb_tx, hb, leases)
 }
@@ -2838,6 +2925,23 @@ async fn open_leases(
         .await
         .unwrap()
         .into_inner()
+}
+
+/// [`open_heartbeat`], and waits for the first heartbeat's answer.
+async fn open_answered_heartbeat(
+    client: &mut worker_service_client::WorkerServiceClient<Channel>,
+    id: &str,
+) -> (
+    mpsc::Sender<HeartbeatRequest>,
+    tonic::Streaming<HeartbeatResponse>,
+) {
+    let (tx, mut replies) = open_heartbeat(client, id).await;
+    timeout(CALL, replies.next())
+        .await
+        .expect("the first heartbeat is answered")
+        .unwrap()
+        .unwrap();
+    (tx, replies)
 }
 
 /// Opens worker `id`'s heartbeat stream on `client` with its first

@@ -563,15 +563,33 @@ impl PgEngine {
         stats: Option<WorkerStats>,
         held: Option<Vec<String>>,
     ) -> Result<HeartbeatReply> {
-        let (epoch, was_fresh) = {
-            let local = lock(&self.local);
+        // A beat counts only through the heartbeat stream this replica
+        // holds for the worker, at the epoch it took it with. One read
+        // from a stream this replica has already ended (moved, refused,
+        // told to end) or demoted (owned elsewhere) changes nothing: its
+        // held leases would re-queue those the worker runs through its
+        // current stream, wherever that is. The refusal ends the stream
+        // it came from.
+        let fenced = {
+            let mut local = lock(&self.local);
             match local.workers.get(&id) {
-                Some(w) if w.heartbeat.is_some() && w.epoch >= 0 => (
-                    Some(w.epoch),
-                    w.last_heartbeat.elapsed() < self.cfg.stale_after(),
-                ),
-                _ => (None, false),
+                Some(w) if w.heartbeat.is_some() && w.epoch >= 0 => {
+                    Some((w.epoch, w.last_heartbeat.elapsed() < self.cfg.stale_after()))
+                }
+                Some(w) if w.heartbeat.is_some() => {
+                    // Demoted by the dispatcher (owned elsewhere): both
+                    // streams end, as the command pump ends them. The
+                    // flags are the owner's: nothing to clear.
+                    local.end_streams(&id, None);
+                    None
+                }
+                _ => None,
             }
+        };
+        let Some((epoch, was_fresh)) = fenced else {
+            return Err(Error::precondition(format!(
+                "worker {id}'s heartbeat stream on this replica has ended; reconnect"
+            )));
         };
         let stats = stats.map(|s| rows::encode_stats(&s));
         let mut client = self.client().await?;
@@ -580,8 +598,7 @@ impl PgEngine {
             .query_opt(
                 &cached(&tx, "UPDATE workers SET last_heartbeat_at_ms = agq_now_ms(), stats = coalesce($2, stats),
                         suspect_since_ms = CASE WHEN heartbeat_open THEN NULL ELSE suspect_since_ms END
-                 WHERE worker_id = $1 AND state = ANY($3)
-                   AND ($4::bigint IS NULL OR (replica_id = $5 AND conn_epoch = $4))
+                 WHERE worker_id = $1 AND state = ANY($3) AND replica_id = $5 AND conn_epoch = $4
                  RETURNING state").await?,
                 &[&id, &stats, &LIVE.to_vec(), &epoch, &self.replica_id],
             )
