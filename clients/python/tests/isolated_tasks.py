@@ -38,6 +38,16 @@ def crash(ctx: agq.TaskContext) -> str:
     os._exit(3)
 
 
+def crash_leaving_child(ctx: agq.TaskContext) -> str:
+    """Forks a process that holds the task process's pipes for 0.2 s, then
+    ends its own process at once with exit code 3: the worker learns of
+    the crash from the process's state, not from its pipe."""
+    if os.fork() == 0:
+        time.sleep(0.2)
+        os._exit(0)
+    os._exit(3)
+
+
 def hog(ctx: agq.TaskContext) -> str:
     """One regular expression call that holds the GIL for the input's
     ``n`` steps of backtracking (2^n)."""

@@ -549,6 +549,72 @@ def test_process_isolation_runs_functions_in_their_own_processes(
     assert client.wait_action(again.action_id, timeout=WAIT).completed == 1
 
 
+@pytest.mark.parametrize("reaper", ["application", "worker"])
+def test_a_crashed_process_task_keeps_its_exit_code_when_another_thread_reaps_it(
+    server: Server, client: agq.Client,
+    start_worker: Callable[[agq.Worker], WorkerThread],
+    monkeypatch: pytest.MonkeyPatch, reaper: str,
+) -> None:
+    """multiprocessing reaps the finished children of every thread each
+    time any thread starts a process or lists its children, and records the
+    exit status a moment after it has reaped it. A task's process reaped
+    that way by another thread still reports its own exit code, never an
+    invented signal. Here another thread lists the children in a loop, and
+    each of its reaps takes 0.3 s to record the status. It is either a
+    thread of the application, whose record the worker waits for, or
+    stands for one of the worker's own threads starting a task's process
+    (it reaps under the worker's lock, and the worker is not allowed to
+    wait for the record)."""
+    import contextlib
+    import multiprocessing
+    import os
+
+    import isolated_tasks
+
+    import agq.worker
+
+    if reaper == "worker":
+        monkeypatch.setattr(agq.worker, "PROCESS_STATUS_WAIT", 0.0)
+        held: Any = agq.worker._REAP_LOCK
+    else:
+        held = contextlib.nullcontext()
+
+    reaper_done = threading.Event()
+    record = os.waitstatus_to_exitcode
+
+    def slow_record(status: int) -> int:
+        if threading.current_thread().name == "app-reaper":
+            time.sleep(0.3)
+        return record(status)
+
+    monkeypatch.setattr(os, "waitstatus_to_exitcode", slow_record)
+
+    def reap() -> None:
+        deadline = time.monotonic() + 2 * WAIT
+        while not reaper_done.is_set() and time.monotonic() < deadline:
+            with held:
+                multiprocessing.active_children()
+            time.sleep(0.001)
+
+    reaping = threading.Thread(target=reap, name="app-reaper", daemon=True)
+    reaping.start()
+    try:
+        w = agq.Worker(server.address, "py-iso-reaped", max_concurrent_jobs=3)
+        w.register(isolated_tasks.crash_leaving_child, isolation="process")
+        start_worker(w).wait_connected()
+        client.submit_plan(agq.Plan("py-iso-reaped", [agq.Task("crash_leaving_child")]))
+        sub = client.submit_action("py-iso-reaped", [{"n": str(i)} for i in range(6)],
+                                   max_attempts=1)
+        assert client.wait_action(sub.action_id, timeout=WAIT).dead == 6
+    finally:
+        reaper_done.set()
+        reaping.join(WAIT)
+    for job_id in sub.job_ids:
+        job = client.get_job(job_id)
+        assert "exited with code 3" in job.error, job.error
+        assert job.task_results[0].exit_code == 3
+
+
 def test_a_stopped_process_task_is_killed_and_frees_its_slot(
     server: Server, client: agq.Client,
     start_worker: Callable[[agq.Worker], WorkerThread], tmp_path: Path,

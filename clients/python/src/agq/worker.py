@@ -59,6 +59,8 @@ import enum
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
 import os
 import pickle
 import platform
@@ -102,6 +104,20 @@ ISOLATIONS = ("thread", "process")
 
 #: Seconds a stopped task's process gets after SIGTERM before SIGKILL.
 PROCESS_KILL_GRACE = 0.5
+#: Seconds an ended task's process may take to get its exit status
+#: recorded when another thread of the program reaped it (see
+#: :data:`_REAP_LOCK`).
+PROCESS_STATUS_WAIT = 5.0
+
+#: Held by every call of this module that can reap a task's process.
+#: multiprocessing reaps the finished children of every thread whenever
+#: any thread starts a process (or lists its children), and records the
+#: exit status only after its ``waitpid`` returns: a poll from another
+#: thread in between finds nothing to reap, so the process looks alive
+#: and then has no exit status at all. Starting and polling under one
+#: lock closes that gap between the worker's own threads; a reap by the
+#: application's threads is waited out (:data:`PROCESS_STATUS_WAIT`).
+_REAP_LOCK = threading.Lock()
 
 #: Heartbeat interval assumed until the server gives one, in seconds.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
@@ -436,6 +452,53 @@ def _child_main(
                        permanent, logged_cut or ctx._log_cut))
     finally:
         conn.close()
+
+
+def _ended(proc: multiprocessing.process.BaseProcess) -> bool:
+    """Whether a task's process has exited, reaping it if it has. Its
+    sentinel is checked first: once that is ready the process has exited,
+    even when another thread reaped it and has not recorded its status."""
+    with _REAP_LOCK:
+        exited = bool(multiprocessing.connection.wait([proc.sentinel], 0))
+        return proc.exitcode is not None or exited
+
+
+def _await_end(proc: multiprocessing.process.BaseProcess, timeout: float | None) -> bool:
+    """Waits up to ``timeout`` seconds (None: until it happens) for a
+    task's process to exit; whether it has. The process is polled every
+    50 ms too, since a process it forked can hold its sentinel open."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not _ended(proc):
+        step = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+        if step <= 0:
+            return False
+        multiprocessing.connection.wait([proc.sentinel], step)
+    return True
+
+
+def _signal(proc: multiprocessing.process.BaseProcess, sig: int) -> None:
+    """Sends ``sig`` to a task's process unless it has been reaped (so
+    that its pid, free for reuse then, is never signalled)."""
+    with _REAP_LOCK:
+        if proc.exitcode is None:
+            if sig == signal.SIGKILL:
+                proc.kill()
+            else:
+                proc.terminate()
+
+
+def _exit_status(proc: multiprocessing.process.BaseProcess) -> int | None:
+    """The exit status of a task's process that has exited: its exit code,
+    or minus the signal that killed it. None when another thread of the
+    program reaped it and has not recorded its status within
+    :data:`PROCESS_STATUS_WAIT` seconds."""
+    deadline = time.monotonic() + PROCESS_STATUS_WAIT
+    while True:
+        with _REAP_LOCK:
+            code = proc.exitcode
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        time.sleep(0.01)
 
 
 class _Progress:
@@ -1445,7 +1508,8 @@ class Worker:
             name=f"agq-task-{ctx.job_id}-{ctx.task_number}", daemon=True,
         )
         try:
-            proc.start()
+            with _REAP_LOCK:
+                proc.start()
         except BaseException:
             recv.close()
             raise
@@ -1459,30 +1523,34 @@ class Worker:
                         msg = recv.recv()
                     except (EOFError, OSError):
                         break  # the child exited without a result
-                elif not proc.is_alive() and not recv.poll(0):
+                elif _ended(proc) and not recv.poll(0):
                     break
         finally:
             # A process that sent its result exits on its own (unless, say,
             # its function left a non-daemon thread running); a stopped one
             # is killed at once.
             if msg is not None:
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(PROCESS_KILL_GRACE)
-                if proc.is_alive():
-                    proc.kill()
-            proc.join()
+                _await_end(proc, 2.0)
+            if not _ended(proc):
+                _signal(proc, signal.SIGTERM)
+                if not _await_end(proc, PROCESS_KILL_GRACE):
+                    _signal(proc, signal.SIGKILL)
+                    _await_end(proc, None)
             recv.close()
         if msg is None:
             if running.cancel.is_set():
                 box["value"] = None  # reported as stopped by the caller
                 return
-            code = proc.exitcode if proc.exitcode is not None else -1
-            how = (f"was killed by signal {-code}" if code < 0
-                   else f"exited with code {code}")
+            code = _exit_status(proc)
+            if code is None:
+                how = "ended (its exit status was taken by another part of the program)"
+            elif code < 0:
+                how = f"was killed by signal {-code}"
+            else:
+                how = f"exited with code {code}"
             box["error"] = _ChildFailure(
-                f"the task's process {how} without a result", False, code if code > 0 else -1)
+                f"the task's process {how} without a result", False,
+                code if code is not None and code > 0 else -1)
             box["trace"] = ""
             return
         kind, text, logged = msg[0], msg[1], msg[2]
