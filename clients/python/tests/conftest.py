@@ -35,9 +35,11 @@ def wait_until(pred: Callable[[], object], what: str, timeout: float = WAIT) -> 
 
 
 class Server:
-    """One ``agq serve`` process with a fresh database under ``tmp``."""
+    """One ``agq serve`` process with a fresh database under ``tmp``; its
+    workers beat every ``heartbeat_interval_ms`` (DEAD after 3 missed)."""
 
-    def __init__(self, tmp: Path, extra: Sequence[str] = (), listen: str = "127.0.0.1:0") -> None:
+    def __init__(self, tmp: Path, extra: Sequence[str] = (), listen: str = "127.0.0.1:0",
+                 heartbeat_interval_ms: int = 500) -> None:
         if not os.access(AGQ_BIN, os.X_OK):
             pytest.fail(f"agq binary not found at {AGQ_BIN}: build it (cargo build) or set AGQ_BIN")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,7 @@ class Server:
                 "--metrics-listen", "127.0.0.1:0",
                 "--console-listen", "127.0.0.1:0",
                 "--db", str(tmp / "agq.db"),
-                "--heartbeat-interval-ms", "500",
+                "--heartbeat-interval-ms", str(heartbeat_interval_ms),
                 # Re-queue a dead worker's leases soon, and retry soon.
                 "--lease-grace-ms", "1000",
                 "--retry-backoff-base-ms", "100",

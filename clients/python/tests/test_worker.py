@@ -7,7 +7,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -469,33 +469,48 @@ def test_a_job_leased_again_waits_for_its_earlier_attempt_to_return(
     wait_until(lambda: not w._job_threads and not w._leftover, "the threads to be counted out")
 
 
+@pytest.fixture
+def slow_beat_server(tmp_path: Path) -> Iterator[Server]:
+    """A live server whose workers beat every 2 s (DEAD after 6 s)."""
+    s = Server(tmp_path / "server", heartbeat_interval_ms=2000)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 def test_many_workers_in_one_process_all_connect(
-    server: Server, client: agq.Client,
-    start_worker: Callable[[agq.Worker], WorkerThread],
+    slow_beat_server: Server, start_worker: Callable[[agq.Worker], WorkerThread],
 ) -> None:
     """140 Workers in one process hold 280 streams, more than the 256 calls
     the server allows open on one HTTP/2 connection: each Worker has a
-    connection of its own, so all of them connect and take jobs."""
-    ran: set[str] = set()
-    lock = threading.Lock()
+    connection of its own, so all of them connect and take jobs. (They
+    beat every 2 s here: 140 Workers' threads share one interpreter lock,
+    and on two busy cores some beats of the suite's usual 500 ms came
+    more than 3 intervals apart, so that a few jobs spent their attempts
+    on workers declared DEAD.)"""
+    server = slow_beat_server
+    with agq.Client(server.address, timeout=10) as client:
+        ran: set[str] = set()
+        lock = threading.Lock()
 
-    def note(ctx: agq.TaskContext) -> str:
-        with lock:
-            ran.add(ctx.job_id)
-        return "ok"
+        def note(ctx: agq.TaskContext) -> str:
+            with lock:
+                ran.add(ctx.job_id)
+            return "ok"
 
-    threads = []
-    for i in range(140):
-        w = agq.Worker(server.address, f"py-many-{i}")
-        w.register(note, "note")
-        threads.append(start_worker(w))
-    for t in threads:
-        t.wait_connected()
-    assert len(client.list_workers()) == 140
-    client.submit_plan(agq.Plan("py-many", [agq.Task("note")]))
-    sub = client.submit_action("py-many", [{} for _ in range(20)])
-    assert client.wait_action(sub.action_id, timeout=WAIT).completed == 20
-    assert ran == set(sub.job_ids)
+        threads = []
+        for i in range(140):
+            w = agq.Worker(server.address, f"py-many-{i}")
+            w.register(note, "note")
+            threads.append(start_worker(w))
+        for t in threads:
+            t.wait_connected()
+        assert len(client.list_workers()) == 140
+        client.submit_plan(agq.Plan("py-many", [agq.Task("note")]))
+        sub = client.submit_action("py-many", [{} for _ in range(20)])
+        assert client.wait_action(sub.action_id, timeout=WAIT).completed == 20
+        assert ran == set(sub.job_ids)
 
 
 def test_process_isolation_runs_functions_in_their_own_processes(

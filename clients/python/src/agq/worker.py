@@ -104,10 +104,11 @@ ISOLATIONS = ("thread", "process")
 
 #: Seconds a stopped task's process gets after SIGTERM before SIGKILL.
 PROCESS_KILL_GRACE = 0.5
-#: Seconds an ended task's process may take to get its exit status
+#: Seconds an ended task's process may take to have an exit status: to
+#: become reapable once its sentinel is ready, or to get its status
 #: recorded when another thread of the program reaped it (see
 #: :data:`_REAP_LOCK`).
-PROCESS_STATUS_WAIT = 5.0
+PROCESS_STATUS_WAIT = 2.0
 
 #: Held by every call of this module that can reap a task's process.
 #: multiprocessing reaps the finished children of every thread whenever
@@ -455,9 +456,10 @@ def _child_main(
 
 
 def _ended(proc: multiprocessing.process.BaseProcess) -> bool:
-    """Whether a task's process has exited, reaping it if it has. Its
-    sentinel is checked first: once that is ready the process has exited,
-    even when another thread reaped it and has not recorded its status."""
+    """Whether a task's process has exited (or is exiting), reaping it if
+    it can. Its sentinel is checked first: once that is ready the process
+    has closed its files on its way out, even when its status cannot be
+    collected yet (:func:`_exit_status` waits for that)."""
     with _REAP_LOCK:
         exited = bool(multiprocessing.connection.wait([proc.sentinel], 0))
         return proc.exitcode is not None or exited
@@ -488,10 +490,12 @@ def _signal(proc: multiprocessing.process.BaseProcess, sig: int) -> None:
 
 
 def _exit_status(proc: multiprocessing.process.BaseProcess) -> int | None:
-    """The exit status of a task's process that has exited: its exit code,
-    or minus the signal that killed it. None when another thread of the
-    program reaped it and has not recorded its status within
-    :data:`PROCESS_STATUS_WAIT` seconds."""
+    """Reaps a task's process that has ended (see :func:`_ended`) and
+    returns its exit status: its exit code, or minus the signal that
+    killed it. Polls every 10 ms: the process becomes reapable a moment
+    after its sentinel is ready, and a status another thread reaped is
+    recorded a moment after that thread's ``waitpid``. None when there is
+    still none after :data:`PROCESS_STATUS_WAIT` seconds."""
     deadline = time.monotonic() + PROCESS_STATUS_WAIT
     while True:
         with _REAP_LOCK:
@@ -1536,12 +1540,13 @@ class Worker:
                 if not _await_end(proc, PROCESS_KILL_GRACE):
                     _signal(proc, signal.SIGKILL)
                     _await_end(proc, None)
+            # Reaps it: its sentinel is ready a moment before its status.
+            code = _exit_status(proc)
             recv.close()
         if msg is None:
             if running.cancel.is_set():
                 box["value"] = None  # reported as stopped by the caller
                 return
-            code = _exit_status(proc)
             if code is None:
                 how = "ended (its exit status was taken by another part of the program)"
             elif code < 0:
