@@ -30,6 +30,7 @@ store_tests! {
     a_task_longer_than_the_job_timeout_is_refused,
     forgetting_a_quarantined_worker_is_refused_until_it_is_released,
     a_quarantined_worker_outlives_the_departed_retention,
+    leases_that_expired_while_the_server_was_down_quarantine_no_one,
 }
 
 /// A 1 s job timeout and quarantine after 2 timeouts within an hour.
@@ -251,6 +252,74 @@ async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::St
     })
     .await
     .map(|_| ())
+}
+
+/// A server down past its leases' expiry does not take its workers for
+/// hung: they could not heartbeat while it was down. After the restart no
+/// worker is quarantined for those leases. With SQLite, which restarts
+/// the whole queue, a lease still expires no sooner than the grace period
+/// after the start, so a worker that finished its job during the outage
+/// reports it and the result counts. (A PostgreSQL replica shares its
+/// leases with the others; an expired one is re-queued as usual.)
+async fn leases_that_expired_while_the_server_was_down_quarantine_no_one(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        heartbeat_interval: Duration::from_millis(500),
+        lease_grace: Duration::from_secs(3),
+        ..cfg()
+    };
+    let backing = Backing::new(store, &dir.path().join("agq.db")).await;
+    let s = TestServer::start_on(&backing, cfg.clone()).await;
+    let (_, ids) = submit(&s, short_plan("outage"), 2, 5).await;
+    let mut w = SimWorker::start(&s, "w-outage", &["sleep"], 2).await;
+    let first = w.lease().await;
+    let second = w.lease().await;
+    let expires = [&first, &second]
+        .iter()
+        .map(|l| l.expires_at.as_ref().expect("an expiry").seconds)
+        .max()
+        .unwrap();
+    w.disconnect();
+    s.stop().await;
+    // Down until both leases expired.
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+    };
+    while now() <= expires + 1 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let s = TestServer::start_on(&backing, cfg).await;
+    if store == TestStore::Sqlite {
+        let job_id = first.job.as_ref().unwrap().job_id.clone();
+        s.workers()
+            .await
+            .update_job(pb::UpdateJobRequest {
+                job_id: job_id.clone(),
+                worker_id: "w-outage".into(),
+                lease_id: first.lease_id.clone(),
+                status: JobStatus::Completed as i32,
+                ..Default::default()
+            })
+            .await
+            .expect("a result finished during the outage counts");
+        assert_eq!(job(&s, &job_id).await.status, JobStatus::Completed as i32);
+    }
+    // Several reaper passes: the expiries, then the grace running out.
+    tokio::time::sleep(Duration::from_millis(3_600)).await;
+    let w = worker(&s, "w-outage").await;
+    assert_ne!(
+        w.state,
+        WorkerState::Quarantined as i32,
+        "quarantined for leases it could not report on: {}",
+        w.quarantine_reason
+    );
+    assert!(w.quarantine_reason.is_empty(), "{w:?}");
+    assert!(ids.contains(&first.job.unwrap().job_id));
+    s.stop().await;
 }
 
 /// `hung` (worker `w-hung`, one slot) takes a lease and never reports:

@@ -403,7 +403,10 @@ impl PgEngine {
 
     /// Records a lease timeout of worker `id` (whose row `tx` holds);
     /// quarantines it when the window holds `quarantine_after_timeouts` of
-    /// them, and then returns the reason.
+    /// them, and then returns the reason. A timeout counts only while the
+    /// worker's heartbeat stream is open and it is not suspect: a lease
+    /// that expired while its worker could not reach any replica (the
+    /// cluster down, a dropped stream) says nothing of a hung worker.
     async fn count_timeout(
         &self,
         tx: &deadpool_postgres::Transaction<'_>,
@@ -415,7 +418,8 @@ impl PgEngine {
                 "UPDATE workers SET timeouts_ms = array_append(
                      ARRAY(SELECT t FROM unnest(timeouts_ms) AS t WHERE t > agq_now_ms() - $2),
                      agq_now_ms())
-                 WHERE worker_id = $1 RETURNING cardinality(timeouts_ms), state, agq_now_ms()",
+                 WHERE worker_id = $1 AND heartbeat_open AND suspect_since_ms IS NULL
+                 RETURNING cardinality(timeouts_ms), state, agq_now_ms()",
                 &[&id, &window],
             )
             .await

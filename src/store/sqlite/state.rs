@@ -717,10 +717,15 @@ impl State {
         Ok(Some(entry))
     }
 
-    /// Rebuilds the state from the database. Stream slots and heartbeat
-    /// times of workers already in memory are kept; workers new to memory
-    /// (server start) count as suspect from now, so their leases return to
-    /// pending after the grace period unless they reconnect.
+    /// Rebuilds the state from the database. Stream slots, heartbeat
+    /// times and the timeouts counted toward quarantine of workers already
+    /// in memory are kept, and so is what memory knows of a lease it still
+    /// holds (the stream it went out on, whether the worker acknowledged
+    /// it, when it was granted, its expiry). Workers new to memory (server
+    /// start) count as suspect from now, so their leases return to pending
+    /// after the grace period unless they reconnect; a lease new to memory
+    /// expires no sooner than the grace period from now, so a worker that
+    /// finished its job while the server was down can still report it.
     ///
     /// Errors: [`crate::error::Error::Storage`].
     pub(super) fn load(&mut self, conn: &Connection) -> Result<()> {
@@ -782,6 +787,7 @@ impl State {
                     (_, since) => since,
                 };
                 entry.last_lease_seq = p.last_lease_seq;
+                entry.timeouts = p.timeouts;
                 // Challenges still waiting for an answer live in memory only.
                 entry.pending = p.pending;
             }
@@ -795,7 +801,8 @@ impl State {
         self.delayed_jobs.clear();
         self.delayed_low = i64::MAX;
         self.fresh_bytes = 0;
-        self.leases.clear();
+        let mut old_leases = std::mem::take(&mut self.leases);
+        let grace_ms = i64::try_from(self.cfg.lease_grace.as_millis()).unwrap_or(i64::MAX / 4);
         self.lease_by_job.clear();
         self.unscheduled.clear();
         self.job_counts = [0; JOB_STATUSES];
@@ -844,8 +851,9 @@ impl State {
             match job.status {
                 JobStatus::Running => {
                     let worker_id = job.worker_id.clone().unwrap_or_default();
-                    let lease = Lease {
-                        lease_id: job.lease_id.clone().unwrap_or_default(),
+                    let lease_id = job.lease_id.clone().unwrap_or_default();
+                    let mut lease = Lease {
+                        lease_id,
                         worker_id: worker_id.clone(),
                         job_id: job.job_id.clone(),
                         action_id,
@@ -853,11 +861,23 @@ impl State {
                         sched: sched.clone(),
                         attempt: job.attempt,
                         max_attempts: job.max_attempts,
-                        expires_at_ms: job.lease_expires_at_ms.unwrap_or(now_ms),
+                        expires_at_ms: job
+                            .lease_expires_at_ms
+                            .unwrap_or(now_ms)
+                            .max(now_ms.saturating_add(grace_ms)),
                         granted_at_ms: now_ms,
                         stream_id: 0,
                         acknowledged: false,
                     };
+                    if let Some(old) = old_leases
+                        .remove(&job.row)
+                        .filter(|o| o.lease_id == lease.lease_id && o.worker_id == worker_id)
+                    {
+                        lease.expires_at_ms = old.expires_at_ms;
+                        lease.granted_at_ms = old.granted_at_ms;
+                        lease.stream_id = old.stream_id;
+                        lease.acknowledged = old.acknowledged;
+                    }
                     self.lease_by_job.insert(job.job_id.clone(), job.row);
                     if let Some((key, _)) = &sched.limit {
                         *self.running_by_key.entry(key.clone()).or_default() += 1;

@@ -466,7 +466,11 @@ impl State {
     /// Counts a lease of `id` that hit the job timeout at `now_ms`; at
     /// [`EngineConfig::quarantine_after_timeouts`] within the window, an
     /// ACTIVE worker is QUARANTINED: it keeps heartbeating (it is hung, not
-    /// gone) but gets no new leases until released.
+    /// gone) but gets no new leases until released. A timeout counts only
+    /// while the worker's heartbeat stream is open and it is not suspect:
+    /// a lease that expired while its worker could not reach the server
+    /// (a server restart after an outage, a dropped stream) says nothing
+    /// of a hung worker.
     ///
     /// Errors: storage errors.
     ///
@@ -477,6 +481,9 @@ impl State {
         let Some(w) = self.workers.get_mut(id) else {
             return Ok(());
         };
+        if w.heartbeat.is_none() || w.suspect_since.is_some() {
+            return Ok(());
+        }
         w.timeouts.push_back(now_ms);
         while w.timeouts.front().is_some_and(|t| *t <= now_ms - window_ms) {
             w.timeouts.pop_front();
