@@ -217,10 +217,9 @@ fn crontab_days_of_week(field: &str) -> std::result::Result<String, String> {
                 }
             },
         };
-        let mut d = from;
-        while d <= to {
+        // A step past the range names its first day only (as in cron).
+        for d in (from..=to).step_by(usize::try_from(step).unwrap_or(usize::MAX)) {
             items.push((d % 7 + 1).to_string());
-            d += step;
         }
     }
     items.dedup();
@@ -246,6 +245,20 @@ mod tests {
             assert!(err.contains(field), "{expr}: {err}");
             assert!(err.contains(&format!("{expr:?}")), "{expr}: {err}");
         }
+    }
+
+    #[test]
+    fn a_day_of_week_step_past_the_range_names_its_first_day() {
+        for (field, days) in [
+            ("1-5/4294967295", "2"),
+            ("7/4294967290", "1"),
+            ("*/4294967295", "1"),
+            ("1-5/2", "2,4,6"),
+            ("5/1", "6,7,1"),
+        ] {
+            assert_eq!(crontab_days_of_week(field).as_deref(), Ok(days), "{field}");
+        }
+        assert!(CronSchedule::read("0 0 * * 1-5/4294967295", "").is_ok());
     }
 
     #[test]
