@@ -1227,19 +1227,17 @@ async fn read_capped<R: AsyncRead + Unpin>(
     c
 }
 
-/// The captured text reported to the server: at most `cap` bytes of `c`,
-/// cut on a UTF-8 character boundary, lossily decoded; and whether anything
-/// was dropped.
+/// The captured text reported to the server: `c` lossily decoded (each
+/// byte that is not UTF-8 becomes U+FFFD, three bytes) and cut to at most
+/// `cap` bytes on a character boundary; and whether anything was dropped.
 fn capped_text(c: &Captured, cap: usize) -> (String, bool) {
     let mut end = c.data.len().min(cap);
     if c.total > end as u64 {
         end = utf8_floor(&c.data[..end]);
     }
-    let truncated = c.total > end as u64;
-    (
-        String::from_utf8_lossy(&c.data[..end]).into_owned(),
-        truncated,
-    )
+    let text = String::from_utf8_lossy(&c.data[..end]);
+    let (kept, cut) = truncate_str(&text, cap);
+    (kept.to_owned(), cut || c.total > end as u64)
 }
 
 /// Length of `data` without a trailing, incomplete UTF-8 sequence (one cut

@@ -325,6 +325,25 @@ async fn truncation_keeps_utf8_whole() {
 }
 
 #[tokio::test]
+async fn output_that_is_not_utf8_stays_within_the_cap() {
+    // Each 0xff byte decodes to U+FFFD, three bytes: 100 of them would be
+    // 300 bytes of text.
+    let p = plan(vec![task(
+        1,
+        "sh",
+        &["-c", "head -c 100 /dev/zero | tr '\\0' '\\377'"],
+        10,
+        None,
+    )]);
+    let out = run(&executor(100), &p, &input(&[])).await;
+    assert!(out.success, "{}", out.error);
+    let r = &out.task_results[0];
+    assert!(r.stdout.len() <= 100, "{} bytes", r.stdout.len());
+    assert_eq!(r.stdout, "\u{fffd}".repeat(33));
+    assert!(r.stdout_truncated);
+}
+
+#[tokio::test]
 async fn non_zero_exit_names_the_task_and_quotes_stderr() {
     let p = plan(vec![
         task(1, "echo", &["hello"], 10, None),
