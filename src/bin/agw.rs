@@ -57,11 +57,19 @@ fn main() -> ExitCode {
             .map_err(|e| worker::WorkerError::Config(format!("SIGTERM handler: {e}")))?;
         let mut int = signal(SignalKind::interrupt())
             .map_err(|e| worker::WorkerError::Config(format!("SIGINT handler: {e}")))?;
+        // A hangup or a quit would otherwise end agw without the sweep
+        // that kills what its tasks left running: they stop it the same way.
+        let mut hup = signal(SignalKind::hangup())
+            .map_err(|e| worker::WorkerError::Config(format!("SIGHUP handler: {e}")))?;
+        let mut quit = signal(SignalKind::quit())
+            .map_err(|e| worker::WorkerError::Config(format!("SIGQUIT handler: {e}")))?;
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = int.recv() => {}
+                    _ = hup.recv() => {}
+                    _ = quit.recv() => {}
                 }
                 if tx.send(()).await.is_err() {
                     break;
