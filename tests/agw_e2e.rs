@@ -780,6 +780,8 @@ async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
     // the forced exit agw kills the task's group; the daemon, orphaned,
     // comes to agw, which must kill it before it exits itself: otherwise
     // it goes to init and runs on (40 s here) with its job long gone.
+    // The signals are a hangup and a quit: they stop agw as SIGINT and
+    // SIGTERM do (the kernel's default for them ends it without the sweep).
     let dir = test_dir();
     let server = Server::start(dir.path());
     let mut c = Clients::new(&server).await;
@@ -807,9 +809,9 @@ async fn a_second_signal_also_kills_a_daemon_a_running_task_started() {
     let _job_id = c.submit("daemon", &[], 1).await;
     let daemon = read_pid(&agw.task_file("daemon.pid").await).await;
     assert!(!is_dead(daemon));
-    agw.signal(nix::sys::signal::Signal::SIGINT);
+    agw.signal(nix::sys::signal::Signal::SIGHUP);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    agw.signal(nix::sys::signal::Signal::SIGTERM);
+    agw.signal(nix::sys::signal::Signal::SIGQUIT);
     assert_eq!(agw.wait_exit().await, Some(130));
     let left = wait_none_named(NAME, Duration::from_secs(5)).await;
     assert!(
