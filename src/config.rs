@@ -100,9 +100,10 @@ pub struct ServeArgs {
     #[arg(long, env = "AGQ_RETRY_BACKOFF_MAX_MS", default_value_t = 60_000,
           value_parser = clap::value_parser!(u64).range(0..=604_800_000))]
     pub retry_backoff_max_ms: u64,
-    /// Most inputs (jobs) one SubmitAction may carry, 1..=1000000.
+    /// Most inputs (jobs) one SubmitAction may carry, 1..=400000 (its
+    /// reply lists every job's id, and must fit a 16 MiB message).
     #[arg(long, env = "AGQ_MAX_INPUTS_PER_ACTION", default_value_t = 10_000,
-          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+          value_parser = clap::value_parser!(u64).range(1..=MAX_INPUTS_PER_ACTION))]
     pub max_inputs_per_action: u64,
     /// Seconds a finished action (every job completed, dead or cancelled)
     /// is kept before it is deleted with its jobs and task results; 0 keeps
@@ -326,6 +327,11 @@ impl Default for EngineConfig {
 /// overflow.
 pub const MAX_RETRY_BACKOFF_MS: u64 = 604_800_000;
 
+/// The most inputs `--max-inputs-per-action` allows: the SubmitAction
+/// reply lists each job's id (38 bytes encoded), and 400,000 of them fit
+/// the server's 16 MiB message limit with room to spare.
+pub const MAX_INPUTS_PER_ACTION: u64 = 400_000;
+
 impl EngineConfig {
     /// Age of the last heartbeat at which a worker stops being fresh (3 x interval).
     pub fn stale_after(&self) -> Duration {
@@ -406,6 +412,19 @@ mod tests {
         assert_eq!(none.retry_backoff_ms(3), 0);
     }
 
+    /// The reply of a SubmitAction of the most inputs allowed, with the
+    /// longest action id, fits the largest message the server sends.
+    #[test]
+    fn the_reply_of_the_largest_action_fits_a_message() {
+        use prost::Message;
+        let reply = crate::pb::SubmitActionResponse {
+            action_id: "a".repeat(128),
+            jobs_created: u32::MAX,
+            job_ids: vec![uuid::Uuid::now_v7().to_string(); MAX_INPUTS_PER_ACTION as usize],
+        };
+        assert!(reply.encoded_len() <= crate::server::MAX_MESSAGE_BYTES);
+    }
+
     /// Durations and limits past their ranges are usage errors: a backoff
     /// of u64::MAX ms once overflowed the job's ready time, and a limit of
     /// 0 inputs started a server that refused every action.
@@ -413,7 +432,7 @@ mod tests {
     fn durations_past_their_ranges_are_refused() {
         assert!(Cli::try_parse_from(["agq", "--max-inputs-per-action", "0"]).is_err());
         for (flag, top) in [
-            ("--max-inputs-per-action", "1000000"),
+            ("--max-inputs-per-action", "400000"),
             ("--lease-grace-ms", "86400000"),
             ("--retry-backoff-base-ms", "86400000"),
             ("--retry-backoff-max-ms", "604800000"),
