@@ -142,7 +142,17 @@ fn cases(lease: &JobLease) -> Vec<Case> {
         status: 77,
         ..Default::default()
     };
+    let mut big = plan("big", &["cat"; 65]);
+    for t in &mut big.tasks {
+        t.args = vec!["a".repeat(64 * 1024)];
+    }
     cases.extend([
+        case(
+            "a plan whose args would not fit its leases (65 x 64 KiB)",
+            Call::SubmitPlan(big),
+            InvalidArgument,
+            "args are 4259840 bytes in all",
+        ),
         case(
             "a task reading its own output",
             Call::SubmitPlan(plan_reading("selfref", &["cat", "sort"], 1, 2)),

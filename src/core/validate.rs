@@ -32,6 +32,11 @@ pub const MAX_TASK_TIMEOUT_SECS: u32 = 86_400;
 pub const MAX_ARGS: usize = 256;
 /// Largest single argument, in bytes.
 pub const MAX_ARG_BYTES: usize = 64 * 1024;
+/// Largest sum of the arguments of a plan's tasks, in bytes: a plan goes
+/// whole into every lease of its jobs, beside the job's input (at most
+/// [`MAX_INPUT_KEYS`] values of [`MAX_INPUT_VALUE_BYTES`]), and the lease
+/// must fit the server's 16 MiB message limit.
+pub const MAX_PLAN_ARGS_BYTES: usize = 4 * 1024 * 1024;
 /// Largest plan description, in bytes.
 pub const MAX_DESCRIPTION_BYTES: usize = 4096;
 /// Most values in one action input.
@@ -450,6 +455,18 @@ pub fn plan(plan: &Plan) -> Result<()> {
                 )));
             }
         }
+    }
+    let args_bytes: usize = plan
+        .tasks
+        .iter()
+        .flat_map(|t| &t.args)
+        .map(String::len)
+        .sum();
+    if args_bytes > MAX_PLAN_ARGS_BYTES {
+        return Err(Error::invalid(format!(
+            "the tasks' args are {args_bytes} bytes in all; at most {MAX_PLAN_ARGS_BYTES} \
+             allowed (the plan goes into every lease of its jobs)"
+        )));
     }
     Ok(())
 }
@@ -954,6 +971,61 @@ mod tests {
             input_from_task: None,
             ..Default::default()
         }
+    }
+
+    /// A plan whose tasks' args reach [`MAX_PLAN_ARGS_BYTES`], with the
+    /// largest description.
+    fn largest_plan(tasks: usize) -> Plan {
+        Plan {
+            plan_id: "p".repeat(128),
+            plan_description: "d".repeat(MAX_DESCRIPTION_BYTES),
+            tasks: (1..=tasks as u32)
+                .map(|n| Task {
+                    args: vec!["a".repeat(MAX_ARG_BYTES)],
+                    ..task(n, &"c".repeat(64))
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_plan_too_large_for_its_leases_is_refused() {
+        let fits = MAX_PLAN_ARGS_BYTES / MAX_ARG_BYTES;
+        assert!(plan(&largest_plan(fits)).is_ok());
+        let e = plan(&largest_plan(fits + 1)).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("args are 4259840 bytes in all")),
+            "{e:?}"
+        );
+    }
+
+    /// The lease of the largest plan and the largest input, with the
+    /// error a job may carry from its last attempt (a report of the
+    /// default size), fits the largest message the server sends.
+    #[test]
+    fn the_largest_lease_fits_a_message() {
+        use prost::Message;
+        let p = largest_plan(MAX_PLAN_ARGS_BYTES / MAX_ARG_BYTES);
+        plan(&p).unwrap();
+        let lease = crate::pb::JobLease {
+            lease_id: uuid::Uuid::now_v7().to_string(),
+            job: Some(crate::pb::Job {
+                job_id: uuid::Uuid::now_v7().to_string(),
+                action_id: "a".repeat(128),
+                plan_id: p.plan_id.clone(),
+                input: (0..MAX_INPUT_KEYS)
+                    .map(|i| (format!("{i:0>128}"), "v".repeat(MAX_INPUT_VALUE_BYTES)))
+                    .collect(),
+                error: "e".repeat(crate::config::DEFAULT_MAX_REPORT_BYTES as usize),
+                ..Default::default()
+            }),
+            plan: Some(crate::pb::Plan::from(&p)),
+            attempt: MAX_ATTEMPTS,
+            expires_at: None,
+            traceparent: "t".repeat(55),
+        };
+        assert!(lease.encoded_len() <= crate::server::MAX_MESSAGE_BYTES);
     }
 
     #[test]

@@ -147,7 +147,9 @@ class Task(_message.Message):
         job input's value for "name" before the task runs. A value that would
         begin an argument with "-" is refused (the job fails before anything
         runs) unless allow_option_values is set or the placeholder comes after
-        a literal "--" argument: input values are data, not options.
+        a literal "--" argument: input values are data, not options. At most
+        256 per task, each at most 64 KiB without NUL, and at most 4 MiB over
+        all tasks of the Plan (the Plan goes into every lease of its jobs).
         """
 
     @_builtins.property
