@@ -1219,11 +1219,99 @@ async fn a_job_cannot_leave_data_for_another_job_in_the_kernel_keyring() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_change_the_mode_or_owner_of_a_file_it_can_name_outside_scratch() {
+    // Landlock has no right for chmod, chown or extended attributes: a
+    // task could open up any file of its own uid that it can name, though
+    // it may not read it (agw's token, when tasks run as agw's user). The
+    // file here belongs to the tasks' user (nobody under a root agw) and
+    // lies outside every read path.
+    let f = fixture();
+    let victim = f.secret.join("tasks-own.txt");
+    std::fs::write(&victim, "private").expect("write");
+    mode(&victim, 0o600);
+    if nix::unistd::Uid::effective().is_root() {
+        std::os::unix::fs::chown(&victim, Some(65534), Some(65534)).expect("chown");
+    }
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "metadata",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    let path = victim.to_str().expect("utf-8");
+    for (name, code) in [
+        (
+            "chmod",
+            format!("chmod(0666, '{path}') or die \"chmod: $!\\n\""),
+        ),
+        (
+            "chown",
+            format!("chown($<, $(, '{path}') or die \"chown: $!\\n\""),
+        ),
+    ] {
+        c.plan(name, one("perl", &["-e", &code]), false).await;
+        let job = c.submit(name, &[]).await;
+        let job = c.finished(&job).await;
+        assert_eq!(
+            status(&job),
+            JobStatus::Dead,
+            "{name}: {}",
+            all_output(&job)
+        );
+        assert!(
+            job.error.contains("Permission denied"),
+            "{name}: {}",
+            all_output(&job)
+        );
+    }
+    let meta = std::fs::metadata(&victim).expect("stat");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "the mode changed");
+
+    // Nor can a program be run from memory, out of Landlock's reach.
+    let memfd = match std::env::consts::ARCH {
+        "x86_64" => 319,
+        "aarch64" => 279,
+        other => {
+            eprintln!("memfd part skipped: no system call number for {other}");
+            return;
+        }
+    };
+    c.plan(
+        "memfd",
+        one(
+            "perl",
+            &[
+                "-e",
+                &format!(
+                    "my $n = \"x\\0\"; syscall({memfd}, $n, 0) >= 0 \
+                     or die \"memfd_create: $!\\n\""
+                ),
+            ],
+        ),
+        false,
+    )
+    .await;
+    let job = c.submit("memfd", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Dead, "{}", all_output(&job));
+    assert!(
+        job.error.contains("Permission denied"),
+        "{}",
+        all_output(&job)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
     // agw not root (as the Helm chart runs it): tasks run as agw's own
     // user and own what they make in their scratch directory. A task that
     // takes the permissions away (a directory of mode 0, the scratch
-    // directory itself read-only) must not make agw, which has no
+    // directory itself read-only; through descriptors, since a chmod by
+    // path is refused) must not make agw, which has no
     // privilege over them, leave its scratch directory (and whatever data
     // is in it) behind after the job.
     if !nix::unistd::Uid::effective().is_root() {
@@ -1256,10 +1344,13 @@ async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
         one(
             "perl",
             &[
+                "-MFcntl",
                 "-e",
                 "mkdir 'd' or die $!; open my $o, '>', 'd/data' or die $!; \
                  print $o 'x' x 100_000; close $o; \
-                 chmod 0, 'd' or die $!; chmod 0500, '.' or die $!; print \"done\\n\"",
+                 sysopen my $d, 'd', O_RDONLY | O_DIRECTORY or die $!; chmod 0, $d or die $!; \
+                 sysopen my $s, '.', O_RDONLY | O_DIRECTORY or die $!; chmod 0500, $s or die $!; \
+                 print \"done\\n\"",
             ],
         ),
         false,

@@ -625,9 +625,18 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
 /// outlive the task (memory beyond `--max-address-space-mb` that stays
 /// after the job; a key in the uid's user keyring that every later task of
 /// that uid, another job's included, reads), and those of other programs
-/// are reachable by id or name, outside Landlock's rules. On x86-64 the
-/// same calls through the x32 numbering (bit 30 set), which a kernel built
-/// with x32 support accepts, fail too.
+/// are reachable by id or name, outside Landlock's rules. Always too, the
+/// calls that change a file's mode, owner or extended attributes by path
+/// (`chmod`, `fchmodat`, `fchmodat2`, `chown`, `lchown`, `fchownat`,
+/// `setxattr`, `lsetxattr`, `removexattr`, `lremovexattr`, `setxattrat`,
+/// `removexattrat`) fail with `EACCES`: Landlock has no right for them,
+/// so a task could open up a file it may not read (`agw`'s token, when
+/// tasks run as `agw`'s user) anywhere it can name one; the calls on a
+/// descriptor (`fchmod`, `fchown`, `fsetxattr`) stay, for what the task
+/// could open. And `memfd_create` and `memfd_secret` fail: a file in
+/// memory is outside Landlock's rules, so a program the task wrote there
+/// could be run. On x86-64 the same calls through the x32 numbering (bit
+/// 30 set), which a kernel built with x32 support accepts, fail too.
 ///
 /// # Errors
 ///
@@ -660,7 +669,21 @@ fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
         libc::SYS_add_key,
         libc::SYS_request_key,
         libc::SYS_keyctl,
+        libc::SYS_fchmodat,
+        libc::SYS_fchownat,
+        libc::SYS_setxattr,
+        libc::SYS_lsetxattr,
+        libc::SYS_removexattr,
+        libc::SYS_lremovexattr,
+        libc::SYS_memfd_create,
+        // Numbered alike on every architecture (the common table).
+        SYS_MEMFD_SECRET,
+        SYS_FCHMODAT2,
+        SYS_SETXATTRAT,
+        SYS_REMOVEXATTRAT,
     ];
+    #[cfg(target_arch = "x86_64")]
+    refused.extend([libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown]);
     if !allow_network {
         refused.extend([libc::SYS_socket, libc::SYS_io_uring_setup]);
     }
@@ -683,6 +706,15 @@ fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
 
 /// The bit that marks a system call number of the x32 ABI on x86-64.
 const X32_SYSCALL_BIT: i64 = 0x4000_0000;
+
+/// `memfd_secret(2)` (Linux 5.14), numbered alike on every architecture.
+const SYS_MEMFD_SECRET: i64 = 447;
+/// `fchmodat2(2)` (Linux 6.6).
+const SYS_FCHMODAT2: i64 = 452;
+/// `setxattrat(2)` (Linux 6.13).
+const SYS_SETXATTRAT: i64 = 463;
+/// `removexattrat(2)` (Linux 6.13).
+const SYS_REMOVEXATTRAT: i64 = 466;
 
 /// Marks every descriptor from 3 up close-on-exec, so a task inherits
 /// only its standard input, output and error, never a descriptor `agw`
