@@ -28,6 +28,7 @@ store_tests! {
     a_schedule_whose_stored_inputs_do_not_parse_is_still_listed_and_got,
     a_client_cannot_take_the_action_id_of_a_future_tick,
     a_schedule_id_past_its_limit_is_invalid_in_every_call,
+    schedules_with_large_inputs_are_listed_a_few_at_a_time,
 }
 
 async fn put_plan(s: &TestServer, id: &str) {
@@ -74,6 +75,57 @@ async fn get(s: &TestServer, id: &str) -> pb::Schedule {
         .into_inner()
         .schedule
         .unwrap()
+}
+
+/// A schedule's inputs are at most 1 MiB, and a page of schedules stops
+/// at 3 MiB of inputs, whatever its page size: a page of 100 schedules of
+/// 1 MiB would not fit a message, and clients take 4 MiB by default. A
+/// schedule over the limit stores nothing.
+async fn schedules_with_large_inputs_are_listed_a_few_at_a_time(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, "p").await;
+    // 15 inputs of 64 KiB and a one-byte key: 983,055 bytes.
+    let large = |id: &str, n: usize| pb::Schedule {
+        schedule_id: id.into(),
+        plan_id: "p".into(),
+        cron: "0 0 0 1 1 *".into(),
+        inputs: (0..n)
+            .map(|_| ActionInput {
+                values: [("k".to_string(), "v".repeat(64 * 1024))].into(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let err = create(&s, large("too-large", 17)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("at most 1048576 bytes"), "{err:?}");
+    for i in 0..9 {
+        create(&s, large(&format!("s{i}"), 15))
+            .await
+            .expect("create");
+    }
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    for _ in 0..5 {
+        let page = s
+            .schedules()
+            .await
+            .list_schedules(pb::ListSchedulesRequest {
+                page_size: 100,
+                page_token: token,
+            })
+            .await
+            .expect("a page fits a message")
+            .into_inner();
+        pages.push(page.schedules.len());
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(pages, [3, 3, 3], "schedules per page");
+    s.stop().await;
 }
 
 /// Ids of every action of `plan_id`.

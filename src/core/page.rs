@@ -94,15 +94,44 @@ pub fn decode_number(kind: &str, token: &str) -> Result<i64> {
 /// makes the next page's token from its last item's key, or an empty
 /// token when nothing follows.
 pub fn split_page<T>(
-    mut items: Vec<T>,
+    items: Vec<T>,
     limit: usize,
     kind: &str,
     key: impl Fn(&T) -> String,
 ) -> (Vec<T>, String) {
-    if items.len() <= limit {
+    split_page_within(items, limit, kind, key, |_| 0, 0)
+}
+
+/// Byte budget of one page whose items can be large (schedules with their
+/// inputs): under the 4 MiB a gRPC client takes by default (grpcurl,
+/// grpcio), with room for the rest of the page.
+pub const PAGE_BYTES: usize = 3 * 1024 * 1024;
+
+/// [`split_page`], and the page also ends before the item that would
+/// take the `size` of its items past `budget` bytes (its first item is
+/// always on it, so that listing moves on).
+pub fn split_page_within<T>(
+    mut items: Vec<T>,
+    limit: usize,
+    kind: &str,
+    key: impl Fn(&T) -> String,
+    size: impl Fn(&T) -> usize,
+    budget: usize,
+) -> (Vec<T>, String) {
+    let mut used = 0usize;
+    let mut n = 0;
+    for item in &items {
+        let s = size(item);
+        if n == limit || (n > 0 && used.saturating_add(s) > budget) {
+            break;
+        }
+        used = used.saturating_add(s);
+        n += 1;
+    }
+    if n == items.len() {
         return (items, String::new());
     }
-    items.truncate(limit);
+    items.truncate(n);
     let next = items
         .last()
         .map(|l| encode_token(kind, &key(l)))
@@ -113,6 +142,23 @@ pub fn split_page<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_page_ends_at_its_count_or_its_byte_budget() {
+        let items: Vec<usize> = vec![4, 4, 4, 4];
+        let key = |i: &usize| i.to_string();
+        let (page, next) = split_page_within(items.clone(), 3, "k", key, |&s| s, 100);
+        assert_eq!((page.len(), next.is_empty()), (3, false));
+        let (page, next) = split_page_within(items.clone(), 3, "k", key, |&s| s, 8);
+        assert_eq!((page.len(), next.is_empty()), (2, false));
+        // The first item is on the page whatever its size.
+        let (page, next) = split_page_within(items.clone(), 3, "k", key, |&s| s, 1);
+        assert_eq!((page.len(), next.is_empty()), (1, false));
+        let (page, next) = split_page_within(items[..3].to_vec(), 3, "k", key, |&s| s, 12);
+        assert_eq!((page.len(), next.is_empty()), (3, true));
+        let (page, next) = split_page(items, 5, "k", key);
+        assert_eq!((page.len(), next.is_empty()), (4, true));
+    }
 
     #[test]
     fn tokens_round_trip_and_refuse_other_kinds() {

@@ -37,6 +37,9 @@ pub const MAX_ARG_BYTES: usize = 64 * 1024;
 /// [`MAX_INPUT_KEYS`] values of [`MAX_INPUT_VALUE_BYTES`]), and the lease
 /// must fit the server's 16 MiB message limit.
 pub const MAX_PLAN_ARGS_BYTES: usize = 4 * 1024 * 1024;
+/// Largest sum of the keys and values of a schedule's inputs, in bytes:
+/// schedules are listed a page at a time, whole.
+pub const MAX_SCHEDULE_INPUT_BYTES: usize = 1024 * 1024;
 /// Largest plan description, in bytes.
 pub const MAX_DESCRIPTION_BYTES: usize = 4096;
 /// Most values in one action input.
@@ -371,6 +374,15 @@ fn truncate(s: &str, max: usize) -> &str {
         end -= 1;
     }
     &s[..end]
+}
+
+/// The bytes of the keys and values of `inputs`.
+pub fn input_bytes(inputs: &[HashMap<String, String>]) -> usize {
+    inputs
+        .iter()
+        .flat_map(|i| i.iter())
+        .map(|(k, v)| k.len() + v.len())
+        .sum()
 }
 
 /// Validates a plan by every rule of the PLAN.SUBMIT command: id syntax,
@@ -889,6 +901,13 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
         cfg,
         now_ms,
     )?;
+    let bytes = input_bytes(&v.inputs);
+    if bytes > MAX_SCHEDULE_INPUT_BYTES {
+        return Err(Error::invalid(format!(
+            "a schedule's inputs are at most {MAX_SCHEDULE_INPUT_BYTES} bytes (keys and values), \
+             got {bytes}"
+        )));
+    }
     Ok(Schedule {
         schedule_id: s.schedule_id,
         plan_id: v.plan_id,

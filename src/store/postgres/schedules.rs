@@ -178,8 +178,14 @@ impl PgEngine {
             .iter()
             .map(schedule_view)
             .collect::<Vec<_>>();
-        let (items, next_page_token) =
-            page::split_page(found, limit, "schedule", |s| s.schedule_id.clone());
+        let (items, next_page_token) = page::split_page_within(
+            found,
+            limit,
+            "schedule",
+            |s| s.schedule_id.clone(),
+            |s| crate::core::validate::input_bytes(&s.inputs),
+            page::PAGE_BYTES,
+        );
         Ok(Page {
             items,
             next_page_token,

@@ -656,8 +656,14 @@ impl Engine for SqliteEngine {
         let found = self
             .read(move |c| sql::schedules::list(c, after.as_deref(), limit + 1))
             .await?;
-        let (items, next_page_token) =
-            page::split_page(found, limit, "schedule", |s| s.schedule_id.clone());
+        let (items, next_page_token) = page::split_page_within(
+            found,
+            limit,
+            "schedule",
+            |s| s.schedule_id.clone(),
+            |s| validate::input_bytes(&s.inputs),
+            page::PAGE_BYTES,
+        );
         Ok(Page {
             items,
             next_page_token,

@@ -130,7 +130,7 @@ class Schedule(_message.Message):
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ActionInput]:
         """The inputs of each tick's Action (one job per input), 1..=max inputs
-        per action.
+        per action, with at most 1 MiB of keys and values in all.
         """
 
     @_builtins.property
@@ -280,7 +280,9 @@ class ListSchedulesRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """Maximum schedules per page; 0 means 100, at most 1000."""
+    """Maximum schedules per page; 0 means 100, at most 1000. A page also
+    ends before the schedule that would take its inputs past 3 MiB.
+    """
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first page."""
     def __init__(
