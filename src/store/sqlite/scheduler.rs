@@ -468,19 +468,34 @@ impl State {
         Ok(status)
     }
 
-    /// Turns a fenced statement that changed no row into a fencing
-    /// rejection: the database says the job no longer runs under `lease`,
-    /// whatever memory says. The batch is then rolled back and the state
-    /// reloaded from the database.
+    /// Turns a fenced statement that changed no row into an error: the
+    /// database says the job no longer runs under `lease`, whatever memory
+    /// says. Memory is wrong then, and an operation may already have
+    /// changed it (the earlier leases of a worker it releases one by one),
+    /// so the error is a storage one: the writer rolls the whole batch
+    /// back and reloads the state from the database, and the caller gets
+    /// `INTERNAL` (a retry then runs on the reloaded state).
+    ///
+    /// Errors: [`Error::Storage`] (without a fault of the environment).
     pub(super) fn fenced(&self, changed: bool, lease: &Lease) -> Result<()> {
         if changed {
             return Ok(());
         }
         self.metrics.fencing_rejections.inc();
-        Err(Error::precondition(format!(
-            "job {} does not run under lease {} of worker {} (fencing); nothing is recorded",
-            lease.job_id, lease.lease_id, lease.worker_id
-        )))
+        tracing::error!(
+            job_id = %lease.job_id,
+            lease_id = %lease.lease_id,
+            worker_id = %lease.worker_id,
+            "memory holds a lease the database does not; reloading the state"
+        );
+        Err(Error::Storage {
+            detail: format!(
+                "job {} does not run under lease {} of worker {} in the database (fencing); \
+                 nothing is recorded",
+                lease.job_id, lease.lease_id, lease.worker_id
+            ),
+            fault: None,
+        })
     }
 
     /// Drops the lease of `row` from memory and frees the holder's slot.

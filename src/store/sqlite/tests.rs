@@ -144,6 +144,50 @@ async fn submit_as(
     .job_ids
 }
 
+/// When the database says a job no longer runs under a lease memory
+/// holds, the operation that finds it (here releasing a worker's leases
+/// one by one) does not leave memory half-changed: the batch is rolled
+/// back and the state reloaded, so a retry succeeds on what the database
+/// holds, and no job is left running in memory but not on disk.
+#[tokio::test]
+async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(&dir, quick()).await;
+    let shared: SharedEngine = e.clone();
+    shared
+        .submit_plan(plan("p", &["cat"]), false)
+        .await
+        .unwrap();
+    let mut w = Worker::start(&shared, "w", &["cat"], 2).await;
+    let ids = submit(&shared, "p", 2, 3).await;
+    let first = w.lease_within(2000).await.expect("first lease");
+    let second = w.lease_within(2000).await.expect("second lease");
+    assert_eq!(first.job.job_id, ids[0]);
+    // The second job's lease changes on disk only.
+    let row = row_of(&second.job.job_id);
+    e.writer
+        .write(move |_, c| {
+            c.execute(
+                "UPDATE job_rows SET lease_id = 'elsewhere' WHERE id = ?1",
+                [row],
+            )?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let err = shared.unregister_worker("w".into()).await.unwrap_err();
+    assert!(matches!(err, Error::Storage { fault: None, .. }), "{err:?}");
+    // Memory was reloaded: the first job still runs under its lease.
+    let job = shared.get_job(ids[0].clone()).await.unwrap();
+    assert_eq!(job.status, JobStatus::Running, "{job:?}");
+    assert_eq!(shared.unregister_worker("w".into()).await.unwrap(), 2);
+    for id in &ids {
+        let job = shared.get_job(id.clone()).await.unwrap();
+        assert_ne!(job.status, JobStatus::Running, "{job:?}");
+    }
+    e.close().await;
+}
+
 /// Leases go to capable workers only, up to their slots, oldest job
 /// first; a job nobody can take waits and says why.
 #[tokio::test]
