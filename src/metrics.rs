@@ -99,7 +99,7 @@ pub struct Metrics {
     pub queue_length: Family<QueueLabel, Gauge>,
     /// Jobs by queue and worker pool (gauge,
     /// `agq_pool_queue_length{queue,worker_selector}`; refreshed at
-    /// scrape; only pools with jobs).
+    /// scrape; only pools with jobs, at most the 100 with the most).
     pub pool_queue_length: Family<PoolLabel, Gauge>,
     /// Fresh ACTIVE workers running at least one job (gauge,
     /// `agq_workers_active`, the specification's name; refreshed at scrape).

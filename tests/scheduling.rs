@@ -33,6 +33,7 @@ store_tests! {
     retry_job_may_change_a_jobs_priority,
     scheduling_settings_and_running_counts_survive_a_restart,
     queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart,
+    queue_stats_list_only_the_deepest_pools,
 }
 
 /// `n` inputs `{n: i}`.
@@ -687,6 +688,56 @@ async fn scheduling_settings_and_running_counts_survive_a_restart(store: TestSto
         ("a", 3)
     );
     assert!(w.lease_within(300).await.is_none(), "still max_running 1");
+}
+
+/// Clients choose selectors, so the pools the queue stats (and the
+/// metrics) list are bounded: the 100 with the most jobs, by selector.
+async fn queue_stats_list_only_the_deepest_pools(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, plan("p", &["true"])).await;
+    for i in 0..105 {
+        submit(
+            &s,
+            SubmitActionRequest {
+                worker_selector: format!("pool=p{i:03}"),
+                ..action("p", &format!("a{i}"), 1)
+            },
+        )
+        .await;
+    }
+    submit(
+        &s,
+        SubmitActionRequest {
+            worker_selector: "pool=zz-deep".into(),
+            ..action("p", "deep", 3)
+        },
+    )
+    .await;
+    let st = s
+        .queue()
+        .await
+        .get_queue_stats(pb::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let pools: Vec<&str> = st
+        .by_pool
+        .iter()
+        .map(|p| p.worker_selector.as_str())
+        .collect();
+    assert_eq!(pools.len(), 100, "{pools:?}");
+    assert_eq!(
+        pools.last(),
+        Some(&"pool=zz-deep"),
+        "the deepest pool is listed"
+    );
+    assert!(
+        pools.windows(2).all(|w| w[0] < w[1]),
+        "by selector: {pools:?}"
+    );
+    assert_eq!(st.ready_length, 108, "the totals count every job");
+    s.stop().await;
 }
 
 async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apart(

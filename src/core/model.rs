@@ -666,7 +666,8 @@ pub struct QueueStats {
     pub workers_stale: u32,
     /// Jobs per priority, highest first.
     pub by_priority: Vec<PriorityStats>,
-    /// Jobs per worker pool (selector), by selector.
+    /// Jobs per worker pool (selector), by selector: the [`MAX_POOLS`]
+    /// pools with the most jobs.
     pub by_pool: Vec<PoolStats>,
 }
 
@@ -688,6 +689,23 @@ pub struct PriorityStats {
     pub priority: i32,
     /// Its jobs.
     pub depths: Depths,
+}
+
+/// Most pools a [`QueueStats`] lists (and the metrics label): those with
+/// the most jobs. Clients choose selectors, so the pools are not bounded
+/// otherwise.
+pub const MAX_POOLS: usize = 100;
+
+/// The [`MAX_POOLS`] pools of `pools` (selector, jobs, anything else)
+/// with the most jobs, ties to the lower selector, in selector order.
+pub fn deepest_pools<T>(mut pools: Vec<(String, Depths, T)>) -> Vec<(String, Depths, T)> {
+    if pools.len() > MAX_POOLS {
+        let total = |d: &Depths| d.ready + d.scheduled + d.running;
+        pools.sort_by(|a, b| total(&b.1).cmp(&total(&a.1)).then_with(|| a.0.cmp(&b.0)));
+        pools.truncate(MAX_POOLS);
+        pools.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    pools
 }
 
 /// The jobs of one worker pool.

@@ -21,9 +21,9 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, QueueName, StreamKind},
         model::{
-            revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats,
-            Registration, Verification, VerificationAnswer, Worker, WorkerCommand, WorkerState,
-            WorkerStats, MAX_VERIFY_OUTPUT,
+            deepest_pools, revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats,
+            PriorityStats, QueueStats, Registration, Verification, VerificationAnswer, Worker,
+            WorkerCommand, WorkerState, WorkerStats, MAX_VERIFY_OUTPUT,
         },
         selector::Selector,
     },
@@ -1403,10 +1403,14 @@ impl PgEngine {
                 depths: depths(r),
             })
             .collect();
-        let by_pool = rows.iter().filter(|r| grouping(r) == BY_POOL);
+        let by_pool = deepest_pools(
+            rows.iter()
+                .filter(|r| grouping(r) == BY_POOL)
+                .map(|r| (r.get::<_, String>(2), depths(r), ()))
+                .collect(),
+        );
         let workers = self.pg_workers(None, None).await?;
-        for r in by_pool {
-            let text: String = r.get(2);
+        for (text, pool_depths, ()) in by_pool {
             let matching = Selector::parse(&text).map_or(0, |s| {
                 workers
                     .iter()
@@ -1415,7 +1419,7 @@ impl PgEngine {
             });
             stats.by_pool.push(PoolStats {
                 worker_selector: text,
-                depths: depths(r),
+                depths: pool_depths,
                 workers_matching: matching,
             });
         }

@@ -19,8 +19,9 @@ use crate::{
     core::{
         engine::{EventTx, HeartbeatEvent, StreamKind},
         model::{
-            revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats, PriorityStats, QueueStats,
-            Registration, Verification, Worker, WorkerCommand, WorkerState, WorkerStats,
+            deepest_pools, revoked_leases, Depths, HeartbeatReply, JobLease, PoolStats,
+            PriorityStats, QueueStats, Registration, Verification, Worker, WorkerCommand,
+            WorkerState, WorkerStats,
         },
         selector::Selector,
     },
@@ -834,9 +835,15 @@ impl State {
             .values()
             .filter(|w| w.state == WorkerState::Active && self.is_fresh(w, now))
             .collect();
+        let by_pool = deepest_pools(
+            by_pool
+                .into_iter()
+                .map(|(text, (depths, selector))| (text, depths, selector))
+                .collect(),
+        );
         s.by_pool = by_pool
             .into_iter()
-            .map(|(worker_selector, (depths, selector))| PoolStats {
+            .map(|(worker_selector, depths, selector)| PoolStats {
                 workers_matching: fresh
                     .iter()
                     .filter(|w| selector.matches(&w.info.tags))

@@ -97,7 +97,8 @@ class GetQueueStatsResponse(_message.Message):
     def by_pool(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolQueueStats]:
         """Jobs per worker pool (the worker selector in effect for their
         Action; "" is the pool of every worker), by selector; only pools with
-        a ready, scheduled or running job.
+        a ready, scheduled or running job, and at most the 100 with the most
+        jobs (clients choose selectors; the totals above count every job).
         """
 
     def __init__(
