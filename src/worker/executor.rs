@@ -870,6 +870,11 @@ impl Executor {
                 _ => None,
             };
             results.push(run.result);
+            // The report can carry no more: what it would drop is dropped
+            // now, so a job of many tasks holds at most that much output
+            // (and one task's) however many ran. Cutting as the tasks end
+            // comes to what one cut at the end would keep.
+            fit_to_budget(&mut results, super::agent::REPORT_BUDGET_BYTES);
             if let Some(error) = error {
                 let mut out = JobOutcome::failed(error, results, start);
                 out.aborted = aborted;

@@ -431,6 +431,40 @@ async fn input_from_a_later_task_is_rejected() {
     assert!(out.task_results.is_empty());
 }
 
+/// Fitting the results to the budget after each task keeps what one fit
+/// of all of them at the end keeps.
+#[test]
+fn fitting_as_tasks_end_keeps_what_one_fit_at_the_end_keeps() {
+    let sizes = [
+        [5000, 10],
+        [200, 3000],
+        [7000, 7000],
+        [50, 0],
+        [2500, 900],
+        [12000, 1],
+    ];
+    let result = |n: usize, [out, err]: [usize; 2]| TaskResult {
+        task_number: n as u32 + 1,
+        stdout: "o".repeat(out),
+        stderr: "e".repeat(err),
+        ..Default::default()
+    };
+    for budget in [100, 4000, 9000, 20000, 40000, 100_000] {
+        let mut at_once: Vec<TaskResult> = sizes
+            .iter()
+            .enumerate()
+            .map(|(n, s)| result(n, *s))
+            .collect();
+        fit_to_budget(&mut at_once, budget);
+        let mut as_they_end = Vec::new();
+        for (n, s) in sizes.iter().enumerate() {
+            as_they_end.push(result(n, *s));
+            fit_to_budget(&mut as_they_end, budget);
+        }
+        assert_eq!(as_they_end, at_once, "budget {budget}");
+    }
+}
+
 #[test]
 fn fit_to_budget_cuts_the_largest_first() {
     let r = |out: usize, err: usize| TaskResult {
