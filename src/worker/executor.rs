@@ -718,8 +718,8 @@ impl Executor {
         &self,
         plan: &Plan,
         input: &HashMap<String, String>,
-        mut abort: AbortReceiver,
-        mut on_task_start: F,
+        abort: AbortReceiver,
+        on_task_start: F,
     ) -> JobOutcome
     where
         F: FnMut(TaskStart) + Send,
@@ -736,7 +736,8 @@ impl Executor {
                 last_use.insert(from, i);
             }
         }
-        // The job's scratch directory, removed when the job ends.
+        // The job's scratch directory, removed when the job ends, on a
+        // blocking thread: its tasks may have left any number of files.
         let scratch = match &self.sandbox {
             Some(sb) => match sb.scratch() {
                 Ok(dir) => Some(dir),
@@ -750,8 +751,39 @@ impl Executor {
             },
             None => None,
         };
+        let out = self
+            .run_tasks(
+                &tasks,
+                &last_use,
+                scratch.as_ref(),
+                abort,
+                on_task_start,
+                start,
+            )
+            .await;
+        if let Some(dir) = scratch {
+            let _ = tokio::task::spawn_blocking(move || drop(dir)).await;
+        }
+        out
+    }
+
+    /// The tasks of [`Executor::run`], in its job's scratch directory
+    /// (with a sandbox): each runs in turn until one fails or `abort`
+    /// says stop.
+    async fn run_tasks<F>(
+        &self,
+        tasks: &[Prepared],
+        last_use: &HashMap<u32, usize>,
+        scratch: Option<&super::sandbox::ScratchDir>,
+        mut abort: AbortReceiver,
+        mut on_task_start: F,
+        start: Instant,
+    ) -> JobOutcome
+    where
+        F: FnMut(TaskStart) + Send,
+    {
         // The job's confinement, built once; each task gets a clone.
-        let confinement = match (&self.sandbox, &scratch) {
+        let confinement = match (&self.sandbox, scratch) {
             (Some(sb), Some(dir)) => match sb.confinement(dir.path()) {
                 Ok(c) => Some((sb, dir.path(), c)),
                 Err(e) => {
