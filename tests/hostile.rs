@@ -200,7 +200,10 @@ fn cases(lease: &JobLease) -> Vec<Case> {
         ),
         case(
             "an unknown worker state",
-            Call::ListWorkers(ListWorkersRequest { state: 42 }),
+            Call::ListWorkers(ListWorkersRequest {
+                state: 42,
+                ..Default::default()
+            }),
             InvalidArgument,
             "unknown worker state 42",
         ),

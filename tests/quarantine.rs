@@ -69,6 +69,7 @@ async fn a_worker_whose_leases_time_out_is_quarantined_until_released(store: Tes
         .await
         .list_workers(pb::ListWorkersRequest {
             state: WorkerState::Quarantined as i32,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -39,6 +39,98 @@ store_tests! {
     a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
     a_worker_drained_without_a_heartbeat_stream_is_told_when_it_opens_one,
     a_lease_in_flight_on_a_lost_stream_goes_again_on_the_next_one,
+    workers_are_listed_a_page_at_a_time,
+}
+
+/// A worker may describe 256 agentic units of 4 KiB each: ListWorkers
+/// pages end at 3 MiB (what a client takes by default is 4 MiB), or at
+/// page_size workers, by id; a token belongs to its state's listing.
+async fn workers_are_listed_a_page_at_a_time(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let mut c = s.workers().await;
+    for i in 0..5 {
+        c.register_worker(RegisterWorkerRequest {
+            worker_id: format!("w{i}"),
+            hostname: "h".into(),
+            agw_version: "1".into(),
+            capabilities: Some(WorkerCapabilities {
+                units: (0..256)
+                    .map(|u| AgenticUnit {
+                        name: format!("unit{u}"),
+                        description: "d".repeat(4096),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("register");
+    }
+    assert_eq!(
+        worker_pages(&c, 0, 0).await,
+        [vec!["w0", "w1"], vec!["w2", "w3"], vec!["w4"]],
+        "about 1 MiB each: two a page"
+    );
+    assert_eq!(worker_pages(&c, 1, 0).await.len(), 5);
+    let active = WorkerState::Active as i32;
+    assert_eq!(worker_pages(&c, 0, active).await.concat().len(), 5);
+    let first = c
+        .list_workers(ListWorkersRequest {
+            page_size: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let e = c
+        .list_workers(ListWorkersRequest {
+            state: active,
+            page_size: 1,
+            page_token: first.next_page_token,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = c
+        .list_workers(ListWorkersRequest {
+            page_size: 1001,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    s.stop().await;
+}
+
+/// The worker ids of every page of ListWorkers (10 pages at most).
+async fn worker_pages(
+    c: &worker_service_client::WorkerServiceClient<tonic::transport::Channel>,
+    page_size: u32,
+    state: i32,
+) -> Vec<Vec<String>> {
+    let mut c = c.clone();
+    let mut pages = Vec::new();
+    let mut page_token = String::new();
+    for _ in 0..10 {
+        let page = c
+            .list_workers(ListWorkersRequest {
+                state,
+                page_size,
+                page_token,
+            })
+            .await
+            .expect("a page fits a client's default limit")
+            .into_inner();
+        pages.push(page.workers.into_iter().map(|w| w.worker_id).collect());
+        page_token = page.next_page_token;
+        if page_token.is_empty() {
+            break;
+        }
+    }
+    pages
 }
 
 async fn capability_routing_and_waiting_reason(store: TestStore) {
@@ -578,6 +670,7 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
     let all = c
         .list_workers(ListWorkersRequest {
             state: WorkerState::Active as i32,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -73,18 +73,26 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: WorkerCommand) -> Result<(
     };
     match cmd {
         WorkerCommand::List { state } => {
-            let workers: Vec<WorkerView> = c
-                .worker
-                .clone()
-                .list_workers(pb::ListWorkersRequest {
-                    state: state.map_or(0, |s| WorkerState::from(s) as i32),
-                })
-                .await?
-                .into_inner()
-                .workers
-                .into_iter()
-                .map(WorkerView::from)
-                .collect();
+            // Page after page: each has at least one worker, so this ends.
+            let mut workers: Vec<WorkerView> = Vec::new();
+            let mut page_token = String::new();
+            loop {
+                let page = c
+                    .worker
+                    .clone()
+                    .list_workers(pb::ListWorkersRequest {
+                        state: state.map_or(0, |s| WorkerState::from(s) as i32),
+                        page_size: 0,
+                        page_token,
+                    })
+                    .await?
+                    .into_inner();
+                workers.extend(page.workers.into_iter().map(WorkerView::from));
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = page.next_page_token;
+            }
             match out {
                 OutputFormat::Json => print_json(&serde_json::json!({ "workers": workers })),
                 OutputFormat::Table => emit(&workers_table(&workers)),

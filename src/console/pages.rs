@@ -220,12 +220,7 @@ pub async fn overview(State(c): Con, headers: HeaderMap) -> Page {
         .get_queue_stats(grpc(&id, pb::GetQueueStatsRequest {}))
         .await?
         .into_inner();
-    let workers = c
-        .workers
-        .list_workers(grpc(&id, pb::ListWorkersRequest::default()))
-        .await?
-        .into_inner()
-        .workers;
+    let workers = all_workers(&c, &id).await?;
     let mut by_state = std::collections::BTreeMap::<String, (u32, u32)>::new();
     for w in &workers {
         let e = by_state
@@ -449,16 +444,36 @@ pub async fn job(State(c): Con, headers: HeaderMap, Path(job_id): Path<String>) 
     Ok(page)
 }
 
+/// Every worker, read a page after another as `id` (each page has at
+/// least one, so this ends).
+async fn all_workers(c: &Console, id: &crate::auth::Identity) -> Result<Vec<pb::Worker>, Refusal> {
+    let mut all = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = c
+            .workers
+            .list_workers(grpc(
+                id,
+                pb::ListWorkersRequest {
+                    page_token,
+                    ..Default::default()
+                },
+            ))
+            .await?
+            .into_inner();
+        all.extend(page.workers);
+        if page.next_page_token.is_empty() {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
 /// `GET /fragments/workers`: every worker with its tools, tags, load and
 /// heartbeat age against the stale threshold.
 pub async fn workers(State(c): Con, headers: HeaderMap) -> Page {
     let id = c.caller(&headers)?;
-    let list = c
-        .workers
-        .list_workers(grpc(&id, pb::ListWorkersRequest::default()))
-        .await?
-        .into_inner()
-        .workers;
+    let list = all_workers(&c, &id).await?;
     let now = crate::time::now_ms();
     let stale = stale_ms(&c);
     let rows: Vec<WorkerRow> = list.iter().map(|w| WorkerRow::new(w, now, stale)).collect();

@@ -103,8 +103,9 @@ pub fn split_page<T>(
 }
 
 /// Byte budget of one page whose items can be large (schedules with their
-/// inputs): under the 4 MiB a gRPC client takes by default (grpcurl,
-/// grpcio), with room for the rest of the page.
+/// inputs, workers with their agentic units): under the 4 MiB a gRPC
+/// client takes by default (grpcurl, grpcio), with room for the rest of
+/// the page.
 pub const PAGE_BYTES: usize = 3 * 1024 * 1024;
 
 /// [`split_page`], and the page also ends before the item that would

@@ -26,7 +26,7 @@ use crate::{
     core::{
         engine::{HeartbeatEvent, StreamKind},
         model::{JobLease, JobReport},
-        validate, SharedEngine,
+        page, validate, SharedEngine,
     },
     error::Error,
     pb::{self, worker_service_server::WorkerService},
@@ -443,10 +443,36 @@ impl WorkerService for WorkerApi {
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
         rpc(&self.engine, "WorkerService/ListWorkers", async {
             require_client(&identity(&req))?;
-            let state = state_filter(req.into_inner().state)?;
-            let workers = self.engine.list_workers(state).await?;
+            let r = req.into_inner();
+            let state = state_filter(r.state)?;
+            let limit = match r.page_size {
+                0 => usize::MAX,
+                n => page::page_size(n)?,
+            };
+            // The filter is part of the token's kind: a token of another
+            // state's listing is refused.
+            let kind = format!("worker/{}", r.state);
+            let after = page::decode_token(&kind, &r.page_token)?;
+            let mut workers: Vec<pb::Worker> = self
+                .engine
+                .list_workers(state)
+                .await?
+                .into_iter()
+                .filter(|w| after.as_ref().is_none_or(|a| w.worker_id > *a))
+                .map(Into::into)
+                .collect();
+            workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+            let (workers, next_page_token) = page::split_page_within(
+                workers,
+                limit,
+                &kind,
+                |w| w.worker_id.clone(),
+                prost::Message::encoded_len,
+                page::PAGE_BYTES,
+            );
             Ok(pb::ListWorkersResponse {
-                workers: workers.into_iter().map(Into::into).collect(),
+                workers,
+                next_page_token,
             })
         })
         .await

@@ -735,15 +735,23 @@ class Client:
     def list_workers(
         self, state: WorkerState | None = None, *, timeout: float | None = None
     ) -> list[WorkerInfo]:
-        """Workers by id, optionally only those in ``state``."""
-        resp = call_unary(
-            "ListWorkers", self._workers.ListWorkers,
-            worker_service_pb2.ListWorkersRequest(
-                state=common_pb2.WorkerState.ValueType(int(state or WorkerState.UNSPECIFIED))
-            ),
-            timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
-        )
-        return [WorkerInfo.from_pb(w) for w in resp.workers]
+        """Workers by id, optionally only those in ``state``: every page
+        of ListWorkers (``timeout`` applies to each call)."""
+        workers: list[WorkerInfo] = []
+        page_token = ""
+        while True:  # each page has at least one worker: this ends
+            resp = call_unary(
+                "ListWorkers", self._workers.ListWorkers,
+                worker_service_pb2.ListWorkersRequest(
+                    state=common_pb2.WorkerState.ValueType(int(state or WorkerState.UNSPECIFIED)),
+                    page_token=page_token,
+                ),
+                timeout=self._t(timeout), metadata=self._metadata, retry=self.retry,
+            )
+            workers.extend(WorkerInfo.from_pb(w) for w in resp.workers)
+            if not resp.next_page_token:
+                return workers
+            page_token = resp.next_page_token
 
     def get_worker(self, worker_id: str, *, timeout: float | None = None) -> WorkerInfo:
         """One worker with freshness, stats and load. Errors: INVALID_ARGUMENT, NOT_FOUND."""

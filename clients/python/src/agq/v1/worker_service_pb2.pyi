@@ -738,16 +738,30 @@ class ListWorkersRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STATE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     state: _common_pb2.WorkerState.ValueType
     """Only workers in this state; WORKER_STATE_UNSPECIFIED lists all."""
+    page_size: _builtins.int
+    """Maximum workers per page, 1..=1000; 0 means no count limit. Either
+    way a page ends before the worker that would take it past 3 MiB
+    (workers may describe many agentic units), so read pages until
+    next_page_token is empty.
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous page; empty for the first page. The
+    state must be the same as for the first page.
+    """
     def __init__(
         self,
         *,
         state: _common_pb2.WorkerState.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -760,6 +774,9 @@ class ListWorkersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKERS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty when this is the last page."""
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Worker]:
         """The workers, by id."""
@@ -768,10 +785,11 @@ class ListWorkersResponse(_message.Message):
         self,
         *,
         workers: _abc.Iterable[_common_pb2.Worker] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -215,7 +215,9 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Lists workers, optionally of one state, with freshness and load.
+        """Lists workers, optionally of one state, with freshness and load, a
+        page at a time. Errors: INVALID_ARGUMENT (an unknown state, a
+        page_size over 1000, a malformed page_token or one of another state).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -111,7 +111,10 @@ class WorkerServiceStub:
     NOT_FOUND.
     """
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]
-    """Lists workers, optionally of one state, with freshness and load."""
+    """Lists workers, optionally of one state, with freshness and load, a
+    page at a time. Errors: INVALID_ARGUMENT (an unknown state, a
+    page_size over 1000, a malformed page_token or one of another state).
+    """
     GetWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.GetWorkerRequest, _worker_service_pb2.GetWorkerResponse]
     """One worker with freshness, stats and load.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
@@ -236,7 +239,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     NOT_FOUND.
     """
     ListWorkers: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
-    """Lists workers, optionally of one state, with freshness and load."""
+    """Lists workers, optionally of one state, with freshness and load, a
+    page at a time. Errors: INVALID_ARGUMENT (an unknown state, a
+    page_size over 1000, a malformed page_token or one of another state).
+    """
     GetWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.GetWorkerRequest, _worker_service_pb2.GetWorkerResponse]  # type: ignore[assignment]
     """One worker with freshness, stats and load.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
@@ -406,7 +412,10 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_service_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ListWorkersResponse, _abc.Awaitable[_worker_service_pb2.ListWorkersResponse]]:
-        """Lists workers, optionally of one state, with freshness and load."""
+        """Lists workers, optionally of one state, with freshness and load, a
+        page at a time. Errors: INVALID_ARGUMENT (an unknown state, a
+        page_size over 1000, a malformed page_token or one of another state).
+        """
 
     @_abc_1.abstractmethod
     def GetWorker(
