@@ -264,9 +264,12 @@ async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::St
 /// leases with the others; an expired one is re-queued as usual.)
 async fn leases_that_expired_while_the_server_was_down_quarantine_no_one(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
+    // A job timeout of 2 s: the first server stops well before the leases
+    // expire, while the worker is still connected.
     let cfg = EngineConfig {
         heartbeat_interval: Duration::from_millis(500),
         lease_grace: Duration::from_secs(3),
+        job_timeout: Duration::from_secs(2),
         ..cfg()
     };
     let backing = Backing::new(store, &dir.path().join("agq.db")).await;

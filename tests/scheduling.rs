@@ -690,6 +690,16 @@ async fn scheduling_settings_and_running_counts_survive_a_restart(store: TestSto
     assert!(w.lease_within(300).await.is_none(), "still max_running 1");
 }
 
+/// The server's queue stats (GetQueueStats).
+async fn queue_stats(s: &TestServer) -> pb::GetQueueStatsResponse {
+    s.queue()
+        .await
+        .get_queue_stats(pb::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// Clients choose selectors, so the pools the queue stats (and the
 /// metrics) list are bounded: the 100 with the most jobs, by selector.
 async fn queue_stats_list_only_the_deepest_pools(store: TestStore) {
@@ -714,13 +724,7 @@ async fn queue_stats_list_only_the_deepest_pools(store: TestStore) {
         },
     )
     .await;
-    let st = s
-        .queue()
-        .await
-        .get_queue_stats(pb::GetQueueStatsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let st = queue_stats(&s).await;
     let pools: Vec<&str> = st
         .by_pool
         .iter()
@@ -786,13 +790,7 @@ async fn queue_stats_break_down_by_priority_and_pool_and_count_idle_workers_apar
     )
     .await;
 
-    let st = s
-        .queue()
-        .await
-        .get_queue_stats(pb::GetQueueStatsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let st = queue_stats(&s).await;
     assert_eq!(
         (st.ready_length, st.scheduled_length, st.running_length),
         (4, 1, 1)

@@ -404,9 +404,12 @@ impl PgEngine {
     /// Records a lease timeout of worker `id` (whose row `tx` holds);
     /// quarantines it when the window holds `quarantine_after_timeouts` of
     /// them, and then returns the reason. A timeout counts only while the
-    /// worker's heartbeat stream is open and it is not suspect: a lease
-    /// that expired while its worker could not reach any replica (the
-    /// cluster down, a dropped stream) says nothing of a hung worker.
+    /// worker keeps heartbeating (its last beat younger than 3 x the
+    /// interval, its heartbeat stream open, not suspect): a lease that
+    /// expired while its worker could not reach any replica (the cluster
+    /// down, a dropped stream) says nothing of a hung worker. The beat's
+    /// age is what tells after a full outage, when a replica that crashed
+    /// left its streams marked open.
     async fn count_timeout(
         &self,
         tx: &deadpool_postgres::Transaction<'_>,
@@ -419,8 +422,9 @@ impl PgEngine {
                      ARRAY(SELECT t FROM unnest(timeouts_ms) AS t WHERE t > agq_now_ms() - $2),
                      agq_now_ms())
                  WHERE worker_id = $1 AND heartbeat_open AND suspect_since_ms IS NULL
+                   AND last_heartbeat_at_ms >= agq_now_ms() - $3
                  RETURNING cardinality(timeouts_ms), state, agq_now_ms()",
-                &[&id, &window],
+                &[&id, &window, &self.stale_ms()],
             )
             .await
             .map_err(db_err)?
