@@ -47,7 +47,12 @@ store_tests! {
 /// page_size workers, by id; a token belongs to its state's listing.
 async fn workers_are_listed_a_page_at_a_time(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
-    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    // The workers never beat: a long interval keeps them ACTIVE throughout.
+    let cfg = agq::config::EngineConfig {
+        heartbeat_interval: Duration::from_secs(60),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     let mut c = s.workers().await;
     for i in 0..5 {
         c.register_worker(RegisterWorkerRequest {

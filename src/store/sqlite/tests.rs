@@ -152,7 +152,15 @@ async fn submit_as(
 #[tokio::test]
 async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
     let dir = tempfile::tempdir().unwrap();
-    let e = open(&dir, quick()).await;
+    // The worker never beats: a long interval keeps it live throughout.
+    let e = open(
+        &dir,
+        EngineConfig {
+            heartbeat_interval: Duration::from_secs(60),
+            ..quick()
+        },
+    )
+    .await;
     let shared: SharedEngine = e.clone();
     shared
         .submit_plan(plan("p", &["cat"]), false)
