@@ -196,6 +196,57 @@ async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
     e.close().await;
 }
 
+/// A reload (as after a failed commit) keeps what only memory knows of a
+/// lease it still holds (the stream it went out on, the worker's
+/// acknowledgement, its grant and expiry) and the timeouts a worker has
+/// counted toward quarantine: a reset would take an in-flight lease for
+/// lost at the next held-leases heartbeat, and restart the count.
+#[tokio::test]
+async fn a_reload_keeps_what_memory_knew_of_leases_and_timeouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(
+        &dir,
+        EngineConfig {
+            heartbeat_interval: Duration::from_secs(60),
+            ..quick()
+        },
+    )
+    .await;
+    let shared: SharedEngine = e.clone();
+    shared
+        .submit_plan(plan("p", &["cat"]), false)
+        .await
+        .unwrap();
+    let mut w = Worker::start(&shared, "w", &["cat"], 1).await;
+    submit(&shared, "p", 1, 3).await;
+    w.lease_within(2000).await.expect("a lease");
+    let (before, after) = e
+        .writer
+        .write(|s, c| {
+            let row = *s.leases.keys().next().expect("the lease in memory");
+            let l = s.leases.get_mut(&row).unwrap();
+            l.acknowledged = true;
+            let before = (l.stream_id, l.expires_at_ms, l.granted_at_ms);
+            s.workers.get_mut("w").unwrap().timeouts.push_back(42);
+            s.load(c)?;
+            let l = &s.leases[&row];
+            let after = (l.stream_id, l.expires_at_ms, l.granted_at_ms);
+            Ok((
+                (before, true, vec![42]),
+                (
+                    after,
+                    l.acknowledged,
+                    s.workers["w"].timeouts.iter().copied().collect::<Vec<_>>(),
+                ),
+            ))
+        })
+        .await
+        .unwrap();
+    assert_ne!(before.0 .0, 0, "the lease went out on a stream");
+    assert_eq!(after, before);
+    e.close().await;
+}
+
 /// Leases go to capable workers only, up to their slots, oldest job
 /// first; a job nobody can take waits and says why.
 #[tokio::test]
