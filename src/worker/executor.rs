@@ -496,6 +496,20 @@ fn pidfd(pid: Option<u32>) -> Option<tokio::io::unix::AsyncFd<std::os::fd::Owned
         .ok()
 }
 
+/// Whether the process of `pidfd` has exited (its descriptor is readable
+/// now), without waiting and without reaping it.
+fn exited(pidfd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one pollfd that lives across the call, timeout 0.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents & libc::POLLIN != 0
+}
+
 /// Waits until the task's leader exits. With its `pidfd` it is not reaped
 /// (`None`: [`Child::wait`] then collects its status at once); without,
 /// its status as [`Child::wait`] reaped it.
@@ -1062,11 +1076,18 @@ impl Executor {
 
         let deadline = tokio::time::Instant::from_std(started + task.timeout);
         let exit = pidfd(child.id());
+        // A leader found gone at the deadline (agw was stopped or starved
+        // past it, and the runtime saw the time before the exit) ended on
+        // its own before the timeout could be enforced: it counts as an
+        // exit.
         let end = tokio::select! {
             biased;
             reason = aborted(abort) => Err(TaskEnd::Aborted(reason)),
-            () = tokio::time::sleep_until(deadline) => Err(TaskEnd::TimedOut(task.timeout)),
             status = leader_exit(&mut child, exit.as_ref()) => Ok(status),
+            () = tokio::time::sleep_until(deadline) => match exit.as_ref() {
+                Some(fd) if exited(fd.get_ref()) => Ok(None),
+                _ => Err(TaskEnd::TimedOut(task.timeout)),
+            },
         };
         // The task is over: kill its group, whether it timed out, was
         // aborted, or its leader exited and left background children behind,

@@ -162,6 +162,16 @@ pub async fn connect(url: &str) -> tokio_postgres::Client {
 /// With `AGQ_TEST_DATABASE_URL` (a server the tests do not own), or when
 /// the cluster does not come back.
 pub async fn crash_and_restart() {
+    crash_and_restart_after(Duration::ZERO).await
+}
+
+/// As [`crash_and_restart`], with the cluster left down for `down` between
+/// the crash and the start (an outage).
+///
+/// # Panics
+///
+/// As [`crash_and_restart`].
+pub async fn crash_and_restart_after(down: Duration) {
     cluster().await;
     let started = STARTED.lock().unwrap().clone();
     let Some((bin, dir, data, port, user)) = started else {
@@ -176,6 +186,7 @@ pub async fn crash_and_restart() {
             assert!(Instant::now() < deadline, "postgres did not stop");
             std::thread::sleep(Duration::from_millis(10));
         }
+        std::thread::sleep(down);
         let log = dir.join("postgres-restart.log");
         match start_postmaster(&bin, &dir, &data, port, &log, user) {
             Ok(Started::Ready) => {}

@@ -75,8 +75,8 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
             _ = stop.changed() => return,
         }
         match engine.lead().await {
-            Ok(true) => {
-                let mut r = engine.maintain(&mut finish_cursor).await;
+            Ok(Some(resumed_for_ms)) => {
+                let mut r = engine.maintain(resumed_for_ms, &mut finish_cursor).await;
                 if r.is_ok() && last_fold.is_none_or(|t| t.elapsed() >= FOLD_EVERY) {
                     r = engine.fold_job_counts().await;
                     last_fold = Some(std::time::Instant::now());
@@ -92,7 +92,7 @@ pub(super) async fn run(engine: Arc<PgEngine>) {
                     tracing::warn!(error = %e, "maintenance pass failed");
                 }
             }
-            Ok(false) => {}
+            Ok(None) => {}
             Err(e) => {
                 let _ = engine.observe::<()>(Err(e));
             }
@@ -160,36 +160,64 @@ pub(super) async fn schedule_loop(engine: Arc<PgEngine>) {
 }
 
 impl PgEngine {
-    /// Takes or renews the leadership; true while this replica holds it.
+    /// Takes or renews the leadership. While this replica holds it,
+    /// returns how long maintenance has run since it last resumed, ms.
+    ///
+    /// Maintenance resumes when a replica takes the leader's row over
+    /// after it had expired for longer than a tick ([`tick`]): a
+    /// leader's successor normally takes it within a tick of its expiry,
+    /// so a longer lapse means that no replica could maintain (every
+    /// replica down, or the database unreachable), and then no worker
+    /// could reach the cluster either. The row keeps the time
+    /// (`resumed_at_ms`, migration 0006), so a change of leader right
+    /// after does not forget it.
     ///
     /// Errors: storage errors.
-    async fn lead(&self) -> Result<bool> {
+    async fn lead(&self) -> Result<Option<i64>> {
         let c = self.client().await?;
+        let lapse_ms = i64::try_from(tick(self).as_millis()).unwrap_or(1_000);
         let held = c
             .query_opt(
-                "INSERT INTO leader (name, holder, term, expires_at_ms)
-                 VALUES ('maintenance', $1, 1, agq_now_ms() + $2)
+                "INSERT INTO leader (name, holder, term, expires_at_ms, resumed_at_ms)
+                 VALUES ('maintenance', $1, 1, agq_now_ms() + $2, agq_now_ms())
                  ON CONFLICT (name) DO UPDATE SET holder = $1,
                      term = leader.term + CASE WHEN leader.holder = $1 THEN 0 ELSE 1 END,
+                     resumed_at_ms = CASE WHEN leader.expires_at_ms < agq_now_ms() - $3
+                                          THEN agq_now_ms() ELSE leader.resumed_at_ms END,
                      expires_at_ms = agq_now_ms() + $2
                  WHERE leader.holder = $1 OR leader.expires_at_ms < agq_now_ms()
-                 RETURNING term",
-                &[&self.replica_id, &leader_ttl_ms(self)],
+                 RETURNING agq_now_ms() - resumed_at_ms",
+                &[&self.replica_id, &leader_ttl_ms(self), &lapse_ms],
             )
             .await
             .map_err(db_err)?;
-        Ok(held.is_some())
+        Ok(held.map(|r| r.get(0)))
     }
 
-    /// One maintenance pass; `finish_cursor` is where its finish-stamp
-    /// pass starts ([`PgEngine::mark_finished`]), moved on by it.
+    /// One maintenance pass; `resumed_for_ms` is how long maintenance
+    /// has run since it last resumed ([`PgEngine::lead`]) and
+    /// `finish_cursor` where its finish-stamp pass starts
+    /// ([`PgEngine::mark_finished`]), moved on by it.
+    ///
+    /// The passes that judge silence wait after a resumption, so that the
+    /// workers get the time they would have had had the cluster kept
+    /// running: stale heartbeats a stale window (3 x the interval), lease
+    /// expiry and dropped streams the lease grace (`--lease-grace-ms`),
+    /// as the embedded engine gives the leases it loads at start-up.
     ///
     /// Errors: storage errors.
-    async fn maintain(&self, finish_cursor: &mut i64) -> Result<()> {
+    async fn maintain(&self, resumed_for_ms: i64, finish_cursor: &mut i64) -> Result<()> {
+        let grace = i64::try_from(self.cfg.lease_grace.as_millis()).unwrap_or(i64::MAX / 4);
         self.promote_due().await?;
-        self.expire_leases().await?;
-        self.declare_stale().await?;
-        self.lose_suspects().await?;
+        if resumed_for_ms >= grace {
+            self.expire_leases().await?;
+        }
+        if resumed_for_ms >= self.stale_ms() {
+            self.declare_stale().await?;
+        }
+        if resumed_for_ms >= grace {
+            self.lose_suspects().await?;
+        }
         *finish_cursor = self.mark_finished(*finish_cursor).await?;
         self.expire_finished().await?;
         self.fire_schedules().await?;

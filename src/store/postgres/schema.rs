@@ -14,6 +14,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("migrations/0003_id_collation.sql"),
     include_str!("migrations/0004_delayed_jobs.sql"),
     include_str!("migrations/0005_jobs_open_by_selector.sql"),
+    include_str!("migrations/0006_leader_resumed_at.sql"),
 ];
 
 /// Key of the advisory lock the migrations run under ("agq schema").

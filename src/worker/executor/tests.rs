@@ -139,6 +139,37 @@ async fn timeout_kills_the_task() {
     assert!(out.task_results[0].duration_ms >= 1000);
 }
 
+#[tokio::test]
+async fn a_task_that_ended_before_its_deadline_did_not_time_out_when_agw_was_held_past_it() {
+    // agw stopped (SIGSTOP, a paused VM) or starved past a task's deadline
+    // finds its end and the deadline at once: the task ended on its own.
+    let p = plan(vec![task(1, "sleep", &["0.2"], 1, None)]);
+    let ex = executor(DEFAULT_OUTPUT_CAP_BYTES);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let mut started_tx = Some(started_tx);
+    let held = async {
+        let _ = started_rx.await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The test's runtime has one thread: the executor is held too.
+        std::thread::sleep(Duration::from_millis(1500));
+    };
+    let none = input(&[]);
+    let (_abort, rx) = abort_channel();
+    let job = ex.run(&p, &none, rx, |_| {
+        if let Some(tx) = started_tx.take() {
+            let _ = tx.send(());
+        }
+    });
+    let (out, ()) = tokio::join!(job, held);
+    assert!(
+        out.task_results[0].duration_ms >= 1000,
+        "the task did not run across the hold: {:?}",
+        out.task_results
+    );
+    assert!(out.success, "{}", out.error);
+    assert_eq!(out.task_results[0].exit_code, 0);
+}
+
 /// True when `pid` is gone or a zombie waiting for a reaper.
 fn is_dead(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

@@ -1,0 +1,13 @@
+-- When maintenance last resumed after a lapse (src/store/postgres/
+-- maintenance.rs, `lead`): the time a replica took the leader's row
+-- over after it had expired for longer than a maintenance tick, which
+-- happens only when no replica could maintain (every replica down, or
+-- the database unreachable). For a while after it, the passes that
+-- judge silence (stale heartbeats, lease expiry, dropped streams) wait:
+-- no worker could reach the cluster during the lapse, so its silence
+-- then says nothing about the worker.
+--
+-- Existing rows get 0 (maintenance running for good). Applying it again
+-- changes nothing (IF NOT EXISTS): tests re-run the migrations on a
+-- migrated database.
+ALTER TABLE leader ADD COLUMN IF NOT EXISTS resumed_at_ms bigint NOT NULL DEFAULT 0;
