@@ -85,7 +85,19 @@ pub enum AuthError {
         /// which may hold a token.
         why: String,
     },
-    /// An entry breaks a rule (token length, worker binding).
+    /// The file declares no token. Authentication is off only without
+    /// `--auth-file`; a file that grants nothing is a mistake, never a
+    /// way to trust every caller.
+    #[error(
+        "auth file {path} declares no token: add [[tokens]] entries, or run without \
+         --auth-file (every caller trusted, loopback only)"
+    )]
+    Empty {
+        /// The file.
+        path: String,
+    },
+    /// An entry breaks a rule (token length, worker binding, a pool whose
+    /// ids another worker token also covers).
     #[error("auth file {path}: token #{index}: {why}")]
     Entry {
         /// The file.
@@ -137,10 +149,19 @@ impl Authenticator {
 
     /// Builds the table from parsed entries.
     ///
-    /// Errors: [`AuthError::Entry`] for a short token, a worker token
-    /// without exactly one valid `worker_id` or `worker_id_prefix`, or
-    /// either on another role.
+    /// Errors: [`AuthError::Empty`] for no entry; [`AuthError::Entry`] for
+    /// a short token, a worker token without exactly one valid
+    /// `worker_id` or `worker_id_prefix`, either on another role, or a
+    /// `worker_id_prefix` that covers another worker token's
+    /// `worker_id_prefix` or `worker_id` (that pool's token could then act
+    /// for the other's workers). Several tokens of the same worker id or
+    /// prefix (a rotation) are fine.
     pub fn from_file(path: &str, file: AuthFile) -> Result<Self, AuthError> {
+        if file.tokens.is_empty() {
+            return Err(AuthError::Empty {
+                path: path.to_string(),
+            });
+        }
         let mut entries = Vec::new();
         for (i, e) in file.tokens.into_iter().enumerate() {
             let err = |why: &str| AuthError::Entry {
@@ -177,6 +198,30 @@ impl Authenticator {
                 }
             };
             entries.push((e.token.into_bytes(), identity));
+        }
+        for (i, (_, pool)) in entries.iter().enumerate() {
+            let Identity::WorkerPool(prefix) = pool else {
+                continue;
+            };
+            for (j, (_, other)) in entries.iter().enumerate() {
+                let covered = match other {
+                    Identity::WorkerPool(p) => p != prefix && p.starts_with(prefix.as_str()),
+                    Identity::Worker(w) => w.starts_with(prefix.as_str()),
+                    _ => false,
+                };
+                if covered {
+                    return Err(AuthError::Entry {
+                        path: path.to_string(),
+                        index: i + 1,
+                        why: format!(
+                            "worker_id_prefix {prefix:?} covers the worker ids of token #{}, so \
+                             its holder could act for those workers too: use prefixes that do \
+                             not start with one another (e.g. gpu- and cpu-)",
+                            j + 1
+                        ),
+                    });
+                }
+            }
         }
         Ok(Authenticator {
             entries: Arc::new(entries),

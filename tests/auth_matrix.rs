@@ -506,6 +506,46 @@ async fn a_worker_pool_token_acts_for_its_pool_only() {
     s.stop().await;
 }
 
+/// An auth file that grants nothing is refused (it never turns
+/// authentication off), and so is one whose pool prefix covers another
+/// worker token's ids (that pool's token could drain the other's
+/// workers); two tokens of one pool or one worker (a rotation) are fine.
+#[test]
+fn an_empty_auth_file_or_overlapping_pools_are_refused() {
+    let worker = |token: &str, id: Option<&str>, prefix: Option<&str>| TokenEntry {
+        token: token.into(),
+        role: Role::Worker,
+        worker_id: id.map(Into::into),
+        worker_id_prefix: prefix.map(Into::into),
+    };
+    let load = |tokens: Vec<TokenEntry>| Authenticator::from_file("test", AuthFile { tokens });
+    let empty = load(vec![]).unwrap_err().to_string();
+    assert!(empty.contains("declares no token"), "{empty}");
+    let overlap = load(vec![
+        worker("pool-cpu-token-0123456789", None, Some("agq-worker-")),
+        worker("pool-gpu-token-0123456789", None, Some("agq-worker-gpu-")),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        overlap.contains("token #1") && overlap.contains("token #2"),
+        "{overlap}"
+    );
+    assert!(load(vec![
+        worker("pool-cpu-token-0123456789", None, Some("agq-worker-")),
+        worker("one-worker-token-0123456789", Some("agq-worker-7"), None),
+    ])
+    .is_err());
+    let fine = load(vec![
+        worker("pool-cpu-token-0123456789", None, Some("cpu-")),
+        worker("pool-cpu-token-rotated-0123", None, Some("cpu-")),
+        worker("pool-gpu-token-0123456789", None, Some("gpu-")),
+        worker("one-worker-token-0123456789", Some("w1"), None),
+        worker("one-worker-token-rotated-01", Some("w1"), None),
+    ]);
+    assert!(fine.is_ok(), "{:?}", fine.err());
+}
+
 /// A worker token cannot report another worker's lease by any of the
 /// three report RPCs: refused, and the job stays running under its
 /// holder's lease; the holder's own token then completes it on
