@@ -35,6 +35,7 @@ store_tests! {
     finished_actions_expire_after_the_retention_with_their_jobs,
     a_wrong_finish_stamp_never_deletes_an_open_action,
     job_counts_follow_every_transition_and_a_restart,
+    many_reads_of_a_waiting_job_at_once_all_succeed,
 }
 
 fn task(n: u32, cmd: &str) -> Task {
@@ -1730,5 +1731,43 @@ async fn a_retry_leaves_a_job_that_moved_while_it_waited_as_it_is() {
         job(&s, &r.job_ids[1]).await.status,
         JobStatus::Pending as i32
     );
+    s.stop().await;
+}
+
+/// GetJob of a waiting job (which says why it waits) and GetQueueStats,
+/// many at once, more than a PostgreSQL replica's pool has connections:
+/// each is answered. A call that held a connection while it waited for a
+/// second one made as many such calls as the pool has connections wait on
+/// each other until the pool's timeout (UNAVAILABLE), and every other call
+/// of the replica, heartbeats included, with them.
+async fn many_reads_of_a_waiting_job_at_once_all_succeed(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let (_, ids) = submit(&s, plan("p", &["no-such-tool"]), 1, 1).await;
+    let jobs = s.jobs().await;
+    let queue = s.queue().await;
+    let reads = (0..48).map(|i| {
+        let (mut jobs, mut queue, id) = (jobs.clone(), queue.clone(), ids[0].clone());
+        async move {
+            if i % 3 == 0 {
+                queue
+                    .get_queue_stats(GetQueueStatsRequest {})
+                    .await
+                    .map(|_| String::new())
+            } else {
+                jobs.get_job(GetJobRequest { job_id: id })
+                    .await
+                    .map(|r| r.into_inner().job.unwrap_or_default().waiting_reason)
+            }
+        }
+    });
+    let answers = futures_util::future::join_all(reads).await;
+    for (i, a) in answers.into_iter().enumerate() {
+        let reason = a.unwrap_or_else(|st| panic!("read {i}: {st:?}"));
+        assert!(
+            i % 3 == 0 || reason.contains("no-such-tool"),
+            "read {i}: {reason:?}"
+        );
+    }
     s.stop().await;
 }

@@ -890,6 +890,21 @@ impl PgEngine {
         id: Option<&str>,
     ) -> Result<Vec<Worker>> {
         let c = self.client().await?;
+        self.pg_workers_on(&c, state, id).await
+    }
+
+    /// [`PgEngine::pg_workers`] on a connection the caller holds: a call
+    /// that holds one must never wait for a second from the pool, or as
+    /// many such calls as the pool has connections wait on each other
+    /// until the pool's timeout, and the whole replica with them.
+    ///
+    /// Errors: storage errors.
+    pub(super) async fn pg_workers_on(
+        &self,
+        c: &impl GenericClient,
+        state: Option<WorkerState>,
+        id: Option<&str>,
+    ) -> Result<Vec<Worker>> {
         let rows = c
             .query(
                 &format!(
@@ -908,7 +923,7 @@ impl PgEngine {
             .map(|r| rows::worker(r, stale))
             .collect::<Result<Vec<_>>>()?;
         let ids: Vec<String> = out.iter().map(|w| w.worker_id.clone()).collect();
-        let mut verifications = rows::verifications(&c, &ids).await?;
+        let mut verifications = rows::verifications(c, &ids).await?;
         for w in &mut out {
             w.verifications = verifications.remove(&w.worker_id).unwrap_or_default();
         }
@@ -1253,7 +1268,7 @@ impl PgEngine {
         let action_id: String = r.get(10);
         let selector = Selector::parse(&selector_text)
             .map_err(|e| Error::Internal(format!("stored selector: {e}")))?;
-        let workers = self.pg_workers(None, None).await?;
+        let workers = self.pg_workers_on(c, None, None).await?;
         let runs = |w: &Worker, verified: bool| {
             (!require_sandbox || w.sandboxed)
                 && tools.iter().all(|t| {
@@ -1409,7 +1424,7 @@ impl PgEngine {
                 .map(|r| (r.get::<_, String>(2), depths(r), ()))
                 .collect(),
         );
-        let workers = self.pg_workers(None, None).await?;
+        let workers = self.pg_workers_on(&c, None, None).await?;
         for (text, pool_depths, ()) in by_pool {
             let matching = Selector::parse(&text).map_or(0, |s| {
                 workers
