@@ -18,8 +18,13 @@
 //! - a Heartbeat request's until the whole message has arrived: the stream
 //!   handles one message at a time and reads no further while replies
 //!   are unread;
-//! - any other streaming request's (server reflection's) until the whole
-//!   message has arrived, once the call's answer has started.
+//! - any other streaming request's until the whole message has arrived,
+//!   once the call's answer has started.
+//!
+//! Health checking and server reflection need no token: their messages
+//! are not reserved (a caller without a token could otherwise hold the
+//! whole budget), and their services refuse messages past
+//! [`UNBUDGETED_MAX_MESSAGE_BYTES`] instead.
 //!
 //! So decoded requests queued for the writer count too: callers that send
 //! faster than the store commits meet the limit instead of growing the
@@ -112,6 +117,17 @@ impl RequestBudget {
         }
     }
 }
+
+/// Path prefixes of the services that need no token (health checking,
+/// server reflection): their messages are left out of the budget, so that
+/// a caller without a token cannot take it from the callers with one by
+/// announcing large messages and never sending them. Their own message
+/// limit is small instead ([`UNBUDGETED_MAX_MESSAGE_BYTES`]).
+const UNBUDGETED: [&str; 2] = ["/grpc.health.v1.Health/", "/grpc.reflection."];
+
+/// The largest request message of the services in [`UNBUDGETED`], bytes
+/// (16 KiB): their requests name a service, a symbol or a file.
+pub const UNBUDGETED_MAX_MESSAGE_BYTES: usize = 16 * 1024;
 
 /// Paths of the calls whose request is a stream, and what becomes of each
 /// message's reservation once the message has arrived.
@@ -262,6 +278,15 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        if UNBUDGETED
+            .iter()
+            .any(|prefix| req.uri().path().starts_with(prefix))
+        {
+            return Answer {
+                inner: Box::pin(SHARE.scope(None, self.inner.call(req))),
+                close: None,
+            };
+        }
         let release = STREAMING_REQUESTS
             .iter()
             .find(|(path, _)| *path == req.uri().path())

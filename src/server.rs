@@ -122,19 +122,25 @@ pub async fn run(
     };
     let (stop_tx, stop_rx) = watch::channel(false);
 
+    // Health and reflection need no token: their messages stay out of the
+    // request buffer, under a small limit of their own.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let health_service = health_service
+        .max_decoding_message_size(crate::request_budget::UNBUDGETED_MAX_MESSAGE_BYTES);
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
+        .map_err(|e| Error::Internal(format!("reflection: {e}")))?
+        .max_decoding_message_size(crate::request_budget::UNBUDGETED_MAX_MESSAGE_BYTES);
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
-        .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
+        .map_err(|e| Error::Internal(format!("reflection: {e}")))?
+        .max_decoding_message_size(crate::request_budget::UNBUDGETED_MAX_MESSAGE_BYTES);
 
     // The worker service's calls need a worker, client or admin token
     // depending on the call (refused by its gate when the call starts;

@@ -881,6 +881,52 @@ async fn submit_raw(ch: Channel, len: usize) -> Status {
 /// announced, its bytes still coming), another call's message that does
 /// not fit fails with RESOURCE_EXHAUSTED before it is buffered, small
 /// calls go on, and the buffer is free again once the first call is gone.
+/// Health checking and server reflection need no token, so their
+/// messages stay out of the request buffer: calls without a token that
+/// announce large messages and never send them take nothing from the
+/// callers with one (they filled the whole buffer, and every call with a
+/// message failed with RESOURCE_EXHAUSTED), and such messages are refused
+/// past a small limit of their own.
+#[tokio::test]
+async fn calls_that_need_no_token_cannot_fill_the_request_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two such calls, each announcing the most its service takes, would
+    // hold 32 of the buffer's 40 KiB.
+    let (server, ch) = budget_server(dir.path(), 40 * 1024).await;
+    let most = u32::try_from(agq::request_budget::UNBUDGETED_MAX_MESSAGE_BYTES).unwrap();
+    let holders = [
+        hold(&server, &ch, "/grpc.health.v1.Health/Check", most, 1024),
+        hold(
+            &server,
+            &ch,
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            most,
+            1024,
+        ),
+    ];
+    for _ in 0..30 {
+        let st = submit_raw(ch.clone(), 20 * 1024).await;
+        assert_ne!(st.code(), Code::ResourceExhausted, "{st:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+    health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health answers");
+    let big = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "x".repeat(32 * 1024),
+        })
+        .await
+        .expect_err("a 32 KiB health check is over the limit");
+    assert_eq!(big.code(), Code::OutOfRange, "{big:?}");
+    for h in holders {
+        h.abort();
+    }
+    server.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn messages_beyond_the_request_buffer_are_refused_until_it_frees() {
     let dir = tempfile::tempdir().unwrap();
@@ -1092,20 +1138,37 @@ fn assert_pushback(refused: &Status) {
 /// announcing a 900 KiB message and sending 100 KiB of it, never
 /// answered while the returned task runs.
 fn hold_900_kib(server: &agq::local::LocalServer, ch: &Channel) -> tokio::task::JoinHandle<()> {
+    hold(
+        server,
+        ch,
+        "/agq.v1.PlanService/SubmitPlan",
+        900 * 1024,
+        100 * 1024,
+    )
+}
+
+/// A call of `path` announcing a message of `announced` bytes that sends
+/// `sent` bytes of it and never the rest.
+fn hold(
+    server: &agq::local::LocalServer,
+    ch: &Channel,
+    path: &str,
+    announced: u32,
+    sent: usize,
+) -> tokio::task::JoinHandle<()> {
     use futures_util::StreamExt;
     use http_body_util::BodyExt;
     use tower::Service;
-    // A SubmitPlan announcing a 900 KiB message that sends 100 KiB of it.
     let mut first = vec![0u8];
-    first.extend_from_slice(&(900u32 * 1024).to_be_bytes());
-    first.extend_from_slice(&[0u8; 100 * 1024]);
+    first.extend_from_slice(&announced.to_be_bytes());
+    first.extend_from_slice(&vec![0u8; sent]);
     let frames = futures_util::stream::iter([Ok::<_, Status>(http_body::Frame::data(
         bytes::Bytes::from(first),
     ))])
     .chain(futures_util::stream::pending());
     let req = http::Request::builder()
         .method("POST")
-        .uri(format!("{}/agq.v1.PlanService/SubmitPlan", server.url()))
+        .uri(format!("{}{path}", server.url()))
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(tonic::body::Body::new(http_body_util::StreamBody::new(
