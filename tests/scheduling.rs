@@ -317,13 +317,16 @@ async fn a_high_priority_action_overtakes_a_10000_job_backlog(store: TestStore) 
 }
 
 /// With the guard every 5 leases, a low-priority job older than a stream
-/// of high-priority ones is leased 5th; with the guard off, last.
+/// of high-priority ones is leased 5th; with the guard off, last. An older
+/// job still that no worker can run (a tool none has) is passed over: it
+/// does not turn the guard off.
 // SQLite only: the PostgreSQL claim is FIFO within a priority (no round
 // robin among actions, no starvation guard; docs/scaling.md).
 #[tokio::test]
 async fn the_starvation_guard_bounds_how_long_a_low_priority_job_waits() {
     let store = TestStore::Sqlite;
-    for (every, want_position) in [(5u32, 5usize), (0, 31)] {
+    for (every, stuck_first, want_position) in [(5u32, false, 5usize), (5, true, 5), (0, false, 31)]
+    {
         let dir = tempfile::tempdir().unwrap();
         let cfg = EngineConfig {
             starvation_guard_every: every,
@@ -331,6 +334,10 @@ async fn the_starvation_guard_bounds_how_long_a_low_priority_job_waits() {
         };
         let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
         put_plan(&s, plan("p", &["true"])).await;
+        if stuck_first {
+            put_plan(&s, plan("stuck", &["no-such-tool"])).await;
+            submit(&s, action("stuck", "stuck", 1)).await;
+        }
         let low = submit(
             &s,
             SubmitActionRequest {
@@ -364,7 +371,11 @@ async fn the_starvation_guard_bounds_how_long_a_low_priority_job_waits() {
             }
             w.complete(&l).await;
         }
-        assert_eq!(position, Some(want_position), "guard every {every}");
+        assert_eq!(
+            position,
+            Some(want_position),
+            "guard every {every}, an older job no worker can run: {stuck_first}"
+        );
     }
 }
 

@@ -11,8 +11,9 @@
 //!    huge action does not monopolise the fleet.
 //! 3. Within an action, submission (FIFO) order.
 //! 4. The starvation guard: every `starvation_guard_every` leases, the
-//!    oldest ready job goes first if a worker can take it, whatever its
-//!    priority (until it is placed, every lease tries it first).
+//!    oldest ready job a worker can take goes first, whatever its
+//!    priority (until one is placed, every lease tries it first); a job
+//!    no worker can take now is passed over, not waited for.
 //!
 //! A job is placeable when its concurrency key (if any) runs fewer than
 //! its action's `max_running` jobs and some worker is fresh, ACTIVE, has a
@@ -70,11 +71,9 @@ impl State {
             let every = self.cfg.starvation_guard_every;
             let mut chosen = None;
             if every > 0 && self.since_guard + 1 >= every {
-                if let Some((&row, w)) = self.ready.first_key_value() {
-                    if let Some(worker) = self.placement(w, now) {
-                        chosen = Some((row, worker, true));
-                    }
-                }
+                chosen = self
+                    .oldest_placeable(&mut blocked, now)
+                    .map(|(row, worker)| (row, worker, true));
             }
             if chosen.is_none() {
                 for (_, key) in &self.order {
@@ -104,6 +103,46 @@ impl State {
             self.since_guard = if guard { 0 } else { self.since_guard + 1 };
             self.grant(conn, &mut granter, row, &worker_id)?;
         }
+    }
+
+    /// The starvation guard's pick: the oldest ready job a worker can take
+    /// now, with that worker. The oldest ready job first (the usual case);
+    /// when it cannot be placed (a tool no fresh worker has, a selector no
+    /// worker matches), the heads of the other groups oldest first, so
+    /// that one job nobody can run does not turn the guard off. Groups
+    /// found unplaceable join `blocked`.
+    fn oldest_placeable(
+        &self,
+        blocked: &mut HashSet<GroupKey>,
+        now: Instant,
+    ) -> Option<(i64, String)> {
+        let (&row, w) = self.ready.first_key_value()?;
+        let key: GroupKey = (w.action_id.clone(), w.sched.priority);
+        if !blocked.contains(&key) {
+            if let Some(worker) = self.placement(w, now) {
+                return Some((row, worker));
+            }
+            blocked.insert(key);
+        }
+        let mut heads: Vec<(i64, &GroupKey)> = self
+            .groups
+            .iter()
+            .filter(|(key, _)| !blocked.contains(*key))
+            .filter_map(|(key, g)| g.rows.first().map(|&row| (row, key)))
+            .collect();
+        heads.sort_unstable_by_key(|&(row, _)| row);
+        for (row, key) in heads {
+            let Some(w) = self.ready.get(&row) else {
+                continue;
+            };
+            match self.placement(w, now) {
+                Some(worker) => return Some((row, worker)),
+                None => {
+                    blocked.insert(key.clone());
+                }
+            }
+        }
+        None
     }
 
     /// Consecutive leases of one action per round-robin turn: the
