@@ -9,7 +9,8 @@
 //! - the job's concurrency key is under its limit;
 //! - the job is the oldest ready one of its action at its priority;
 //! - no placeable job of a higher priority was passed over, except on the
-//!   starvation guard's turn, where the job is the oldest ready job;
+//!   starvation guard's turn, where the job is the oldest ready one that a
+//!   worker can take (among the oldest of each action and priority);
 //! - when the dispatcher stops, no ready job is placeable.
 
 use std::{
@@ -263,8 +264,20 @@ fn dispatch_checked(
             .find(|o| o.action == j.action && o.priority == j.priority)
             .unwrap();
         prop_assert_eq!(head.row, j.row, "not the oldest of its action and priority");
-        let oldest = m.ready.values().next().unwrap().clone();
-        if every > 0 && *since_guard + 1 >= every && m.placeable(&oldest) {
+        // The guard's pick: the oldest job, among the oldest of each
+        // action and priority, that a worker can take.
+        let oldest = m
+            .ready
+            .values()
+            .find(|o| {
+                m.placeable(o)
+                    && m.ready
+                        .values()
+                        .find(|x| x.action == o.action && x.priority == o.priority)
+                        .is_some_and(|x| x.row == o.row)
+            })
+            .cloned();
+        if let Some(oldest) = oldest.filter(|_| every > 0 && *since_guard + 1 >= every) {
             prop_assert_eq!(&j.job_id, &oldest.job_id, "the guard's turn");
             *since_guard = 0;
         } else {
