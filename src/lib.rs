@@ -18,7 +18,8 @@
 //!   [`store::sqlite::SqliteEngine`] is the embedded default.
 //! - [`pb`] is the generated `agq.v1` code; [`config`] the command-line
 //!   settings; [`auth`] the tokens and roles; [`error`] the one error type;
-//!   [`metrics`] the Prometheus registry; [`telemetry`] the logs and the
+//!   [`metrics`] the Prometheus registry; [`http`] the HTTP/1 serving loop
+//!   of the console and the metrics endpoint; [`telemetry`] the logs and the
 //!   optional OpenTelemetry tracing of both binaries.
 //! - [`worker`] is `agw` (connection, heartbeat, leases, sandboxed
 //!   executor); [`cli`] the client subcommands of `agq`.
@@ -36,6 +37,7 @@ pub mod config;
 pub mod console;
 pub mod core;
 pub mod error;
+pub mod http;
 pub mod local;
 pub mod metrics;
 pub mod pb;

@@ -549,7 +549,8 @@ fn accepts_openmetrics(accept: &str) -> bool {
 }
 
 /// Serves `GET /metrics` on `listener` until `shutdown` resolves; the body
-/// comes from `render`, called per request. Other paths get 404.
+/// comes from `render`, called per request. Other paths get 404. The
+/// connection limits are [`crate::http::serve`]'s.
 pub async fn serve_http<F, Fut>(
     listener: TcpListener,
     render: F,
@@ -558,54 +559,33 @@ pub async fn serve_http<F, Fut>(
     F: Fn() -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = String> + Send,
 {
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = &mut shutdown => return,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics accept failed");
-                    continue;
-                }
-            },
-        };
+    let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
         let render = render.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let render = render.clone();
-                async move {
-                    let resp = if req.uri().path() == "/metrics" {
-                        let om = req
-                            .headers()
-                            .get(hyper::header::ACCEPT)
-                            .and_then(|v| v.to_str().ok())
-                            .is_some_and(accepts_openmetrics);
-                        let body = render().await;
-                        let (body, content_type) = if om {
-                            (body, OPENMETRICS_CONTENT_TYPE)
-                        } else {
-                            (openmetrics_to_text(&body), TEXT_CONTENT_TYPE)
-                        };
-                        Response::builder()
-                            .header("content-type", content_type)
-                            .body(Full::new(Bytes::from(body)))
-                    } else {
-                        Response::builder()
-                            .status(404)
-                            .body(Full::new(Bytes::from("not found\n")))
-                    };
-                    Ok::<_, Infallible>(
-                        resp.unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))),
-                    )
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, svc)
-                .await;
-        });
-    }
+        async move {
+            let resp = if req.uri().path() == "/metrics" {
+                let om = req
+                    .headers()
+                    .get(hyper::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(accepts_openmetrics);
+                let body = render().await;
+                let (body, content_type) = if om {
+                    (body, OPENMETRICS_CONTENT_TYPE)
+                } else {
+                    (openmetrics_to_text(&body), TEXT_CONTENT_TYPE)
+                };
+                Response::builder()
+                    .header("content-type", content_type)
+                    .body(Full::new(Bytes::from(body)))
+            } else {
+                Response::builder()
+                    .status(404)
+                    .body(Full::new(Bytes::from("not found\n")))
+            };
+            Ok::<_, Infallible>(resp.unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))))
+        }
+    });
+    crate::http::serve(listener, svc, shutdown, "metrics").await;
 }
 
 /// Shared handle to the metrics.

@@ -112,11 +112,14 @@ pub(crate) async fn serve(
         samples: std::sync::Mutex::new(VecDeque::with_capacity(SAMPLES_KEPT)),
     });
     let sampler = tokio::spawn(sample_loop(console.clone(), stop));
-    let result = axum::serve(listener, router(console))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let router = router(console);
+    let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        use tower::ServiceExt;
+        router.clone().oneshot(req.map(axum::body::Body::new))
+    });
+    crate::http::serve(listener, svc, shutdown, "console").await;
     sampler.abort();
-    result
+    Ok(())
 }
 
 /// Every route of the console.
