@@ -27,7 +27,7 @@ use tonic::Code;
 store_tests! {
     a_worker_whose_leases_time_out_is_quarantined_until_released,
     only_an_admin_releases_and_zero_never_quarantines,
-    a_task_longer_than_the_job_timeout_is_refused,
+    a_plan_whose_tasks_may_outlive_the_job_timeout_is_refused,
     forgetting_a_quarantined_worker_is_refused_until_it_is_released,
     a_quarantined_worker_outlives_the_departed_retention,
     leases_that_expired_while_the_server_was_down_quarantine_no_one,
@@ -206,7 +206,7 @@ async fn only_an_admin_releases_and_zero_never_quarantines(store: TestStore) {
     s.stop().await;
 }
 
-async fn a_task_longer_than_the_job_timeout_is_refused(store: TestStore) {
+async fn a_plan_whose_tasks_may_outlive_the_job_timeout_is_refused(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg()).await;
     let mut p = short_plan("long");
@@ -226,6 +226,25 @@ async fn a_task_longer_than_the_job_timeout_is_refused(store: TestStore) {
             .contains("longer than the server's job timeout (1 s"),
         "{err:?}"
     );
+    // Each task within the job timeout, their sum past it: a run within
+    // them could outlive its lease.
+    let mut p = short_plan("long");
+    p.tasks = vec![p.tasks[0].clone(), p.tasks[0].clone()];
+    p.tasks[1].task_number = 2;
+    for t in &mut p.tasks {
+        t.timeout_secs = 1;
+    }
+    let err = s
+        .plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(p),
+            replace: false,
+        })
+        .await
+        .expect_err("two 1 s tasks, 1 s job timeout");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("add up to 2 s"), "{err:?}");
     let stored = s
         .plans()
         .await
@@ -260,8 +279,9 @@ async fn unregister_and_forget(s: &TestServer, id: &str) -> Result<(), tonic::St
 /// worker is quarantined for those leases. With SQLite, which restarts
 /// the whole queue, a lease still expires no sooner than the grace period
 /// after the start, so a worker that finished its job during the outage
-/// reports it and the result counts. (A PostgreSQL replica shares its
-/// leases with the others; an expired one is re-queued as usual.)
+/// reports it and the result counts. (On PostgreSQL the leases get the
+/// grace when every replica was down, as here: tests/cluster_db_outage.rs
+/// shows the report counting.)
 async fn leases_that_expired_while_the_server_was_down_quarantine_no_one(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     // A job timeout of 2 s: the first server stops well before the leases

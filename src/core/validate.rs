@@ -483,11 +483,15 @@ pub fn plan(plan: &Plan) -> Result<()> {
     Ok(())
 }
 
-/// Checks that no task of `plan` may run longer than a whole job attempt:
-/// such a task would always end in a lease timeout (and count towards its
-/// worker's quarantine) instead of its own, clearer, task timeout.
+/// Checks that a run of `plan` within its tasks' timeouts fits a whole job
+/// attempt: no task's timeout, and not their sum (the tasks run one after
+/// another), is longer than `job_timeout`. A plan past it could have its
+/// lease expire during a run that breaks no task's timeout, and such
+/// expiries fail the attempt and count towards the worker's quarantine
+/// instead of ending in a task's own, clearer, timeout.
 ///
-/// Errors: `InvalidArgument` naming the task, its timeout and `job_timeout`.
+/// Errors: `InvalidArgument` naming the task and its timeout, or the sum,
+/// and `job_timeout`.
 pub fn task_timeouts(plan: &Plan, job_timeout: std::time::Duration) -> Result<()> {
     for t in &plan.tasks {
         if u64::from(t.timeout_secs) > job_timeout.as_secs() {
@@ -499,6 +503,15 @@ pub fn task_timeouts(plan: &Plan, job_timeout: std::time::Duration) -> Result<()
                 job_timeout.as_secs()
             )));
         }
+    }
+    let total: u64 = plan.tasks.iter().map(|t| u64::from(t.timeout_secs)).sum();
+    if total > job_timeout.as_secs() {
+        return Err(Error::invalid(format!(
+            "the tasks' timeout_secs add up to {total} s (they run one after another), longer \
+             than the server's job timeout ({} s, --job-timeout-secs): a run within them could \
+             outlive its lease; lower them or raise --job-timeout-secs",
+            job_timeout.as_secs()
+        )));
     }
     Ok(())
 }

@@ -131,7 +131,9 @@ class Task(_message.Message):
     """
     timeout_secs: _builtins.int
     """Wall-clock limit for this task in seconds (1..=86400). The worker kills
-    the task's process group when it is exceeded and the job fails.
+    the task's process group when it is exceeded and the job fails. The
+    server refuses a Plan whose tasks' limits add up to more than its job
+    timeout (INVALID_ARGUMENT).
     """
     input_from_task: _builtins.int
     """When set, the task's stdin is the stdout of this earlier task (its
