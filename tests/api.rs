@@ -1771,3 +1771,88 @@ async fn many_reads_of_a_waiting_job_at_once_all_succeed(store: TestStore) {
     }
     s.stop().await;
 }
+
+/// A SubmitPlan that finds its plan held by a DeletePlan (another replica)
+/// and then deleted stores version 1 anew, as if it had come after the
+/// delete; it was INTERNAL ("query returned an unexpected number of
+/// rows"), with the plan left absent.
+// PostgreSQL only: SQLite runs the two calls one after the other.
+#[tokio::test]
+async fn a_plan_deleted_under_a_submit_is_stored_anew() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(
+        TestStore::Postgres,
+        &dir.path().join("agq.db"),
+        fast_config(),
+    )
+    .await;
+    let agq::config::Store::Postgres(url) = s.backing.store.clone() else {
+        unreachable!("a PostgreSQL test server")
+    };
+    let mut plans = s.plans().await;
+    plans
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("p", &["sort"])),
+            replace: false,
+        })
+        .await
+        .unwrap();
+    // Another replica's DeletePlan holds the row...
+    let mut deleter = pg::connect(&url).await;
+    let tx = deleter.transaction().await.unwrap();
+    tx.execute("SELECT 1 FROM plans WHERE plan_id = 'p' FOR UPDATE", &[])
+        .await
+        .unwrap();
+    // ...while this replica's SubmitPlan (with replace) runs into it.
+    let submit = tokio::spawn(async move {
+        plans
+            .submit_plan(SubmitPlanRequest {
+                plan: Some(plan("p", &["uniq"])),
+                replace: true,
+            })
+            .await
+    });
+    let watcher = pg::connect(&url).await;
+    let mut waited = false;
+    for _ in 0..200 {
+        let n: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                 AND wait_event_type = 'Lock' AND query LIKE '%FROM plans%FOR UPDATE%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert!(waited, "the submit never waited for the deleter's lock");
+    tx.execute("DELETE FROM plans WHERE plan_id = 'p'", &[])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let stored = submit
+        .await
+        .unwrap()
+        .expect("stored once the delete committed")
+        .into_inner();
+    assert_eq!(stored.version, 1);
+    let got = s
+        .plans()
+        .await
+        .get_plan(GetPlanRequest {
+            plan_id: "p".into(),
+            version: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan
+        .unwrap();
+    assert_eq!((got.version, got.tasks[0].command.as_str()), (1, "uniq"));
+    s.stop().await;
+}

@@ -281,27 +281,44 @@ impl PgEngine {
             .await
             .map_err(db_err)?
             .get(0);
-        let inserted = tx
-            .execute(
-                "INSERT INTO plans (plan_id, description, version, created_at_ms, updated_at_ms)
-                 VALUES ($1, $2, 1, $3, $3) ON CONFLICT (plan_id) DO NOTHING",
-                &[&plan.plan_id, &plan.plan_description, &now],
-            )
-            .await
-            .map_err(db_err)?;
-        let mut plan = plan;
-        if inserted == 1 {
-            plan.version = 1;
-            rows::insert_plan_version(&tx, &plan, now).await?;
-        } else {
-            let version: i32 = tx
-                .query_one(
+        // The plan's row, created here or locked as it stands. A DeletePlan
+        // that holds the row when the insert finds it makes the lock find
+        // nothing once it commits: the insert then runs again and creates
+        // version 1, as if the submit had come after the delete.
+        let mut existing = None;
+        for _ in 0..3 {
+            let inserted = tx
+                .execute(
+                    "INSERT INTO plans (plan_id, description, version, created_at_ms, updated_at_ms)
+                     VALUES ($1, $2, 1, $3, $3) ON CONFLICT (plan_id) DO NOTHING",
+                    &[&plan.plan_id, &plan.plan_description, &now],
+                )
+                .await
+                .map_err(db_err)?;
+            if inserted == 1 {
+                existing = Some(None);
+                break;
+            }
+            if let Some(r) = tx
+                .query_opt(
                     "SELECT version FROM plans WHERE plan_id = $1 FOR UPDATE",
                     &[&plan.plan_id],
                 )
                 .await
                 .map_err(db_err)?
-                .get(0);
+            {
+                existing = Some(Some(r.get::<_, i32>(0)));
+                break;
+            }
+        }
+        let Some(existing) = existing else {
+            return Err(Error::StoreBusy(format!(
+                "plan {} was deleted and stored again by other calls while this one ran; retry",
+                plan.plan_id
+            )));
+        };
+        let mut plan = plan;
+        if let Some(version) = existing {
             if !replace {
                 return Err(Error::AlreadyExists(format!(
                     "plan {} already exists (version {version}); submit it with replace to store a new version",
@@ -337,6 +354,9 @@ impl PgEngine {
             )
             .await
             .map_err(db_err)?;
+        } else {
+            plan.version = 1;
+            rows::insert_plan_version(&tx, &plan, now).await?;
         }
         if plan.require_verified_tools {
             // Sent at the commit: every replica, this one included,
