@@ -1483,9 +1483,19 @@ impl PgEngine {
                             <= (SELECT agq_now_ms()))) r
                  ORDER BY priority DESC, id LIMIT $1"
             }
+            // Pending jobs due later (always `delayed`: `jobs_delayed`)
+            // and failed ones backing off (`jobs_backoff`), each walked in
+            // its index's order, up to `count` each: the old jobs kept by
+            // retention are never read. (One statement with an OR read
+            // the whole table.)
             QueueName::Scheduled => {
-                "SELECT job_id FROM jobs
-                 WHERE (status = 1 AND ready_at_ms > agq_now_ms()) OR status = 4
+                "SELECT job_id FROM (
+                     (SELECT job_id, ready_at_ms, id FROM jobs
+                      WHERE status = 1 AND delayed AND ready_at_ms > (SELECT agq_now_ms())
+                      ORDER BY ready_at_ms, id LIMIT $1)
+                     UNION ALL
+                     (SELECT job_id, ready_at_ms, id FROM jobs
+                      WHERE status = 4 ORDER BY ready_at_ms, id LIMIT $1)) s
                  ORDER BY ready_at_ms, id LIMIT $1"
             }
         };
