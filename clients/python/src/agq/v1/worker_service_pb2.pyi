@@ -717,7 +717,10 @@ class UnregisterWorkerResponse(_message.Message):
 
     REQUEUED_JOBS_FIELD_NUMBER: _builtins.int
     requeued_jobs: _builtins.int
-    """Jobs it still held that went back to pending."""
+    """Jobs it still held. The attempt of each ended: it went back to
+    pending (or failed, waiting for its retry backoff), or to dead when
+    it had no attempt left.
+    """
     def __init__(
         self,
         *,
