@@ -24,6 +24,7 @@ store_tests! {
     a_plan_requiring_verified_tools_runs_only_on_workers_that_answered,
     bad_challenges_are_refused_with_precise_statuses,
     a_challenge_lost_with_its_stream_is_sent_again_on_the_next,
+    a_replaced_plans_open_jobs_keep_getting_their_workers_verified,
 }
 
 /// A directory the sandboxed tasks (run as `nobody` under a root agw) can
@@ -316,4 +317,29 @@ async fn a_challenge_lost_with_its_stream_is_sent_again_on_the_next(store: TestS
         .await
         .expect("the unanswered challenge was not sent again on the new stream");
     assert_eq!(again, first);
+}
+
+/// A job keeps its plan version's `require_verified_tools` after the plan
+/// is replaced by a version without it, so the server still challenges
+/// the workers that register later for that version's tools; it only
+/// challenged for the latest versions, and the job waited for good.
+async fn a_replaced_plans_open_jobs_keep_getting_their_workers_verified(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    put_plan(&s, plan("v", "sort", &[], true)).await;
+    let id = submit(&s, "v", &[]).await;
+    s.plans()
+        .await
+        .submit_plan(SubmitPlanRequest {
+            plan: Some(plan("v", "uniq", &[], false)),
+            replace: true,
+        })
+        .await
+        .expect("replace");
+    let mut w = SimWorker::start(&s, "w", &["sort", "uniq"], 1).await;
+    let challenge = next_challenge(&mut w)
+        .await
+        .expect("no challenge for the tools of the version the open job runs");
+    assert_eq!(challenge.command, "sort");
+    assert_eq!(job(&s, &id).await.status, JobStatus::Pending as i32);
 }

@@ -995,14 +995,24 @@ impl PgEngine {
         if ids.is_empty() {
             return Ok(());
         }
+        // The versions: each plan's latest, and the older ones open jobs
+        // still run (a job keeps its version's requirement after the plan
+        // is replaced by one without it).
         let missing = c
             .query(
-                "SELECT DISTINCT w.worker_id, t.tool, w.units FROM workers w,
-                     plan_versions pv JOIN plans p ON p.plan_id = pv.plan_id AND p.version = pv.version,
+                "WITH needed AS (
+                     SELECT pv.tools FROM plan_versions pv
+                     WHERE pv.require_verified
+                       AND (EXISTS (SELECT 1 FROM plans p
+                                    WHERE p.plan_id = pv.plan_id AND p.version = pv.version)
+                            OR EXISTS (SELECT 1 FROM actions a JOIN jobs j ON j.action_id = a.action_id
+                                       WHERE a.plan_id = pv.plan_id AND j.plan_version = pv.version
+                                         AND j.status IN (1, 2, 4))))
+                 SELECT DISTINCT w.worker_id, t.tool, w.units FROM workers w, needed pv,
                      unnest(pv.tools) AS t(tool)
                  WHERE w.worker_id = ANY($1) AND w.state = ANY($2) AND w.heartbeat_open
                    AND w.replica_id = $3
-                   AND pv.require_verified AND t.tool = ANY(w.tools)
+                   AND t.tool = ANY(w.tools)
                    AND NOT EXISTS (SELECT 1 FROM worker_verifications v
                                    WHERE v.worker_id = w.worker_id AND v.tool = t.tool AND v.passed)
                    AND NOT EXISTS (SELECT 1 FROM worker_challenges ch

@@ -8,7 +8,10 @@
 
 use rusqlite::Connection;
 
-use super::{sql::workers as wstore, state::State};
+use super::{
+    sql::workers as wstore,
+    state::{PlanEntry, State},
+};
 use crate::{
     core::model::{Verification, VerificationAnswer, WorkerCommand, MAX_VERIFY_OUTPUT},
     error::{Error, Result},
@@ -171,9 +174,12 @@ impl State {
     }
 
     /// Challenges worker `worker_id` on every command it advertises that a
-    /// plan with `require_verified_tools` needs and that it has neither
-    /// passed, failed nor a pending challenge for (a failed verification
-    /// is not retried by itself: `agq worker verify` retries it).
+    /// plan version with `require_verified_tools` needs and that it has
+    /// neither passed, failed nor a pending challenge for (a failed
+    /// verification is not retried by itself: `agq worker verify` retries
+    /// it). The versions are the latest of each plan and the older ones
+    /// open jobs still run ([`State::old_plans`]): a job keeps its
+    /// version's requirement after the plan is replaced by one without it.
     pub(super) fn challenge_missing(&mut self, worker_id: &str) {
         let Some(w) = self.workers.get(worker_id) else {
             return;
@@ -181,9 +187,15 @@ impl State {
         if !w.state.is_live() || w.heartbeat.is_none() {
             return;
         }
+        let in_use: Vec<std::sync::Arc<PlanEntry>> = self
+            .old_plans
+            .values()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
         let mut needed: Vec<String> = self
             .plans
             .values()
+            .chain(in_use.iter())
             .filter(|p| p.plan.require_verified_tools)
             .flat_map(|p| p.tools.iter())
             .filter(|t| {
