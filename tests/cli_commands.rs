@@ -91,6 +91,23 @@ fn help_lists_every_command_and_usage_errors_exit_2() {
     }
 }
 
+/// An error written to a stderr nobody reads any more (`2>&1 | head`
+/// that has exited) still ends the command with its own exit code (1),
+/// not a panic's 101.
+#[test]
+fn a_closed_stderr_keeps_the_exit_code() {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let status = cli_support::clean_command(cli_support::AGQ)
+        .args(["--server", "http://127.0.0.1:1", "plan", "get", "p"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .status()
+        .expect("run agq");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
+
 #[test]
 fn plan_submit_get_list_delete() {
     let s = Server::start();

@@ -167,7 +167,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("agq: cannot start the runtime: {e}");
+            agq::cli::to_stderr(format_args!("agq: cannot start the runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -202,7 +202,10 @@ fn main() -> ExitCode {
         Err(e) => {
             // The message may quote the server, and through it anyone's
             // text: shown, never obeyed by the terminal.
-            eprintln!("agq: {}", agq::cli::visible_lines(&e.to_string()));
+            agq::cli::to_stderr(format_args!(
+                "agq: {}",
+                agq::cli::visible_lines(&e.to_string())
+            ));
             ExitCode::FAILURE
         }
     }

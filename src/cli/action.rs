@@ -405,7 +405,10 @@ pub async fn run(c: &Clients, out: OutputFormat, cmd: ActionCommand) -> Result<(
                 OutputFormat::Table => {
                     emit(&page.table())?;
                     if !page.next_page_token.is_empty() {
-                        eprintln!("more results: pass --page-token {}", page.next_page_token);
+                        super::to_stderr(format_args!(
+                            "more results: pass --page-token {}",
+                            page.next_page_token
+                        ));
                     }
                     Ok(())
                 }

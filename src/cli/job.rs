@@ -250,10 +250,10 @@ async fn cancel_by_status(
                 Err(s) => {
                     if cancelled > 0 {
                         // The cancels before it stand: say how many.
-                        eprintln!(
+                        super::to_stderr(format_args!(
                             "agq: cancelled {cancelled} job(s) of action {action_id} before this \
                              error; run the command again for the rest"
-                        );
+                        ));
                     }
                     return Err(s.into());
                 }

@@ -428,7 +428,9 @@ where
 /// Tells the user on stderr how to fetch the next page, when there is one.
 pub fn more_hint(next_page_token: &str) {
     if !next_page_token.is_empty() {
-        eprintln!("more results: pass --page-token {next_page_token} (or --all)");
+        to_stderr(format_args!(
+            "more results: pass --page-token {next_page_token} (or --all)"
+        ));
     }
 }
 
@@ -497,4 +499,12 @@ mod tests {
         assert!(!text.contains("secret"), "{text}");
         assert!(text.contains("<redacted>"), "{text}");
     }
+}
+
+/// Writes one line to stderr, ignoring a failure to write: a closed or
+/// full stderr (`2>&1 | head`) must not turn the command's outcome into a
+/// panic. Every message of the client commands goes through it.
+pub fn to_stderr(line: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }

@@ -414,7 +414,7 @@ impl Display {
     fn notice(&self, text: &str) {
         match self {
             Display::Bar(bar) => bar.println(format!("agq: {}", visible_lines(text))),
-            _ => eprintln!("agq: {}", visible_lines(text)),
+            _ => super::to_stderr(format_args!("agq: {}", visible_lines(text))),
         }
     }
 }
