@@ -434,6 +434,14 @@ pub fn more_hint(next_page_token: &str) {
     }
 }
 
+/// Writes one line to stderr, ignoring a failure to write: a closed or
+/// full stderr (`2>&1 | head`) must not turn the command's outcome into a
+/// panic. Every message of the client commands goes through it.
+pub fn to_stderr(line: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -499,12 +507,4 @@ mod tests {
         assert!(!text.contains("secret"), "{text}");
         assert!(text.contains("<redacted>"), "{text}");
     }
-}
-
-/// Writes one line to stderr, ignoring a failure to write: a closed or
-/// full stderr (`2>&1 | head`) must not turn the command's outcome into a
-/// panic. Every message of the client commands goes through it.
-pub fn to_stderr(line: std::fmt::Arguments<'_>) {
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "{line}");
 }
