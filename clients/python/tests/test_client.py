@@ -463,3 +463,19 @@ def test_a_string_for_a_sequence_is_refused() -> None:
             c.submit_action("p", {"text": "hi"})  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="inputs"):
             c.create_schedule("s", "p", "0 * * * *", {"text": "hi"})  # type: ignore[arg-type]
+
+
+def test_timeouts_are_checked_before_any_call(server: Server) -> None:
+    # A deadline gRPC cannot represent failed every call at once with
+    # DEADLINE_EXCEEDED; a per-call timeout was not checked at all.
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e10):
+        with pytest.raises(ValueError, match="timeout must be"):
+            agq.Client(server.address, timeout=bad)
+    with agq.Client(server.address, timeout=agq.client.MAX_TIMEOUT) as c:
+        assert c.list_plans().ids == ()
+        for bad in (0.0, -1.0, float("nan"), float("inf"), 1e10):
+            with pytest.raises(ValueError, match="timeout must be"):
+                c.get_plan("p", timeout=bad)
+        with pytest.raises(agq.AgqError) as e:
+            c.get_plan("p", timeout=agq.client.MAX_TIMEOUT)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND

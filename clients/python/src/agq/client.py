@@ -4,7 +4,6 @@ token and retries."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,6 +54,20 @@ from agq.v1 import (
 #: Default deadline of one unary call, in seconds.
 DEFAULT_TIMEOUT = 30.0
 
+#: The longest deadline of one call, in seconds (about three years): gRPC
+#: fails a call at once when its deadline is past what it can represent.
+MAX_TIMEOUT = 1e8
+
+
+def _checked_timeout(timeout: float) -> float:
+    """``timeout`` when it is a number of seconds in (0, MAX_TIMEOUT];
+    ValueError otherwise (NaN and infinity included)."""
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT:g}, got {timeout!r}"
+        )
+    return timeout
+
 #: Attempts per job the server gives when a schedule asks for 0.
 _DEFAULT_MAX_ATTEMPTS = 3
 
@@ -90,7 +103,8 @@ class Client:
     system roots, or ``grpc.ChannelCredentials`` (see
     :func:`agq.tls_credentials`). ``timeout`` is the default deadline of
     each unary call in seconds; every method takes ``timeout=`` to override
-    it (ValueError unless it is finite and > 0). Calls failing with
+    it (ValueError unless it is > 0 and at most :data:`MAX_TIMEOUT`, about
+    three years). Calls failing with
     UNAVAILABLE are retried per ``retry``.
 
     A call that is not idempotent may have been applied by a try whose
@@ -122,10 +136,8 @@ class Client:
         retry: RetryPolicy | None = None,
         tls_server_name: str | None = None,
     ) -> None:
-        if not timeout > 0 or math.isinf(timeout):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.address = address
-        self.timeout = timeout
+        self.timeout = _checked_timeout(timeout)
         self.retry = retry or RetryPolicy()
         self._metadata: Metadata = bearer(token)
         #: The underlying gRPC channel (for the raw stubs of :mod:`agq.v1`).
@@ -155,7 +167,7 @@ class Client:
         self.close()
 
     def _t(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
+        return self.timeout if timeout is None else _checked_timeout(timeout)
 
     def _send_once(
         self, name: str, fn: Callable[..., _Resp], req: object, timeout: float | None,
