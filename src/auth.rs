@@ -381,15 +381,18 @@ pub fn check_worker_service_call(method: &str, id: &Identity) -> Result<(), Stat
 /// request message is read ([`check_worker_service_call`]); the handlers
 /// check again, with the worker id. Without it the server would read, and
 /// buffer, a message it then refuses.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WorkerCallGate<S> {
     inner: S,
+    /// Counts the calls it refuses.
+    metrics: crate::metrics::SharedMetrics,
 }
 
 impl<S> WorkerCallGate<S> {
-    /// Gate in front of `inner`.
-    pub fn new(inner: S) -> Self {
-        WorkerCallGate { inner }
+    /// Gate in front of `inner`; its refusals count in `metrics`
+    /// (`agq_auth_refusals_total`).
+    pub fn new(inner: S, metrics: crate::metrics::SharedMetrics) -> Self {
+        WorkerCallGate { inner, metrics }
     }
 }
 
@@ -421,6 +424,7 @@ where
         match check_worker_service_call(method, &id) {
             Ok(()) => futures_util::future::Either::Right(self.inner.call(req)),
             Err(status) => {
+                self.metrics.auth_refused(&status);
                 futures_util::future::Either::Left(std::future::ready(Ok(status.into_http())))
             }
         }

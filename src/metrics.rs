@@ -42,6 +42,14 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+/// Label of the refused-call counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabel {
+    /// gRPC code name: "Unauthenticated" (no token, a malformed one or an
+    /// unknown one) or "PermissionDenied" (a token of another role).
+    pub code: String,
+}
+
 /// Label of queue depth gauges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QueueLabel {
@@ -118,6 +126,11 @@ pub struct Metrics {
     pub requeues: Family<ReasonLabel, Counter>,
     /// UpdateJob calls rejected by fencing (stale lease or another worker).
     pub fencing_rejections: Counter,
+    /// Calls refused by the token check before any handler ran
+    /// (`agq_auth_refusals_total`, by code): a rising count of
+    /// `Unauthenticated` is someone guessing tokens or a fleet with a
+    /// wrong one.
+    pub auth_refusals: Family<RefusalLabel, Counter>,
     /// Workers by state and freshness (gauge, refreshed at scrape).
     pub workers: Family<WorkerLabel, Gauge>,
     /// RPCs by method and status code.
@@ -236,6 +249,12 @@ impl Metrics {
             "UpdateJob calls rejected by lease fencing",
             fencing_rejections.clone(),
         );
+        let auth_refusals = Family::<RefusalLabel, Counter>::default();
+        registry.register(
+            "auth_refusals",
+            "Calls refused by the token check before any handler ran, by gRPC code",
+            auth_refusals.clone(),
+        );
         let workers = Family::<WorkerLabel, Gauge>::default();
         registry.register("workers", "Workers by state and freshness", workers.clone());
         let rpcs = Family::<RpcLabel, Counter>::default();
@@ -341,6 +360,7 @@ impl Metrics {
             lease_wait: Default::default(),
             requeues,
             fencing_rejections,
+            auth_refusals,
             workers,
             rpcs,
             rpc_duration,
@@ -586,6 +606,18 @@ pub async fn serve_http<F, Fut>(
         }
     });
     crate::http::serve(listener, svc, shutdown, "metrics").await;
+}
+
+impl Metrics {
+    /// Counts a call refused by the token check, and logs it at debug
+    /// level (never the token).
+    pub fn auth_refused(&self, status: &tonic::Status) {
+        let code = format!("{:?}", status.code());
+        tracing::debug!(code = %code, reason = status.message(), "call refused by the token check");
+        self.auth_refusals
+            .get_or_create(&RefusalLabel { code })
+            .inc();
+    }
 }
 
 /// Shared handle to the metrics.

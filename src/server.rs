@@ -147,10 +147,16 @@ pub async fn run(
     // each handler checks the worker id); every call of the other
     // services is a client call, refused to a worker token before its
     // request is read.
-    let auth = opts.auth.clone();
-    let intercept = move |req| auth.intercept(req);
-    let auth = opts.auth.clone();
-    let intercept_client = move |req| auth.intercept_client_call(req);
+    let (auth, metrics) = (opts.auth.clone(), engine.metrics().clone());
+    let intercept = move |req| {
+        auth.intercept(req)
+            .inspect_err(|st| metrics.auth_refused(st))
+    };
+    let (auth, metrics) = (opts.auth.clone(), engine.metrics().clone());
+    let intercept_client = move |req| {
+        auth.intercept_client_call(req)
+            .inspect_err(|st| metrics.auth_refused(st))
+    };
     macro_rules! svc {
         ($server:ident, $api:expr) => {
             svc!($server, $api, intercept_client)
@@ -194,6 +200,7 @@ pub async fn run(
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            engine.metrics().clone(),
         ),
         intercept.clone(),
     );

@@ -1452,3 +1452,73 @@ async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it(
     wait_until_it_fits(&ch).await;
     server.stop().await.unwrap();
 }
+
+/// Calls refused by the token check count in
+/// `agq_auth_refusals_total{code}`, so token guessing and a fleet with a
+/// wrong token show on the metrics: a missing or unknown token is
+/// `Unauthenticated`, a token of another role `PermissionDenied`, whether
+/// the interceptor or the worker service's gate refuses it.
+#[tokio::test]
+async fn refused_calls_are_counted_by_code() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let entry = |token: &str, role, worker_id: Option<&str>| TokenEntry {
+        token: token.into(),
+        role,
+        worker_id: worker_id.map(Into::into),
+        worker_id_prefix: None,
+    };
+    let auth = Authenticator::from_file(
+        "test",
+        AuthFile {
+            tokens: vec![
+                entry("client-token-0123456789", Role::Client, None),
+                entry("worker-w1-token-0123456789", Role::Worker, Some("w1")),
+            ],
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_with_console(&dir.path().join("agq.db"), fast_config(), auth).await;
+    let ch = s.channel().await;
+    let with = |t: Option<&str>| InterceptedService::new(ch.clone(), Bearer(t.map(Into::into)));
+    for token in [
+        None,
+        Some("wrong-token-0123456789"),
+        Some("another-wrong-token-01"),
+    ] {
+        let st = call(with(token), "ListPlans").await.unwrap_err();
+        assert_eq!(st.code(), Code::Unauthenticated);
+    }
+    // A worker token on a client call (the interceptor), a client token on
+    // a worker call (the gate).
+    let st = call(with(Some("worker-w1-token-0123456789")), "ListPlans")
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::PermissionDenied);
+    let st = call(with(Some("client-token-0123456789")), "DrainWorker")
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::PermissionDenied);
+    call(with(Some("client-token-0123456789")), "ListPlans")
+        .await
+        .expect("a client call with a client token");
+    let mut conn = tokio::net::TcpStream::connect(s.metrics_addr.unwrap())
+        .await
+        .unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    conn.read_to_string(&mut text).await.unwrap();
+    let count = |code: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("agq_auth_refusals_total{{code=\"{code}\"}} "))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or_else(|| panic!("no refusal count for {code} in:\n{text}"))
+    };
+    assert_eq!(count("Unauthenticated"), 3.0);
+    assert_eq!(count("PermissionDenied"), 2.0);
+    s.stop().await;
+}
