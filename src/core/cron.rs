@@ -106,7 +106,30 @@ impl CronSchedule {
 
     /// The ticks in `from_ms..=to_ms` (ms), the `max` most recent of them
     /// in ascending order, and whether older ones were left out.
+    ///
+    /// Walking back from `to_ms`, a wall-clock time that occurs twice (a
+    /// night the clocks go back) is met at its earlier occurrence, while
+    /// [`Self::next_after_ms`], which stored the due time, gives the
+    /// later one: a range that starts at that later occurrence would lose
+    /// the tick. The first tick at or after `from_ms`, walking forward, is
+    /// therefore always counted.
     pub fn ticks_between(&self, from_ms: i64, to_ms: i64, max: usize) -> (Vec<i64>, bool) {
+        let (mut ticks, mut more) = self.ticks_back(from_ms, to_ms, max);
+        if let Some(first) = self
+            .next_after_ms(from_ms.saturating_sub(1))
+            .filter(|&t| t <= to_ms && ticks.first().is_none_or(|&f| t < f))
+        {
+            if ticks.len() < max {
+                ticks.insert(0, first);
+            } else {
+                more = true;
+            }
+        }
+        (ticks, more)
+    }
+
+    /// [`Self::ticks_between`] as the walk back from `to_ms` finds them.
+    fn ticks_back(&self, from_ms: i64, to_ms: i64, max: usize) -> (Vec<i64>, bool) {
         let Ok(end) = Timestamp::from_millisecond(to_ms.saturating_add(1)) else {
             return (Vec::new(), false);
         };
@@ -286,6 +309,31 @@ mod tests {
         assert_eq!(
             every.ticks_between(t0 + 1, t0 + 3500, 2),
             (vec![t0 + 2000, t0 + 3000], true)
+        );
+        assert_eq!(every.ticks_between(t0 + 1, t0 + 999, 10), (vec![], false));
+    }
+
+    #[test]
+    fn a_catch_up_from_the_later_of_a_time_that_occurs_twice_keeps_its_tick() {
+        // 01:30 in New York on 2025-11-02 occurs twice (EDT, then EST);
+        // the due time stored is the later, 06:30Z. A catch-up from it to
+        // the next day counts that night's tick and the next day's.
+        let c = CronSchedule::parse("0 30 1 * * *", "America/New_York").unwrap();
+        let due = 1_762_065_000_000; // 2025-11-02T06:30:00Z
+        assert_eq!(c.next_after_ms(due - 1), Some(due));
+        let next_day = due + 24 * 3_600_000; // 2025-11-03T06:30:00Z
+        assert_eq!(
+            c.ticks_between(due, next_day + 5 * 3_600_000, 10),
+            (vec![due, next_day], false)
+        );
+        assert_eq!(
+            c.ticks_between(due, next_day + 5 * 3_600_000, 1),
+            (vec![next_day], true)
+        );
+        // The same day only: one tick, as before.
+        assert_eq!(
+            c.ticks_between(due, due + 3_600_000, 10),
+            (vec![due], false)
         );
     }
 
