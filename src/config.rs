@@ -338,6 +338,19 @@ impl EngineConfig {
         self.heartbeat_interval * 3
     }
 
+    /// How long after the server comes back from an outage (a restart on
+    /// SQLite; every replica down, or the database unreachable, on
+    /// PostgreSQL) its workers may take to reconnect before the leases
+    /// they held are re-queued: the longer of `lease_grace` and the stale
+    /// window. During the outage agw backs off its reconnects (at most one
+    /// heartbeat interval apart while it holds jobs), so the lease grace
+    /// alone, meant for one dropped connection, would re-queue the jobs of
+    /// workers that are on their way back, and drop the results they
+    /// finished meanwhile.
+    pub fn restart_grace(&self) -> Duration {
+        self.lease_grace.max(self.stale_after())
+    }
+
     /// Backoff before the attempt after failed attempt `attempt` (1-based),
     /// in ms: `retry_backoff_base` doubled per attempt, at most
     /// `retry_backoff_max` and [`MAX_RETRY_BACKOFF_MS`], with ±25 % jitter;

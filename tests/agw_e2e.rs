@@ -1791,3 +1791,67 @@ async fn a_normal_run_logs_no_false_warnings() {
     assert!(!err.contains("more leases than slots"), "{err}");
     assert!(!err.contains("result dropped"), "{err}");
 }
+
+/// A job that finished while the server was down counts in its first
+/// attempt once the server is back, after an outage longer than the lease
+/// grace: the server waits the stale window for the workers it loaded, and
+/// agw, holding a job, retries at least once per heartbeat interval. (With
+/// the lease grace only and agw's backoff grown to 8 s, the lease was
+/// re-queued before agw came back, its result dropped, and the job, on
+/// its only attempt, went dead.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_finished_while_the_server_was_down_counts_in_its_first_attempt() {
+    let dir = test_dir();
+    let mut server =
+        Server::try_start_with(dir.path().join("agq.db"), "127.0.0.1:0", 2000, 1000, vec![])
+            .expect("agq started");
+    let mut c = Clients::new(&server).await;
+    c.plan("nap", vec![task(1, "sleep", &["2"], 30, None)])
+        .await;
+    let _agw = Agw::start(&server, "w-outage", &[]).await;
+    let id = c.submit("nap", &[], 1).await;
+    c.wait_status(&id, JobStatus::Running).await;
+    server.kill();
+    // The job ends meanwhile; agw's reconnects back off.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    server.restart();
+    let mut c = Clients::new(&server).await;
+    let job = c
+        .wait_job(&id, "the job ends", |j| {
+            j.status != JobStatus::Running as i32 && j.status != JobStatus::Pending as i32
+        })
+        .await;
+    assert_eq!(
+        (job.status, job.attempt, job.error.as_str()),
+        (JobStatus::Completed as i32, 1, ""),
+        "{job:#?}"
+    );
+}
+
+/// A report still over the server's `--max-report-bytes` once its
+/// outputs are dropped (the error quotes a long stderr) is sent again
+/// with its outcome only, and the job ends at once with its own error; it
+/// was retried for good, the job timed out, and a draining agw never
+/// exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_too_big_even_without_outputs_still_ends_the_job() {
+    let dir = test_dir();
+    let server = Server::try_start_with(
+        dir.path().join("agq.db"),
+        "127.0.0.1:0",
+        200,
+        500,
+        vec!["--max-report-bytes".into(), "1024".into()],
+    )
+    .expect("agq started");
+    let mut c = Clients::new(&server).await;
+    c.plan("missing", vec![task(1, "cat", &["{{file}}"], 30, None)])
+        .await;
+    let _agw = Agw::start(&server, "w-big-report", &[]).await;
+    // cat names the missing file in its error: 1.4 KB of stderr.
+    let missing = format!("/nonexistent/{}", "a/".repeat(700));
+    let id = c.submit("missing", &[("file", &missing)], 1).await;
+    let job = c.wait_status(&id, JobStatus::Dead).await;
+    assert!(job.error.contains("task 1 (cat)"), "{}", job.error);
+    assert!(!job.error.contains("timed out"), "{}", job.error);
+}

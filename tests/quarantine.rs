@@ -351,7 +351,9 @@ async fn leases_that_expired_while_the_server_was_down_quarantine_no_one(store: 
 /// still heartbeats). That one times out too, and it is quarantined.
 async fn hang_until_quarantined(s: &TestServer, hung: &mut SimWorker) {
     let first = hung.lease().await;
-    let second = hung.lease_within(8_000).await.expect("a second lease");
+    // Maintenance judges lease expiry once the restart grace after its
+    // start has passed (up to 6 s with a 2 s heartbeat interval).
+    let second = hung.lease_within(15_000).await.expect("a second lease");
     assert_ne!(first.lease_id, second.lease_id);
     eventually(15, "quarantined after 2 timeouts", || async {
         worker(s, "w-hung").await.state == WorkerState::Quarantined as i32

@@ -193,12 +193,31 @@ fn lease_gone(code: Code) -> bool {
 }
 
 /// True for codes worth retrying an update for: the server (or the path to
-/// it) is down, or its store cannot commit now, not refusing.
+/// it) is down, or its store cannot commit now, not refusing. INTERNAL and
+/// ABORTED too: the server rolls back a batch that failed (every report in
+/// it answered INTERNAL) and expects the reports again, and fencing makes
+/// a repeat harmless.
 fn transient(code: Code) -> bool {
     matches!(
         code,
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+        Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Unknown
+            | Code::Internal
+            | Code::Aborted
     )
+}
+
+/// Cuts `text` to at most `max` bytes, on a character boundary.
+fn cut_at(text: &mut String, max: usize) {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
 }
 
 /// The wait the server asked for before the same request is sent again
@@ -264,6 +283,16 @@ impl Shared {
     /// Lease ids of the jobs running now.
     fn held_leases(&self) -> Vec<String> {
         self.jobs().values().map(|j| j.lease_id.clone()).collect()
+    }
+
+    /// The heartbeat interval the server last gave (30 s, the server's
+    /// default, before it gave one).
+    fn heartbeat_interval(&self) -> Duration {
+        self.interval
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or(Duration::from_secs(30))
+            .max(Duration::from_millis(100))
     }
 
     fn active_jobs(&self) -> u32 {
@@ -712,8 +741,16 @@ async fn report_final(
     expires_at: Option<SystemTime>,
     aborted: bool,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
-    let mut stripped = false;
+    // At most a heartbeat interval apart (see `session_loop`).
+    let mut backoff = Backoff::new(
+        Duration::from_millis(500),
+        Duration::from_secs(30).min(shared.heartbeat_interval()),
+    );
+    // How much of the report was cut to fit the server's limit: 0 none,
+    // 1 the outputs (and the error past 4 KiB), 2 everything but the
+    // outcome and 256 bytes of the error, which fits any limit the server
+    // may set (`--max-report-bytes` is at least 1 KiB).
+    let mut stripped = 0u8;
     let mut told_expired = false;
     loop {
         let st = match shared
@@ -730,7 +767,7 @@ async fn report_final(
         let pushed = pushback(&st);
         if transient(st.code())
             || pushed.is_some()
-            || (stripped && st.code() == Code::ResourceExhausted)
+            || (stripped == 2 && st.code() == Code::ResourceExhausted)
         {
             if !told_expired && expires_at.is_some_and(|t| SystemTime::now() > t) {
                 told_expired = true;
@@ -749,28 +786,30 @@ async fn report_final(
             }
             return;
         }
-        if !stripped
+        if stripped < 2
             && matches!(
                 st.code(),
                 Code::InvalidArgument | Code::ResourceExhausted | Code::OutOfRange
             )
         {
-            // Perhaps the outputs are too big for the server: report the
-            // outcome without them rather than strand the lease.
-            warn!(job_id = %ids.job_id, status = %describe(&st), "result refused; reporting it again without outputs");
-            stripped = true;
-            for r in &mut req.task_results {
-                r.stdout_truncated |= !r.stdout.is_empty();
-                r.stderr_truncated |= !r.stderr.is_empty();
-                r.stdout.clear();
-                r.stderr.clear();
-            }
-            if req.error.len() > 4096 {
-                let mut end = 4096;
-                while !req.error.is_char_boundary(end) {
-                    end -= 1;
+            // Perhaps the report is too big for the server: report the
+            // outcome with less rather than strand the lease (a refusal of
+            // the smallest report for RESOURCE_EXHAUSTED is the store's,
+            // retried above).
+            stripped += 1;
+            if stripped == 1 {
+                warn!(job_id = %ids.job_id, status = %describe(&st), "result refused; reporting it again without outputs");
+                for r in &mut req.task_results {
+                    r.stdout_truncated |= !r.stdout.is_empty();
+                    r.stderr_truncated |= !r.stderr.is_empty();
+                    r.stdout.clear();
+                    r.stderr.clear();
                 }
-                req.error.truncate(end);
+                cut_at(&mut req.error, 4096);
+            } else {
+                warn!(job_id = %ids.job_id, status = %describe(&st), "result refused again; reporting only its outcome");
+                req.task_results.clear();
+                cut_at(&mut req.error, 256);
             }
             continue;
         }
@@ -998,7 +1037,14 @@ async fn session_loop(shared: Arc<Shared>) -> WorkerError {
             debug!(reason = %why, "streams closed after unregistering");
             return std::future::pending().await;
         }
-        let d = backoff.next_delay();
+        let mut d = backoff.next_delay();
+        if shared.active_jobs() > 0 {
+            // Jobs held (running, or results not yet acknowledged): try at
+            // least once per heartbeat interval, so that a server back from
+            // an outage hears from this worker well within the stale
+            // window it waits for its workers.
+            d = d.min(shared.heartbeat_interval());
+        }
         warn!(reason = %why, retry_in_ms = d.as_millis() as u64, running_jobs = shared.active_jobs(), "connection lost; reconnecting");
         tokio::time::sleep(d).await;
     }

@@ -170,7 +170,9 @@ impl PgEngine {
     /// replica down, or the database unreachable), and then no worker
     /// could reach the cluster either. The row keeps the time
     /// (`resumed_at_ms`, migration 0006), so a change of leader right
-    /// after does not forget it.
+    /// after does not forget it. The first leader of a new database
+    /// starts maintenance as a resumption too: workers may have registered
+    /// before it, and the database may have been down since.
     ///
     /// Errors: storage errors.
     async fn lead(&self) -> Result<Option<i64>> {
@@ -202,12 +204,13 @@ impl PgEngine {
     /// The passes that judge silence wait after a resumption, so that the
     /// workers get the time they would have had had the cluster kept
     /// running: stale heartbeats a stale window (3 x the interval), lease
-    /// expiry and dropped streams the lease grace (`--lease-grace-ms`),
-    /// as the embedded engine gives the leases it loads at start-up.
+    /// expiry and dropped streams the restart grace (the longer of
+    /// `--lease-grace-ms` and the stale window), as the embedded engine
+    /// gives the workers and leases it loads at start-up.
     ///
     /// Errors: storage errors.
     async fn maintain(&self, resumed_for_ms: i64, finish_cursor: &mut i64) -> Result<()> {
-        let grace = i64::try_from(self.cfg.lease_grace.as_millis()).unwrap_or(i64::MAX / 4);
+        let grace = i64::try_from(self.cfg.restart_grace().as_millis()).unwrap_or(i64::MAX / 4);
         self.promote_due().await?;
         if resumed_for_ms >= grace {
             self.expire_leases().await?;

@@ -356,6 +356,11 @@ pub(super) struct State {
     /// Leases granted by the dispatcher since the starvation guard last
     /// placed the oldest ready job.
     pub(super) since_guard: u32,
+    /// When the first [`State::load`] ran (the server's start): until
+    /// [`crate::config::EngineConfig::restart_grace`] after it, the
+    /// workers it loaded may take that long to reconnect before their
+    /// leases are re-queued.
+    pub(super) started: Option<Instant>,
     /// Slots of the ACTIVE workers with a lease stream open (free or
     /// not): sizes the round-robin turn.
     pub(super) fleet_slots: u64,
@@ -483,6 +488,7 @@ impl State {
             order: BTreeSet::new(),
             running_by_key: Map::default(),
             since_guard: 0,
+            started: None,
             fleet_slots: 0,
             delayed: BTreeSet::new(),
             delayed_jobs: Map::default(),
@@ -723,14 +729,16 @@ impl State {
     /// holds (the stream it went out on, whether the worker acknowledged
     /// it, when it was granted, its expiry). Workers new to memory (server
     /// start) count as suspect from now, so their leases return to pending
-    /// after the grace period unless they reconnect; a lease new to memory
-    /// expires no sooner than the grace period from now, so a worker that
+    /// after the restart grace (the longer of the lease grace and the
+    /// stale window) unless they reconnect; a lease new to memory expires
+    /// no sooner than the restart grace from now, so a worker that
     /// finished its job while the server was down can still report it.
     ///
     /// Errors: [`crate::error::Error::Storage`].
     pub(super) fn load(&mut self, conn: &Connection) -> Result<()> {
         let now = Instant::now();
         let now_ms = now_ms();
+        self.started.get_or_insert(now);
         self.plans.clear();
         self.old_plans.clear();
         for plan in sql::plans::load_all(conn)? {
@@ -802,7 +810,7 @@ impl State {
         self.delayed_low = i64::MAX;
         self.fresh_bytes = 0;
         let mut old_leases = std::mem::take(&mut self.leases);
-        let grace_ms = i64::try_from(self.cfg.lease_grace.as_millis()).unwrap_or(i64::MAX / 4);
+        let grace_ms = i64::try_from(self.cfg.restart_grace().as_millis()).unwrap_or(i64::MAX / 4);
         self.lease_by_job.clear();
         self.unscheduled.clear();
         self.job_counts = [0; JOB_STATUSES];

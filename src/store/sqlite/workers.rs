@@ -628,6 +628,9 @@ impl State {
             } else if !w.leases.is_empty()
                 && w.suspect_since
                     .is_some_and(|t| queued.saturating_duration_since(t) >= self.cfg.lease_grace)
+                && self
+                    .started
+                    .is_none_or(|t| queued.saturating_duration_since(t) >= self.cfg.restart_grace())
             {
                 suspect.push(id.clone());
             }
