@@ -479,3 +479,30 @@ def test_timeouts_are_checked_before_any_call(server: Server) -> None:
         with pytest.raises(agq.AgqError) as e:
             c.get_plan("p", timeout=agq.client.MAX_TIMEOUT)
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_report_too_big_even_without_outputs_still_ends_the_job(
+    tmp_path: Path, start_worker: Callable[[agq.Worker], WorkerThread]
+) -> None:
+    # The error alone (the exception's 3 KB message) is over the server's
+    # --max-report-bytes: the report goes again with its outcome only and
+    # the job ends; it was retried for good and the job timed out.
+    server = Server(tmp_path / "small-reports", extra=["--max-report-bytes", "1024"])
+    try:
+        w = agq.Worker(server.address, "py-big-report")
+
+        @w.task("shout")
+        def shout(ctx: agq.TaskContext) -> str:
+            raise ValueError("x" * 3000)
+
+        start_worker(w).wait_connected()
+        with agq.Client(server.address, timeout=10) as c:
+            c.submit_plan(agq.Plan("py-shout", [agq.Task("shout", timeout_secs=10)]))
+            sub = c.submit_action("py-shout", [{}], max_attempts=1)
+            last = c.wait_action(sub.action_id, timeout=WAIT)
+            assert last.dead == 1
+            job = c.get_job(sub.job_ids[0])
+            assert "timed out" not in job.error, job.error
+            assert job.error, job
+    finally:
+        server.stop()

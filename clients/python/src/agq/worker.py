@@ -142,12 +142,27 @@ _LEASE_GONE = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.NOT_FOUND,
 )
+# Worth sending again: the server (or the path to it) is down or its store
+# cannot commit now. INTERNAL and ABORTED too: the server rolls back a batch
+# that failed (every report in it answered INTERNAL) and expects the reports
+# again, and fencing makes a repeat harmless.
 _TRANSIENT = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
 )
+
+
+def _cut(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` bytes of UTF-8, on a character
+    boundary."""
+    data = text.encode()
+    if len(data) <= max_bytes:
+        return text
+    return data[:max_bytes].decode(errors="ignore")
 
 
 class JobCancelled(Exception):
@@ -991,6 +1006,14 @@ class Worker:
             if self._leaving.is_set():
                 return
             d = next(delays)
+            with self._lock:
+                holding = bool(self._jobs)
+            if holding:
+                # Jobs held (running, or results not yet acknowledged): try
+                # at least once per heartbeat interval, so that a server
+                # back from an outage hears from this worker well within the
+                # stale window it waits for its workers.
+                d = min(d, self._interval or DEFAULT_HEARTBEAT_INTERVAL)
             log.warning("connection lost; reconnecting in %.1f s", d)
             self._leaving.wait(d)
 
@@ -1597,7 +1620,10 @@ class Worker:
             return  # left without reporting: the server re-queues the lease
         expires = timestamp(lease.expires_at).timestamp() if lease.HasField("expires_at") else None
         delays = _backoff(*REPORT_BACKOFF)
-        stripped = False
+        # How much was cut to fit the server's limit: 0 none, 1 the outputs
+        # (and the error past 4 KiB), 2 all but the outcome and 256 bytes of
+        # the error, which fits any limit the server may set.
+        stripped = 0
         told_expired = False
         job_id = lease.job.job_id
         while True:
@@ -1610,7 +1636,7 @@ class Worker:
                 code, details = status_of(e)
                 pushed = _pushback(e)
             if (code in _TRANSIENT or pushed is not None
-                    or (stripped and code == grpc.StatusCode.RESOURCE_EXHAUSTED)):
+                    or (stripped == 2 and code == grpc.StatusCode.RESOURCE_EXHAUSTED)):
                 if self._killed or self._leaving.is_set():
                     log.warning("job %s: result not reported (%s: %s): the worker is leaving",
                                 job_id, code.name, details)
@@ -1628,20 +1654,26 @@ class Worker:
                 (log.debug if aborted else log.warning)(
                     "job %s: result refused, the lease is no longer ours: %s", job_id, details)
                 return
-            if not stripped and code in (
+            if stripped < 2 and code in (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.OUT_OF_RANGE,
             ):
-                log.warning("job %s: result refused (%s); sending it without outputs", job_id,
-                            details)
-                stripped = True
-                for r in req.task_results:
-                    r.stdout_truncated |= bool(r.stdout)
-                    r.stderr_truncated |= bool(r.stderr)
-                    r.stdout = ""
-                    r.stderr = ""
-                req.error = req.error[:4096]
+                stripped += 1
+                if stripped == 1:
+                    log.warning("job %s: result refused (%s); sending it without outputs",
+                                job_id, details)
+                    for r in req.task_results:
+                        r.stdout_truncated |= bool(r.stdout)
+                        r.stderr_truncated |= bool(r.stderr)
+                        r.stdout = ""
+                        r.stderr = ""
+                    req.error = _cut(req.error, 4096)
+                else:
+                    log.warning("job %s: result refused again (%s); sending only its outcome",
+                                job_id, details)
+                    del req.task_results[:]
+                    req.error = _cut(req.error, 256)
                 continue
             log.error("job %s: result refused: %s: %s", job_id, code.name, details)
             return
