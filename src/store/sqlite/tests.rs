@@ -144,17 +144,14 @@ async fn submit_as(
     .job_ids
 }
 
-/// When the database says a job no longer runs under a lease memory
-/// holds, the operation that finds it (here releasing a worker's leases
-/// one by one) does not leave memory half-changed: the batch is rolled
-/// back and the state reloaded, so a retry succeeds on what the database
-/// holds, and no job is left running in memory but not on disk.
-#[tokio::test]
-async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
-    let dir = tempfile::tempdir().unwrap();
-    // The worker never beats: a long interval keeps it live throughout.
+/// An engine on `dir` with plan "p" (`cat`) and worker "w" of `slots`
+/// slots, which never beats: a 60 s interval keeps it live throughout.
+async fn one_silent_worker(
+    dir: &tempfile::TempDir,
+    slots: u32,
+) -> (std::sync::Arc<SqliteEngine>, SharedEngine, Worker) {
     let e = open(
-        &dir,
+        dir,
         EngineConfig {
             heartbeat_interval: Duration::from_secs(60),
             ..quick()
@@ -166,7 +163,19 @@ async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
         .submit_plan(plan("p", &["cat"]), false)
         .await
         .unwrap();
-    let mut w = Worker::start(&shared, "w", &["cat"], 2).await;
+    let w = Worker::start(&shared, "w", &["cat"], slots).await;
+    (e, shared, w)
+}
+
+/// When the database says a job no longer runs under a lease memory
+/// holds, the operation that finds it (here releasing a worker's leases
+/// one by one) does not leave memory half-changed: the batch is rolled
+/// back and the state reloaded, so a retry succeeds on what the database
+/// holds, and no job is left running in memory but not on disk.
+#[tokio::test]
+async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, shared, mut w) = one_silent_worker(&dir, 2).await;
     let ids = submit(&shared, "p", 2, 3).await;
     let first = w.lease_within(2000).await.expect("first lease");
     let second = w.lease_within(2000).await.expect("second lease");
@@ -204,20 +213,7 @@ async fn a_lease_memory_holds_and_the_database_does_not_reloads_the_state() {
 #[tokio::test]
 async fn a_reload_keeps_what_memory_knew_of_leases_and_timeouts() {
     let dir = tempfile::tempdir().unwrap();
-    let e = open(
-        &dir,
-        EngineConfig {
-            heartbeat_interval: Duration::from_secs(60),
-            ..quick()
-        },
-    )
-    .await;
-    let shared: SharedEngine = e.clone();
-    shared
-        .submit_plan(plan("p", &["cat"]), false)
-        .await
-        .unwrap();
-    let mut w = Worker::start(&shared, "w", &["cat"], 1).await;
+    let (e, shared, mut w) = one_silent_worker(&dir, 1).await;
     submit(&shared, "p", 1, 3).await;
     w.lease_within(2000).await.expect("a lease");
     let (before, after) = e
