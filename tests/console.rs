@@ -121,6 +121,19 @@ async fn rpc_count(server: &TestServer, method: &str) -> f64 {
         .sum()
 }
 
+/// The `agq_auth_refusals_total` sample of `code` on the metrics listener
+/// (0 when there is none yet).
+async fn refusals(server: &TestServer, code: &str) -> f64 {
+    let base = format!("http://{}", server.metrics_addr.expect("metrics listener"));
+    let page = http(&base, "GET", "/metrics", &[]).await;
+    assert_eq!(page.status, 200);
+    let key = format!("agq_auth_refusals_total{{code=\"{code}\"}} ");
+    page.body
+        .lines()
+        .find_map(|l| l.strip_prefix(&key)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 #[tokio::test]
 async fn a_20000_job_action_is_shown_one_page_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
@@ -296,6 +309,9 @@ async fn tokens_grant_exactly_their_roles_and_state_changes_need_the_console() {
     let (k, w) = bearer(WORKER);
     let worker = http(&c, "GET", "/fragments/actions", &[(k, &w)]).await;
     assert_eq!(worker.status, 403, "{}", worker.body);
+    // The refusals count as the API's do.
+    assert_eq!(refusals(&s, "Unauthenticated").await, 2.0);
+    assert_eq!(refusals(&s, "PermissionDenied").await, 1.0);
     let (k, client) = bearer(CLIENT);
     let ok = http(&c, "GET", "/fragments/actions", &[(k, &client)]).await;
     assert_eq!(ok.status, 200, "{}", ok.body);

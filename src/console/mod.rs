@@ -153,7 +153,9 @@ fn router(console: Arc<Console>) -> Router {
 }
 
 /// Checks every request before its handler: the Host rule without auth,
-/// the HX-Request rule on state changes; adds the security headers.
+/// the HX-Request rule on state changes; adds the security headers, and
+/// counts the handlers' token and role refusals in
+/// `agq_auth_refusals_total`.
 async fn guard(State(console): State<Arc<Console>>, req: Request, next: Next) -> Response {
     if console.auth.is_disabled() && !loopback_host(req.headers()) {
         return Refusal::new(
@@ -174,6 +176,17 @@ async fn guard(State(console): State<Arc<Console>>, req: Request, next: Next) ->
         .into_response();
     }
     let mut res = next.run(req).await;
+    // A refusal of the caller's token (401) or of its role (403: the guard
+    // refuses its own cases above) counts as the API's refusals do.
+    let refused = match res.status() {
+        StatusCode::UNAUTHORIZED => Some(tonic::Code::Unauthenticated),
+        StatusCode::FORBIDDEN => Some(tonic::Code::PermissionDenied),
+        _ => None,
+    };
+    if let Some(code) = refused {
+        let status = tonic::Status::new(code, "console request refused");
+        console.engine.metrics().auth_refused(&status);
+    }
     let h = res.headers_mut();
     h.insert(
         header::CONTENT_SECURITY_POLICY,
