@@ -236,7 +236,8 @@ impl Clients {
         Clients {
             plans: PlanServiceClient::new(ch.clone()),
             actions: ActionServiceClient::new(ch.clone()),
-            jobs: JobServiceClient::new(ch.clone()),
+            // A job's input alone may be 4 MiB, tonic's default limit.
+            jobs: JobServiceClient::new(ch.clone()).max_decoding_message_size(64 << 20),
             workers: WorkerServiceClient::new(ch),
         }
     }
@@ -467,6 +468,27 @@ async fn pipeline_matches_the_shell_pipeline() {
     assert!(job.task_results.iter().all(|r| r.exit_code == 0));
     assert_eq!(job.worker_id, "w-pipe");
     assert!(job.error.is_empty());
+}
+
+/// A lease larger than gRPC's customary 4 MiB (the largest input the
+/// server accepts, 64 values of 64 KiB, and a plan with long arguments)
+/// reaches agw and runs: agw takes messages up to the server's 16 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_past_4_mib_runs() {
+    let dir = test_dir();
+    let server = Server::start(dir.path());
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(&server, "w-big", &[]).await;
+    let long = "x".repeat(60_000);
+    c.plan("big", vec![task(1, "echo", &["-n", &long], 30, None)])
+        .await;
+    let keys: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
+    let value = "v".repeat(64 * 1024);
+    let input: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), value.as_str())).collect();
+    let job_id = c.submit("big", &input, 1).await;
+    let job = c.wait_status(&job_id, JobStatus::Completed).await;
+    assert_eq!(job.attempt, 1);
+    assert_eq!(job.task_results[0].stdout, long);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,6 +37,10 @@ pub const MAX_ARG_BYTES: usize = 64 * 1024;
 /// [`MAX_INPUT_KEYS`] values of [`MAX_INPUT_VALUE_BYTES`]), and the lease
 /// must fit the server's 16 MiB message limit.
 pub const MAX_PLAN_ARGS_BYTES: usize = 4 * 1024 * 1024;
+/// Most bytes of the previous attempt's error a lease carries
+/// ([`crate::core::model::Job::error`]): the rest is cut, so the lease
+/// fits a message whatever `--max-report-bytes` allowed the report.
+pub const MAX_LEASE_ERROR_BYTES: usize = 64 * 1024;
 /// Largest sum of the keys and values of a schedule's inputs, in bytes:
 /// schedules are listed a page at a time, whole.
 pub const MAX_SCHEDULE_INPUT_BYTES: usize = 1024 * 1024;
@@ -365,7 +369,9 @@ pub fn command_name(cmd: &str) -> Result<()> {
     Ok(())
 }
 
-fn truncate(s: &str, max: usize) -> &str {
+/// The longest prefix of `s` of at most `max` bytes that ends on a
+/// character boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
@@ -1034,29 +1040,48 @@ mod tests {
 
     /// The lease of the largest plan and the largest input, with the
     /// error a job may carry from its last attempt (a report of the
-    /// default size), fits the largest message the server sends.
+    /// largest size `--max-report-bytes` allows), fits the largest message
+    /// the server sends: the error is cut to [`MAX_LEASE_ERROR_BYTES`].
     #[test]
     fn the_largest_lease_fits_a_message() {
         use prost::Message;
         let p = largest_plan(MAX_PLAN_ARGS_BYTES / MAX_ARG_BYTES);
         plan(&p).unwrap();
-        let lease = crate::pb::JobLease {
+        let lease = crate::core::model::JobLease {
             lease_id: uuid::Uuid::now_v7().to_string(),
-            job: Some(crate::pb::Job {
+            job: crate::core::model::Job {
                 job_id: uuid::Uuid::now_v7().to_string(),
                 action_id: "a".repeat(128),
                 plan_id: p.plan_id.clone(),
                 input: (0..MAX_INPUT_KEYS)
                     .map(|i| (format!("{i:0>128}"), "v".repeat(MAX_INPUT_VALUE_BYTES)))
                     .collect(),
-                error: "e".repeat(crate::config::DEFAULT_MAX_REPORT_BYTES as usize),
-                ..Default::default()
-            }),
-            plan: Some(crate::pb::Plan::from(&p)),
+                plan_version: 1,
+                status: crate::core::model::JobStatus::Running,
+                attempt: MAX_ATTEMPTS,
+                max_attempts: MAX_ATTEMPTS,
+                created_at_ms: 0,
+                started_at_ms: Some(0),
+                completed_at_ms: None,
+                worker_id: "w".repeat(64),
+                task_results: Vec::new(),
+                // 16 MiB of 3-byte characters after two of 1 byte: the
+                // cut must fall on a character boundary.
+                error: format!("ee{}", "\u{2603}".repeat((16 << 20) / 3)),
+                waiting_reason: String::new(),
+                current_task: 0,
+                progress_percent: 0,
+                ready_at_ms: None,
+                priority: 0,
+            },
+            plan: std::sync::Arc::new(p),
             attempt: MAX_ATTEMPTS,
-            expires_at: None,
-            traceparent: "t".repeat(55),
+            expires_at_ms: 0,
+            traceparent: Some("t".repeat(55).into()),
         };
+        let lease = crate::pb::JobLease::from(lease);
+        let error = &lease.job.as_ref().unwrap().error;
+        assert_eq!(error.len(), MAX_LEASE_ERROR_BYTES - 2);
         assert!(lease.encoded_len() <= crate::server::MAX_MESSAGE_BYTES);
     }
 

@@ -406,7 +406,15 @@ impl From<pb::UpdateJobRequest> for JobReport {
 }
 
 impl From<JobLease> for pb::JobLease {
-    fn from(l: JobLease) -> Self {
+    /// The lease as sent: the previous attempt's error is cut to
+    /// [`crate::core::validate::MAX_LEASE_ERROR_BYTES`].
+    fn from(mut l: JobLease) -> Self {
+        let keep = crate::core::validate::truncate(
+            &l.job.error,
+            crate::core::validate::MAX_LEASE_ERROR_BYTES,
+        )
+        .len();
+        l.job.error.truncate(keep);
         pb::JobLease {
             lease_id: l.lease_id,
             job: Some(l.job.into()),

@@ -137,16 +137,20 @@ async fn read(path: &PathBuf) -> Result<Vec<u8>, WorkerError> {
         .map_err(|e| WorkerError::Config(format!("cannot read {}: {e}", path.display())))
 }
 
-/// A [`WorkerClient`] on `channel` that sends `token` with every call.
+/// A [`WorkerClient`] on `channel` that sends `token` with every call and
+/// takes messages up to the server's limit
+/// ([`crate::server::MAX_MESSAGE_BYTES`], 16 MiB): a lease carries the
+/// job's input and its plan, together up to about 8 MiB, past gRPC's
+/// customary 4 MiB.
 ///
 /// # Errors
 ///
 /// [`WorkerError::Config`] when the token is not a valid header value.
 pub fn worker_client(channel: Channel, token: Option<&str>) -> Result<WorkerClient, WorkerError> {
-    Ok(WorkerServiceClient::with_interceptor(
-        channel,
-        AuthInterceptor::new(token)?,
-    ))
+    Ok(
+        WorkerServiceClient::with_interceptor(channel, AuthInterceptor::new(token)?)
+            .max_decoding_message_size(crate::server::MAX_MESSAGE_BYTES),
+    )
 }
 
 #[cfg(test)]

@@ -426,7 +426,9 @@ class JobLease(_message.Message):
     """
     @_builtins.property
     def job(self) -> _common_pb2.Job:
-        """The job, with its input."""
+        """The job, with its input. Its `error` (why the previous attempt
+        failed) holds at most the first 64 KiB.
+        """
 
     @_builtins.property
     def plan(self) -> _common_pb2.Plan:
