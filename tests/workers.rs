@@ -1536,36 +1536,85 @@ async fn a_worker_drained_without_a_heartbeat_stream_is_told_when_it_opens_one(s
     s.stop().await;
 }
 
-/// A progress report's task number and percentage are bounded (a Plan has
-/// at most 100 tasks), the same on both stores; one out of bounds changes
-/// nothing.
+/// A report's task numbers are bounded by the plan version its job runs
+/// (its `current_task`, how many task results it holds, and each result's
+/// `task_number`), and its percentage by 100, the same on both stores and
+/// whether it comes alone or in a BatchUpdateJobs (the grouped completion
+/// paths included); one out of bounds changes nothing.
 async fn progress_reports_are_bounded(store: TestStore) {
     let dir = tempfile::tempdir().unwrap();
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
-    let (_, ids) = submit(&s, plan("p", &["cat"]), 1, 3).await;
-    let mut w = SimWorker::start(&s, "w1", &["cat"], 1).await;
-    let lease = w.lease().await;
-    let progress = |task: u32, percent: u32| UpdateJobRequest {
-        job_id: ids[0].clone(),
+    let (_, ids) = submit(&s, plan("p", &["cat", "sort", "cat"]), 2, 3).await;
+    let mut w = SimWorker::start(&s, "w1", &["cat", "sort"], 2).await;
+    let (lease, other) = (w.lease().await, w.lease().await);
+    let job_id = lease.job.as_ref().unwrap().job_id.clone();
+    assert!(ids.contains(&job_id));
+    let report = |status: JobStatus, task: u32, percent: u32, results: &[u32]| UpdateJobRequest {
+        job_id: job_id.clone(),
         worker_id: "w1".into(),
         lease_id: lease.lease_id.clone(),
-        status: JobStatus::Running as i32,
+        status: status as i32,
         current_task: task,
         progress_percent: percent,
+        task_results: results
+            .iter()
+            .map(|n| TaskResult {
+                task_number: *n,
+                command: "cat".into(),
+                ..Default::default()
+            })
+            .collect(),
         ..Default::default()
     };
+    let progress = |task, percent| report(JobStatus::Running, task, percent, &[]);
     let mut c = w.client();
     c.update_job(progress(1, 40)).await.unwrap();
-    for (task, percent) in [(101, 50), (u32::MAX, 50), (1, 101)] {
-        let e = c.update_job(progress(task, percent)).await.unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument, "{task} {percent}: {e:?}");
+    let mut bad = vec![
+        progress(4, 50),
+        progress(101, 50),
+        progress(u32::MAX, 50),
+        progress(1, 101),
+    ];
+    for status in [JobStatus::Running, JobStatus::Completed] {
+        for results in [&[0][..], &[1, 4], &[1, 2, 3, 3], &[u32::MAX]] {
+            bad.push(report(status, 1, 50, results));
+        }
     }
-    let stored = job(&s, &ids[0]).await;
+    for r in &bad {
+        let e = c.update_job(r.clone()).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{r:?}: {e:?}");
+    }
+    // In a batch beside a valid completion, so the grouped path runs.
+    let fine = batched(&other, JobStatus::Completed);
+    for r in &bad {
+        let answer = c
+            .batch_update_jobs(BatchUpdateJobsRequest {
+                worker_id: "w1".into(),
+                requests: vec![r.clone(), fine.clone()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            Code::from(answer.results[0].code),
+            Code::InvalidArgument,
+            "{r:?}"
+        );
+        assert_eq!(Code::from(answer.results[1].code), Code::Ok, "{r:?}");
+    }
+    let stored = job(&s, &job_id).await;
+    assert_eq!(stored.status, JobStatus::Running as i32);
     assert_eq!((stored.current_task, stored.progress_percent), (1, 40));
-    c.update_job(progress(100, 100)).await.unwrap();
-    let stored = job(&s, &ids[0]).await;
-    assert_eq!((stored.current_task, stored.progress_percent), (100, 100));
-    w.complete(&lease).await;
+    assert!(stored.task_results.is_empty());
+    c.update_job(report(JobStatus::Running, 3, 100, &[1, 2]))
+        .await
+        .unwrap();
+    let stored = job(&s, &job_id).await;
+    assert_eq!((stored.current_task, stored.progress_percent), (3, 100));
+    c.update_job(report(JobStatus::Completed, 3, 100, &[1, 2, 3]))
+        .await
+        .unwrap();
+    assert_eq!(job(&s, &job_id).await.status, JobStatus::Completed as i32);
     s.stop().await;
 }
 

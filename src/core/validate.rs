@@ -241,6 +241,48 @@ pub fn progress(current_task: u32, progress_percent: u32) -> Result<()> {
     Ok(())
 }
 
+/// The highest task number a worker's report names: its `current_task`,
+/// its task results' `task_number`s and how many results it holds.
+pub fn reported_tasks(req: &JobReport) -> u32 {
+    let results = req.task_results.iter().map(|r| r.task_number).max();
+    let count = u32::try_from(req.task_results.len()).unwrap_or(u32::MAX);
+    req.current_task.max(results.unwrap_or(0)).max(count)
+}
+
+/// Checks a report against the plan version its job runs, of
+/// `task_count` tasks: `current_task` at most `task_count`, at most
+/// `task_count` task results, each numbering a task of the plan
+/// (1..=`task_count`).
+///
+/// Errors: `InvalidArgument` naming the field.
+pub fn report_in_plan(req: &JobReport, task_count: usize) -> Result<()> {
+    let n = u32::try_from(task_count).unwrap_or(u32::MAX);
+    if req.current_task > n {
+        return Err(Error::invalid(format!(
+            "current_task {} is past the plan's {n} tasks",
+            req.current_task
+        )));
+    }
+    if req.task_results.len() > task_count {
+        return Err(Error::invalid(format!(
+            "{} task results for a plan of {n} tasks",
+            req.task_results.len()
+        )));
+    }
+    if let Some((i, r)) = req
+        .task_results
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.task_number == 0 || r.task_number > n)
+    {
+        return Err(Error::invalid(format!(
+            "task_results[{i}].task_number is {}; the plan's tasks are 1..={n}",
+            r.task_number
+        )));
+    }
+    Ok(())
+}
+
 /// Checks the status filter of a RetryAction: failed, dead or none (both).
 ///
 /// Errors: `InvalidArgument` for any other status.

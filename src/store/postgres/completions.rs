@@ -6,7 +6,8 @@
 //! (one WAL flush) for many reports instead of one each. Up to
 //! [`IN_FLIGHT`] batches run at once; reports that arrive meanwhile make
 //! the next batch larger. A report the statement did not apply (its lease
-//! is gone, or it repeats one already applied) is answered `false` and
+//! is gone, it repeats one already applied, or it names more tasks than
+//! the job's plan has) is answered `false` and
 //! its caller takes the single-report path, which says precisely why.
 //!
 //! The statement locks the batch's job rows by row id ascending (a locking
@@ -42,6 +43,10 @@ pub(super) struct Completion {
     pub worker_id: String,
     /// Encoded task results (`None`: keep what progress reports stored).
     pub results: Option<String>,
+    /// The highest task number the report names
+    /// ([`crate::core::validate::reported_tasks`]): applied only when the
+    /// job's plan version has that many tasks.
+    pub tasks: u32,
     /// Whether the batch applied it.
     pub reply: oneshot::Sender<Result<bool>>,
 }
@@ -103,6 +108,7 @@ impl PgEngine {
         lease_id: &str,
         worker_id: &str,
         results: Option<String>,
+        tasks: u32,
     ) -> Result<bool> {
         let (reply, answer) = oneshot::channel();
         let stopping = || Error::Unavailable;
@@ -112,6 +118,7 @@ impl PgEngine {
                 lease_id: lease_id.to_string(),
                 worker_id: worker_id.to_string(),
                 results,
+                tasks,
                 reply,
             })
             .await
@@ -145,6 +152,10 @@ impl PgEngine {
         let leases: Vec<&str> = batch.iter().map(|c| c.lease_id.as_str()).collect();
         let workers: Vec<&str> = batch.iter().map(|c| c.worker_id.as_str()).collect();
         let results: Vec<Option<&str>> = batch.iter().map(|c| c.results.as_deref()).collect();
+        let tasks: Vec<i32> = batch
+            .iter()
+            .map(|c| i32::try_from(c.tasks).unwrap_or(i32::MAX))
+            .collect();
         let c = self.client().await?;
         let rows = c
             .query(
@@ -159,11 +170,14 @@ impl PgEngine {
                     "WITH locked AS (
                          SELECT j.id, u.lease_id, u.worker_id, u.results
                          FROM jobs j
-                         JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[])
-                              AS u(job_id, lease_id, results, worker_id)
+                         JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[])
+                              AS u(job_id, lease_id, results, worker_id, tasks)
                            ON j.job_id = u.job_id
                          WHERE j.status = 2 AND j.lease_id = u.lease_id
                            AND j.worker_id = u.worker_id
+                           AND u.tasks <= (SELECT pv.task_count FROM plan_versions pv
+                                           WHERE pv.plan_id = j.plan_id
+                                             AND pv.version = j.plan_version)
                          ORDER BY j.id FOR UPDATE OF j)
                      UPDATE jobs j SET status = 3, completed_at_ms = agq_now_ms(),
                             lease_expires_at_ms = NULL,
@@ -175,7 +189,7 @@ impl PgEngine {
                                j.started_at_ms, j.completed_at_ms",
                 )
                 .await?,
-                &[&ids, &leases, &results, &workers],
+                &[&ids, &leases, &results, &workers, &tasks],
             )
             .await
             .map_err(db_err)?;

@@ -227,8 +227,7 @@ impl Engine for PgEngine {
             let valid = validate::report(r, self.cfg.max_report_bytes);
             let batched = valid.is_ok()
                 && r.status == Some(JobStatus::Completed)
-                && !r.permanent
-                && r.progress_percent <= 100
+                && super::jobs::groupable(r)
                 && r.worker_id == worker_id;
             out.push(match valid {
                 Err(e) => Some(Err(e)),

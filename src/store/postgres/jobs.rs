@@ -147,6 +147,17 @@ pub(super) async fn running_on(
     .collect())
 }
 
+/// Whether a report may take the one-statement paths (a grouped
+/// completion, a progress update): numbers in range on their own (the
+/// plan's task count is checked in the statement) and not permanent. Any
+/// other report takes the transaction that says precisely why it is
+/// refused.
+pub(super) fn groupable(r: &JobReport) -> bool {
+    validate::progress(r.current_task, r.progress_percent).is_ok()
+        && r.task_results.iter().all(|t| t.task_number >= 1)
+        && !r.permanent
+}
+
 /// What ending a running attempt did.
 pub(super) struct Ended {
     /// The job's status after it: failed (backing off), pending (no
@@ -1068,7 +1079,8 @@ impl PgEngine {
     }
 
     /// Completes the reports at `which` of worker `worker_id` in one
-    /// statement fenced per job like a single report. Returns the indexes
+    /// statement fenced per job like a single report; each must be
+    /// [`groupable`]. Returns the indexes
     /// it applied; the others are left to the caller.
     ///
     /// Errors: storage errors.
@@ -1085,6 +1097,7 @@ impl PgEngine {
                 &r.lease_id,
                 worker_id,
                 encode_task_results(&r.task_results),
+                validate::reported_tasks(r),
             )
         });
         let applied = futures_util::future::join_all(pending).await;
@@ -1107,12 +1120,20 @@ impl PgEngine {
         // its own (one round trip, no explicit transaction); any other
         // case, a rejection included, takes the path below, which says
         // precisely why.
-        let common =
-            validate::progress(req.current_task, req.progress_percent).is_ok() && !req.permanent;
+        // Its task numbers are checked against the plan's task count in
+        // the statement (a report past it takes the path below).
+        let common = groupable(&req);
+        let tasks = i32::try_from(validate::reported_tasks(&req)).unwrap_or(i32::MAX);
         if common
             && req.status == Some(JobStatus::Completed)
             && self
-                .complete_grouped(&req.job_id, &req.lease_id, &req.worker_id, results.clone())
+                .complete_grouped(
+                    &req.job_id,
+                    &req.lease_id,
+                    &req.worker_id,
+                    results.clone(),
+                    validate::reported_tasks(&req),
+                )
                 .await?
         {
             return Ok(JobStatus::Completed);
@@ -1125,9 +1146,12 @@ impl PgEngine {
                 .query_opt(
                     &cached(
                         &client,
-                        "UPDATE jobs SET current_task = $5, progress_percent = $6,
+                        "UPDATE jobs j SET current_task = $5, progress_percent = $6,
                                 task_results = coalesce($4, task_results)
                          WHERE job_id = $1 AND status = 2 AND lease_id = $2 AND worker_id = $3
+                           AND $7 <= (SELECT pv.task_count FROM plan_versions pv
+                                      WHERE pv.plan_id = j.plan_id
+                                        AND pv.version = j.plan_version)
                          RETURNING 1",
                     )
                     .await?,
@@ -1138,6 +1162,7 @@ impl PgEngine {
                         &results,
                         &task,
                         &percent,
+                        &tasks,
                     ],
                 )
                 .await
@@ -1149,8 +1174,11 @@ impl PgEngine {
         let tx = client.transaction().await.map_err(db_err)?;
         let r = tx
             .query_opt(
-                "SELECT id, status, lease_id, worker_id, action_id, started_at_ms, agq_now_ms()
-                 FROM jobs WHERE job_id = $1 FOR UPDATE",
+                "SELECT j.id, j.status, j.lease_id, j.worker_id, j.action_id, j.started_at_ms,
+                        agq_now_ms(),
+                        (SELECT pv.task_count FROM plan_versions pv
+                         WHERE pv.plan_id = j.plan_id AND pv.version = j.plan_version)
+                 FROM jobs j WHERE j.job_id = $1 FOR UPDATE OF j",
                 &[&req.job_id],
             )
             .await
@@ -1163,6 +1191,7 @@ impl PgEngine {
         let action_id: String = r.get(4);
         let started: Option<i64> = r.get(5);
         let now: i64 = r.get(6);
+        let task_count: Option<i32> = r.get(7);
         let same_worker = worker_id.as_deref() == Some(req.worker_id.as_str());
         let same_lease = lease_id.as_deref() == Some(req.lease_id.as_str());
         if status != JobStatus::Running || !same_worker || !same_lease {
@@ -1207,6 +1236,9 @@ impl PgEngine {
             });
         }
         validate::progress(req.current_task, req.progress_percent)?;
+        if let Some(n) = task_count {
+            validate::report_in_plan(&req, usize::try_from(n).unwrap_or(0))?;
+        }
         if req.permanent && req.status != Some(JobStatus::Failed) {
             return Err(Error::invalid(
                 "permanent is for JOB_STATUS_FAILED reports only",

@@ -390,6 +390,7 @@ impl State {
         }
         let status = req.status;
         validate::progress(req.current_task, req.progress_percent)?;
+        validate::report_in_plan(req, lease.plan.plan.tasks.len())?;
         if req.permanent && status != Some(JobStatus::Failed) {
             return Err(Error::invalid(
                 "permanent is for JOB_STATUS_FAILED reports only",

@@ -483,7 +483,8 @@ class UpdateJobRequest(_message.Message):
     """JOB_STATUS_RUNNING (progress), JOB_STATUS_COMPLETED or JOB_STATUS_FAILED."""
     current_task: _builtins.int
     """Task running now (1-based; 0 before the first), for progress reports;
-    at most 100 (a Plan's most tasks), else INVALID_ARGUMENT.
+    at most the number of tasks of the job's plan version, else
+    INVALID_ARGUMENT.
     """
     progress_percent: _builtins.int
     """Progress of the attempt, 0..=100."""
@@ -500,7 +501,10 @@ class UpdateJobRequest(_message.Message):
     """
     @_builtins.property
     def task_results(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskResult]:
-        """Results of the tasks run so far."""
+        """Results of the tasks run so far: at most as many as the job's plan
+        version has tasks, each task_number one of its tasks (1-based), else
+        INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
