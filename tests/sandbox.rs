@@ -1219,6 +1219,65 @@ async fn a_job_cannot_leave_data_for_another_job_in_the_kernel_keyring() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cannot_change_the_limits_or_scheduling_of_another_process() {
+    // The kernel lets a process set the resource limits, nice value,
+    // scheduling and I/O priority of every process of its uid, and no
+    // Landlock right covers that: a task could drop `agw`'s open-file
+    // limit to nothing (every later job fails) or another job's file size
+    // limit to 0. The sandbox refuses these calls unless they name the
+    // caller itself. The target here is the task's own child, a process
+    // of the same uid, so only the filter can refuse; the same calls on
+    // the task itself still work.
+    let f = fixture();
+    let (_server, url) = start_server(&f.db);
+    let scratch = f.scratch.to_str().expect("utf-8").to_owned();
+    let _agw = start_agw(
+        &url,
+        "limits",
+        &["--tools", "perl", "--scratch-dir", &scratch],
+        &[],
+    )
+    .expect("agw starts with the sandbox on this kernel");
+    let mut c = Clients::connect(&url).await;
+    // prlimit64, setpriority, sched_setscheduler, sched_setparam,
+    // sched_setaffinity, ioprio_set.
+    let nr = match std::env::consts::ARCH {
+        "x86_64" => [302, 141, 144, 142, 203, 251],
+        "aarch64" => [261, 140, 119, 118, 122, 30],
+        other => {
+            eprintln!("skipped: no system call numbers for {other}");
+            return;
+        }
+    };
+    let [prlimit, setprio, setsched, setparam, setaff, ioprio] = nr;
+    let code = format!(
+        "use Errno; my $kid = fork() // die \"fork: $!\\n\"; \
+         if (!$kid) {{ sleep 30; exit 0 }} \
+         my ($old, $lim, $p, $m) = (\"\\0\" x 16, pack('QQ', 64, 64), pack('i', 0), pack('Q', 1)); \
+         my $io = (2 << 13) | 4; my (@let, @failed); \
+         for ([prlimit64 => {prlimit}, $kid, 7, $lim, $old], \
+              [setpriority => {setprio}, 0, $kid, 5], [setpriority_pgrp => {setprio}, 1, 0, 5], \
+              [sched_setscheduler => {setsched}, $kid, 0, $p], [sched_setparam => {setparam}, $kid, $p], \
+              [sched_setaffinity => {setaff}, $kid, 8, $m], [ioprio_set => {ioprio}, 1, $kid, $io], \
+              [ioprio_set_user => {ioprio}, 3, $<, $io]) {{ \
+           my ($name, $nr, @args) = @$_; \
+           push @let, $name unless syscall($nr, @args) == -1 && $!{{EACCES}}; }} \
+         for ([setrlimit => {prlimit}, 0, 7, $lim, $old], [nice => {setprio}, 0, 0, 5], \
+              [self_affinity => {setaff}, 0, 8, $m], [self_ioprio => {ioprio}, 1, 0, $io]) {{ \
+           my ($name, $nr, @args) = @$_; \
+           push @failed, \"$name: $!\" if syscall($nr, @args) == -1; }} \
+         kill 'KILL', $kid; waitpid($kid, 0); \
+         die \"allowed on another process: @let\\n\" if @let; \
+         die \"refused on itself: @failed\\n\" if @failed; print \"refused\\n\""
+    );
+    c.plan("limits", one("perl", &["-e", &code]), false).await;
+    let job = c.submit("limits", &[]).await;
+    let job = c.finished(&job).await;
+    assert_eq!(status(&job), JobStatus::Completed, "{}", all_output(&job));
+    assert_eq!(job.task_results[0].stdout, "refused\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_cannot_change_the_mode_or_owner_of_a_file_it_can_name_outside_scratch() {
     // Landlock has no right for chmod, chown or extended attributes: a
     // task could open up any file of its own uid that it can name, though

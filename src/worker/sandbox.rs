@@ -49,7 +49,10 @@ use landlock::{
     Access, AccessFs, AccessNet, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset,
     RulesetAttr, RulesetCreated, RulesetCreatedAttr, Scope, ABI,
 };
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
 
 use super::tools::ToolSet;
 
@@ -635,8 +638,17 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64, hard_extra: u64) -
 /// descriptor (`fchmod`, `fchown`, `fsetxattr`) stay, for what the task
 /// could open. And `memfd_create` and `memfd_secret` fail: a file in
 /// memory is outside Landlock's rules, so a program the task wrote there
-/// could be run. On x86-64 the same calls through the x32 numbering (bit
-/// 30 set), which a kernel built with x32 support accepts, fail too.
+/// could be run. The calls that change another process's resource
+/// limits, nice value, scheduling policy or parameters, CPU affinity or
+/// I/O priority (`prlimit64` with a pid, `setpriority` but on the caller
+/// itself, `sched_setscheduler`, `sched_setparam`, `sched_setattr` and
+/// `sched_setaffinity` with a pid, `ioprio_set` but on the caller itself)
+/// fail too: the kernel allows them on every process of the same uid,
+/// `agw` (whose open-file or CPU limit a task could drop to nothing) and
+/// other jobs' tasks, and no Landlock right covers them; on the caller
+/// itself (`setrlimit`, `nice`, `taskset` of a new command) they work. On
+/// x86-64 the same calls through the x32 numbering (bit 30 set), which a
+/// kernel built with x32 support accepts, fail too.
 ///
 /// # Errors
 ///
@@ -692,6 +704,37 @@ fn task_filter(allow_network: bool) -> Result<BpfProgram, SandboxError> {
         rules.insert(nr, vec![]);
         if cfg!(target_arch = "x86_64") {
             rules.insert(nr | X32_SYSCALL_BIT, vec![]);
+        }
+    }
+    // The calls that set another process's limits, scheduling or I/O
+    // priority are refused unless they name the caller (0): the kernel
+    // lets any process of the same uid do them, and no Landlock right
+    // covers them.
+    let unless = |conds: &[(u8, u64)]| -> Result<Vec<SeccompRule>, SandboxError> {
+        conds
+            .iter()
+            .map(|&(arg, value)| {
+                let c =
+                    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, value)
+                        .map_err(err)?;
+                SeccompRule::new(vec![c]).map_err(err)
+            })
+            .collect()
+    };
+    const PRIO_PROCESS: u64 = 0;
+    const IOPRIO_WHO_PROCESS: u64 = 1;
+    for (nr, conds) in [
+        (libc::SYS_prlimit64, &[(0, 0)][..]),
+        (libc::SYS_setpriority, &[(0, PRIO_PROCESS), (1, 0)]),
+        (libc::SYS_sched_setscheduler, &[(0, 0)]),
+        (libc::SYS_sched_setparam, &[(0, 0)]),
+        (libc::SYS_sched_setattr, &[(0, 0)]),
+        (libc::SYS_sched_setaffinity, &[(0, 0)]),
+        (libc::SYS_ioprio_set, &[(0, IOPRIO_WHO_PROCESS), (1, 0)]),
+    ] {
+        rules.insert(nr, unless(conds)?);
+        if cfg!(target_arch = "x86_64") {
+            rules.insert(nr | X32_SYSCALL_BIT, unless(conds)?);
         }
     }
     let filter = SeccompFilter::new(
