@@ -4,8 +4,10 @@
 //! An operation that refuses changes nothing: it refuses before it touches
 //! the in-memory state, and its SQL writes, if any, are undone to its
 //! savepoint. One that storage fails under (which may have changed the
-//! state) rolls back its whole batch; the state is then rebuilt from the
-//! database and the operations queued behind it run in the next batch.
+//! state), or after which SQLite has rolled the transaction back by itself
+//! (a read's I/O error does that too), rolls back its whole batch; the
+//! state is then rebuilt from the database and the operations queued
+//! behind it run in the next batch.
 //! Replies and side effects (lease pushes, stream commands) are released
 //! only after the commit succeeded.
 
@@ -800,9 +802,13 @@ fn broken(cause: Option<&'static str>) -> Error {
 ///
 /// Errors: storage errors of the transaction; the error of [`broken`] when
 /// storage failed under an operation (a write or a direct one, which may
-/// have changed the in-memory state before it failed): the caller rolls
-/// the batch back and rebuilds the state, and the operations after the
-/// broken one are in `carried`, not run.
+/// have changed the in-memory state before it failed), or when an
+/// operation of any kind left no transaction open (SQLite rolls the whole
+/// transaction back by itself when a statement, a read included, fails
+/// with an I/O error, a full disk or no memory): the caller rolls the
+/// batch back and rebuilds the state, and the operations after the broken
+/// one are in `carried`, not run. A failed savepoint statement also ends
+/// the batch, with the rest carried.
 fn run_batch<S: BatchState>(
     conn: &Connection,
     state: &mut S,
@@ -814,40 +820,19 @@ fn run_batch<S: BatchState>(
     let batch_conn = BatchConn::new(conn);
     let mut ops = batch.drain(..);
     while let Some(op) = ops.next() {
-        match op {
-            Op::Write(f) => {
-                batch_conn.kept("SAVEPOINT op")?.execute([])?;
-                let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
-                replies.push(reply);
-                match outcome {
-                    Outcome::Done => {}
-                    // It refused before it changed the state: only its SQL
-                    // writes, if any, are undone.
-                    Outcome::Refused => {
-                        batch_conn.kept("ROLLBACK TO op")?.execute([])?;
-                    }
-                    // It may have changed the state before storage failed
-                    // under it: the whole batch goes, as for a direct one.
-                    Outcome::Broken(cause) => {
-                        carried.extend(ops);
-                        return Err(broken(cause));
-                    }
-                }
-                batch_conn.kept("RELEASE op")?.execute([])?;
+        let step = run_op(op, state, &batch_conn, replies).and_then(|cause| {
+            // Outside any transaction now, whatever the operation said:
+            // what the batch wrote before is gone, and what follows would
+            // commit statement by statement.
+            if conn.is_autocommit() {
+                Err(broken(cause.or(Some(TRANSACTION_LOST))))
+            } else {
+                Ok(())
             }
-            Op::Direct(f, _) => {
-                let (outcome, reply) = f(Ctx::Run(state, &batch_conn));
-                replies.push(reply);
-                if let Outcome::Broken(cause) = outcome {
-                    carried.extend(ops);
-                    return Err(broken(cause));
-                }
-            }
-            Op::Read(f) => {
-                let (_, reply) = f(Ctx::Run(state, &batch_conn));
-                replies.push(reply);
-            }
-            Op::Stop => {}
+        });
+        if let Err(e) = step {
+            carried.extend(ops);
+            return Err(e);
         }
     }
     drop(batch_conn);
@@ -855,6 +840,63 @@ fn run_batch<S: BatchState>(
     let commit = Instant::now();
     exec(conn, "COMMIT")?;
     Ok(commit.elapsed())
+}
+
+/// The cause a batch ends with when SQLite rolled its transaction back by
+/// itself under an operation that did not say why.
+const TRANSACTION_LOST: &str =
+    "the database rolled the transaction back (I/O error or out of memory)";
+
+/// Runs one operation of a batch and queues its reply. Returns the cause
+/// of a storage failure the operation reported but that does not end the
+/// batch by itself (a read's: the batch goes on unless the transaction is
+/// gone, which [`run_batch`] checks).
+///
+/// Errors: the error of [`broken`] when storage failed under a write or a
+/// direct operation; the error of a savepoint statement.
+fn run_op<S: BatchState>(
+    op: Op<S>,
+    state: &mut S,
+    batch_conn: &BatchConn<'_>,
+    replies: &mut Vec<Reply>,
+) -> Result<Option<&'static str>> {
+    match op {
+        Op::Write(f) => {
+            batch_conn.kept("SAVEPOINT op")?.execute([])?;
+            let (outcome, reply) = f(Ctx::Run(state, batch_conn));
+            replies.push(reply);
+            match outcome {
+                Outcome::Done => {}
+                // It refused before it changed the state: only its SQL
+                // writes, if any, are undone.
+                Outcome::Refused => {
+                    batch_conn.kept("ROLLBACK TO op")?.execute([])?;
+                }
+                // It may have changed the state before storage failed
+                // under it: the whole batch goes, as for a direct one.
+                Outcome::Broken(cause) => return Err(broken(cause)),
+            }
+            batch_conn.kept("RELEASE op")?.execute([])?;
+            Ok(None)
+        }
+        Op::Direct(f, _) => {
+            let (outcome, reply) = f(Ctx::Run(state, batch_conn));
+            replies.push(reply);
+            match outcome {
+                Outcome::Broken(cause) => Err(broken(cause)),
+                _ => Ok(None),
+            }
+        }
+        Op::Read(f) => {
+            let (outcome, reply) = f(Ctx::Run(state, batch_conn));
+            replies.push(reply);
+            Ok(match outcome {
+                Outcome::Broken(cause) => cause,
+                _ => None,
+            })
+        }
+        Op::Stop => Ok(None),
+    }
 }
 
 /// Runs a transaction-control statement through the statement cache
@@ -1033,6 +1075,59 @@ mod tests {
     #[tokio::test]
     async fn a_broken_write_operation_rolls_back_its_batch_and_rebuilds_the_state() {
         broken_operation_rolls_back_its_batch_and_carries_the_rest(false).await;
+    }
+
+    /// A read under which SQLite rolled the transaction back by itself
+    /// (a statement that fails with an I/O error, a full disk or no
+    /// memory does that, a read included) ends its batch like a broken
+    /// write: the write before it is answered with the failure, and the
+    /// one behind it is carried over, not committed on its own outside the
+    /// transaction while its caller is told the batch failed.
+    #[tokio::test]
+    async fn a_read_that_lost_the_transaction_ends_its_batch() {
+        let (w, thread) = start(StoreHealth::default());
+        let hold = hold(&w, Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (before, read, after) = tokio::join!(
+            w.write(|_, c| insert(c, "before")),
+            w.run(|_, c| -> Result<()> {
+                c.execute("ROLLBACK", [])?;
+                Err(Error::Storage {
+                    detail: "disk I/O error".into(),
+                    fault: Some("disk I/O error"),
+                })
+            }),
+            w.write(|_, c| insert(c, "after")),
+        );
+        hold.await.unwrap().unwrap();
+        assert!(
+            matches!(before, Err(Error::StoreUnavailable(_))),
+            "{before:?}"
+        );
+        assert!(matches!(read, Err(Error::Storage { .. })), "{read:?}");
+        // The store commits again after its first probe.
+        let mut probe = Err(Error::Unavailable);
+        for _ in 0..200 {
+            probe = w.write(|_, c| insert(c, "probe")).await;
+            if probe.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        probe.unwrap();
+        let rows: Vec<String> = w.run(|_, c| values(c, "v")).await.unwrap();
+        assert!(!rows.contains(&"before".to_string()), "{rows:?}");
+        // Carried over: refused while the store was probed, or committed
+        // in a later batch; never committed while its caller heard of a
+        // failure.
+        assert_eq!(
+            after.is_ok(),
+            rows.contains(&"after".to_string()),
+            "{after:?} {rows:?}"
+        );
+        w.stop();
+        drop(w);
+        thread.join().unwrap();
     }
 
     /// Operations queued behind a busy writer: the small ones go into the
