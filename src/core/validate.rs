@@ -41,8 +41,9 @@ pub const MAX_PLAN_ARGS_BYTES: usize = 4 * 1024 * 1024;
 /// ([`crate::core::model::Job::error`]): the rest is cut, so the lease
 /// fits a message whatever `--max-report-bytes` allowed the report.
 pub const MAX_LEASE_ERROR_BYTES: usize = 64 * 1024;
-/// Largest sum of the keys and values of a schedule's inputs, in bytes:
-/// schedules are listed a page at a time, whole.
+/// Largest size of a schedule's inputs, in bytes as encoded ([`input_bytes`]:
+/// keys, values and their framing): schedules are listed a page at a
+/// time, whole.
 pub const MAX_SCHEDULE_INPUT_BYTES: usize = 1024 * 1024;
 /// Largest plan description, in bytes.
 pub const MAX_DESCRIPTION_BYTES: usize = 4096;
@@ -424,12 +425,23 @@ pub fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// The bytes of the keys and values of `inputs`.
+/// The bytes `inputs` take in a message (a `repeated ActionInput`, each a
+/// map of strings), framing included: exact, or a little more where the
+/// encoding leaves an empty key or value out, so a page whose budget
+/// counts by it stays within the budget on the wire.
 pub fn input_bytes(inputs: &[HashMap<String, String>]) -> usize {
+    use prost::encoding::encoded_len_varint;
+    // A length-delimited field of one-byte tag.
+    let field = |len: usize| 1 + encoded_len_varint(len as u64) + len;
     inputs
         .iter()
-        .flat_map(|i| i.iter())
-        .map(|(k, v)| k.len() + v.len())
+        .map(|i| {
+            field(
+                i.iter()
+                    .map(|(k, v)| field(field(k.len()) + field(v.len())))
+                    .sum(),
+            )
+        })
         .sum()
 }
 
@@ -965,8 +977,8 @@ pub fn schedule(s: Schedule, cfg: &EngineConfig, now_ms: i64) -> Result<Schedule
     let bytes = input_bytes(&v.inputs);
     if bytes > MAX_SCHEDULE_INPUT_BYTES {
         return Err(Error::invalid(format!(
-            "a schedule's inputs are at most {MAX_SCHEDULE_INPUT_BYTES} bytes (keys and values), \
-             got {bytes}"
+            "a schedule's inputs are at most {MAX_SCHEDULE_INPUT_BYTES} bytes encoded (keys, \
+             values and their framing), got {bytes}"
         )));
     }
     Ok(Schedule {
@@ -1125,6 +1137,45 @@ mod tests {
         let error = &lease.job.as_ref().unwrap().error;
         assert_eq!(error.len(), MAX_LEASE_ERROR_BYTES - 2);
         assert!(lease.encoded_len() <= crate::server::MAX_MESSAGE_BYTES);
+    }
+
+    /// `input_bytes` is at least the encoded size of the inputs (exactly
+    /// that when no key or value is empty), for inputs without values,
+    /// with empty strings, and with long ones (multi-byte lengths).
+    #[test]
+    fn input_bytes_counts_what_the_wire_holds() {
+        use prost::Message;
+        let cases: Vec<Vec<HashMap<String, String>>> = vec![
+            vec![HashMap::new(); 10_000],
+            vec![[("a", ""), ("b", ""), ("c", "")]
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()],
+            vec![HashMap::from([("k".repeat(200), "v".repeat(70_000))]); 3],
+            vec![HashMap::from([("file".into(), "/data/a.txt".into())])],
+        ];
+        for inputs in cases {
+            let wire: Vec<crate::pb::ActionInput> = inputs
+                .iter()
+                .map(|i| crate::pb::ActionInput { values: i.clone() })
+                .collect();
+            let encoded: usize = wire
+                .iter()
+                .map(|i| prost::encoding::message::encoded_len(1, i))
+                .sum();
+            let counted = input_bytes(&inputs);
+            assert!(counted >= encoded, "{counted} < {encoded}");
+            let empty = inputs
+                .iter()
+                .flatten()
+                .any(|(k, v)| k.is_empty() || v.is_empty());
+            if !empty {
+                assert_eq!(counted, encoded);
+            }
+            assert!(wire
+                .iter()
+                .all(|i| i.encoded_len() > 0 || i.values.is_empty()));
+        }
     }
 
     #[test]

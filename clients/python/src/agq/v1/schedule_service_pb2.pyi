@@ -130,7 +130,8 @@ class Schedule(_message.Message):
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ActionInput]:
         """The inputs of each tick's Action (one job per input), 1..=max inputs
-        per action, with at most 1 MiB of keys and values in all.
+        per action, at most 1 MiB in all as encoded (keys, values and their
+        framing), else INVALID_ARGUMENT.
         """
 
     @_builtins.property
@@ -281,7 +282,8 @@ class ListSchedulesRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Maximum schedules per page; 0 means 100, at most 1000. A page also
-    ends before the schedule that would take its inputs past 3 MiB.
+    ends before the schedule that would take its encoded inputs past 3 MiB
+    (so a page stays under the 4 MiB a gRPC client takes by default).
     """
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first page."""
