@@ -34,6 +34,8 @@ store_tests! {
     a_lease_carries_the_job_as_stored,
     task_results_are_replaced_by_the_next_report,
     a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
+    a_stalled_heartbeat_stream_that_goes_away_is_closed,
+    a_replaced_heartbeat_stream_ends,
     progress_reports_are_bounded,
     a_reconnecting_worker_is_told_which_held_leases_were_revoked,
     a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
@@ -681,6 +683,139 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
         .unwrap()
         .into_inner();
     assert_eq!(all.workers.len(), 1);
+    s.stop().await;
+}
+
+/// A heartbeat stream the server stopped reading (its replies were not
+/// read) and whose worker then went away is closed like any other: the
+/// worker, still fresh (it goes stale after 30 s here), gets no lease
+/// while its lease stream, on another connection, stays open.
+async fn a_stalled_heartbeat_stream_that_goes_away_is_closed(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = agq::config::EngineConfig {
+        heartbeat_interval: Duration::from_secs(10),
+        ..fast_config()
+    };
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
+    // An HTTP/2 window of 1 KiB: a few dozen replies fill it.
+    let small = tonic::transport::Channel::from_shared(s.url())
+        .unwrap()
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024)
+        .connect()
+        .await
+        .unwrap();
+    let mut c = worker_service_client::WorkerServiceClient::new(small);
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "w".into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        capabilities: Some(WorkerCapabilities {
+            tools: vec!["cat".into()],
+            ..Default::default()
+        }),
+        max_concurrent_jobs: 4,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let beat = || HeartbeatRequest {
+        worker_id: "w".into(),
+        stats: Some(WorkerStats::default()),
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(beat()).unwrap();
+    let mut replies = c
+        .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    replies.message().await.unwrap().expect("the first reply");
+    let mut leases = s
+        .workers()
+        .await
+        .lease_jobs(LeaseJobsRequest {
+            worker_id: "w".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Heartbeats whose replies are never read, until the server stops
+    // reading them; then the worker's connection goes.
+    for _ in 0..2_000 {
+        tx.send(beat()).unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop((replies, tx, c));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, ids) = submit(&s, plan("p", &["cat"]), 2, 3).await;
+    let got = tokio::time::timeout(Duration::from_millis(1000), leases.message()).await;
+    assert!(
+        got.is_err(),
+        "a lease went to a worker whose heartbeat stream is gone: {got:?}"
+    );
+    for id in &ids {
+        let j = job(&s, id).await;
+        assert_eq!(j.status, JobStatus::Pending as i32, "{id}");
+    }
+    s.stop().await;
+}
+
+/// A heartbeat stream replaced by a newer one of the same worker ends: a
+/// worker that reconnected does not keep its old stream, and heartbeats
+/// on it, alive on the server.
+async fn a_replaced_heartbeat_stream_ends(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let mut c = s.workers().await;
+    c.register_worker(RegisterWorkerRequest {
+        worker_id: "w".into(),
+        hostname: "h".into(),
+        agw_version: "1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let beat = || HeartbeatRequest {
+        worker_id: "w".into(),
+        stats: Some(WorkerStats::default()),
+        ..Default::default()
+    };
+    let open = || {
+        let mut c = c.clone();
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tx.send(beat()).unwrap();
+            let mut replies = c
+                .heartbeat(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            replies.message().await.unwrap().expect("the first reply");
+            (tx, replies)
+        }
+    };
+    let (old_tx, mut old) = open().await;
+    let (new_tx, mut new) = open().await;
+    // The old stream ends, whether or not its worker still beats on it.
+    let _ = old_tx.send(beat());
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match old.message().await {
+                Ok(Some(_)) => continue,
+                _ => return,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the replaced stream is still open");
+    // The new one serves on.
+    new_tx.send(beat()).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(5), new.message())
+        .await
+        .expect("a reply in time");
+    assert!(matches!(r, Ok(Some(_))), "{r:?}");
     s.stop().await;
 }
 

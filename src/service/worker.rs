@@ -34,6 +34,17 @@ use crate::{
     telemetry,
 };
 
+/// Closes its semaphore when dropped: the reply stream of a heartbeat
+/// stream holds one, so its reader stops waiting for permits once the
+/// replies are gone.
+struct CloseOnDrop(Arc<Semaphore>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
 /// The lease as sent to the worker. A traced job gets a `lease` span (a
 /// child of its SubmitAction, ended as the lease is sent) whose context
 /// replaces the lease's `traceparent`, so the worker's job span hangs
@@ -278,8 +289,20 @@ impl WorkerService for WorkerApi {
             // One permit per reply the worker has not read yet (the first
             // one's is taken): at MAX_UNREAD_HEARTBEAT_REPLIES the stream
             // reads no further heartbeat until the worker reads a reply.
+            // The reply stream closes the semaphore when it goes (the
+            // worker went away, or the engine let the stream go), so the
+            // reader never waits for a permit nobody will give back.
             let unread = Arc::new(Semaphore::new(MAX_UNREAD_HEARTBEAT_REPLIES - 1));
             let read = unread.clone();
+            let closes = CloseOnDrop(unread.clone());
+            // The engine's slot holds the stream's only sender from here:
+            // when it lets the stream go (a newer stream of the worker
+            // replaced it, the worker was let go), the replies end and so
+            // does the reader, instead of keeping the worker fresh on a
+            // stream nobody answers on.
+            let weak = tx.downgrade();
+            drop(tx);
+            let send = move |event| weak.upgrade().is_some_and(|tx| tx.send(event).is_ok());
             tokio::spawn(async move {
                 loop {
                     let permit = tokio::select! {
@@ -296,8 +319,11 @@ impl WorkerService for WorkerApi {
                         Ok(Some(m)) => m,
                         Ok(None) | Err(_) => break,
                     };
+                    if unread.is_closed() {
+                        break;
+                    }
                     if m.worker_id != worker_id {
-                        let _ = tx.send(HeartbeatEvent::End(Error::invalid(
+                        send(HeartbeatEvent::End(Error::invalid(
                             "worker_id changed within one heartbeat stream",
                         )));
                         break;
@@ -308,7 +334,7 @@ impl WorkerService for WorkerApi {
                             .answer_verification(worker_id.clone(), answer.into())
                             .await
                         {
-                            let _ = tx.send(HeartbeatEvent::End(e));
+                            send(HeartbeatEvent::End(e));
                             break;
                         }
                     }
@@ -316,12 +342,12 @@ impl WorkerService for WorkerApi {
                     let stats = m.stats.map(Into::into);
                     match engine.heartbeat(worker_id.clone(), stats, held).await {
                         Ok(reply) => {
-                            if tx.send(HeartbeatEvent::Reply(reply)).is_err() {
+                            if !send(HeartbeatEvent::Reply(reply)) {
                                 break;
                             }
                         }
                         Err(e) => {
-                            let _ = tx.send(HeartbeatEvent::End(e));
+                            send(HeartbeatEvent::End(e));
                             break;
                         }
                     }
@@ -330,6 +356,7 @@ impl WorkerService for WorkerApi {
             });
             let events = UnboundedReceiverStream::new(rx).map(move |event| match event {
                 HeartbeatEvent::Reply(reply) => {
+                    let _ = &closes;
                     // Read (or about to be): one more heartbeat may be
                     // read. The engine's own messages (commands) give
                     // back a permit too; the count stays within the limit.
