@@ -197,6 +197,7 @@ pub async fn run(
             WorkerServiceServer::new(WorkerApi {
                 engine: engine.clone(),
                 shutdown: stop_rx.clone(),
+                lease_streams: Default::default(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),

@@ -2472,7 +2472,7 @@ async fn a_completion_batch_locks_its_jobs_by_row_id() {
     eventually(10, "the batch waits for J1's row", || async {
         lock_waiters(
             &probe,
-            "%unnest($1::text[], $2::text[], $3::text[], $4::text[])%",
+            "%unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[])%",
         )
         .await
             == 1

@@ -36,6 +36,7 @@ store_tests! {
     a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either,
     a_stalled_heartbeat_stream_that_goes_away_is_closed,
     a_replaced_heartbeat_stream_ends,
+    a_replaced_lease_stream_drops_the_leases_it_buffered,
     progress_reports_are_bounded,
     a_reconnecting_worker_is_told_which_held_leases_were_revoked,
     a_worker_whose_heartbeat_stream_dropped_gets_no_lease,
@@ -759,6 +760,64 @@ async fn a_stalled_heartbeat_stream_that_goes_away_is_closed(store: TestStore) {
         let j = job(&s, id).await;
         assert_eq!(j.status, JobStatus::Pending as i32, "{id}");
     }
+    s.stop().await;
+}
+
+/// A lease stream replaced by a newer one of the same worker ends at once
+/// and drops the leases it still buffered for a client that does not read
+/// them (the newer stream carries them again): opening streams without
+/// reading them holds no copies of the worker's leases on the server.
+async fn a_replaced_lease_stream_drops_the_leases_it_buffered(store: TestStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = TestServer::start_store(store, &dir.path().join("agq.db"), fast_config()).await;
+    let _w = SimWorker::start(&s, "w", &["cat"], 64).await;
+    // An HTTP/2 window of 1 KiB, and 64 leases of more than 4 KiB: the
+    // server holds the leases of a stream that is not read.
+    let small = tonic::transport::Channel::from_shared(s.url())
+        .unwrap()
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024)
+        .connect()
+        .await
+        .unwrap();
+    let open = |ch: tonic::transport::Channel| async move {
+        worker_service_client::WorkerServiceClient::new(ch)
+            .lease_jobs(LeaseJobsRequest {
+                worker_id: "w".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let mut first = open(small).await;
+    let mut p = plan("p", &["cat"]);
+    p.tasks[0].args = vec!["x".repeat(4096)];
+    let (_, ids) = submit(&s, p, 64, 3).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The newer stream carries them all again.
+    let mut second = open(s.channel().await).await;
+    for _ in 0..64 {
+        let l = tokio::time::timeout(Duration::from_secs(5), second.message())
+            .await
+            .expect("a lease in time")
+            .unwrap()
+            .expect("a lease");
+        assert!(ids.contains(&l.job.unwrap().job_id));
+    }
+    // The older one ends with at most what was already on its way (the
+    // gRPC encoder takes up to 32 KiB of messages ahead).
+    let mut got = 0;
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(_)) = first.message().await {
+            got += 1;
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the replaced stream is still open");
+    assert!(
+        got < 32,
+        "the replaced stream still held {got} of 64 leases"
+    );
     s.stop().await;
 }
 

@@ -102,6 +102,7 @@ pub(crate) async fn serve(
         workers: WorkerApi {
             engine: engine.clone(),
             shutdown: stop.clone(),
+            lease_streams: Default::default(),
         },
         queue: QueueApi {
             engine: engine.clone(),

@@ -7,9 +7,10 @@
 //! module turns them into messages and statuses.
 
 use std::{
+    collections::HashMap,
     pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
+    sync::{Arc, Weak},
+    task::{Context, Poll, Waker},
 };
 
 use futures_util::{Stream, StreamExt};
@@ -173,6 +174,91 @@ pub struct WorkerApi {
     pub engine: SharedEngine,
     /// Turns true when the server shuts down; ends open streams.
     pub shutdown: watch::Receiver<bool>,
+    /// The lease streams open on this server, so that a newer stream of
+    /// a worker ends the older one at once.
+    pub lease_streams: LeaseStreams,
+}
+
+/// The buffer of one lease stream: the receiver of the engine's channel,
+/// which [`LeaseStreams`] can drop (with every lease still in it) while
+/// the stream waits for a client that does not read, and the waker of the
+/// stream's last poll.
+type LeaseBuffer = Arc<LeaseBufferInner>;
+
+/// The open lease streams of a server, by worker id: each worker's newest
+/// (its engine stream id and buffer). A LeaseJobs call of a worker whose
+/// older stream is still open (a broken connection the server has not
+/// noticed yet, or a client that opened another without reading the
+/// first) drops the older stream's buffer and ends it: a replaced stream
+/// holds no leases, however many are opened. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct LeaseStreams(Arc<std::sync::Mutex<HashMap<String, NewestLeaseStream>>>);
+
+/// A worker's newest lease stream in [`LeaseStreams`]: its engine stream
+/// id and its buffer.
+type NewestLeaseStream = (u64, Weak<LeaseBufferInner>);
+
+/// What a [`LeaseBuffer`] points to.
+type LeaseBufferInner =
+    std::sync::Mutex<(Option<mpsc::UnboundedReceiver<JobLease>>, Option<Waker>)>;
+
+impl LeaseStreams {
+    /// Records `buffer` as worker `worker_id`'s stream `sid`, and ends the
+    /// worker's older stream, dropping the leases it still holds. Stream
+    /// ids grow with each stream the engine opens: when two calls race, the
+    /// stream the engine opened last stays, whichever gets here first.
+    fn open(&self, worker_id: &str, sid: u64, buffer: &LeaseBuffer) {
+        let ended = {
+            let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            match map.get(worker_id) {
+                Some((newer, _)) if *newer > sid => Some(buffer.clone()),
+                _ => map
+                    .insert(worker_id.to_string(), (sid, Arc::downgrade(buffer)))
+                    .and_then(|(_, old)| old.upgrade()),
+            }
+        };
+        if let Some(ended) = ended {
+            let (rx, waker) = {
+                let mut b = ended.lock().unwrap_or_else(|e| e.into_inner());
+                (b.0.take(), b.1.take())
+            };
+            drop(rx);
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+
+    /// Forgets worker `worker_id`'s stream `sid` (it closed), unless a
+    /// newer one replaced it.
+    fn close(&self, worker_id: &str, sid: u64) {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if map.get(worker_id).is_some_and(|(s, _)| *s == sid) {
+            map.remove(worker_id);
+        }
+    }
+}
+
+/// The leases of a [`LeaseBuffer`], ending when its receiver is dropped
+/// or the engine lets the stream go.
+struct BufferedLeases(LeaseBuffer);
+
+impl Stream for BufferedLeases {
+    type Item = JobLease;
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<JobLease>> {
+        let mut b = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (rx, waker) = &mut *b;
+        match rx {
+            Some(rx) => {
+                let next = rx.poll_recv(cx);
+                if next.is_pending() {
+                    *waker = Some(cx.waker().clone());
+                }
+                next
+            }
+            None => Poll::Ready(None),
+        }
+    }
 }
 
 /// A boxed stream of messages or a status, as the streaming RPCs return.
@@ -383,11 +469,15 @@ impl WorkerService for WorkerApi {
             let worker_id = req.into_inner().worker_id;
             let (tx, rx) = mpsc::unbounded_channel();
             let sid = self.engine.open_lease_stream(worker_id.clone(), tx).await?;
+            let buffer: LeaseBuffer = Arc::new(std::sync::Mutex::new((Some(rx), None)));
+            self.lease_streams.open(&worker_id, sid, &buffer);
             let engine = self.engine.clone();
-            let leases = UnboundedReceiverStream::new(rx).map(|l: JobLease| Ok(traced_lease(l)));
+            let streams = self.lease_streams.clone();
+            let leases = BufferedLeases(buffer).map(|l: JobLease| Ok(traced_lease(l)));
             let stream: BoxStream<pb::JobLease> = Box::pin(ClosingStream {
                 inner: until_shutdown(leases, self.shutdown.clone()),
                 on_close: Some(Box::new(move || {
+                    streams.close(&worker_id, sid);
                     engine.close_stream(worker_id, StreamKind::Lease, sid)
                 })),
             });
