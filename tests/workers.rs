@@ -496,6 +496,22 @@ async fn drain_keeps_leases_but_gives_no_new_ones(store: TestStore) {
         Some(heartbeat_response::Command::Drain(_)) => {}
         other => panic!("expected a drain command, got {other:?}"),
     }
+    // Draining it again changes nothing and queues no second command (a
+    // caller repeating DrainWorker cannot pile commands up).
+    for _ in 0..3 {
+        let again = s
+            .workers()
+            .await
+            .drain_worker(DrainWorkerRequest {
+                worker_id: "d".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(again.worker.unwrap().state, WorkerState::Draining as i32);
+    }
+    let second = w.command_within(1000).await;
+    assert!(second.is_none(), "a second command: {second:?}");
     w.complete(&l).await; // its lease is still valid
     assert!(
         w.lease_within(400).await.is_none(),

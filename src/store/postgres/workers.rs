@@ -790,14 +790,29 @@ impl PgEngine {
     pub(super) async fn pg_drain(&self, id: &str) -> Result<()> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
+        // A worker already DRAINING is left as it is: it was told, and is
+        // told again on each heartbeat stream it opens; a command per call
+        // would pile up for a worker that does not read them.
         let n = tx
             .execute(
-                "UPDATE workers SET state = $2 WHERE worker_id = $1 AND state = ANY($3)",
+                "UPDATE workers SET state = $2
+                 WHERE worker_id = $1 AND state = ANY($3) AND state <> $2",
                 &[&id, &(WorkerState::Draining as i16), &LIVE.to_vec()],
             )
             .await
             .map_err(db_err)?;
         if n == 0 {
+            let draining = tx
+                .query_opt(
+                    "SELECT 1 FROM workers WHERE worker_id = $1 AND state = $2",
+                    &[&id, &(WorkerState::Draining as i16)],
+                )
+                .await
+                .map_err(db_err)?
+                .is_some();
+            if draining {
+                return Ok(());
+            }
             return Err(self.explain_worker(&tx, id).await);
         }
         queue_command(&tx, id, &WorkerCommand::drain_requested()).await?;

@@ -453,11 +453,15 @@ impl State {
         Ok(n)
     }
 
-    /// Puts the worker in DRAINING and tells it over its heartbeat stream.
+    /// Puts the worker in DRAINING and tells it over its heartbeat stream;
+    /// a worker already DRAINING is left as it is (it was told, and is
+    /// told again on each heartbeat stream it opens).
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (DEAD or UNREGISTERED), storage errors.
     pub(super) fn drain(&mut self, conn: &Connection, id: &str) -> Result<Worker> {
-        self.live_worker(id)?;
+        if self.live_worker(id)?.state == WorkerState::Draining {
+            return self.worker_view(id);
+        }
         self.set_state(conn, id, WorkerState::Draining)?;
         self.command(id, WorkerCommand::drain_requested());
         tracing::info!(worker_id = %id, "worker draining");

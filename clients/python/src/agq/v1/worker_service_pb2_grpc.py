@@ -233,8 +233,9 @@ class WorkerServiceServicer:
 
     def DrainWorker(self, request, context):
         """Puts a worker in DRAINING: it keeps its leases but gets no new ones, and
-        is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
-        when the worker is DEAD or UNREGISTERED.
+        is told over its heartbeat stream (again on each stream it opens). A
+        worker already DRAINING is left as it is. Errors: NOT_FOUND,
+        FAILED_PRECONDITION when the worker is DEAD or UNREGISTERED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -121,8 +121,9 @@ class WorkerServiceStub:
     """
     DrainWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DrainWorkerRequest, _worker_service_pb2.DrainWorkerResponse]
     """Puts a worker in DRAINING: it keeps its leases but gets no new ones, and
-    is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
-    when the worker is DEAD or UNREGISTERED.
+    is told over its heartbeat stream (again on each stream it opens). A
+    worker already DRAINING is left as it is. Errors: NOT_FOUND,
+    FAILED_PRECONDITION when the worker is DEAD or UNREGISTERED.
     """
     ForgetWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]
     """Deletes the record of a DEAD or UNREGISTERED worker now rather than
@@ -249,8 +250,9 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     DrainWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DrainWorkerRequest, _worker_service_pb2.DrainWorkerResponse]  # type: ignore[assignment]
     """Puts a worker in DRAINING: it keeps its leases but gets no new ones, and
-    is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
-    when the worker is DEAD or UNREGISTERED.
+    is told over its heartbeat stream (again on each stream it opens). A
+    worker already DRAINING is left as it is. Errors: NOT_FOUND,
+    FAILED_PRECONDITION when the worker is DEAD or UNREGISTERED.
     """
     ForgetWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ForgetWorkerRequest, _worker_service_pb2.ForgetWorkerResponse]  # type: ignore[assignment]
     """Deletes the record of a DEAD or UNREGISTERED worker now rather than
@@ -434,8 +436,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.DrainWorkerResponse, _abc.Awaitable[_worker_service_pb2.DrainWorkerResponse]]:
         """Puts a worker in DRAINING: it keeps its leases but gets no new ones, and
-        is told over its heartbeat stream. Errors: NOT_FOUND, FAILED_PRECONDITION
-        when the worker is DEAD or UNREGISTERED.
+        is told over its heartbeat stream (again on each stream it opens). A
+        worker already DRAINING is left as it is. Errors: NOT_FOUND,
+        FAILED_PRECONDITION when the worker is DEAD or UNREGISTERED.
         """
 
     @_abc_1.abstractmethod
