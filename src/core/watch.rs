@@ -11,7 +11,24 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::error::{Error, Result};
+use crate::{
+    core::model::ActionStatus,
+    error::{Error, Result},
+};
+
+/// A watched action's channel and the status its subscribers last read
+/// after a change, shared by all of them.
+struct Watched {
+    /// Bumped at each change of a job of the action.
+    tx: watch::Sender<u64>,
+    /// The status read after change number `.0`: a subscriber woken by
+    /// that change (or an earlier one) takes it instead of reading the
+    /// action again, so one change costs one read however many watch.
+    last: SharedRead,
+}
+
+/// The status of an action as read after a given change ([`Watched::last`]).
+type SharedRead = Arc<tokio::sync::Mutex<Option<(u64, ActionStatus)>>>;
 
 /// Watch channels of actions someone streams with WatchAction, and the
 /// bounds on how many streams may be open. Every subscription is a
@@ -28,7 +45,7 @@ pub struct Watchers {
 #[derive(Default)]
 struct WatchersInner {
     /// One channel per watched action, while it has a subscriber.
-    map: HashMap<String, watch::Sender<u64>>,
+    map: HashMap<String, Watched>,
     /// Open subscriptions.
     total: usize,
     /// Open subscriptions per client connection (its peer address).
@@ -103,13 +120,18 @@ impl Watchers {
         *n += 1;
         inner.total += 1;
         self.gauge.set(inner.total as i64);
-        let rx = inner
+        let watched = inner
             .map
             .entry(action_id.to_string())
-            .or_insert_with(|| watch::channel(0).0)
-            .subscribe();
+            .or_insert_with(|| Watched {
+                tx: watch::channel(0).0,
+                last: SharedRead::default(),
+            });
+        let (rx, last) = (watched.tx.subscribe(), watched.last.clone());
         Ok(WatchSubscription {
             rx,
+            last,
+            woken_by: None,
             reread: self.reread,
             action_id: action_id.to_string(),
             connection,
@@ -136,7 +158,7 @@ impl Watchers {
         if inner
             .map
             .get(action_id)
-            .is_some_and(|tx| tx.receiver_count() <= 1)
+            .is_some_and(|w| w.tx.receiver_count() <= 1)
         {
             inner.map.remove(action_id);
         }
@@ -146,8 +168,8 @@ impl Watchers {
     /// when any action may have changed).
     pub fn notify_all(&self) {
         let inner = self.lock();
-        for tx in inner.map.values() {
-            tx.send_modify(|v| *v += 1);
+        for w in inner.map.values() {
+            w.tx.send_modify(|v| *v += 1);
         }
     }
 
@@ -163,8 +185,8 @@ impl Watchers {
             return;
         }
         for a in actions.drain() {
-            if let Some(tx) = inner.map.get(&*a) {
-                tx.send_modify(|v| *v += 1);
+            if let Some(w) = inner.map.get(&*a) {
+                w.tx.send_modify(|v| *v += 1);
             }
         }
     }
@@ -176,6 +198,11 @@ impl Watchers {
 /// once nobody watches it.
 pub struct WatchSubscription {
     rx: watch::Receiver<u64>,
+    /// The action's shared read ([`Watched::last`]).
+    last: SharedRead,
+    /// The change that last woke [`WatchSubscription::changed`]; `None`
+    /// when its re-read period woke it instead (or before the first wait).
+    woken_by: Option<u64>,
     reread: Option<std::time::Duration>,
     action_id: String,
     connection: Option<std::net::SocketAddr>,
@@ -188,12 +215,41 @@ impl WatchSubscription {
     /// caller re-reads its action all the same. Errors when the channel is
     /// gone (never, while the subscription lives).
     pub async fn changed(&mut self) -> std::result::Result<(), watch::error::RecvError> {
-        match self.reread {
-            None => self.rx.changed().await,
-            Some(period) => tokio::time::timeout(period, self.rx.changed())
-                .await
-                .unwrap_or(Ok(())),
+        let notified = match self.reread {
+            None => self.rx.changed().await.map(|()| true),
+            Some(period) => match tokio::time::timeout(period, self.rx.changed()).await {
+                Ok(r) => r.map(|()| true),
+                Err(_) => Ok(false),
+            },
+        }?;
+        self.woken_by = notified.then(|| *self.rx.borrow_and_update());
+        Ok(())
+    }
+
+    /// The action's status after the change that woke
+    /// [`WatchSubscription::changed`]: read with `read`, or the status
+    /// another subscription of the action read after that change or a
+    /// later one (the first woken reads, the others wait for it and take
+    /// its answer). A wake of the re-read period always reads.
+    ///
+    /// Errors: those of `read` (not shared: the next subscriber reads).
+    pub async fn current<F, Fut>(&mut self, read: F) -> Result<ActionStatus>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<ActionStatus>>,
+    {
+        let Some(change) = self.woken_by else {
+            return read().await;
+        };
+        let mut last = self.last.lock().await;
+        if let Some((seen, status)) = &*last {
+            if *seen >= change {
+                return Ok(status.clone());
+            }
         }
+        let status = read().await?;
+        *last = Some((change, status.clone()));
+        Ok(status)
     }
 
     /// Marks the current value seen.
@@ -205,5 +261,70 @@ impl WatchSubscription {
 impl Drop for WatchSubscription {
     fn drop(&mut self) {
         self.owner.release(&self.action_id, self.connection);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn status(action_id: &str, completed: u32) -> ActionStatus {
+        ActionStatus {
+            action_id: action_id.into(),
+            completed,
+            ..Default::default()
+        }
+    }
+
+    /// One change of an action costs one read however many subscriptions
+    /// watch it; the next change is read again; a subscription of another
+    /// action reads its own.
+    #[tokio::test]
+    async fn one_change_is_read_once_for_every_subscriber() {
+        let w = Arc::new(Watchers::default());
+        let mut subs: Vec<WatchSubscription> =
+            (0..50).map(|_| w.subscribe("a", None).unwrap()).collect();
+        let mut other = w.subscribe("b", None).unwrap();
+        let reads = Arc::new(AtomicUsize::new(0));
+        for round in 1..=2u32 {
+            let mut changed: HashSet<Arc<str>> = ["a".into(), "b".into()].into_iter().collect();
+            w.notify(&mut changed);
+            for sub in &mut subs {
+                sub.changed().await.unwrap();
+                let reads = reads.clone();
+                let got = sub
+                    .current(|| async move {
+                        reads.fetch_add(1, Ordering::SeqCst);
+                        Ok(status("a", round))
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(got, status("a", round));
+            }
+            assert_eq!(reads.load(Ordering::SeqCst), round as usize);
+            other.changed().await.unwrap();
+            let got = other
+                .current(|| async { Ok(status("b", 7)) })
+                .await
+                .unwrap();
+            assert_eq!(got, status("b", 7));
+        }
+    }
+
+    /// A failed read is not shared: the next subscriber reads again.
+    #[tokio::test]
+    async fn a_failed_read_is_not_shared() {
+        let w = Arc::new(Watchers::default());
+        let mut one = w.subscribe("a", None).unwrap();
+        let mut two = w.subscribe("a", None).unwrap();
+        w.notify(&mut ["a".into()].into_iter().collect::<HashSet<Arc<str>>>());
+        one.changed().await.unwrap();
+        two.changed().await.unwrap();
+        let failed = one.current(|| async { Err(Error::Unavailable) }).await;
+        assert!(failed.is_err());
+        let got = two.current(|| async { Ok(status("a", 1)) }).await.unwrap();
+        assert_eq!(got, status("a", 1));
     }
 }

@@ -160,7 +160,8 @@ impl ActionService for ActionApi {
                             let _ = tx.send(Err(Status::unavailable("the server is shutting down"))).await;
                             return;
                         }
-                        match engine.get_action(action_id.clone()).await {
+                        let read = || engine.get_action(action_id.clone());
+                        match changes.current(read).await {
                             Ok(a) if a == current => {}
                             Ok(a) => {
                                 current = a;
