@@ -715,6 +715,69 @@ async fn an_escaped_process_tree_that_keeps_growing_is_killed_whole() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphans_that_do_not_stop_at_once_do_not_stall_agw() {
+    // A task leaves, for 6 s, bursts of orphans waiting in vfork (each in
+    // uninterruptible sleep, which SIGSTOP does not stop at once). agw's
+    // sweep of escaped processes must neither hold the start and end of
+    // other tasks nor stall agw past its heartbeats: the worker stays
+    // ACTIVE (stale after 3 s without a heartbeat), another job meanwhile
+    // completes in its first attempt, and no orphan is left.
+    let dir = test_dir();
+    let server = Server::start_with(dir.path().join("agq.db"), "127.0.0.1:0", 1000, 500);
+    let mut c = Clients::new(&server).await;
+    let _agw = Agw::start(
+        &server,
+        "w-vfork",
+        &["--tools", "perl,echo", "--max-concurrent-jobs", "2"],
+    )
+    .await;
+    const NAME: &str = "agq-e2e-vfork-orphan";
+    c.plan(
+        "vfork",
+        vec![task(
+            1,
+            "perl",
+            &[
+                "-MPOSIX",
+                "-e",
+                &format!(
+                    "my $end = time + 6; \
+                     while (time < $end) {{ for (1..60) {{ my $x = fork // last; \
+                       if ($x == 0) {{ my $e = fork // POSIX::_exit(1); \
+                         if ($e == 0) {{ POSIX::setsid(); $0 = '{NAME}'; my $r = syscall(58); \
+                           if ($r == 0) {{ sleep 60; POSIX::_exit(0) }} POSIX::_exit(0) }} \
+                         POSIX::_exit(0) }} waitpid($x, 0) }} \
+                       select(undef, undef, undef, 0.5) }} print \"done\\n\""
+                ),
+            ],
+            60,
+            None,
+        )],
+    )
+    .await;
+    c.plan("echo", vec![task(1, "echo", &["hi"], 30, None)])
+        .await;
+    let vfork = c.submit("vfork", &[], 1).await;
+    c.wait_status(&vfork, JobStatus::Running).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let echo = c.submit("echo", &[], 1).await;
+    let job = c.wait_status(&echo, JobStatus::Completed).await;
+    assert_eq!(
+        (job.attempt, job.task_results[0].stdout.as_str()),
+        (1, "hi\n")
+    );
+    let job = c.wait_status(&vfork, JobStatus::Completed).await;
+    assert_eq!(job.attempt, 1, "{job:?}");
+    assert_eq!(c.worker_state("w-vfork").await, WorkerState::Active);
+    let left = wait_none_named(NAME, Duration::from_secs(10)).await;
+    assert!(
+        left.is_empty(),
+        "{} orphans still run: {left:?}",
+        left.len()
+    );
+}
+
 /// The process group of live process `pid` (field 5 of its stat).
 fn pgid_of(pid: i32) -> i32 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("its stat");

@@ -204,12 +204,20 @@ impl ProcessGroups {
         if !is_subreaper() {
             return 0;
         }
-        // Held throughout, so no task is spawned between the listing and
-        // the kills (a new leader is registered under the same lock).
-        let running = self.lock();
-        sweep_children(|pid, pgrp| {
-            !running.held.contains_key(&pid) && !running.held.contains_key(&pgrp)
-        })
+        // Each child is judged, and stopped, under the lock: a task
+        // leader is registered under it in the same hold as its fork, so
+        // no new leader is taken for an escaped process. The lock is not
+        // held while trees are stopped and walked (a process that does not
+        // stop would hold every task's start and end with it).
+        sweep_children(
+            |pid, pgrp| {
+                let running = self.lock();
+                !running.held.contains_key(&pid)
+                    && !running.held.contains_key(&pgrp)
+                    && kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok()
+            },
+            Instant::now() + SWEEP_BUDGET,
+        )
     }
 
     /// For a worker about to exit: kills every task's process group
@@ -229,7 +237,8 @@ impl ProcessGroups {
         let mut killed = 0;
         loop {
             // It may wait for processes to stop: off the runtime's threads.
-            killed += tokio::task::spawn_blocking(|| sweep_children(|_, _| true))
+            let until = Instant::now() + SWEEP_BUDGET;
+            killed += tokio::task::spawn_blocking(move || sweep_children(|_, _| true, until))
                 .await
                 .unwrap_or(0);
             // Done when only the killed are left, not yet reaped.
@@ -305,15 +314,25 @@ fn is_subreaper() -> bool {
 /// process forked while it was being stopped) is at most a straggler.
 const SWEEP_ROUNDS: usize = 8;
 
+/// Longest one [`sweep_children`] waits for processes to stop, in all: a
+/// task that keeps leaving processes that do not stop at once (a `vfork`
+/// parent waits in uninterruptible sleep) makes the sweep end early, and
+/// the next one goes on.
+const SWEEP_BUDGET: Duration = Duration::from_secs(1);
+
 /// Kills, with their whole trees ([`kill_tree`]), the children of this
 /// process that `select(pid, pgrp)` picks, and reaps them; repeats while a
 /// round found one alive (a process re-parented to this one while the
-/// round ran), at most [`SWEEP_ROUNDS`] times. Zombies among the children
-/// are reaped. Returns how many processes it killed.
-fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
+/// round ran), at most [`SWEEP_ROUNDS`] times, and stops starting trees
+/// at `until`. Zombies among the children are reaped. Returns how many
+/// processes it killed.
+fn sweep_children(mut select: impl FnMut(i32, i32) -> bool, until: Instant) -> usize {
     let me = std::process::id() as i32;
     let mut killed = 0;
     for _ in 0..SWEEP_ROUNDS {
+        if Instant::now() >= until {
+            break;
+        }
         let mut this_round = 0;
         for pid in own_children() {
             let Some(stat) = proc_stat(pid) else {
@@ -326,7 +345,7 @@ fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
             // A child not yet reaped keeps its pid: this is the process
             // listed (a zombie ignores signals and is reaped).
             if stat.state != 'Z' {
-                this_round += kill_tree(pid);
+                this_round += kill_tree(pid, until);
             }
             let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
         }
@@ -340,8 +359,8 @@ fn sweep_children(select: impl Fn(i32, i32) -> bool) -> usize {
 
 /// How long [`kill_tree`] waits for one process to stop before listing its
 /// children anyway, and for all of a tree's processes together (a process
-/// that does not stop, in uninterruptible sleep say, holds the sweep, and
-/// with it the spawning of tasks, at most that long).
+/// that does not stop, stopped by a debugger say, holds the sweep at most
+/// that long; never the start or end of a task).
 const STOP_WAIT: Duration = Duration::from_millis(50);
 const STOP_WAIT_TREE: Duration = Duration::from_millis(500);
 
@@ -354,9 +373,11 @@ const STOP_WAIT_TREE: Duration = Duration::from_millis(500);
 /// frozen process gets `SIGKILL`. Returns how many processes it signalled.
 /// `root` must be a child of this process not yet reaped, so that its pid
 /// and those of its descendants (whose parents cannot reap them once
-/// stopped) name the processes listed.
-fn kill_tree(root: i32) -> usize {
-    let tree_deadline = Instant::now() + STOP_WAIT_TREE;
+/// stopped) name the processes listed. It waits for no process past
+/// `until`. A process in uninterruptible sleep (`D`) counts as stopped:
+/// with `SIGSTOP` pending it stops before it runs its own code again.
+fn kill_tree(root: i32, until: Instant) -> usize {
+    let tree_deadline = until.min(Instant::now() + STOP_WAIT_TREE);
     let mut frozen = Vec::new();
     let mut seen = HashSet::new();
     let mut stack = vec![root];
@@ -369,7 +390,7 @@ fn kill_tree(root: i32) -> usize {
         }
         frozen.push(pid);
         let until = tree_deadline.min(Instant::now() + STOP_WAIT);
-        while proc_stat(pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X'))
+        while proc_stat(pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X' | 'D'))
             && Instant::now() < until
         {
             std::thread::sleep(Duration::from_micros(200));
