@@ -943,6 +943,34 @@ async fn a_client_cannot_take_the_action_id_of_a_future_tick(store: TestStore) {
             .await
             .unwrap_or_else(|e| panic!("{free}: {e:?}"));
     }
+    // Nor by submitting it before the schedule exists: the schedule is
+    // refused then (its tick would find the id taken and never be
+    // submitted). An action with the id of a past tick is no obstacle.
+    submit_as(&s, "late-2000000000")
+        .await
+        .expect("no schedule yet");
+    submit_as(&s, "past-1600000000")
+        .await
+        .expect("no schedule yet");
+    let mut late = every_second("late", "p");
+    late.cron = "0 0 3 * * *".into();
+    let st = create(&s, late)
+        .await
+        .expect_err("a future tick's id is taken");
+    assert_eq!(st.code(), tonic::Code::FailedPrecondition, "{st:?}");
+    assert!(st.message().contains("late-2000000000"), "{st:?}");
+    let gone = s
+        .schedules()
+        .await
+        .get_schedule(pb::GetScheduleRequest {
+            schedule_id: "late".into(),
+        })
+        .await
+        .expect_err("nothing stored");
+    assert_eq!(gone.code(), tonic::Code::NotFound);
+    create(&s, every_second("past", "p"))
+        .await
+        .expect("a past tick's id is no obstacle");
     s.stop().await;
 }
 

@@ -348,6 +348,32 @@ pub fn tick_schedule(action_id: &str) -> Option<&str> {
     .then_some(schedule_id)
 }
 
+/// Among `action_ids` (ids that start with `<schedule_id>-`), the first
+/// that a tick of schedule `schedule_id` at or after `now_ms` would take
+/// ([`tick_schedule`]): a schedule is refused while one exists, or that
+/// tick would find its id taken and never be submitted.
+pub fn taken_tick_id<'a>(
+    schedule_id: &str,
+    now_ms: i64,
+    action_ids: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    action_ids.into_iter().find(|id| {
+        tick_schedule(id) == Some(schedule_id)
+            && id
+                .rsplit_once('-')
+                .and_then(|(_, secs)| secs.parse::<i64>().ok())
+                .is_some_and(|secs| secs.saturating_mul(1000) >= now_ms - 999)
+    })
+}
+
+/// The refusal of a schedule whose future tick's action id `action_id`
+/// an existing action already has ([`taken_tick_id`]).
+pub fn tick_id_taken(schedule_id: &str, action_id: &str) -> Error {
+    Error::precondition(format!(
+        "action {action_id} exists and has the id of a future tick of schedule          {schedule_id:?} (<schedule_id>-<unix seconds>), which would then never be submitted:          delete that action or choose another schedule id"
+    ))
+}
+
 /// The refusal of a client's action id reserved for the ticks of
 /// schedule `schedule_id` (see [`tick_schedule`]).
 pub fn reserved_for_ticks(action_id: &str, schedule_id: &str) -> Error {

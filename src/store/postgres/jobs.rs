@@ -565,6 +565,7 @@ impl PgEngine {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
         if let Some(sid) = &reserved {
+            super::schedules::lock_tick_ids(&tx, sid).await?;
             let found = tx
                 .query_opt("SELECT 1 FROM schedules WHERE schedule_id = $1", &[sid])
                 .await

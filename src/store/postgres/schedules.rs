@@ -14,7 +14,7 @@ use crate::{
         engine::Page,
         model::{CatchUp, Schedule, Scheduling, MAX_CATCH_UP, SKIP_GRACE_MS},
         page,
-        validate::ValidAction,
+        validate::{self, ValidAction},
     },
     error::{Error, Result},
     store::sqlite::sql::schedules::{catch_up_code, catch_up_of},
@@ -93,9 +93,29 @@ async fn get(c: &impl GenericClient, id: &str, lock: bool) -> Result<Option<Sche
         .map(|r| schedule_view(&r)))
 }
 
+/// Takes the transaction-level lock of schedule id `schedule_id`'s tick
+/// ids: CreateSchedule, which looks for actions with the id of a future
+/// tick, and SubmitAction of an id of the tick form, which looks for the
+/// schedule, take it first, so neither misses the other.
+///
+/// Errors: storage errors.
+pub(super) async fn lock_tick_ids(c: &impl GenericClient, schedule_id: &str) -> Result<()> {
+    c.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended('agq schedule ticks ' || $1, 0))",
+        &[&schedule_id],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
 impl PgEngine {
     pub(super) async fn pg_create_schedule(&self, s: Schedule) -> Result<Schedule> {
-        let c = self.client().await?;
+        let mut client = self.client().await?;
+        let c = client.transaction().await.map_err(db_err)?;
+        // Taken by SubmitAction of an id of this schedule's form too: a
+        // tick's id is either refused to the client or found here.
+        lock_tick_ids(&c, &s.schedule_id).await?;
         let plan = c
             .query_opt("SELECT 1 FROM plans WHERE plan_id = $1", &[&s.plan_id])
             .await
@@ -112,6 +132,25 @@ impl PgEngine {
         let next = cron
             .next_after_ms(now)
             .ok_or_else(|| Error::invalid(format!("cron {:?} never fires again", s.cron)))?;
+        // Action ids `<id>-<digits>` sort between `<id>-` and `<id>-:`.
+        let ids: Vec<String> = c
+            .query(
+                "SELECT action_id FROM actions WHERE action_id > $1 AND action_id < $2",
+                &[
+                    &format!("{}-", s.schedule_id),
+                    &format!("{}-:", s.schedule_id),
+                ],
+            )
+            .await
+            .map_err(db_err)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if let Some(taken) =
+            validate::taken_tick_id(&s.schedule_id, now, ids.iter().map(String::as_str))
+        {
+            return Err(validate::tick_id_taken(&s.schedule_id, taken));
+        }
         let inputs =
             serde_json::to_string(&s.inputs).map_err(|e| Error::Internal(e.to_string()))?;
         let n = c
@@ -145,9 +184,11 @@ impl PgEngine {
                 s.schedule_id
             )));
         }
-        get(&c, &s.schedule_id, false)
+        let stored = get(&c, &s.schedule_id, false)
             .await?
-            .ok_or_else(|| Error::Internal(format!("schedule {} was not stored", s.schedule_id)))
+            .ok_or_else(|| Error::Internal(format!("schedule {} was not stored", s.schedule_id)))?;
+        c.commit().await.map_err(db_err)?;
+        Ok(stored)
     }
 
     pub(super) async fn pg_get_schedule(&self, id: &str) -> Result<Schedule> {

@@ -15,6 +15,7 @@ use crate::{
     core::{
         cron::CronSchedule,
         model::{CatchUp, Schedule, MAX_CATCH_UP, SKIP_GRACE_MS},
+        validate,
     },
     error::{Error, Result},
     time::{now_ms, rfc3339},
@@ -25,7 +26,8 @@ impl State {
     /// (CreateSchedule). Returns it as stored.
     ///
     /// Errors: `NotFound` (plan), `AlreadyExists` (id), `InvalidArgument`
-    /// (the expression never fires), storage errors.
+    /// (the expression never fires), `FailedPrecondition` (an action has
+    /// the id of one of its future ticks), storage errors.
     pub(super) fn create_schedule(
         &mut self,
         conn: &rusqlite::Connection,
@@ -35,9 +37,26 @@ impl State {
             return Err(Error::not_found(format!("plan {} not found", s.plan_id)));
         }
         let cron = CronSchedule::parse(&s.cron, &s.time_zone)?;
+        let now = now_ms();
         let next = cron
-            .next_after_ms(now_ms())
+            .next_after_ms(now)
             .ok_or_else(|| Error::invalid(format!("cron {:?} never fires again", s.cron)))?;
+        // Action ids `<id>-<digits>` sort between `<id>-` and `<id>-:`.
+        let (from, to) = (
+            format!("{}-", s.schedule_id),
+            format!("{}-:", s.schedule_id),
+        );
+        let ids: Vec<String> = conn
+            .prepare_cached(
+                "SELECT action_id FROM actions WHERE action_id > ?1 AND action_id < ?2",
+            )?
+            .query_map(rusqlite::params![from, to], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        if let Some(taken) =
+            validate::taken_tick_id(&s.schedule_id, now, ids.iter().map(String::as_str))
+        {
+            return Err(validate::tick_id_taken(&s.schedule_id, taken));
+        }
         if !store::insert(conn, &s, next)? {
             return Err(Error::AlreadyExists(format!(
                 "schedule {} already exists",

@@ -91,7 +91,8 @@ class ScheduleServiceServicer:
         """Creates a schedule. Its first tick is the first one after now.
         Errors: INVALID_ARGUMENT (bad id, cron expression, time zone, inputs or
         scheduling settings), NOT_FOUND (unknown plan), ALREADY_EXISTS (id
-        taken).
+        taken), FAILED_PRECONDITION (an existing Action has the id of one of
+        its future ticks, `<schedule_id>-<unix seconds>`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

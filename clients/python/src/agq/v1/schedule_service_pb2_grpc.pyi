@@ -48,7 +48,8 @@ class ScheduleServiceStub:
     """Creates a schedule. Its first tick is the first one after now.
     Errors: INVALID_ARGUMENT (bad id, cron expression, time zone, inputs or
     scheduling settings), NOT_FOUND (unknown plan), ALREADY_EXISTS (id
-    taken).
+    taken), FAILED_PRECONDITION (an existing Action has the id of one of
+    its future ticks, `<schedule_id>-<unix seconds>`).
     """
     GetSchedule: _grpc.UnaryUnaryMultiCallable[_schedule_service_pb2.GetScheduleRequest, _schedule_service_pb2.GetScheduleResponse]
     """One schedule. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -90,7 +91,8 @@ class ScheduleServiceAsyncStub(ScheduleServiceStub):
     """Creates a schedule. Its first tick is the first one after now.
     Errors: INVALID_ARGUMENT (bad id, cron expression, time zone, inputs or
     scheduling settings), NOT_FOUND (unknown plan), ALREADY_EXISTS (id
-    taken).
+    taken), FAILED_PRECONDITION (an existing Action has the id of one of
+    its future ticks, `<schedule_id>-<unix seconds>`).
     """
     GetSchedule: _aio.UnaryUnaryMultiCallable[_schedule_service_pb2.GetScheduleRequest, _schedule_service_pb2.GetScheduleResponse]  # type: ignore[assignment]
     """One schedule. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -135,7 +137,8 @@ class ScheduleServiceServicer(metaclass=_abc_1.ABCMeta):
         """Creates a schedule. Its first tick is the first one after now.
         Errors: INVALID_ARGUMENT (bad id, cron expression, time zone, inputs or
         scheduling settings), NOT_FOUND (unknown plan), ALREADY_EXISTS (id
-        taken).
+        taken), FAILED_PRECONDITION (an existing Action has the id of one of
+        its future ticks, `<schedule_id>-<unix seconds>`).
         """
 
     @_abc_1.abstractmethod
