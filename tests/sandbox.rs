@@ -1368,9 +1368,10 @@ async fn a_task_cannot_change_the_mode_or_owner_of_a_file_it_can_name_outside_sc
 async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
     // agw not root (as the Helm chart runs it): tasks run as agw's own
     // user and own what they make in their scratch directory. A task that
-    // takes the permissions away (a directory of mode 0, the scratch
-    // directory itself read-only; through descriptors, since a chmod by
-    // path is refused) must not make agw, which has no
+    // takes the permissions away (a directory of mode 0, 1,500 more, more
+    // than agw walks with descriptors held at once, the scratch directory
+    // itself read-only; through descriptors, since a chmod by path is
+    // refused) must not make agw, which has no
     // privilege over them, leave its scratch directory (and whatever data
     // is in it) behind after the job.
     if !nix::unistd::Uid::effective().is_root() {
@@ -1408,6 +1409,9 @@ async fn a_task_cannot_keep_its_scratch_directory_past_its_job() {
                 "mkdir 'd' or die $!; open my $o, '>', 'd/data' or die $!; \
                  print $o 'x' x 100_000; close $o; \
                  sysopen my $d, 'd', O_RDONLY | O_DIRECTORY or die $!; chmod 0, $d or die $!; \
+                 for my $i (1..1500) { mkdir \"m$i\" or die $!; \
+                   open my $f, '>', \"m$i/f\" or die $!; print $f 'y'; close $f; \
+                   sysopen my $h, \"m$i\", O_RDONLY | O_DIRECTORY or die $!; chmod 0, $h or die $!; } \
                  sysopen my $s, '.', O_RDONLY | O_DIRECTORY or die $!; chmod 0500, $s or die $!; \
                  print \"done\\n\"",
             ],

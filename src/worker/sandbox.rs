@@ -438,18 +438,26 @@ impl Drop for ScratchDir {
 const GRANT_MAX_DIRS: usize = 100_000;
 const GRANT_MAX_OPEN: usize = 256;
 
+/// Most passes of [`remove_tree`]: each grants what it can reach and
+/// removes it, so a tree needs about one pass per [`GRANT_MAX_DIRS`]
+/// directories locked away, and a pass that grants nothing ends it.
+const REMOVE_MAX_PASSES: usize = 64;
+
 /// Removes directory `path` with everything in it (a missing one is
 /// fine); where that fails, gives the owner's permissions back to the
-/// directories of the tree ([`grant_owner_access`]) and tries again, a
-/// few times (each pass removes what it can reach).
+/// directories of the tree ([`grant_owner_access`]) and tries again, while
+/// a pass still finds directories to give permissions back to (at most
+/// [`REMOVE_MAX_PASSES`]).
 fn remove_tree(path: &Path) -> io::Result<()> {
     let mut last = match std::fs::remove_dir_all(path) {
         Ok(()) => return Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => e,
     };
-    for _ in 0..4 {
-        grant_owner_access(path);
+    for _ in 0..REMOVE_MAX_PASSES {
+        if grant_owner_access(path) == 0 {
+            return Err(last);
+        }
         last = match std::fs::remove_dir_all(path) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -465,8 +473,11 @@ fn remove_tree(path: &Path) -> io::Result<()> {
 /// with `O_PATH | O_NOFOLLOW | O_DIRECTORY` relative to its parent's
 /// descriptor and changed through `/proc/self/fd/N`, which names that very
 /// directory: a link in the tree is never followed out of it. Best
-/// effort: errors skip a directory.
-fn grant_owner_access(root: &Path) {
+/// effort: errors skip a directory. Directories met while
+/// [`GRANT_MAX_OPEN`] descriptors are held are granted on the spot, and
+/// what lies in them is left to the next pass. Returns how many
+/// directories it gave permissions back to.
+fn grant_owner_access(root: &Path) -> usize {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     fn open_dir(at: libc::c_int, name: &std::ffi::CStr) -> Option<OwnedFd> {
         // SAFETY: openat(2) on a C string we own; returns a new descriptor
@@ -481,52 +492,66 @@ fn grant_owner_access(root: &Path) {
         // SAFETY: a descriptor just returned to us, owned by nobody else.
         (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
     }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    let Ok(root) = std::ffi::CString::new(root.as_os_str().as_bytes()) else {
-        return;
-    };
-    let Some(first) = open_dir(libc::AT_FDCWD, &root) else {
-        return;
-    };
-    let mut stack = vec![first];
-    let mut visited = 0;
-    while let Some(dir) = stack.pop() {
-        visited += 1;
-        if visited > GRANT_MAX_DIRS {
-            return;
-        }
+    // The owner's permissions back on directory `dir`, when it is ours
+    // and lacks them; true when it changed. None when it is no directory.
+    fn grant(dir: &OwnedFd, me: libc::uid_t) -> Option<bool> {
         // SAFETY: an all-zero stat is a valid value for fstat to fill.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat(2) writes only the struct we pass.
         if unsafe { libc::fstat(dir.as_raw_fd(), &mut st) } != 0
             || st.st_mode & libc::S_IFMT != libc::S_IFDIR
         {
-            continue;
+            return None;
+        }
+        if st.st_uid != me || st.st_mode & 0o700 == 0o700 {
+            return Some(false);
         }
         let here = format!("/proc/self/fd/{}", dir.as_raw_fd());
-        if st.st_uid == me && st.st_mode & 0o700 != 0o700 {
-            let mode = (st.st_mode & 0o7777) | 0o700;
-            let _ = std::fs::set_permissions(&here, std::fs::Permissions::from_mode(mode));
+        let mode = (st.st_mode & 0o7777) | 0o700;
+        Some(std::fs::set_permissions(&here, std::fs::Permissions::from_mode(mode)).is_ok())
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let Ok(root) = std::ffi::CString::new(root.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    let Some(first) = open_dir(libc::AT_FDCWD, &root) else {
+        return 0;
+    };
+    let mut stack = vec![first];
+    let (mut visited, mut granted) = (0, 0);
+    while let Some(dir) = stack.pop() {
+        visited += 1;
+        if visited > GRANT_MAX_DIRS {
+            break;
         }
-        let Ok(entries) = std::fs::read_dir(&here) else {
+        match grant(&dir, me) {
+            None => continue,
+            Some(changed) => granted += usize::from(changed),
+        }
+        let Ok(entries) = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd())) else {
             continue;
         };
         for entry in entries.flatten() {
-            if stack.len() >= GRANT_MAX_OPEN {
-                break;
-            }
             if !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
             let Ok(name) = std::ffi::CString::new(entry.file_name().as_bytes()) else {
                 continue;
             };
-            if let Some(child) = open_dir(dir.as_raw_fd(), &name) {
+            let Some(child) = open_dir(dir.as_raw_fd(), &name) else {
+                continue;
+            };
+            if stack.len() < GRANT_MAX_OPEN {
                 stack.push(child);
+            } else {
+                // Granted now, walked by the next pass.
+                visited += 1;
+                granted += usize::from(grant(&child, me) == Some(true));
             }
         }
     }
+    granted
 }
 
 /// What one task applies between `fork` and `exec`.
