@@ -703,6 +703,18 @@ async fn registration_rules_and_heartbeat_errors(store: TestStore) {
     s.stop().await;
 }
 
+/// A connection to `s` whose HTTP/2 windows (stream and connection) are
+/// 1 KiB: what the server sends on it waits once that much is unread.
+async fn small_window(s: &TestServer) -> tonic::transport::Channel {
+    tonic::transport::Channel::from_shared(s.url())
+        .unwrap()
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024)
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// A heartbeat stream the server stopped reading (its replies were not
 /// read) and whose worker then went away is closed like any other: the
 /// worker, still fresh (it goes stale after 30 s here), gets no lease
@@ -715,13 +727,7 @@ async fn a_stalled_heartbeat_stream_that_goes_away_is_closed(store: TestStore) {
     };
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     // An HTTP/2 window of 1 KiB: a few dozen replies fill it.
-    let small = tonic::transport::Channel::from_shared(s.url())
-        .unwrap()
-        .initial_stream_window_size(1024)
-        .initial_connection_window_size(1024)
-        .connect()
-        .await
-        .unwrap();
+    let small = small_window(&s).await;
     let mut c = worker_service_client::WorkerServiceClient::new(small);
     c.register_worker(RegisterWorkerRequest {
         worker_id: "w".into(),
@@ -789,13 +795,7 @@ async fn a_replaced_lease_stream_drops_the_leases_it_buffered(store: TestStore) 
     let _w = SimWorker::start(&s, "w", &["cat"], 64).await;
     // An HTTP/2 window of 1 KiB, and 64 leases of more than 4 KiB: the
     // server holds the leases of a stream that is not read.
-    let small = tonic::transport::Channel::from_shared(s.url())
-        .unwrap()
-        .initial_stream_window_size(1024)
-        .initial_connection_window_size(1024)
-        .connect()
-        .await
-        .unwrap();
+    let small = small_window(&s).await;
     let open = |ch: tonic::transport::Channel| async move {
         worker_service_client::WorkerServiceClient::new(ch)
             .lease_jobs(LeaseJobsRequest {
@@ -911,13 +911,7 @@ async fn a_worker_that_does_not_read_its_heartbeat_replies_is_not_read_either(st
     };
     let s = TestServer::start_store(store, &dir.path().join("agq.db"), cfg).await;
     // An HTTP/2 window of 1 KiB: a few dozen replies fill it.
-    let small = tonic::transport::Channel::from_shared(s.url())
-        .unwrap()
-        .initial_stream_window_size(1024)
-        .initial_connection_window_size(1024)
-        .connect()
-        .await
-        .unwrap();
+    let small = small_window(&s).await;
     let mut c = worker_service_client::WorkerServiceClient::new(small);
     c.register_worker(RegisterWorkerRequest {
         worker_id: "w".into(),
