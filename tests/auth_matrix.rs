@@ -1416,6 +1416,7 @@ async fn a_report_request_holds_the_request_buffer_until_the_store_has_taken_it(
         lease_id: lease.lease_id.clone(),
         status: JobStatus::Completed as i32,
         task_results: vec![TaskResult {
+            task_number: 1,
             stdout: "x".repeat(700_000),
             ..Default::default()
         }],
