@@ -257,6 +257,14 @@ impl Sandbox {
             }
         }
         let (kept, dropped, exec_paths) = executables(tools);
+        for (file, names) in shared_executables(&kept) {
+            tracing::warn!(
+                executable = %file.display(),
+                tools = %names.join(","),
+                "these tools are one executable (a multi-call binary such as busybox?): a task \
+                 may run it under any of its names, every program it contains included"
+            );
+        }
         let mut config = config;
         config.scratch_root = create_scratch_root(&config)?;
         let seccomp = if config.enabled {
@@ -982,6 +990,20 @@ fn executables(tools: &ToolSet) -> (ToolSet, Vec<String>, Vec<PathBuf>) {
     (tools.subset(&keep), dropped, exec)
 }
 
+/// The executables that several of `tools` resolve to, with those tools'
+/// names: a multi-call binary (busybox, a single-binary coreutils) linked
+/// under several names is one file, which the sandbox lets a task run
+/// under any name, every program it contains included.
+fn shared_executables(tools: &ToolSet) -> Vec<(PathBuf, Vec<String>)> {
+    let mut by_file: std::collections::BTreeMap<PathBuf, Vec<String>> = Default::default();
+    for name in tools.names() {
+        if let Some(real) = tools.path(name).and_then(|p| std::fs::canonicalize(p).ok()) {
+            by_file.entry(real).or_default().push(name.clone());
+        }
+    }
+    by_file.into_iter().filter(|(_, n)| n.len() > 1).collect()
+}
+
 /// How the kernel starts an executable.
 #[derive(Debug, PartialEq, Eq)]
 enum Interp {
@@ -1055,6 +1077,29 @@ mod tests {
         assert_eq!(kept.names(), ["myscript".to_owned(), "sh".to_owned()]);
         assert!(dropped.is_empty());
         assert!(exec.contains(&std::fs::canonicalize(&script).unwrap()));
+    }
+
+    /// Tools linked to one file (a multi-call binary) are found; tools of
+    /// their own files are not.
+    #[test]
+    fn tools_that_are_one_executable_are_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let path =
+            std::env::join_paths([dir.path(), Path::new("/usr/bin"), Path::new("/bin")]).unwrap();
+        let sort = ToolSet::resolve(["sort"], Some(&path))
+            .path("sort")
+            .map(|p| std::fs::canonicalize(p).unwrap())
+            .expect("sort on PATH");
+        for name in ["applet-a", "applet-b"] {
+            std::os::unix::fs::symlink(&sort, dir.path().join(name)).unwrap();
+        }
+        let tools = ToolSet::resolve(["applet-a", "applet-b", "cat"], Some(&path));
+        assert_eq!(
+            shared_executables(&tools),
+            [(sort, vec!["applet-a".to_owned(), "applet-b".to_owned()])]
+        );
+        let apart = ToolSet::resolve(["cat", "applet-a"], Some(&path));
+        assert!(shared_executables(&apart).is_empty());
     }
 
     #[test]
